@@ -1,0 +1,95 @@
+"""asyncoffload: an asyncio-native KV-cache offload engine for LLM serving.
+
+    import asyncoffload as ao
+    engine = ao.AsyncOffloadEngine(kv_caches, ao.EngineConfig(cpu_blocks=1024))
+    async with engine:
+        n = engine.lookup(keys, ctx)
+        await (await engine.prepare_load(keys[:n], gpu_blocks[:n], ctx))
+"""
+
+from __future__ import annotations
+
+from asyncoffload.config import EngineConfig
+from asyncoffload.engine import AsyncOffloadEngine, EngineStats
+from asyncoffload.errors import (
+    AsyncOffloadError,
+    BlockIdError,
+    DuplicateKeyError,
+    EngineClosedError,
+    KeyNotReadyError,
+    LengthMismatchError,
+    TransferError,
+    UnknownKeyError,
+)
+from asyncoffload.events import EventSubscription, Lagged
+from asyncoffload.handles import Transfer, TransferResult
+from asyncoffload.keys import (
+    OffloadKey,
+    get_offload_block_hash,
+    get_offload_group_idx,
+    hash_token_blocks,
+    keys_for_tokens,
+    make_offload_key,
+)
+from asyncoffload.layout import KVLayout
+from asyncoffload.loops import new_event_loop, run
+from asyncoffload.manager import (
+    CachePolicy,
+    CPULoadStoreSpec,
+    CPUOffloadingManager,
+    LookupResult,
+    ManagerStats,
+    Medium,
+    OffloadingEvent,
+    OffloadingManager,
+    PrepareStoreOutput,
+    ReqContext,
+    available_policies,
+    register_policy,
+)
+from asyncoffload.transfer import CopyJob, CpuCopyBackend, TransferBackend
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AsyncOffloadEngine",
+    "AsyncOffloadError",
+    "BlockIdError",
+    "CPULoadStoreSpec",
+    "CPUOffloadingManager",
+    "CachePolicy",
+    "CopyJob",
+    "CpuCopyBackend",
+    "DuplicateKeyError",
+    "EngineClosedError",
+    "EngineConfig",
+    "EngineStats",
+    "EventSubscription",
+    "KVLayout",
+    "KeyNotReadyError",
+    "Lagged",
+    "LengthMismatchError",
+    "LookupResult",
+    "ManagerStats",
+    "Medium",
+    "OffloadKey",
+    "OffloadingEvent",
+    "OffloadingManager",
+    "PrepareStoreOutput",
+    "ReqContext",
+    "Transfer",
+    "TransferBackend",
+    "TransferError",
+    "TransferResult",
+    "UnknownKeyError",
+    "__version__",
+    "available_policies",
+    "get_offload_block_hash",
+    "get_offload_group_idx",
+    "hash_token_blocks",
+    "keys_for_tokens",
+    "make_offload_key",
+    "new_event_loop",
+    "register_policy",
+    "run",
+]

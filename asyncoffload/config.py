@@ -1,0 +1,67 @@
+"""Engine configuration: validated once, at the boundary, never per call."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from asyncoffload.manager.policies import available_policies
+
+__all__ = ["EngineConfig"]
+
+CompletionMode = Literal["auto", "eventfd", "poll"]
+
+
+class EngineConfig(BaseModel):
+    """Settings of an :class:`~asyncoffload.AsyncOffloadEngine`.
+
+    Every field can also come from the environment through :meth:`from_env`
+    (``ASYNCOFFLOAD_CPU_BLOCKS=4096`` and so on).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    cpu_blocks: int = Field(1024, gt=0, description="Slots of the CPU tier, one KV block each.")
+    policy: str = Field("lru", description="Registered cache policy name: 'lru', 'arc', ...")
+    store_threshold: int = Field(
+        0, ge=0, description="Store a key only from its n-th offer (0 or 1: always store)."
+    )
+    event_buffer: int = Field(
+        4096, gt=0, description="Default per-subscription event buffer (events, not keys)."
+    )
+    completion: CompletionMode = Field(
+        "auto",
+        description="How the loop learns of finished copies: 'eventfd' wake-ups (a pipe "
+        "where eventfd is missing), 'poll' on a timer, or 'auto' (eventfd where the loop "
+        "supports add_reader, else poll).",
+    )
+    poll_interval_s: float = Field(
+        0.001, gt=0, le=1.0, description="Timer period of the 'poll' completion mode."
+    )
+    touch_on_load: bool = Field(
+        True, description="prepare_load marks the loaded keys recently used."
+    )
+    max_tracker_size: int = Field(
+        64_000, gt=0, description="Keys whose offers store_threshold remembers."
+    )
+
+    @field_validator("policy")
+    @classmethod
+    def _known_policy(cls, value: str) -> str:
+        known = available_policies()
+        if value not in known:
+            raise ValueError(f"unknown cache policy {value!r}; known: {', '.join(known)}")
+        return value
+
+    @classmethod
+    def from_env(cls, prefix: str = "ASYNCOFFLOAD_", **overrides: Any) -> EngineConfig:
+        """Fields from ``{prefix}{FIELD}`` environment variables, then ``overrides``."""
+        values: dict[str, Any] = {}
+        for name in cls.model_fields:
+            raw = os.environ.get(prefix + name.upper())
+            if raw is not None:
+                values[name] = raw
+        values.update(overrides)
+        return cls.model_validate(values)

@@ -1,0 +1,451 @@
+"""AsyncOffloadEngine: the async facade over a manager, a transfer backend and the event hub.
+
+All bookkeeping runs on the event-loop thread; copy threads (or the device) only copy
+and signal. See docs/architecture.md for the life of a store and of a load.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from types import TracebackType
+
+import torch
+
+from asyncoffload.config import EngineConfig
+from asyncoffload.errors import (
+    BlockIdError,
+    EngineClosedError,
+    LengthMismatchError,
+    TransferError,
+)
+from asyncoffload.events import EventHub, EventSubscription
+from asyncoffload.handles import Transfer, TransferResult
+from asyncoffload.keys import OffloadKey
+from asyncoffload.layout import KVLayout
+from asyncoffload.manager import CPUOffloadingManager, ManagerStats, OffloadingEvent, ReqContext
+from asyncoffload.transfer import CompletionBridge, CopyJob, CpuCopyBackend, TransferBackend
+from asyncoffload.transfer.base import FailedJob
+
+__all__ = ["AsyncOffloadEngine", "EngineStats"]
+
+log = logging.getLogger("asyncoffload")
+
+_SNAPSHOT_CHUNK = 4096
+_ANON = ReqContext(req_id="")
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A point-in-time summary of an engine."""
+
+    backend: str
+    #: Active completion mechanism: "eventfd", "pipe" or "poll" (None before first use).
+    completion: str | None
+    stores: int
+    loads: int
+    stores_rejected: int
+    transfers_failed: int
+    blocks_stored: int
+    blocks_loaded: int
+    blocks_evicted: int
+    bytes_stored: int
+    bytes_loaded: int
+    #: Seconds the copies took, summed per direction.
+    store_seconds: float
+    load_seconds: float
+    in_flight: int
+    #: Copy ended -> completion callback ran, microseconds, over recent transfers.
+    callback_latency_p50_us: float
+    callback_latency_p99_us: float
+    events_published: int
+    subscribers: int
+    manager: ManagerStats
+
+
+def _make_backend(
+    kv_caches: Sequence[torch.Tensor], layout: KVLayout, num_host_blocks: int
+) -> TransferBackend:
+    if layout.device.type == "cpu":
+        return CpuCopyBackend(kv_caches, layout, num_host_blocks)
+    raise ValueError(
+        f"no transfer backend for KV tensors on {layout.device}: this build copies CPU "
+        "tensors only; pass backend= to use your own"
+    )
+
+
+class AsyncOffloadEngine:
+    """Offloads KV blocks to a CPU tier and loads them back, asynchronously.
+
+    ``kv_caches`` is the list of per-layer KV tensors (see :class:`KVLayout`); the
+    engine copies whole blocks between them and the host tier. Methods must be called
+    from one event loop (the one of the first call). Use ``async with engine:`` or
+    ``await engine.aclose()``.
+
+    Completion order: per direction, transfers complete (callback run, handle resolved)
+    in submission order. A store's callback makes its keys loadable and publishes one
+    stored event before its handle wakes anyone; a load's callback unpins its slots
+    before its handle wakes anyone.
+    """
+
+    def __init__(
+        self,
+        kv_caches: Sequence[torch.Tensor],
+        config: EngineConfig | None = None,
+        *,
+        layout: KVLayout | None = None,
+        backend: TransferBackend | None = None,
+    ) -> None:
+        self.config = config if config is not None else EngineConfig()
+        self.layout = layout if layout is not None else KVLayout.infer(kv_caches)
+        cfg = self.config
+        self._manager = CPUOffloadingManager(
+            cfg.cpu_blocks,
+            cfg.policy,
+            cfg.store_threshold,
+            enable_events=True,
+            max_tracker_size=cfg.max_tracker_size,
+        )
+        if backend is None:
+            backend = _make_backend(kv_caches, self.layout, cfg.cpu_blocks)
+        elif backend.num_host_blocks < cfg.cpu_blocks:
+            raise ValueError(
+                f"backend has {backend.num_host_blocks} host blocks, "
+                f"config.cpu_blocks is {cfg.cpu_blocks}"
+            )
+        self._backend = backend
+        self._hub = EventHub()
+        self._bridge: CompletionBridge | None = None
+        self._inflight: set[asyncio.Future[TransferResult]] = set()
+        self._closing = False
+        self._closed = False
+        self._stores = self._loads = self._stores_rejected = self._failed = 0
+        self._bytes_stored = self._bytes_loaded = 0
+        self._store_seconds = self._load_seconds = 0.0
+
+    # --- properties ------------------------------------------------------------------
+
+    @property
+    def manager(self) -> CPUOffloadingManager:
+        """The synchronous manager behind the engine. Calling its mutating methods
+        directly bypasses the copies; use it for inspection."""
+        return self._manager
+
+    @property
+    def backend(self) -> TransferBackend:
+        return self._backend
+
+    @property
+    def closed(self) -> bool:
+        return self._closing
+
+    # --- lifecycle -------------------------------------------------------------------
+
+    async def __aenter__(self) -> AsyncOffloadEngine:
+        self._check_open()
+        self._ensure_bridge()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Refuse new work, wait for every in-flight copy to complete (callbacks run,
+        handles resolved), then end every event subscription and release the backend.
+
+        Cancelling ``aclose`` leaves the engine closing: copies still complete, and a
+        later ``aclose`` finishes the job.
+        """
+        self._closing = True
+        while self._inflight:
+            await asyncio.wait(list(self._inflight))
+        if self._closed:
+            return
+        self._closed = True
+        self._publish_events()
+        self._hub.close()
+        self._backend.close()  # joins copy threads: nothing signals the bridge after this
+        if self._bridge is not None:
+            self._bridge.close()
+
+    def _check_open(self) -> None:
+        if self._closing:
+            raise EngineClosedError("the engine is closed")
+
+    def _ensure_bridge(self) -> CompletionBridge:
+        loop = asyncio.get_running_loop()
+        bridge = self._bridge
+        if bridge is None:
+            bridge = CompletionBridge(loop, self.config.completion, self.config.poll_interval_s)
+            self._store_lane = bridge.lane("store")
+            self._load_lane = bridge.lane("load")
+            self._backend.bind(bridge.notify)
+            self._bridge = bridge
+            log.info(
+                "asyncoffload engine ready: backend=%s completion=%s cpu_blocks=%d "
+                "block_bytes=%d",
+                self._backend.name,
+                bridge.mechanism,
+                self.config.cpu_blocks,
+                self.layout.block_bytes,
+            )
+        elif bridge.loop is not loop:
+            raise RuntimeError("the engine is bound to another event loop")
+        return bridge
+
+    # --- validation ------------------------------------------------------------------
+
+    def _check_keys(self, keys: Sequence[OffloadKey], what: str) -> list[OffloadKey]:
+        if isinstance(keys, (bytes, str)):
+            raise TypeError(f"{what}: keys must be a sequence of OffloadKey, not one {type(keys).__name__}")
+        out = list(keys)
+        for i, key in enumerate(out):
+            if not isinstance(key, bytes):
+                raise TypeError(f"{what}: keys[{i}] is a {type(key).__name__}, not bytes")
+        return out
+
+    def _check_block_ids(
+        self, ids: Sequence[int] | torch.Tensor, n: int, what: str, unique: bool
+    ) -> list[int]:
+        if isinstance(ids, torch.Tensor):
+            if ids.dim() != 1 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
+                raise BlockIdError(f"{what}: block ids must be a 1-D integer tensor")
+            out = ids.tolist()
+        else:
+            out = list(ids)
+        if len(out) != n:
+            raise LengthMismatchError(f"{what}: {n} keys but {len(out)} block ids")
+        limit = self.layout.num_blocks
+        for i, b in enumerate(out):
+            if isinstance(b, bool) or not isinstance(b, int):
+                raise BlockIdError(f"{what}: block id {b!r} at index {i} is not an int")
+            if not 0 <= b < limit:
+                raise BlockIdError(
+                    f"{what}: block id {b} at index {i} is outside [0, {limit}) of the KV cache"
+                )
+        if unique and len(set(out)) != len(out):
+            raise BlockIdError(f"{what}: a destination block id appears more than once")
+        return out
+
+    # --- the API ---------------------------------------------------------------------
+
+    def lookup(self, keys: Sequence[OffloadKey], ctx: ReqContext | None = None) -> int:
+        """How many leading ``keys`` are stored and ready to load. Does not change
+        recency (see :meth:`touch`)."""
+        self._check_open()
+        return self._manager.lookup_prefix(self._check_keys(keys, "lookup"), ctx)
+
+    def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext | None = None) -> None:
+        """Mark ``keys`` recently used; ``keys[0]`` becomes the most recently used."""
+        self._check_open()
+        self._manager.touch(self._check_keys(keys, "touch"), ctx)
+
+    async def prepare_load(
+        self,
+        keys: Sequence[OffloadKey],
+        gpu_blocks: Sequence[int] | torch.Tensor,
+        ctx: ReqContext | None = None,
+    ) -> Transfer:
+        """Start copying stored ``keys`` into KV blocks ``gpu_blocks`` (same order).
+
+        Every key must be ready (see :meth:`lookup`); the call raises
+        :class:`~asyncoffload.UnknownKeyError`, :class:`~asyncoffload.KeyNotReadyError`,
+        :class:`~asyncoffload.DuplicateKeyError`, :class:`~asyncoffload.BlockIdError` or
+        :class:`~asyncoffload.LengthMismatchError` and changes nothing otherwise. The
+        source slots stay pinned (unevictable) until the copy ends. Awaiting the returned
+        handle waits until the bytes are in the KV blocks.
+        """
+        self._check_open()
+        keys = self._check_keys(keys, "prepare_load")
+        ids = self._check_block_ids(gpu_blocks, len(keys), "prepare_load", unique=True)
+        ctx = ctx if ctx is not None else _ANON
+        bridge = self._ensure_bridge()
+        spec = self._manager.prepare_load(keys, ctx)
+        if self.config.touch_on_load:
+            self._manager.touch(keys, ctx)
+        fut: asyncio.Future[TransferResult] = bridge.loop.create_future()
+        handle = Transfer(fut, "load", keys)
+        if not keys:
+            fut.set_result(TransferResult(0, 0, 0.0))
+            return handle
+        self._loads += 1
+        job = self._submit(self._backend.submit_load, list(spec.block_ids), ids)
+        self._track(fut)
+        bridge.watch(self._load_lane, job, lambda j: self._load_done(j, handle, keys, ctx))
+        return handle
+
+    async def prepare_store(
+        self,
+        keys: Sequence[OffloadKey],
+        gpu_blocks: Sequence[int] | torch.Tensor,
+        ctx: ReqContext | None = None,
+    ) -> Transfer | None:
+        """Start copying KV blocks ``gpu_blocks`` out under ``keys`` (same order).
+
+        Keys already stored or in flight are skipped, and so are keys the admission
+        filter holds back; ``handle.keys_to_store`` lists those actually written and
+        ``handle.evicted_keys`` what was evicted for them (already published as one
+        removed event). Returns ``None``, storing nothing, when too few idle blocks can
+        be evicted. Bad input raises (see :meth:`prepare_load`) and changes nothing.
+
+        The source KV blocks must not be overwritten until the handle resolves; then the
+        keys are loadable and one stored event has been published.
+        """
+        self._check_open()
+        keys = self._check_keys(keys, "prepare_store")
+        ids = self._check_block_ids(gpu_blocks, len(keys), "prepare_store", unique=False)
+        ctx = ctx if ctx is not None else _ANON
+        bridge = self._ensure_bridge()
+        out = self._manager.prepare_store(keys, ctx)
+        self._publish_events()
+        if out is None:
+            self._stores_rejected += 1
+            return None
+        fut: asyncio.Future[TransferResult] = bridge.loop.create_future()
+        to_store = out.keys_to_store
+        handle = Transfer(fut, "store", keys, to_store, out.evicted_keys)
+        if not to_store:
+            fut.set_result(TransferResult(0, 0, 0.0))
+            return handle
+        self._stores += 1
+        if len(to_store) == len(keys):
+            src = ids
+        else:
+            position = {key: i for i, key in enumerate(keys)}
+            src = [ids[position[key]] for key in to_store]
+        job = self._submit(self._backend.submit_store, src, list(out.store_spec.block_ids))
+        self._track(fut)
+        bridge.watch(self._store_lane, job, lambda j: self._store_done(j, handle, ctx))
+        return handle
+
+    def events(
+        self, snapshot: bool = False, max_buffer: int | None = None
+    ) -> EventSubscription:
+        """Subscribe to the event stream: every event published after this call returns,
+        in ``seq`` order, with :class:`~asyncoffload.Lagged` markers where the buffer of
+        ``max_buffer`` events (default ``config.event_buffer``) overflowed.
+
+        With ``snapshot=True`` the subscription first yields every resident key as stored
+        events marked ``snapshot=True`` (their ``seq`` is that of the last live event they
+        reflect), so replaying it rebuilds the exact resident set.
+        """
+        self._check_open()
+        self._publish_events()
+        initial: list[OffloadingEvent] = []
+        if snapshot:
+            manager = self._manager
+            keys = list(manager.resident_keys())
+            seq = manager.last_seq
+            for i in range(0, len(keys), _SNAPSHOT_CHUNK):
+                initial.append(
+                    OffloadingEvent(
+                        tuple(keys[i : i + _SNAPSHOT_CHUNK]),
+                        manager.medium,
+                        False,
+                        seq,
+                        0.0,
+                        snapshot=True,
+                    )
+                )
+        size = self.config.event_buffer if max_buffer is None else max_buffer
+        return self._hub.subscribe(size, initial)
+
+    def stats(self) -> EngineStats:
+        bridge = self._bridge
+        p50 = bridge.latency.percentile_us(50) if bridge else math.nan
+        p99 = bridge.latency.percentile_us(99) if bridge else math.nan
+        m = self._manager.stats()
+        return EngineStats(
+            backend=self._backend.name,
+            completion=bridge.mechanism if bridge else None,
+            stores=self._stores,
+            loads=self._loads,
+            stores_rejected=self._stores_rejected,
+            transfers_failed=self._failed,
+            blocks_stored=m.stored,
+            blocks_loaded=m.loaded,
+            blocks_evicted=m.evicted,
+            bytes_stored=self._bytes_stored,
+            bytes_loaded=self._bytes_loaded,
+            store_seconds=self._store_seconds,
+            load_seconds=self._load_seconds,
+            in_flight=len(self._inflight),
+            callback_latency_p50_us=p50,
+            callback_latency_p99_us=p99,
+            events_published=self._hub.published,
+            subscribers=len(self._hub.subscribers),
+            manager=m,
+        )
+
+    def __repr__(self) -> str:
+        m = self._manager.stats()
+        state = "closed" if self._closed else ("closing" if self._closing else "open")
+        mech = self._bridge.mechanism if self._bridge else "unbound"
+        return (
+            f"<AsyncOffloadEngine {state} backend={self._backend.name} completion={mech} "
+            f"[{m.ready} ready, {m.pinned} pinned, {m.write_pending} writing, {m.free} free | "
+            f"{len(self._inflight)} in flight | {len(self._hub.subscribers)} subscribers]>"
+        )
+
+    # --- internals -------------------------------------------------------------------
+
+    def _publish_events(self) -> None:
+        for event in self._manager.take_events():
+            self._hub.publish(event)
+
+    def _track(self, fut: asyncio.Future[TransferResult]) -> None:
+        self._inflight.add(fut)
+        # Failures are reported through the handle and logged; a fire-and-forget
+        # store that failed must not also print "exception was never retrieved".
+        fut.add_done_callback(_retrieve)
+        fut.add_done_callback(self._inflight.discard)
+
+    def _submit(self, submit: object, src: list[int], dst: list[int]) -> CopyJob:
+        try:
+            return submit(src, dst)  # type: ignore[operator,no-any-return]
+        except Exception as exc:
+            return FailedJob(len(src), exc)
+
+    def _store_done(self, job: CopyJob, handle: Transfer, ctx: ReqContext) -> None:
+        ok = job.error is None
+        self._manager.complete_store(handle.keys_to_store, ctx, success=ok)
+        self._publish_events()
+        if ok:
+            self._bytes_stored += job.nbytes
+            self._store_seconds += job.duration_s
+        self._resolve(handle, job)
+
+    def _load_done(
+        self, job: CopyJob, handle: Transfer, keys: list[OffloadKey], ctx: ReqContext
+    ) -> None:
+        self._manager.complete_load(keys, ctx)
+        if job.error is None:
+            self._bytes_loaded += job.nbytes
+            self._load_seconds += job.duration_s
+        self._resolve(handle, job)
+
+    def _resolve(self, handle: Transfer, job: CopyJob) -> None:
+        fut = handle._future
+        if fut.done():
+            return
+        if job.error is None:
+            fut.set_result(TransferResult(job.num_blocks, job.nbytes, job.duration_s))
+            return
+        self._failed += 1
+        log.warning("%s of %d blocks failed: %r", handle.kind, job.num_blocks, job.error)
+        err = TransferError(f"{handle.kind} of {job.num_blocks} blocks failed: {job.error!r}")
+        err.__cause__ = job.error
+        fut.set_exception(err)
+
+
+def _retrieve(fut: asyncio.Future[TransferResult]) -> None:
+    if not fut.cancelled():
+        fut.exception()

@@ -1,0 +1,52 @@
+"""Exceptions raised by asyncoffload. Each says what was wrong; a rejected call changes nothing."""
+
+from __future__ import annotations
+
+__all__ = [
+    "AsyncOffloadError",
+    "BlockIdError",
+    "DuplicateKeyError",
+    "EngineClosedError",
+    "KeyNotReadyError",
+    "LengthMismatchError",
+    "TransferError",
+    "UnknownKeyError",
+]
+
+
+class AsyncOffloadError(Exception):
+    """Base class of every asyncoffload exception."""
+
+
+class EngineClosedError(AsyncOffloadError, RuntimeError):
+    """The engine is closing or closed; it takes no new work."""
+
+
+class TransferError(AsyncOffloadError):
+    """A copy failed. Its slots were freed and no stored event was published."""
+
+
+class _KeyErrorMessage(AsyncOffloadError, KeyError):
+    # KeyError.__str__ quotes its argument, which hides the message behind repr().
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class UnknownKeyError(_KeyErrorMessage):
+    """A key is not stored in the tier."""
+
+
+class KeyNotReadyError(_KeyErrorMessage):
+    """A key is stored but its copy has not completed, so it cannot be loaded yet."""
+
+
+class DuplicateKeyError(AsyncOffloadError, ValueError):
+    """The same key appears twice in one call."""
+
+
+class LengthMismatchError(AsyncOffloadError, ValueError):
+    """Keys and block ids have different lengths."""
+
+
+class BlockIdError(AsyncOffloadError, ValueError):
+    """A block id is not an int, is out of range, or is repeated where it must be unique."""

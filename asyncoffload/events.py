@@ -1,0 +1,200 @@
+"""The event stream: a broadcast hub and its subscriptions (async iterators).
+
+Semantics follow tokio's broadcast channel. Every subscription has its own bounded
+buffer; publishing never blocks and never waits for a reader. When a buffer is full the
+oldest event is dropped and the subscription's next item is ``Lagged(missed=n)``, after
+which it continues with the oldest event it still holds; ``seq`` numbers let a consumer
+see exactly where the gap was. Closing the hub ends every iteration after the events
+already buffered have been read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import weakref
+from collections import deque
+from collections.abc import Iterable
+from types import TracebackType
+from typing import NamedTuple
+
+from asyncoffload.manager.base import OffloadingEvent
+
+__all__ = ["EventHub", "EventSubscription", "Lagged", "SubscriptionStats"]
+
+
+class Lagged(NamedTuple):
+    """The subscription's buffer overflowed: ``missed`` events were dropped here."""
+
+    missed: int
+
+
+class SubscriptionStats(NamedTuple):
+    #: Events waiting in the buffer (snapshot items included).
+    buffered: int
+    #: Buffer capacity.
+    max_buffer: int
+    #: Events dropped since the subscription was made.
+    dropped: int
+    #: Items handed to the reader (events and Lagged markers).
+    delivered: int
+    closed: bool
+
+
+class EventSubscription:
+    """One reader of an :class:`EventHub`. Use ``async for item in sub``.
+
+    Items are :class:`OffloadingEvent` or :class:`Lagged`. The iteration ends when the
+    hub closes (after the buffered events) or when :meth:`close` is called. Cancelling a
+    task waiting in ``__anext__`` loses no event.
+    """
+
+    def __init__(self, hub: EventHub, max_buffer: int, initial: Iterable[OffloadingEvent]) -> None:
+        self._hub = hub
+        self._max_buffer = max_buffer
+        self._snapshot: deque[OffloadingEvent] = deque(initial)
+        self._buffer: deque[OffloadingEvent] = deque()
+        self._missed = 0
+        self._dropped = 0
+        self._delivered = 0
+        self._closed = False
+        self._waiter: asyncio.Future[None] | None = None
+
+    # --- hub side ---
+
+    def _push(self, event: OffloadingEvent) -> None:
+        if self._closed:
+            return
+        if len(self._buffer) >= self._max_buffer:
+            self._buffer.popleft()
+            self._missed += 1
+            self._dropped += 1
+        self._buffer.append(event)
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def _end(self) -> None:
+        self._closed = True
+        self._wake()
+
+    # --- reader side ---
+
+    def receive_nowait(self) -> OffloadingEvent | Lagged:
+        """The next item; ``asyncio.QueueEmpty`` if none is buffered,
+        ``StopAsyncIteration`` if the subscription has ended and is drained."""
+        if self._snapshot:
+            item: OffloadingEvent | Lagged = self._snapshot.popleft()
+        elif self._missed:
+            item, self._missed = Lagged(self._missed), 0
+        elif self._buffer:
+            item = self._buffer.popleft()
+        elif self._closed:
+            raise StopAsyncIteration
+        else:
+            raise asyncio.QueueEmpty
+        self._delivered += 1
+        return item
+
+    async def receive(self) -> OffloadingEvent | Lagged:
+        """The next item, waiting for one; ``StopAsyncIteration`` once ended."""
+        while True:
+            try:
+                return self.receive_nowait()
+            except asyncio.QueueEmpty:
+                pass
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+
+    def __aiter__(self) -> EventSubscription:
+        return self
+
+    async def __anext__(self) -> OffloadingEvent | Lagged:
+        return await self.receive()
+
+    def close(self) -> None:
+        """Stop receiving: drop the buffer and end the iteration. Idempotent."""
+        self._buffer.clear()
+        self._snapshot.clear()
+        self._missed = 0
+        self._end()
+        self._hub._unsubscribe(self)
+
+    async def aclose(self) -> None:
+        self.close()
+
+    async def __aenter__(self) -> EventSubscription:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def statistics(self) -> SubscriptionStats:
+        return SubscriptionStats(
+            buffered=len(self._buffer) + len(self._snapshot),
+            max_buffer=self._max_buffer,
+            dropped=self._dropped,
+            delivered=self._delivered,
+            closed=self._closed,
+        )
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return (
+            f"<EventSubscription {state} [{len(self._buffer)}/{self._max_buffer} buffered, "
+            f"{self._dropped} dropped, {self._delivered} delivered]>"
+        )
+
+
+class EventHub:
+    """Broadcasts events to every live subscription. Loop thread only."""
+
+    def __init__(self) -> None:
+        # Weak: a subscription its reader has dropped stops costing anything.
+        self._subs: weakref.WeakSet[EventSubscription] = weakref.WeakSet()
+        self._closed = False
+        self.published = 0
+
+    def subscribe(
+        self, max_buffer: int, initial: Iterable[OffloadingEvent] = ()
+    ) -> EventSubscription:
+        if isinstance(max_buffer, bool) or not isinstance(max_buffer, int) or max_buffer <= 0:
+            raise ValueError(f"max_buffer must be a positive int, got {max_buffer!r}")
+        sub = EventSubscription(self, max_buffer, initial)
+        if self._closed:
+            sub._end()
+        else:
+            self._subs.add(sub)
+        return sub
+
+    def _unsubscribe(self, sub: EventSubscription) -> None:
+        self._subs.discard(sub)
+
+    def publish(self, event: OffloadingEvent) -> None:
+        self.published += 1
+        for sub in self._subs:
+            sub._push(event)
+
+    @property
+    def subscribers(self) -> list[EventSubscription]:
+        return list(self._subs)
+
+    def close(self) -> None:
+        """End every subscription (after what it has buffered). Idempotent."""
+        self._closed = True
+        for sub in list(self._subs):
+            sub._end()
+        self._subs = weakref.WeakSet()
+
+    def __repr__(self) -> str:
+        return f"<EventHub [{len(self._subs)} subscribers, {self.published} published]>"

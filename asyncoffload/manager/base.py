@@ -1,0 +1,157 @@
+"""The OffloadingManager contract (vLLM ``kv_offload`` semantics) and the records it exchanges.
+
+A manager runs on one thread (the event loop's), never blocks and never touches a device.
+Its primitives:
+
+- ``lookup(key)``: is the block stored (``HIT``), being stored (``HIT_PENDING``) or not (``MISS``)?
+  Lookups never change recency.
+- ``prepare_load(keys)``: pin ready blocks for reading (they cannot be evicted until
+  ``complete_load``) and say where they are.
+- ``touch(keys)``: mark blocks recently used; the first key becomes the most recently used.
+- ``complete_load(keys)``: unpin blocks pinned by ``prepare_load``.
+- ``prepare_store(keys)``: choose slots for the keys not yet present, evicting idle ready
+  blocks when needed (all or nothing), and say where to write them. ``None`` when there
+  is no room.
+- ``complete_store(keys, success)``: the copy finished; the blocks become loadable, or
+  on failure are dropped.
+- ``take_events()``: the blocks stored / removed since the last call.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from asyncoffload.keys import OffloadKey
+
+__all__ = [
+    "BlockStatus",
+    "CPULoadStoreSpec",
+    "LookupResult",
+    "Medium",
+    "OffloadingEvent",
+    "OffloadingManager",
+    "PrepareStoreOutput",
+    "ReqContext",
+]
+
+
+class Medium(str, enum.Enum):
+    """The tier a block lives in. Later tiers add members."""
+
+    CPU = "CPU"
+
+
+class LookupResult(enum.Enum):
+    """Result of :meth:`OffloadingManager.lookup` for one key."""
+
+    MISS = enum.auto()
+    HIT = enum.auto()
+    HIT_PENDING = enum.auto()
+
+
+@dataclass(slots=True)
+class ReqContext:
+    """Per-request context handed to every manager call.
+
+    ``kv_transfer_params`` carries connector parameters as vLLM does; ``extra`` is free
+    for policies and integrations (admission hints, token ids for self-describing events).
+    """
+
+    req_id: str
+    kv_transfer_params: dict[str, Any] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class BlockStatus:
+    """One slot of a tier: its id and reference count.
+
+    ``ref_cnt`` is -1 while the block is being written, 0 when ready and idle
+    (evictable), and ``n > 0`` while ``n`` loads read it.
+    """
+
+    __slots__ = ("block_id", "ref_cnt")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = -1
+
+    @property
+    def is_ready(self) -> bool:
+        return self.ref_cnt >= 0
+
+    def __repr__(self) -> str:
+        return f"BlockStatus(block_id={self.block_id}, ref_cnt={self.ref_cnt})"
+
+
+@dataclass(frozen=True, slots=True)
+class CPULoadStoreSpec:
+    """Where blocks live in the CPU tier: slot ids, in the order of the keys asked for."""
+
+    block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class PrepareStoreOutput:
+    """What ``prepare_store`` decided: which keys to write where, and what it evicted."""
+
+    keys_to_store: list[OffloadKey]
+    store_spec: CPULoadStoreSpec
+    evicted_keys: list[OffloadKey]
+
+
+@dataclass(frozen=True, slots=True)
+class OffloadingEvent:
+    """Blocks stored in, or removed from, one tier.
+
+    ``seq`` grows by one per event published by a manager, so consumers can detect gaps;
+    ``ts`` is ``time.time()`` when the event was made. Snapshot events (see
+    ``AsyncOffloadEngine.events``) carry ``snapshot=True`` and the ``seq`` of the last
+    live event they include.
+    """
+
+    keys: tuple[OffloadKey, ...]
+    medium: Medium
+    removed: bool
+    seq: int
+    ts: float
+    snapshot: bool = False
+
+
+class OffloadingManager(ABC):
+    """The scheduler-side contract. See the module docstring for the semantics."""
+
+    medium: Medium
+
+    @abstractmethod
+    def lookup(self, key: OffloadKey, ctx: ReqContext | None = None) -> LookupResult: ...
+
+    @abstractmethod
+    def prepare_load(
+        self, keys: Sequence[OffloadKey], ctx: ReqContext | None = None
+    ) -> CPULoadStoreSpec: ...
+
+    @abstractmethod
+    def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext | None = None) -> None: ...
+
+    @abstractmethod
+    def complete_load(self, keys: Sequence[OffloadKey], ctx: ReqContext | None = None) -> None: ...
+
+    @abstractmethod
+    def prepare_store(
+        self, keys: Sequence[OffloadKey], ctx: ReqContext | None = None
+    ) -> PrepareStoreOutput | None: ...
+
+    @abstractmethod
+    def complete_store(
+        self, keys: Sequence[OffloadKey], ctx: ReqContext | None = None, success: bool = True
+    ) -> None: ...
+
+    @abstractmethod
+    def take_events(self) -> list[OffloadingEvent]: ...
+
+    @abstractmethod
+    def reset_cache(self) -> None: ...

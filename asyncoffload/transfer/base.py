@@ -1,0 +1,93 @@
+"""The TransferBackend protocol: submit copies of (source ids, destination ids), get jobs.
+
+A backend owns the host tier's memory and one ordered copy queue per direction: jobs of
+one direction complete in submission order. A job is a completion token the event loop
+can poll cheaply (``query()``); when a job completes, the backend calls the ``wake``
+function it was bound to, from whatever thread noticed, so the loop checks its lanes.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+
+from asyncoffload.layout import KVLayout
+
+__all__ = ["CopyJob", "FailedJob", "TransferBackend"]
+
+
+class CopyJob:
+    """One submitted copy. ``query()`` is True once the copy has ended, well or not;
+    then ``error`` is ``None`` or the exception that ended it, and ``finished_ns``
+    (``time.perf_counter_ns``) says when it ended."""
+
+    __slots__ = ("_done", "error", "finished_ns", "nbytes", "num_blocks", "started_ns")
+
+    def __init__(self, num_blocks: int, nbytes: int) -> None:
+        self.num_blocks = num_blocks
+        self.nbytes = nbytes
+        self.started_ns = time.perf_counter_ns()
+        self.finished_ns = 0
+        self.error: BaseException | None = None
+        self._done = False
+
+    def query(self) -> bool:
+        return self._done
+
+    def finish(self, error: BaseException | None = None) -> None:
+        """Mark the job ended. Called once, by whoever ran the copy."""
+        self.error = error
+        self.finished_ns = time.perf_counter_ns()
+        self._done = True  # last: a reader that sees _done sees error and finished_ns
+
+    @property
+    def duration_s(self) -> float:
+        return (self.finished_ns - self.started_ns) / 1e9 if self._done else 0.0
+
+    def __repr__(self) -> str:
+        state = "failed" if self.error is not None else ("done" if self._done else "running")
+        return f"<CopyJob {self.num_blocks} blocks {self.nbytes} B {state}>"
+
+
+class FailedJob(CopyJob):
+    """A job that failed at submission: already ended, with ``error`` set."""
+
+    def __init__(self, num_blocks: int, error: BaseException) -> None:
+        super().__init__(num_blocks, 0)
+        self.finish(error)
+
+
+class TransferBackend(ABC):
+    """Copies whole blocks between the KV tensors and ``num_host_blocks`` host slots."""
+
+    name: str = ""
+
+    def __init__(self, layout: KVLayout, num_host_blocks: int) -> None:
+        self.layout = layout
+        self.num_host_blocks = num_host_blocks
+        self._wake: Callable[[], None] = _no_wake
+
+    def bind(self, wake: Callable[[], None]) -> None:
+        """Set the thread-safe function to call whenever a job completes."""
+        self._wake = wake
+
+    @abstractmethod
+    def submit_store(self, gpu_ids: Sequence[int], host_ids: Sequence[int]) -> CopyJob:
+        """Copy KV blocks ``gpu_ids[i]`` into host slots ``host_ids[i]``."""
+
+    @abstractmethod
+    def submit_load(self, host_ids: Sequence[int], gpu_ids: Sequence[int]) -> CopyJob:
+        """Copy host slots ``host_ids[i]`` into KV blocks ``gpu_ids[i]``."""
+
+    @abstractmethod
+    def read_host_block(self, host_id: int) -> bytes:
+        """The bytes of one host slot (for tests, lower tiers and debugging)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Finish queued copies, then release threads and memory. Idempotent."""
+
+
+def _no_wake() -> None:
+    return None

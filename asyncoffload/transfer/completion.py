@@ -1,0 +1,230 @@
+"""The completion bridge: finished copies -> callbacks and futures, on the loop thread.
+
+Each copy direction has a :class:`CopyLane`, a FIFO of (job, callback). A direction's
+jobs complete in submission order, so only a lane's head needs checking. The loop thread
+does all the Python-side work: it checks the heads and runs the callbacks of every
+finished job, in order. Other threads only *signal* that something may have finished.
+A helper thread that had to take the GIL to hand a result back would starve on a busy
+loop (see docs/architecture.md), so no design here needs one.
+
+Two ways to learn that a head may be done:
+
+- ``eventfd``: the backend writes 1 to an eventfd (a pipe where eventfd is missing) when
+  a job ends; the loop watches it with ``add_reader``. Wake-ups cost nothing while idle.
+- ``poll``: a loop timer checks the heads every ``poll_interval`` while jobs are pending.
+  The portable baseline, for loops without ``add_reader`` (Windows' proactor).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from array import array
+from collections import deque
+from collections.abc import Callable
+
+from asyncoffload.transfer.base import CopyJob
+
+__all__ = ["CompletionBridge", "CopyLane", "LatencyWindow"]
+
+log = logging.getLogger("asyncoffload.completion")
+
+JobCallback = Callable[[CopyJob], None]
+
+
+class CopyLane:
+    """Jobs of one copy queue, oldest first."""
+
+    __slots__ = ("jobs", "name")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.jobs: deque[tuple[CopyJob, JobCallback]] = deque()
+
+    def __len__(self) -> int:
+        return len(self.jobs)
+
+    def __repr__(self) -> str:
+        return f"<CopyLane {self.name} [{len(self.jobs)} pending]>"
+
+
+class LatencyWindow:
+    """The last ``size`` samples (integers, nanoseconds) and their percentiles."""
+
+    def __init__(self, size: int = 65_536) -> None:
+        self._buf = array("q", bytes(8 * size))
+        self._size = size
+        self._count = 0
+
+    def add(self, value_ns: int) -> None:
+        self._buf[self._count % self._size] = value_ns
+        self._count += 1
+
+    @property
+    def count(self) -> int:
+        return self._count
+
+    def percentile_us(self, q: float) -> float:
+        """The ``q``-th percentile (0-100) in microseconds; NaN with no sample."""
+        n = min(self._count, self._size)
+        if n == 0:
+            return float("nan")
+        data = sorted(self._buf[:n])
+        idx = min(n - 1, max(0, round(q / 100 * (n - 1))))
+        return data[idx] / 1e3
+
+
+class _Waker:
+    """An fd the loop can watch, and a thread-safe way to make it readable."""
+
+    def __init__(self) -> None:
+        self.kind: str
+        if hasattr(os, "eventfd"):
+            self.kind = "eventfd"
+            self.read_fd = self.write_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        else:
+            self.kind = "pipe"
+            self.read_fd, self.write_fd = os.pipe()
+            os.set_blocking(self.read_fd, False)
+            os.set_blocking(self.write_fd, False)
+        self.closed = False
+
+    def wake(self) -> None:
+        if self.closed:
+            return
+        # A full pipe already wakes the loop; a closed fd means the bridge is gone.
+        with contextlib.suppress(BlockingIOError, OSError):
+            if self.kind == "eventfd":
+                os.eventfd_write(self.write_fd, 1)
+            else:
+                os.write(self.write_fd, b"\x01")
+
+    def drain(self) -> None:
+        with contextlib.suppress(BlockingIOError, OSError):
+            if self.kind == "eventfd":
+                os.eventfd_read(self.read_fd)
+            else:
+                while os.read(self.read_fd, 4096):
+                    pass
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        os.close(self.read_fd)
+        if self.write_fd != self.read_fd:
+            os.close(self.write_fd)
+
+
+class CompletionBridge:
+    """Resolves finished jobs on ``loop``'s thread, lane by lane, in submission order.
+
+    ``mechanism`` is ``"eventfd"``, ``"pipe"`` or ``"poll"``: what is active, which
+    ``mode="auto"`` chooses as eventfd (or pipe) where the loop supports ``add_reader``.
+    """
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        mode: str = "auto",
+        poll_interval: float = 0.001,
+    ) -> None:
+        if mode not in ("auto", "eventfd", "poll"):
+            raise ValueError(f"completion mode must be 'auto', 'eventfd' or 'poll', got {mode!r}")
+        self.loop = loop
+        self.poll_interval = poll_interval
+        self.lanes: list[CopyLane] = []
+        self.latency = LatencyWindow()
+        self._waker: _Waker | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._closed = False
+        self.mechanism = "poll"
+        if mode != "poll":
+            waker = _Waker()
+            try:
+                loop.add_reader(waker.read_fd, self._on_wake)
+            except (NotImplementedError, RuntimeError):
+                waker.close()
+                if mode == "eventfd":
+                    raise RuntimeError(
+                        "completion='eventfd' needs a loop with add_reader; use 'poll'"
+                    ) from None
+            else:
+                self._waker = waker
+                self.mechanism = waker.kind
+        log.debug("completion bridge active: %s", self.mechanism)
+
+    def lane(self, name: str) -> CopyLane:
+        lane = CopyLane(name)
+        self.lanes.append(lane)
+        return lane
+
+    def notify(self) -> None:
+        """Thread-safe: a job may have finished; check the lanes soon."""
+        waker = self._waker
+        if waker is not None:
+            waker.wake()
+        # In poll mode the armed timer will find it.
+
+    def watch(self, lane: CopyLane, job: CopyJob, callback: JobCallback) -> None:
+        """Loop thread only: run ``callback(job)`` on the loop once ``job`` and every job
+        queued before it on ``lane`` have ended."""
+        if self._closed:
+            raise RuntimeError("completion bridge is closed")
+        lane.jobs.append((job, callback))
+        if self._waker is None:
+            if self._timer is None:
+                self._timer = self.loop.call_later(self.poll_interval, self._on_timer)
+        elif job.query():
+            # Ended before we watched it (a failed submission): its wake-up may be gone.
+            self._waker.wake()
+
+    @property
+    def pending(self) -> int:
+        return sum(len(lane) for lane in self.lanes)
+
+    def _on_wake(self) -> None:
+        assert self._waker is not None
+        self._waker.drain()
+        self.drain()
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self.drain()
+        if self.pending and not self._closed:
+            self._timer = self.loop.call_later(self.poll_interval, self._on_timer)
+
+    def drain(self) -> int:
+        """Run the callbacks of every finished head job; how many ran."""
+        ran = 0
+        for lane in self.lanes:
+            jobs = lane.jobs
+            while jobs and jobs[0][0].query():
+                job, callback = jobs.popleft()
+                if job.finished_ns:
+                    self.latency.add(time.perf_counter_ns() - job.finished_ns)
+                try:
+                    callback(job)
+                except Exception:  # a broken callback must not stall the lane
+                    log.exception("completion callback failed for %r", job)
+                ran += 1
+        return ran
+
+    def close(self) -> None:
+        """Stop watching. Pending jobs are not resolved: wait for them first."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._waker is not None:
+            with contextlib.suppress(Exception):
+                self.loop.remove_reader(self._waker.read_fd)
+            self._waker.close()
+
+    def __repr__(self) -> str:
+        return f"<CompletionBridge {self.mechanism} [{self.pending} pending]>"
