@@ -1,10 +1,10 @@
 """asyncoffload: an asyncio-native KV-cache offload engine for LLM serving.
 
-    import asyncoffload as ao
-    engine = ao.AsyncOffloadEngine(kv_caches, ao.EngineConfig(cpu_blocks=1024))
-    async with engine:
-        n = engine.lookup(keys, ctx)
-        await (await engine.prepare_load(keys[:n], gpu_blocks[:n], ctx))
+import asyncoffload as ao
+engine = ao.AsyncOffloadEngine(kv_caches, ao.EngineConfig(cpu_blocks=1024))
+async with engine:
+    n = engine.lookup(keys, ctx)
+    await (await engine.prepare_load(keys[:n], gpu_blocks[:n], ctx))
 """
 
 from __future__ import annotations

@@ -40,6 +40,11 @@ class EngineConfig(BaseModel):
     poll_interval_s: float = Field(
         0.001, gt=0, le=1.0, description="Timer period of the 'poll' completion mode."
     )
+    copy_engine: Literal["auto", "native", "threads"] = Field(
+        "auto",
+        description="CPU backend copy engine: 'native' lanes (compiled on first use, never "
+        "take the GIL), 'threads' (Python threads), or 'auto' (native where it builds).",
+    )
     touch_on_load: bool = Field(
         True, description="prepare_load marks the loaded keys recently used."
     )

@@ -67,10 +67,10 @@ class EngineStats:
 
 
 def _make_backend(
-    kv_caches: Sequence[torch.Tensor], layout: KVLayout, num_host_blocks: int
+    kv_caches: Sequence[torch.Tensor], layout: KVLayout, config: EngineConfig
 ) -> TransferBackend:
     if layout.device.type == "cpu":
-        return CpuCopyBackend(kv_caches, layout, num_host_blocks)
+        return CpuCopyBackend(kv_caches, layout, config.cpu_blocks, config.copy_engine)
     raise ValueError(
         f"no transfer backend for KV tensors on {layout.device}: this build copies CPU "
         "tensors only; pass backend= to use your own"
@@ -110,7 +110,7 @@ class AsyncOffloadEngine:
             max_tracker_size=cfg.max_tracker_size,
         )
         if backend is None:
-            backend = _make_backend(kv_caches, self.layout, cfg.cpu_blocks)
+            backend = _make_backend(kv_caches, self.layout, cfg)
         elif backend.num_host_blocks < cfg.cpu_blocks:
             raise ValueError(
                 f"backend has {backend.num_host_blocks} host blocks, "
@@ -187,11 +187,10 @@ class AsyncOffloadEngine:
             bridge = CompletionBridge(loop, self.config.completion, self.config.poll_interval_s)
             self._store_lane = bridge.lane("store")
             self._load_lane = bridge.lane("load")
-            self._backend.bind(bridge.notify)
+            self._backend.bind(bridge.notify, bridge.wake_fd)
             self._bridge = bridge
             log.info(
-                "asyncoffload engine ready: backend=%s completion=%s cpu_blocks=%d "
-                "block_bytes=%d",
+                "asyncoffload engine ready: backend=%s completion=%s cpu_blocks=%d block_bytes=%d",
                 self._backend.name,
                 bridge.mechanism,
                 self.config.cpu_blocks,
@@ -205,7 +204,9 @@ class AsyncOffloadEngine:
 
     def _check_keys(self, keys: Sequence[OffloadKey], what: str) -> list[OffloadKey]:
         if isinstance(keys, (bytes, str)):
-            raise TypeError(f"{what}: keys must be a sequence of OffloadKey, not one {type(keys).__name__}")
+            raise TypeError(
+                f"{what}: keys must be a sequence of OffloadKey, not one {type(keys).__name__}"
+            )
         out = list(keys)
         for i, key in enumerate(out):
             if not isinstance(key, bytes):
@@ -326,9 +327,7 @@ class AsyncOffloadEngine:
         bridge.watch(self._store_lane, job, lambda j: self._store_done(j, handle, ctx))
         return handle
 
-    def events(
-        self, snapshot: bool = False, max_buffer: int | None = None
-    ) -> EventSubscription:
+    def events(self, snapshot: bool = False, max_buffer: int | None = None) -> EventSubscription:
         """Subscribe to the event stream: every event published after this call returns,
         in ``seq`` order, with :class:`~asyncoffload.Lagged` markers where the buffer of
         ``max_buffer`` events (default ``config.event_buffer``) overflowed.

@@ -67,10 +67,14 @@ class TransferBackend(ABC):
         self.layout = layout
         self.num_host_blocks = num_host_blocks
         self._wake: Callable[[], None] = _no_wake
+        self._wake_fd: int | None = None
 
-    def bind(self, wake: Callable[[], None]) -> None:
-        """Set the thread-safe function to call whenever a job completes."""
+    def bind(self, wake: Callable[[], None], wake_fd: int | None = None) -> None:
+        """Set how to signal that a job completed: ``wake()``, a thread-safe function,
+        or, for native code that must not take the GIL, writing 1 (8 bytes) to
+        ``wake_fd`` (``None`` when the loop polls instead)."""
         self._wake = wake
+        self._wake_fd = wake_fd
 
     @abstractmethod
     def submit_store(self, gpu_ids: Sequence[int], host_ids: Sequence[int]) -> CopyJob:

@@ -157,6 +157,12 @@ class CompletionBridge:
                 self.mechanism = waker.kind
         log.debug("completion bridge active: %s", self.mechanism)
 
+    @property
+    def wake_fd(self) -> int | None:
+        """The fd native code writes 1 (8 bytes) to instead of calling :meth:`notify`;
+        ``None`` in poll mode."""
+        return self._waker.write_fd if self._waker is not None else None
+
     def lane(self, name: str) -> CopyLane:
         lane = CopyLane(name)
         self.lanes.append(lane)

@@ -1,44 +1,94 @@
-"""The CPU backend: copies between plain (CPU) KV tensors and a host tensor, on threads.
+"""The CPU backend: copies between plain (CPU) KV tensors and a host block pool.
 
-One worker thread per direction runs jobs in submission order; torch releases the GIL
-inside its copy kernels, so copies overlap with the event loop. Host memory is one
-``[num_host_blocks, block_bytes]`` uint8 tensor, block-major.
+Host memory is one ``[num_host_blocks, block_bytes]`` uint8 tensor, block-major. Each
+direction has one copy lane whose jobs run in submission order. Two copy engines:
+
+- ``native`` (default where a C compiler is available): a native thread per lane runs
+  ``memcpy`` over (src, dst, bytes) descriptors and writes the completion wake fd itself.
+  It never takes the GIL, so a busy event loop cannot starve it.
+- ``threads``: a Python thread per lane running torch gather/scatter ops. Portable, but
+  it needs the GIL between ops: on a loop that is busy with Python work, CPython hands
+  it the GIL late, and copies stretch (see docs/architecture.md).
 """
 
 from __future__ import annotations
 
+import ctypes
+import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
+from typing import Literal
 
 import torch
 
+from asyncoffload._native import load_copy_engine
 from asyncoffload.layout import KVLayout
 from asyncoffload.transfer.base import CopyJob, TransferBackend
 
 __all__ = ["CpuCopyBackend"]
 
-_STOP = object()
+log = logging.getLogger("asyncoffload.transfer")
+
+CopyEngine = Literal["auto", "native", "threads"]
 
 
-class _Worker:
-    """A thread that runs copies of one direction, in order."""
+class _NativeJob(CopyJob):
+    """A job run by a native lane; done when the lane's release store says so."""
+
+    __slots__ = ("_desc", "_lib", "_status")
+
+    def __init__(self, num_blocks: int, nbytes: int, lib: ctypes.CDLL, desc: torch.Tensor) -> None:
+        super().__init__(num_blocks, nbytes)
+        self._lib = lib
+        self._desc = desc  # kept alive until the lane is done with it
+        self._status = (ctypes.c_int64 * 2)()
+
+    @property
+    def status_address(self) -> int:
+        return ctypes.addressof(self._status)
+
+    def query(self) -> bool:
+        if not self._done and self._lib.ao_status_load(self.status_address):
+            # perf_counter_ns is CLOCK_MONOTONIC, the clock the lane stamped.
+            self.error = None
+            self.finished_ns = self._status[1]
+            self._done = True
+        return self._done
+
+
+_ThreadItem = tuple[
+    CopyJob,
+    Callable[[torch.Tensor, torch.Tensor], None],
+    tuple[torch.Tensor, torch.Tensor],
+    Callable[[], None],
+]
+
+
+class _ThreadLane:
+    """A Python thread that runs copies of one direction, in order."""
 
     def __init__(self, name: str) -> None:
-        self._queue: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[_ThreadItem | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, job: CopyJob, fn: Callable[..., None], args: tuple[object, ...],
-               wake: Callable[[], None]) -> None:
+    def submit(
+        self,
+        job: CopyJob,
+        fn: Callable[[torch.Tensor, torch.Tensor], None],
+        args: tuple[torch.Tensor, torch.Tensor],
+        wake: Callable[[], None],
+    ) -> None:
         self._queue.put((job, fn, args, wake))
 
     def _run(self) -> None:
         while True:
             item = self._queue.get()
-            if item is _STOP:
+            if item is None:  # stop
                 return
-            job, fn, args, wake = item  # type: ignore[misc]
+            job, fn, args, wake = item
             try:
                 fn(*args)
             except BaseException as exc:  # reported through the job, never lost
@@ -48,58 +98,137 @@ class _Worker:
             wake()
 
     def stop(self) -> None:
-        self._queue.put(_STOP)
+        self._queue.put(None)
         if threading.current_thread() is not self._thread:
             self._thread.join()
 
 
-class CpuCopyBackend(TransferBackend):
-    """Thread-pool copies between CPU KV tensors and a host block pool."""
+class _NativeLane:
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._lib = lib
+        handle = lib.ao_lane_create(-1)
+        if not handle:
+            raise OSError("ao_lane_create failed")
+        self._handle: int | None = handle
 
-    name = "cpu"
+    def set_wake_fd(self, fd: int) -> None:
+        if self._handle is not None:
+            self._lib.ao_lane_set_wake_fd(self._handle, fd)
+
+    def submit(self, job: _NativeJob, desc: torch.Tensor) -> None:
+        if self._handle is None:
+            raise RuntimeError("copy lane is closed")
+        rc = self._lib.ao_lane_submit(
+            self._handle, desc.data_ptr(), desc.shape[0], job.status_address
+        )
+        if rc != 0:
+            raise RuntimeError(f"native copy lane refused the job (code {rc})")
+
+    def stop(self) -> None:
+        if self._handle is not None:
+            handle, self._handle = self._handle, None
+            self._lib.ao_lane_destroy(handle)  # finishes queued jobs, joins the thread
+
+
+class CpuCopyBackend(TransferBackend):
+    """Copies between CPU KV tensors and a host block pool, off the event-loop thread.
+
+    ``copy_engine`` picks the engine (see the module docstring); ``"auto"`` takes the
+    native one where it can be built. ``name`` says which is active.
+    """
 
     def __init__(
-        self, kv_caches: Sequence[torch.Tensor], layout: KVLayout, num_host_blocks: int
+        self,
+        kv_caches: Sequence[torch.Tensor],
+        layout: KVLayout,
+        num_host_blocks: int,
+        copy_engine: CopyEngine = "auto",
     ) -> None:
         if layout.device.type != "cpu":
             raise ValueError(f"CpuCopyBackend needs CPU tensors, got {layout.device}")
+        if num_host_blocks <= 0:
+            raise ValueError(f"num_host_blocks must be positive, got {num_host_blocks}")
         super().__init__(layout, num_host_blocks)
-        self._fragments = layout.fragment_views(kv_caches)
+        self._kv = list(kv_caches)  # the native lanes hold raw addresses into these
+        self._fragments = layout.fragment_views(self._kv)
         self.host = torch.zeros((num_host_blocks, layout.block_bytes), dtype=torch.uint8)
         frag = layout.fragment_bytes
         self._host_columns = [
             self.host[:, i * frag : (i + 1) * frag] for i in range(len(self._fragments))
         ]
-        self._store_worker = _Worker("asyncoffload-store")
-        self._load_worker = _Worker("asyncoffload-load")
         self._closed = False
+        lib = None if copy_engine == "threads" else load_copy_engine()
+        if copy_engine == "native" and lib is None:
+            raise RuntimeError("copy_engine='native' but the native copy engine can't be built")
+        self._lib = lib
+        if lib is not None:
+            self.name = "cpu-native"
+            self._native_store = _NativeLane(lib)
+            self._native_load = _NativeLane(lib)
+            # Address of fragment f of KV block b: base[f] + b * row_stride[f].
+            self._kv_base = torch.tensor([v.data_ptr() for v in self._fragments], dtype=torch.int64)
+            self._kv_stride = torch.tensor(
+                [v.stride(0) for v in self._fragments], dtype=torch.int64
+            )
+            self._host_offset = torch.arange(len(self._fragments), dtype=torch.int64) * frag
+        else:
+            self.name = "cpu-threads"
+            self._store_lane = _ThreadLane("asyncoffload-store")
+            self._load_lane = _ThreadLane("asyncoffload-load")
 
-    def _index(self, ids: Sequence[int]) -> torch.Tensor:
-        return torch.as_tensor(ids, dtype=torch.int64)
+    def bind(self, wake: Callable[[], None], wake_fd: int | None = None) -> None:
+        super().bind(wake, wake_fd)
+        if self._lib is not None:
+            fd = -1 if wake_fd is None else wake_fd
+            self._native_store.set_wake_fd(fd)
+            self._native_load.set_wake_fd(fd)
+
+    # --- submission ---
+
+    def _check(self, ids: Sequence[int], limit: int, what: str) -> None:
+        if ids and (min(ids) < 0 or max(ids) >= limit):
+            raise IndexError(f"{what} ids must lie in [0, {limit})")
 
     def submit_store(self, gpu_ids: Sequence[int], host_ids: Sequence[int]) -> CopyJob:
-        job = CopyJob(len(gpu_ids), len(gpu_ids) * self.layout.block_bytes)
-        self._submit(self._store_worker, job, self._copy_store, gpu_ids, host_ids)
-        return job
+        return self._submit("store", gpu_ids, host_ids)
 
     def submit_load(self, host_ids: Sequence[int], gpu_ids: Sequence[int]) -> CopyJob:
-        job = CopyJob(len(gpu_ids), len(gpu_ids) * self.layout.block_bytes)
-        self._submit(self._load_worker, job, self._copy_load, host_ids, gpu_ids)
-        return job
+        return self._submit("load", gpu_ids, host_ids)
 
-    def _submit(
-        self,
-        worker: _Worker,
-        job: CopyJob,
-        fn: Callable[[torch.Tensor, torch.Tensor], None],
-        src: Sequence[int],
-        dst: Sequence[int],
-    ) -> None:
+    def _submit(self, direction: str, gpu_ids: Sequence[int], host_ids: Sequence[int]) -> CopyJob:
         if self._closed:
             raise RuntimeError("CpuCopyBackend is closed")
-        worker.submit(job, fn, (self._index(src), self._index(dst)), self._wake)
+        if len(gpu_ids) != len(host_ids):
+            raise ValueError(f"{len(gpu_ids)} KV block ids but {len(host_ids)} host ids")
+        self._check(gpu_ids, self.layout.num_blocks, "KV block")
+        self._check(host_ids, self.num_host_blocks, "host block")
+        n = len(gpu_ids)
+        nbytes = n * self.layout.block_bytes
+        gidx = torch.as_tensor(gpu_ids, dtype=torch.int64)
+        hidx = torch.as_tensor(host_ids, dtype=torch.int64)
+        if self._lib is None:
+            job = CopyJob(n, nbytes)
+            if direction == "store":
+                self._store_lane.submit(job, self._copy_store, (gidx, hidx), self._wake)
+            else:
+                self._load_lane.submit(job, self._copy_load, (hidx, gidx), self._wake)
+            return job
+        kv_addr = gidx[:, None] * self._kv_stride[None, :] + self._kv_base[None, :]
+        host_addr = (hidx * self.layout.block_bytes + self.host.data_ptr())[:, None]
+        host_addr = host_addr + self._host_offset[None, :]
+        size = torch.full_like(kv_addr, self.layout.fragment_bytes)
+        if direction == "store":
+            desc = torch.stack((kv_addr, host_addr, size), dim=-1)
+        else:
+            desc = torch.stack((host_addr, kv_addr, size), dim=-1)
+        desc = desc.reshape(-1, 3).contiguous()
+        native_job = _NativeJob(n, nbytes, self._lib, desc)
+        native_job.started_ns = time.perf_counter_ns()
+        lane = self._native_store if direction == "store" else self._native_load
+        lane.submit(native_job, desc)
+        return native_job
 
-    # The copies themselves; tests override these to inject failures.
+    # The Python-thread copies; tests override these to inject failures or delays.
 
     def _copy_store(self, gpu_idx: torch.Tensor, host_idx: torch.Tensor) -> None:
         for src, dst in zip(self._fragments, self._host_columns):
@@ -116,5 +245,9 @@ class CpuCopyBackend(TransferBackend):
         if self._closed:
             return
         self._closed = True
-        self._store_worker.stop()
-        self._load_worker.stop()
+        if self._lib is not None:
+            self._native_store.stop()
+            self._native_load.stop()
+        else:
+            self._store_lane.stop()
+            self._load_lane.stop()

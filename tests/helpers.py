@@ -1,0 +1,119 @@
+"""Shared test fixtures: small KV caches, keys, and backends that block or fail on demand."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+import torch
+
+import asyncoffload as ao
+
+
+def make_keys(n: int, prefix: bytes = b"k", group: int = 0) -> list[ao.OffloadKey]:
+    return [ao.make_offload_key(prefix + i.to_bytes(8, "big"), group) for i in range(n)]
+
+
+def random_kv(
+    num_layers: int,
+    num_blocks: int,
+    *,
+    kv_split: bool = True,
+    dtype: torch.dtype = torch.bfloat16,
+    seed: int = 0,
+) -> list[torch.Tensor]:
+    """Per-layer KV tensors filled with random bit patterns of ``dtype``."""
+    gen = torch.Generator().manual_seed(seed)
+    shape = (2, num_blocks, 4, 2, 8) if kv_split else (num_blocks, 4, 16)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    out = []
+    for _ in range(num_layers):
+        raw = torch.randint(0, 256, (*shape[:-1], shape[-1] * itemsize), generator=gen)
+        out.append(raw.to(torch.uint8).view(dtype).contiguous())
+    return out
+
+
+def block_bytes(kv: Sequence[torch.Tensor], block: int, kv_split: bool = True) -> bytes:
+    """Every byte of one block across layers, in host (block-major) order."""
+    parts = []
+    for t in kv:
+        if kv_split:
+            parts.append(t[0, block].contiguous().view(torch.uint8).numpy().tobytes())
+            parts.append(t[1, block].contiguous().view(torch.uint8).numpy().tobytes())
+        else:
+            parts.append(t[block].contiguous().view(torch.uint8).numpy().tobytes())
+    return b"".join(parts)
+
+
+class GatedBackend(ao.CpuCopyBackend):
+    """Copies wait until their direction's gate opens; lets tests hold copies in flight."""
+
+    def __init__(self, kv: Sequence[torch.Tensor], layout: ao.KVLayout, n: int) -> None:
+        super().__init__(kv, layout, n, copy_engine="threads")
+        self.store_gate = threading.Event()
+        self.load_gate = threading.Event()
+        self.store_gate.set()
+        self.load_gate.set()
+
+    def _copy_store(self, gpu_idx: torch.Tensor, host_idx: torch.Tensor) -> None:
+        if not self.store_gate.wait(timeout=30):
+            raise TimeoutError("store gate never opened")
+        super()._copy_store(gpu_idx, host_idx)
+
+    def _copy_load(self, host_idx: torch.Tensor, gpu_idx: torch.Tensor) -> None:
+        if not self.load_gate.wait(timeout=30):
+            raise TimeoutError("load gate never opened")
+        super()._copy_load(host_idx, gpu_idx)
+
+    def close(self) -> None:
+        self.store_gate.set()
+        self.load_gate.set()
+        super().close()
+
+
+class FailingBackend(ao.CpuCopyBackend):
+    """Copies fail while the matching flag is set (an injected device error)."""
+
+    def __init__(self, kv: Sequence[torch.Tensor], layout: ao.KVLayout, n: int) -> None:
+        super().__init__(kv, layout, n, copy_engine="threads")
+        self.fail_store = False
+        self.fail_load = False
+        self.fail_submit = False
+
+    def submit_store(self, gpu_ids: Sequence[int], host_ids: Sequence[int]) -> ao.CopyJob:
+        if self.fail_submit:
+            raise RuntimeError("injected submission failure")
+        return super().submit_store(gpu_ids, host_ids)
+
+    def _copy_store(self, gpu_idx: torch.Tensor, host_idx: torch.Tensor) -> None:
+        if self.fail_store:
+            raise RuntimeError("injected store failure")
+        super()._copy_store(gpu_idx, host_idx)
+
+    def _copy_load(self, host_idx: torch.Tensor, gpu_idx: torch.Tensor) -> None:
+        if self.fail_load:
+            raise RuntimeError("injected load failure")
+        super()._copy_load(host_idx, gpu_idx)
+
+
+def make_engine(
+    cpu_blocks: int = 16,
+    gpu_blocks: int = 32,
+    *,
+    backend_cls: type[ao.CpuCopyBackend] | None = None,
+    kv: list[torch.Tensor] | None = None,
+    **config: object,
+) -> tuple[ao.AsyncOffloadEngine, list[torch.Tensor]]:
+    kv = kv if kv is not None else random_kv(2, gpu_blocks)
+    cfg = ao.EngineConfig.model_validate({"cpu_blocks": cpu_blocks, **config})
+    backend = None
+    if backend_cls is not None:
+        backend = backend_cls(kv, ao.KVLayout.infer(kv), cpu_blocks)
+    return ao.AsyncOffloadEngine(kv, cfg, backend=backend), kv
+
+
+def state_of(engine: ao.AsyncOffloadEngine) -> tuple[object, ...]:
+    """Everything a rejected call must leave unchanged."""
+    m = engine.manager
+    blocks = [(k, b.block_id, b.ref_cnt) for k, b in m.policy.items()]
+    return (m.stats(), blocks, m.num_free, m.last_seq, engine.stats().in_flight)
