@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import TracebackType
@@ -175,6 +176,16 @@ class AsyncOffloadEngine:
         self._backend.close()  # joins copy threads: nothing signals the bridge after this
         if self._bridge is not None:
             self._bridge.close()
+
+    def __del__(self) -> None:
+        # Only an engine that was used holds a loop reader and copy lanes worth warning of.
+        if getattr(self, "_bridge", None) is not None and not getattr(self, "_closed", True):
+            warnings.warn(
+                f"unclosed {self!r}: use 'async with engine' or 'await engine.aclose()'",
+                ResourceWarning,
+                stacklevel=1,
+                source=self,
+            )
 
     def _check_open(self) -> None:
         if self._closing:

@@ -335,3 +335,11 @@ async def test_threads_copy_engine_round_trips() -> None:
         await (await engine.prepare_load(make_keys(2), [5, 6]))
     for t in kv:
         assert torch.equal(t[:, 5:7].view(torch.int16), t[:, 0:2].view(torch.int16))
+
+
+async def test_unclosed_engine_warns() -> None:
+    engine, _ = make_engine()
+    await engine.__aenter__()
+    with pytest.warns(ResourceWarning, match="unclosed"):
+        engine.__del__()
+    await engine.aclose()
