@@ -45,6 +45,16 @@ class EngineConfig(BaseModel):
         description="CPU backend copy engine: 'native' lanes (compiled on first use, never "
         "take the GIL), 'threads' (Python threads), or 'auto' (native where it builds).",
     )
+    copy_method: Literal["auto", "batch", "kernel", "gather"] = Field(
+        "auto",
+        description="CUDA backend copy method: 'batch' (cuMemcpyBatchAsync), 'kernel' "
+        "(Triton SM copy through UVA), 'gather' (torch gather + per-block copies), or "
+        "'auto' (chosen per transfer by fragment size and count).",
+    )
+    pin_memory: bool = Field(True, description="Pin the CUDA backend's host pool.")
+    host_chunk_bytes: int = Field(
+        1 << 30, gt=0, description="The CUDA backend allocates its host pool in chunks of this."
+    )
     touch_on_load: bool = Field(
         True, description="prepare_load marks the loaded keys recently used."
     )

@@ -44,8 +44,14 @@ class EngineStats:
     """A point-in-time summary of an engine."""
 
     backend: str
+    #: Backend details: copy engine or methods, host memory, pinning.
+    backend_info: dict[str, object]
     #: Active completion mechanism: "eventfd", "pipe" or "poll" (None before first use).
     completion: str | None
+    #: ``lookup`` calls, keys they asked for, and leading keys found ready.
+    lookups: int
+    lookup_keys: int
+    lookup_hits: int
     stores: int
     loads: int
     stores_rejected: int
@@ -72,9 +78,20 @@ def _make_backend(
 ) -> TransferBackend:
     if layout.device.type == "cpu":
         return CpuCopyBackend(kv_caches, layout, config.cpu_blocks, config.copy_engine)
+    if layout.device.type == "cuda":
+        from asyncoffload.transfer.cuda import CudaCopyBackend
+
+        return CudaCopyBackend(
+            kv_caches,
+            layout,
+            config.cpu_blocks,
+            copy_method=config.copy_method,
+            chunk_bytes=config.host_chunk_bytes,
+            pin=config.pin_memory,
+        )
     raise ValueError(
         f"no transfer backend for KV tensors on {layout.device}: this build copies CPU "
-        "tensors only; pass backend= to use your own"
+        "and CUDA tensors; pass backend= to use your own"
     )
 
 
@@ -124,6 +141,7 @@ class AsyncOffloadEngine:
         self._closing = False
         self._closed = False
         self._stores = self._loads = self._stores_rejected = self._failed = 0
+        self._lookups = self._lookup_keys = self._lookup_hits = 0
         self._bytes_stored = self._bytes_loaded = 0
         self._store_seconds = self._load_seconds = 0.0
 
@@ -195,7 +213,15 @@ class AsyncOffloadEngine:
         loop = asyncio.get_running_loop()
         bridge = self._bridge
         if bridge is None:
-            bridge = CompletionBridge(loop, self.config.completion, self.config.poll_interval_s)
+            mode = self.config.completion
+            if not self._backend.can_wake and mode != "poll":
+                if mode == "eventfd":
+                    log.warning(
+                        "completion='eventfd' but backend %s cannot signal an fd: polling",
+                        self._backend.name,
+                    )
+                mode = "poll"
+            bridge = CompletionBridge(loop, mode, self.config.poll_interval_s)
             self._store_lane = bridge.lane("store")
             self._load_lane = bridge.lane("load")
             self._backend.bind(bridge.notify, bridge.wake_fd)
@@ -253,7 +279,12 @@ class AsyncOffloadEngine:
         """How many leading ``keys`` are stored and ready to load. Does not change
         recency (see :meth:`touch`)."""
         self._check_open()
-        return self._manager.lookup_prefix(self._check_keys(keys, "lookup"), ctx)
+        keys = self._check_keys(keys, "lookup")
+        n = self._manager.lookup_prefix(keys, ctx)
+        self._lookups += 1
+        self._lookup_keys += len(keys)
+        self._lookup_hits += n
+        return n
 
     def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext | None = None) -> None:
         """Mark ``keys`` recently used; ``keys[0]`` becomes the most recently used."""
@@ -309,7 +340,9 @@ class AsyncOffloadEngine:
         be evicted. Bad input raises (see :meth:`prepare_load`) and changes nothing.
 
         The source KV blocks must not be overwritten until the handle resolves; then the
-        keys are loadable and one stored event has been published.
+        keys of ``keys_to_store`` are loadable and one stored event has been published.
+        Keys skipped because another store of them is still in flight become loadable
+        when that store completes, not with this handle.
         """
         self._check_open()
         keys = self._check_keys(keys, "prepare_store")
@@ -375,7 +408,11 @@ class AsyncOffloadEngine:
         m = self._manager.stats()
         return EngineStats(
             backend=self._backend.name,
+            backend_info=self._backend.describe(),
             completion=bridge.mechanism if bridge else None,
+            lookups=self._lookups,
+            lookup_keys=self._lookup_keys,
+            lookup_hits=self._lookup_hits,
             stores=self._stores,
             loads=self._loads,
             stores_rejected=self._stores_rejected,
@@ -425,34 +462,43 @@ class AsyncOffloadEngine:
             return FailedJob(len(src), exc)
 
     def _store_done(self, job: CopyJob, handle: Transfer, ctx: ReqContext) -> None:
-        ok = job.error is None
-        self._manager.complete_store(handle.keys_to_store, ctx, success=ok)
-        self._publish_events()
-        if ok:
+        error = job.error
+        try:
+            self._manager.complete_store(handle.keys_to_store, ctx, success=error is None)
+            self._publish_events()
+        except Exception as exc:  # never leave the handle (and aclose) hanging
+            log.exception("complete_store failed")
+            error = error or exc
+        if error is None:
             self._bytes_stored += job.nbytes
             self._store_seconds += job.duration_s
-        self._resolve(handle, job)
+        self._resolve(handle, job, error)
 
     def _load_done(
         self, job: CopyJob, handle: Transfer, keys: list[OffloadKey], ctx: ReqContext
     ) -> None:
-        self._manager.complete_load(keys, ctx)
-        if job.error is None:
+        error = job.error
+        try:
+            self._manager.complete_load(keys, ctx)
+        except Exception as exc:
+            log.exception("complete_load failed")
+            error = error or exc
+        if error is None:
             self._bytes_loaded += job.nbytes
             self._load_seconds += job.duration_s
-        self._resolve(handle, job)
+        self._resolve(handle, job, error)
 
-    def _resolve(self, handle: Transfer, job: CopyJob) -> None:
+    def _resolve(self, handle: Transfer, job: CopyJob, error: BaseException | None) -> None:
         fut = handle._future
         if fut.done():
             return
-        if job.error is None:
+        if error is None:
             fut.set_result(TransferResult(job.num_blocks, job.nbytes, job.duration_s))
             return
         self._failed += 1
-        log.warning("%s of %d blocks failed: %r", handle.kind, job.num_blocks, job.error)
-        err = TransferError(f"{handle.kind} of {job.num_blocks} blocks failed: {job.error!r}")
-        err.__cause__ = job.error
+        log.warning("%s of %d blocks failed: %r", handle.kind, job.num_blocks, error)
+        err = TransferError(f"{handle.kind} of {job.num_blocks} blocks failed: {error!r}")
+        err.__cause__ = error
         fut.set_exception(err)
 
 

@@ -45,7 +45,8 @@ class EventSubscription:
 
     Items are :class:`OffloadingEvent` or :class:`Lagged`. The iteration ends when the
     hub closes (after the buffered events) or when :meth:`close` is called. Cancelling a
-    task waiting in ``__anext__`` loses no event.
+    task waiting in ``__anext__`` loses no event. A subscription has one reader: a second
+    task waiting on it at the same time gets ``RuntimeError`` (subscribe once per reader).
     """
 
     def __init__(self, hub: EventHub, max_buffer: int, initial: Iterable[OffloadingEvent]) -> None:
@@ -105,6 +106,11 @@ class EventSubscription:
                 return self.receive_nowait()
             except asyncio.QueueEmpty:
                 pass
+            if self._waiter is not None:
+                raise RuntimeError(
+                    "another task is already waiting on this subscription; "
+                    "call engine.events() once per reader"
+                )
             self._waiter = asyncio.get_running_loop().create_future()
             try:
                 await self._waiter

@@ -191,3 +191,15 @@ async def test_events_rejects_bad_buffer_size() -> None:
     async with engine:
         with pytest.raises(ValueError, match="max_buffer"):
             engine.events(max_buffer=0)
+
+
+async def test_second_concurrent_reader_is_refused() -> None:
+    engine, _ = make_engine()
+    async with engine:
+        sub = engine.events()
+        first = asyncio.create_task(sub.receive())
+        await asyncio.sleep(0)
+        with pytest.raises(RuntimeError, match="once per reader"):
+            await sub.receive()
+        await _store(engine, make_keys(1), 0)
+        assert isinstance(await asyncio.wait_for(first, timeout=5), ao.OffloadingEvent)

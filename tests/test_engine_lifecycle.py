@@ -343,3 +343,30 @@ async def test_unclosed_engine_warns() -> None:
     with pytest.warns(ResourceWarning, match="unclosed"):
         engine.__del__()
     await engine.aclose()
+
+
+async def test_a_failing_completion_callback_still_resolves_the_handle() -> None:
+    engine, _ = make_engine()
+    manager = engine.manager
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("bookkeeping bug")
+
+    async with engine:
+        h = await engine.prepare_store(make_keys(2), [0, 1])
+        assert h is not None
+        manager.complete_store = broken  # type: ignore[method-assign]
+        with pytest.raises(ao.TransferError, match="bookkeeping bug"):
+            await asyncio.wait_for(h, timeout=5)
+    # aclose did not hang
+
+
+async def test_lookups_are_counted() -> None:
+    engine, _ = make_engine()
+    async with engine:
+        h = await engine.prepare_store(make_keys(2), [0, 1])
+        assert h is not None
+        await h
+        assert engine.lookup(make_keys(3)) == 2
+        stats = engine.stats()
+        assert (stats.lookups, stats.lookup_keys, stats.lookup_hits) == (1, 3, 2)

@@ -18,11 +18,11 @@ import tempfile
 from functools import cache
 from pathlib import Path
 
-__all__ = ["load_copy_engine", "native_disabled"]
+__all__ = ["load_copy_engine", "load_cuda_helpers", "native_disabled"]
 
 log = logging.getLogger("asyncoffload.native")
 
-_SOURCE = Path(__file__).with_name("copy_engine.c")
+_HERE = Path(__file__).parent
 
 
 def native_disabled() -> bool:
@@ -37,7 +37,7 @@ def _cache_dir() -> Path:
     return Path(base) / "asyncoffload"
 
 
-def _compile(source: Path, out: Path) -> None:
+def _compile(source: Path, out: Path, libs: tuple[str, ...]) -> None:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise OSError("no C compiler found (set CC)")
@@ -45,7 +45,7 @@ def _compile(source: Path, out: Path) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        cmd = [cc, "-O2", "-shared", "-fPIC", "-pthread", str(source), "-o", tmp]
+        cmd = [cc, "-O2", "-shared", "-fPIC", "-pthread", str(source), "-o", tmp, *libs]
         subprocess.run(cmd, check=True, capture_output=True, timeout=120)
         os.replace(tmp, out)  # atomic: concurrent first uses race harmlessly
     finally:
@@ -53,30 +53,48 @@ def _compile(source: Path, out: Path) -> None:
             os.unlink(tmp)
 
 
+def _load(name: str, libs: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """Compile ``{name}.c`` (once per source version) and load it; ``None`` on failure."""
+    if native_disabled() or not sys.platform.startswith(("linux", "darwin", "freebsd")):
+        return None
+    source = _HERE / f"{name}.c"
+    digest = hashlib.sha256(source.read_bytes() + sys.platform.encode()).hexdigest()[:16]
+    lib_path = _cache_dir() / f"{name}-{digest}.so"
+    try:
+        if not lib_path.exists():
+            _compile(source, lib_path, libs)
+        return ctypes.CDLL(str(lib_path))
+    except (OSError, subprocess.SubprocessError) as exc:
+        log.warning("native helper %s unavailable: %s", name, exc)
+        return None
+
+
 @cache
 def load_copy_engine() -> ctypes.CDLL | None:
     """The native copy-lane library, compiled on first use; ``None`` if unavailable."""
-    if native_disabled() or not sys.platform.startswith(("linux", "darwin", "freebsd")):
-        return None
-    src = _SOURCE.read_bytes()
-    digest = hashlib.sha256(src + sys.platform.encode()).hexdigest()[:16]
-    lib_path = _cache_dir() / f"copy_engine-{digest}.so"
-    try:
-        if not lib_path.exists():
-            _compile(_SOURCE, lib_path)
-        lib = ctypes.CDLL(str(lib_path))
-    except (OSError, subprocess.SubprocessError) as exc:
-        log.warning("native copy engine unavailable, using Python copy threads: %s", exc)
+    lib = _load("copy_engine")
+    if lib is None:
         return None
     lib.ao_lane_create.argtypes = [ctypes.c_int]
     lib.ao_lane_create.restype = ctypes.c_void_p
     lib.ao_lane_set_wake_fd.argtypes = [ctypes.c_void_p, ctypes.c_int]
     lib.ao_lane_set_wake_fd.restype = None
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    # handle, direction, n, kv_ids, host_ids, nfrag, kv_base, kv_stride, host_base,
+    # block_bytes, frag_bytes, status
     lib.ao_lane_submit.argtypes = [
-        ctypes.c_void_p,
-        ctypes.c_void_p,
-        ctypes.c_int64,
-        ctypes.c_void_p,
+        ptr,
+        ctypes.c_int,
+        i64,
+        ptr,
+        ptr,
+        i64,
+        ptr,
+        ptr,
+        i64,
+        i64,
+        i64,
+        ptr,
     ]
     lib.ao_lane_submit.restype = ctypes.c_int
     lib.ao_status_load.argtypes = [ctypes.c_void_p]
@@ -84,3 +102,32 @@ def load_copy_engine() -> ctypes.CDLL | None:
     lib.ao_lane_destroy.argtypes = [ctypes.c_void_p]
     lib.ao_lane_destroy.restype = None
     return lib
+
+
+@cache
+def load_cuda_helpers() -> tuple[ctypes.CDLL, int] | None:
+    """The CUDA helper library and its feature bits (1: host-function wake-ups, 2: batched
+    memcpy), or ``None`` where it can't be built or libcuda is missing."""
+    lib = _load("cuda_helpers", ("-ldl",))
+    if lib is None:
+        return None
+    lib.ao_cuda_init.argtypes = []
+    lib.ao_cuda_init.restype = ctypes.c_int
+    lib.ao_cuda_launch_wake.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    lib.ao_cuda_launch_wake.restype = ctypes.c_int
+    lib.ao_cuda_slot_done.argtypes = [ctypes.c_void_p]
+    lib.ao_cuda_slot_done.restype = ctypes.c_int64
+    lib.ao_cuda_memcpy_batch.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_int,
+        ctypes.c_int,
+    ]
+    lib.ao_cuda_memcpy_batch.restype = ctypes.c_int
+    features = lib.ao_cuda_init()
+    if features < 0:
+        return None
+    return lib, features

@@ -3,10 +3,13 @@
  * touching the GIL. A finished job publishes its status with a release store and writes
  * 1 to the lane's wake fd (an eventfd or a pipe), which the event loop watches.
  *
- * A job is an array of (src address, dst address, bytes) int64 triples. Jobs of one lane
- * run in submission order. Its status is two int64 words: [done flag, CLOCK_MONOTONIC
- * nanoseconds at the end of the copy]. The Python side keeps the descriptor array and
- * the status words alive until it has seen the done flag.
+ * A job copies n whole blocks between the KV tensors and the host pool: for block i and
+ * fragment f, the KV side is kv_base[f] + kv_ids[i] * kv_stride[f] and the host side is
+ * host_base + host_ids[i] * block_bytes + f * frag_bytes. The block ids are copied into the
+ * job at submission; the fragment tables belong to the backend and outlive its lanes.
+ * Jobs of one lane run in submission order. A job's status is two int64 words: [done
+ * flag, CLOCK_MONOTONIC nanoseconds at the end of the copy], kept alive by the Python
+ * side until it has seen the done flag.
  */
 #include <pthread.h>
 #include <stdint.h>
@@ -16,11 +19,35 @@
 #include <unistd.h>
 
 typedef struct ao_job {
-    const int64_t *desc;
-    int64_t count;
-    int64_t *status;
     struct ao_job *next;
+    int64_t *status;
+    int direction; /* 0: KV -> host (store), 1: host -> KV (load) */
+    int64_t n;
+    int64_t nfrag;
+    const int64_t *kv_base;
+    const int64_t *kv_stride;
+    int64_t host_base;
+    int64_t block_bytes;
+    int64_t frag_bytes;
+    int64_t ids[]; /* n KV block ids, then n host block ids */
 } ao_job;
+
+static void ao_run(const ao_job *job) {
+    const int64_t *kv_ids = job->ids;
+    const int64_t *host_ids = job->ids + job->n;
+    size_t frag = (size_t)job->frag_bytes;
+    for (int64_t i = 0; i < job->n; i++) {
+        char *host = (char *)(intptr_t)(job->host_base + host_ids[i] * job->block_bytes);
+        for (int64_t f = 0; f < job->nfrag; f++) {
+            char *kv = (char *)(intptr_t)(job->kv_base[f] + kv_ids[i] * job->kv_stride[f]);
+            char *h = host + f * job->frag_bytes;
+            if (job->direction == 0)
+                memcpy(h, kv, frag);
+            else
+                memcpy(kv, h, frag);
+        }
+    }
+}
 
 typedef struct {
     pthread_t thread;
@@ -56,10 +83,7 @@ static void *ao_lane_main(void *arg) {
         int fd = lane->wake_fd;
         pthread_mutex_unlock(&lane->mutex);
 
-        for (int64_t i = 0; i < job->count; i++) {
-            const int64_t *d = job->desc + 3 * i;
-            memcpy((void *)(intptr_t)d[1], (const void *)(intptr_t)d[0], (size_t)d[2]);
-        }
+        ao_run(job);
         struct timespec ts;
         clock_gettime(CLOCK_MONOTONIC, &ts);
         job->status[1] = (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
@@ -91,14 +115,25 @@ void ao_lane_set_wake_fd(void *handle, int wake_fd) {
     pthread_mutex_unlock(&lane->mutex);
 }
 
-int ao_lane_submit(void *handle, const int64_t *desc, int64_t count, int64_t *status) {
+int ao_lane_submit(void *handle, int direction, int64_t n, const int64_t *kv_ids,
+                   const int64_t *host_ids, int64_t nfrag, const int64_t *kv_base,
+                   const int64_t *kv_stride, int64_t host_base, int64_t block_bytes,
+                   int64_t frag_bytes, int64_t *status) {
     ao_lane *lane = (ao_lane *)handle;
-    ao_job *job = (ao_job *)malloc(sizeof *job);
+    ao_job *job = (ao_job *)malloc(sizeof *job + 2 * (size_t)n * sizeof(int64_t));
     if (job == NULL) return -1;
-    job->desc = desc;
-    job->count = count;
-    job->status = status;
     job->next = NULL;
+    job->status = status;
+    job->direction = direction;
+    job->n = n;
+    job->nfrag = nfrag;
+    job->kv_base = kv_base;
+    job->kv_stride = kv_stride;
+    job->host_base = host_base;
+    job->block_bytes = block_bytes;
+    job->frag_bytes = frag_bytes;
+    memcpy(job->ids, kv_ids, (size_t)n * sizeof(int64_t));
+    memcpy(job->ids + n, host_ids, (size_t)n * sizeof(int64_t));
     pthread_mutex_lock(&lane->mutex);
     if (lane->stopping) {
         pthread_mutex_unlock(&lane->mutex);

@@ -62,6 +62,9 @@ class TransferBackend(ABC):
     """Copies whole blocks between the KV tensors and ``num_host_blocks`` host slots."""
 
     name: str = ""
+    #: Whether finished jobs signal the loop (``wake`` / ``wake_fd``); if not, the engine
+    #: polls them on a timer.
+    can_wake: bool = True
 
     def __init__(self, layout: KVLayout, num_host_blocks: int) -> None:
         self.layout = layout
@@ -87,6 +90,10 @@ class TransferBackend(ABC):
     @abstractmethod
     def read_host_block(self, host_id: int) -> bytes:
         """The bytes of one host slot (for tests, lower tiers and debugging)."""
+
+    def describe(self) -> dict[str, object]:
+        """Backend details for stats and logs (copy methods, memory, ...)."""
+        return {}
 
     @abstractmethod
     def close(self) -> None:

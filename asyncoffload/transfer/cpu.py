@@ -17,7 +17,7 @@ import ctypes
 import logging
 import queue
 import threading
-import time
+from array import array
 from collections.abc import Callable, Sequence
 from typing import Literal
 
@@ -37,12 +37,11 @@ CopyEngine = Literal["auto", "native", "threads"]
 class _NativeJob(CopyJob):
     """A job run by a native lane; done when the lane's release store says so."""
 
-    __slots__ = ("_desc", "_lib", "_status")
+    __slots__ = ("_lib", "_status")
 
-    def __init__(self, num_blocks: int, nbytes: int, lib: ctypes.CDLL, desc: torch.Tensor) -> None:
+    def __init__(self, num_blocks: int, nbytes: int, lib: ctypes.CDLL) -> None:
         super().__init__(num_blocks, nbytes)
         self._lib = lib
-        self._desc = desc  # kept alive until the lane is done with it
         self._status = (ctypes.c_int64 * 2)()
 
     @property
@@ -104,8 +103,12 @@ class _ThreadLane:
 
 
 class _NativeLane:
-    def __init__(self, lib: ctypes.CDLL) -> None:
+    """A native thread that copies blocks of one direction, in order, without the GIL."""
+
+    def __init__(self, lib: ctypes.CDLL, direction: int, tables: _FragmentTables) -> None:
         self._lib = lib
+        self._direction = direction
+        self._tables = tables
         handle = lib.ao_lane_create(-1)
         if not handle:
             raise OSError("ao_lane_create failed")
@@ -115,11 +118,25 @@ class _NativeLane:
         if self._handle is not None:
             self._lib.ao_lane_set_wake_fd(self._handle, fd)
 
-    def submit(self, job: _NativeJob, desc: torch.Tensor) -> None:
+    def submit(self, job: _NativeJob, kv_ids: Sequence[int], host_ids: Sequence[int]) -> None:
         if self._handle is None:
             raise RuntimeError("copy lane is closed")
+        kv = array("q", kv_ids)
+        host = array("q", host_ids)
+        t = self._tables
         rc = self._lib.ao_lane_submit(
-            self._handle, desc.data_ptr(), desc.shape[0], job.status_address
+            self._handle,
+            self._direction,
+            len(kv),
+            kv.buffer_info()[0],
+            host.buffer_info()[0],
+            t.nfrag,
+            t.kv_base.buffer_info()[0],
+            t.kv_stride.buffer_info()[0],
+            t.host_base,
+            t.block_bytes,
+            t.frag_bytes,
+            job.status_address,
         )
         if rc != 0:
             raise RuntimeError(f"native copy lane refused the job (code {rc})")
@@ -128,6 +145,19 @@ class _NativeLane:
         if self._handle is not None:
             handle, self._handle = self._handle, None
             self._lib.ao_lane_destroy(handle)  # finishes queued jobs, joins the thread
+
+
+class _FragmentTables:
+    """Where fragment f of a block lives, for the native lanes (which read these arrays
+    until they stop, so the backend keeps them)."""
+
+    def __init__(self, fragments: list[torch.Tensor], host: torch.Tensor, frag_bytes: int) -> None:
+        self.nfrag = len(fragments)
+        self.kv_base = array("q", [v.data_ptr() for v in fragments])
+        self.kv_stride = array("q", [v.stride(0) for v in fragments])
+        self.host_base = host.data_ptr()
+        self.block_bytes = host.shape[1]
+        self.frag_bytes = frag_bytes
 
 
 class CpuCopyBackend(TransferBackend):
@@ -163,14 +193,9 @@ class CpuCopyBackend(TransferBackend):
         self._lib = lib
         if lib is not None:
             self.name = "cpu-native"
-            self._native_store = _NativeLane(lib)
-            self._native_load = _NativeLane(lib)
-            # Address of fragment f of KV block b: base[f] + b * row_stride[f].
-            self._kv_base = torch.tensor([v.data_ptr() for v in self._fragments], dtype=torch.int64)
-            self._kv_stride = torch.tensor(
-                [v.stride(0) for v in self._fragments], dtype=torch.int64
-            )
-            self._host_offset = torch.arange(len(self._fragments), dtype=torch.int64) * frag
+            self._tables = _FragmentTables(self._fragments, self.host, frag)
+            self._native_store = _NativeLane(lib, 0, self._tables)
+            self._native_load = _NativeLane(lib, 1, self._tables)
         else:
             self.name = "cpu-threads"
             self._store_lane = _ThreadLane("asyncoffload-store")
@@ -204,28 +229,18 @@ class CpuCopyBackend(TransferBackend):
         self._check(host_ids, self.num_host_blocks, "host block")
         n = len(gpu_ids)
         nbytes = n * self.layout.block_bytes
-        gidx = torch.as_tensor(gpu_ids, dtype=torch.int64)
-        hidx = torch.as_tensor(host_ids, dtype=torch.int64)
         if self._lib is None:
             job = CopyJob(n, nbytes)
+            gidx = torch.as_tensor(gpu_ids, dtype=torch.int64)
+            hidx = torch.as_tensor(host_ids, dtype=torch.int64)
             if direction == "store":
                 self._store_lane.submit(job, self._copy_store, (gidx, hidx), self._wake)
             else:
                 self._load_lane.submit(job, self._copy_load, (hidx, gidx), self._wake)
             return job
-        kv_addr = gidx[:, None] * self._kv_stride[None, :] + self._kv_base[None, :]
-        host_addr = (hidx * self.layout.block_bytes + self.host.data_ptr())[:, None]
-        host_addr = host_addr + self._host_offset[None, :]
-        size = torch.full_like(kv_addr, self.layout.fragment_bytes)
-        if direction == "store":
-            desc = torch.stack((kv_addr, host_addr, size), dim=-1)
-        else:
-            desc = torch.stack((host_addr, kv_addr, size), dim=-1)
-        desc = desc.reshape(-1, 3).contiguous()
-        native_job = _NativeJob(n, nbytes, self._lib, desc)
-        native_job.started_ns = time.perf_counter_ns()
+        native_job = _NativeJob(n, nbytes, self._lib)
         lane = self._native_store if direction == "store" else self._native_load
-        lane.submit(native_job, desc)
+        lane.submit(native_job, gpu_ids, host_ids)
         return native_job
 
     # The Python-thread copies; tests override these to inject failures or delays.
@@ -237,6 +252,12 @@ class CpuCopyBackend(TransferBackend):
     def _copy_load(self, host_idx: torch.Tensor, gpu_idx: torch.Tensor) -> None:
         for src, dst in zip(self._host_columns, self._fragments):
             dst.index_copy_(0, gpu_idx, src.index_select(0, host_idx))
+
+    def describe(self) -> dict[str, object]:
+        return {
+            "copy_engine": "native" if self._lib is not None else "threads",
+            "host_bytes": self.num_host_blocks * self.layout.block_bytes,
+        }
 
     def read_host_block(self, host_id: int) -> bytes:
         return bytes(self.host[host_id].numpy().tobytes())

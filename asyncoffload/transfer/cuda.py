@@ -1,0 +1,388 @@
+"""The CUDA backend: KV tensors on a GPU, the host tier in pinned memory.
+
+- **Host pool.** Block-major slots in chunks of page-aligned anonymous memory (no single
+  huge allocation), each registered with CUDA (pinned, mapped for UVA). If pinning fails
+  the chunk stays pageable: a warning is logged and ``pageable_chunks`` counts it.
+- **Streams.** One copy stream per direction. A transfer first waits for the work queued
+  on the caller's current stream (``wait_stream``), so a store reads finished KV and a load
+  does not race writes queued before it. A direction's transfers complete in order.
+- **Copy methods**, chosen per transfer (or forced with ``copy_method``):
+  ``batch``: one ``cuMemcpyBatchAsync`` over every (block, layer, K/V) fragment, run by the
+  copy engines, leaving the SMs to the model; ``kernel``: a Triton kernel copying the
+  fragments through UVA, best for small fragments; ``gather``: GPU-side
+  ``index_select`` into a staging buffer and one copy per block, the fallback.
+- **Completion.** Each transfer records a CUDA event; where the native helper is built, a
+  host function after it stamps the job and writes the loop's eventfd, without the GIL.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import logging
+import mmap
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import torch
+
+from asyncoffload._native import load_cuda_helpers
+from asyncoffload.layout import KVLayout
+from asyncoffload.transfer.base import CopyJob, TransferBackend
+
+__all__ = ["CopyMethod", "CudaCopyBackend", "PinnedHostPool"]
+
+log = logging.getLogger("asyncoffload.transfer")
+
+CopyMethod = Literal["auto", "batch", "kernel", "gather"]
+
+_HOST_REGISTER_PORTABLE = 0x01
+_HOST_REGISTER_MAPPED = 0x02
+
+
+class PinnedHostPool:
+    """``num_blocks`` host slots of ``block_bytes``, in chunks of about ``chunk_bytes``."""
+
+    def __init__(
+        self, num_blocks: int, block_bytes: int, chunk_bytes: int = 1 << 30, pin: bool = True
+    ) -> None:
+        self.num_blocks = num_blocks
+        self.block_bytes = block_bytes
+        self.rows_per_chunk = max(1, chunk_bytes // block_bytes)
+        self.chunks: list[torch.Tensor] = []
+        self._maps: list[mmap.mmap] = []
+        self._registered: list[int] = []
+        self.pinned_chunks = 0
+        self.pageable_chunks = 0
+        cudart = torch.cuda.cudart() if pin else None  # type: ignore[no-untyped-call]
+        remaining = num_blocks
+        while remaining > 0:
+            rows = min(remaining, self.rows_per_chunk)
+            nbytes = rows * block_bytes
+            mm = mmap.mmap(-1, nbytes)  # anonymous: page-aligned, zero-filled
+            chunk = torch.frombuffer(mm, dtype=torch.uint8).view(rows, block_bytes)
+            if cudart is not None:
+                flags = _HOST_REGISTER_PORTABLE | _HOST_REGISTER_MAPPED
+                err = cudart.cudaHostRegister(chunk.data_ptr(), nbytes, flags)
+                if int(err) == 0:
+                    self._registered.append(chunk.data_ptr())
+                    self.pinned_chunks += 1
+                else:
+                    self.pageable_chunks += 1
+                    log.warning(
+                        "could not pin a %d MiB host chunk (cudaHostRegister error %s): using "
+                        "pageable memory, copies from it are slower and synchronous",
+                        nbytes >> 20,
+                        int(err),
+                    )
+            else:
+                self.pageable_chunks += 1
+            self._maps.append(mm)
+            self.chunks.append(chunk)
+            remaining -= rows
+        chunk_base = torch.tensor([c.data_ptr() for c in self.chunks], dtype=torch.int64)
+        ids = torch.arange(num_blocks, dtype=torch.int64)
+        #: Host address of each slot.
+        self.block_address = (
+            chunk_base[ids // self.rows_per_chunk] + (ids % self.rows_per_chunk) * block_bytes
+        )
+
+    @property
+    def pinned(self) -> bool:
+        return self.pageable_chunks == 0
+
+    def block(self, host_id: int) -> torch.Tensor:
+        return self.chunks[host_id // self.rows_per_chunk][host_id % self.rows_per_chunk]
+
+    def runs(self, host_ids: Sequence[int]) -> list[tuple[int, int, int]]:
+        """``(position in host_ids, first id, length)`` of runs of consecutive ids that lie
+        in one chunk: each is one contiguous host range."""
+        out: list[tuple[int, int, int]] = []
+        rows = self.rows_per_chunk
+        i = 0
+        n = len(host_ids)
+        while i < n:
+            start = host_ids[i]
+            j = i + 1
+            while j < n and host_ids[j] == start + (j - i) and host_ids[j] // rows == start // rows:
+                j += 1
+            out.append((i, start, j - i))
+            i = j
+        return out
+
+    def view(self, first: int, length: int) -> torch.Tensor:
+        rows = self.rows_per_chunk
+        row = first % rows
+        return self.chunks[first // rows][row : row + length]
+
+    def close(self) -> None:
+        if self._registered:
+            cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+            for ptr in self._registered:
+                cudart.cudaHostUnregister(ptr)
+            self._registered.clear()
+        self.chunks.clear()
+        self._maps.clear()  # the tensors that viewed them are gone
+
+
+def _new_stream(device: torch.device) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+
+
+class _CudaJob(CopyJob):
+    """A transfer on a copy stream: done when its host-function slot says so, or (without
+    the native helper) when its CUDA event has completed."""
+
+    __slots__ = ("_event", "_keep", "_lib", "_slot", "method")
+
+    def __init__(self, num_blocks: int, nbytes: int, method: str) -> None:
+        super().__init__(num_blocks, nbytes)
+        self.method = method
+        self._event: torch.cuda.Event | None = None
+        self._slot: ctypes.Array[ctypes.c_int64] | None = None
+        self._lib: ctypes.CDLL | None = None
+        self._keep: list[Any] = []
+
+    def query(self) -> bool:
+        if self._done:
+            return True
+        slot = self._slot
+        if slot is not None:
+            assert self._lib is not None
+            if self._lib.ao_cuda_slot_done(ctypes.addressof(slot)):
+                self.finished_ns = slot[1]  # CLOCK_MONOTONIC, as perf_counter_ns
+                self._done = True
+        elif self._event is not None:
+            try:
+                done = self._event.query()  # type: ignore[no-untyped-call]
+            except RuntimeError as exc:  # a CUDA error surfaced by the event
+                self.finish(exc)
+            else:
+                if done:
+                    self.finish()
+        if self._done:
+            self._keep.clear()
+        return self._done
+
+
+class CudaCopyBackend(TransferBackend):
+    """Copies between KV tensors on one CUDA device and a pinned host pool."""
+
+    name = "cuda"
+
+    def __init__(
+        self,
+        kv_caches: Sequence[torch.Tensor],
+        layout: KVLayout,
+        num_host_blocks: int,
+        *,
+        copy_method: CopyMethod = "auto",
+        chunk_bytes: int = 1 << 30,
+        pin: bool = True,
+        kernel_max_fragment_bytes: int = 16 << 10,
+        kernel_programs: int = 32,
+        staging_blocks: int = 64,
+    ) -> None:
+        if layout.device.type != "cuda":
+            raise ValueError(f"CudaCopyBackend needs CUDA tensors, got {layout.device}")
+        super().__init__(layout, num_host_blocks)
+        self.device = layout.device
+        self._kv = list(kv_caches)
+        self._frags = layout.fragment_views(self._kv)
+        frag = layout.fragment_bytes
+        with torch.cuda.device(self.device):
+            self.pool = PinnedHostPool(num_host_blocks, layout.block_bytes, chunk_bytes, pin)
+            self._streams = (_new_stream(self.device), _new_stream(self.device))
+        self._kv_base = torch.tensor([v.data_ptr() for v in self._frags], dtype=torch.int64)
+        self._kv_stride = torch.tensor([v.stride(0) for v in self._frags], dtype=torch.int64)
+        self._frag_offset = torch.arange(len(self._frags), dtype=torch.int64) * frag
+        helpers = load_cuda_helpers()
+        self._lib = helpers[0] if helpers else None
+        features = helpers[1] if helpers else 0
+        self.has_host_wake = bool(features & 1)
+        self.has_batch = bool(features & 2)
+        self.has_kernel = _triton_available() and self.pool.pinned and frag % 8 == 0
+        self.can_wake = self.has_host_wake
+        self.copy_method: CopyMethod = copy_method
+        self.kernel_max_fragment_bytes = kernel_max_fragment_bytes
+        self.kernel_programs = kernel_programs
+        self.staging_blocks = staging_blocks
+        self._staging: list[torch.Tensor | None] = [None, None]
+        self.transfers_by_method: dict[str, int] = {"batch": 0, "kernel": 0, "gather": 0}
+        if copy_method != "auto" and not self._available(copy_method):
+            raise RuntimeError(f"copy_method={copy_method!r} is not available here")
+        self._closed = False
+        log.info(
+            "CUDA backend on %s: %d host blocks of %d B (%s), methods: batch=%s kernel=%s, "
+            "host-function wake-ups=%s",
+            self.device,
+            num_host_blocks,
+            layout.block_bytes,
+            "pinned" if self.pool.pinned else f"{self.pool.pageable_chunks} pageable chunks",
+            self.has_batch,
+            self.has_kernel,
+            self.has_host_wake,
+        )
+
+    def _available(self, method: str) -> bool:
+        return {"batch": self.has_batch, "kernel": self.has_kernel, "gather": True}[method]
+
+    def choose_method(self, num_blocks: int) -> str:
+        """The copy method a transfer of ``num_blocks`` blocks uses."""
+        if self.copy_method != "auto":
+            return self.copy_method
+        fragments = num_blocks * self.layout.fragments_per_block
+        if (
+            self.has_kernel
+            and self.layout.fragment_bytes <= self.kernel_max_fragment_bytes
+            and fragments >= 64
+        ):
+            return "kernel"
+        if self.has_batch:
+            return "batch"
+        return "kernel" if self.has_kernel else "gather"
+
+    def read_host_block(self, host_id: int) -> bytes:
+        return bytes(self.pool.block(host_id).numpy().tobytes())
+
+    def describe(self) -> dict[str, object]:
+        return {
+            "device": str(self.device),
+            "host_bytes": self.num_host_blocks * self.layout.block_bytes,
+            "pinned_chunks": self.pool.pinned_chunks,
+            "pageable_chunks": self.pool.pageable_chunks,
+            "copy_method": self.copy_method,
+            "batch_memcpy": self.has_batch,
+            "copy_kernel": self.has_kernel,
+            "host_function_wakeups": self.has_host_wake,
+            "transfers_by_method": dict(self.transfers_by_method),
+        }
+
+    # --- submission ---
+
+    def submit_store(self, gpu_ids: Sequence[int], host_ids: Sequence[int]) -> CopyJob:
+        return self._submit(0, gpu_ids, host_ids)
+
+    def submit_load(self, host_ids: Sequence[int], gpu_ids: Sequence[int]) -> CopyJob:
+        return self._submit(1, gpu_ids, host_ids)
+
+    def _submit(self, direction: int, gpu_ids: Sequence[int], host_ids: Sequence[int]) -> CopyJob:
+        if self._closed:
+            raise RuntimeError("CudaCopyBackend is closed")
+        if len(gpu_ids) != len(host_ids):
+            raise ValueError(f"{len(gpu_ids)} KV block ids but {len(host_ids)} host ids")
+        n = len(gpu_ids)
+        if n and (min(gpu_ids) < 0 or max(gpu_ids) >= self.layout.num_blocks):
+            raise IndexError(f"KV block ids must lie in [0, {self.layout.num_blocks})")
+        if n and (min(host_ids) < 0 or max(host_ids) >= self.num_host_blocks):
+            raise IndexError(f"host block ids must lie in [0, {self.num_host_blocks})")
+        method = self.choose_method(n)
+        job = _CudaJob(n, n * self.layout.block_bytes, method)
+        stream = self._streams[direction]
+        # Order after the caller's queued work: a store reads finished KV, a load does not
+        # overwrite blocks that earlier kernels still read or write.
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.device(self.device), torch.cuda.stream(stream):
+            if n:
+                job._keep = self._enqueue(method, direction, list(gpu_ids), list(host_ids))
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record(stream)
+            job._event = event
+            if self.has_host_wake and self._wake_fd is not None:
+                assert self._lib is not None
+                slot = (ctypes.c_int64 * 3)(0, 0, self._wake_fd)
+                rc = self._lib.ao_cuda_launch_wake(stream.cuda_stream, ctypes.addressof(slot))
+                if rc != 0:
+                    raise RuntimeError(f"cuLaunchHostFunc failed: CUresult {rc}")
+                job._slot = slot
+                job._lib = self._lib
+        self.transfers_by_method[method] += 1
+        return job
+
+    def _enqueue(
+        self, method: str, direction: int, gpu_ids: list[int], host_ids: list[int]
+    ) -> list[Any]:
+        if method == "gather":
+            return self._enqueue_gather(direction, gpu_ids, host_ids)
+        gidx = torch.tensor(gpu_ids, dtype=torch.int64)
+        hidx = torch.tensor(host_ids, dtype=torch.int64)
+        kv_addr = (gidx[:, None] * self._kv_stride + self._kv_base).reshape(-1)
+        host_addr = (self.pool.block_address[hidx][:, None] + self._frag_offset).reshape(-1)
+        src, dst = (kv_addr, host_addr) if direction == 0 else (host_addr, kv_addr)
+        if method == "batch":
+            assert self._lib is not None
+            sizes = torch.full_like(src, self.layout.fragment_bytes)
+            rc = self._lib.ao_cuda_memcpy_batch(
+                torch.cuda.current_stream(self.device).cuda_stream,
+                dst.data_ptr(),
+                src.data_ptr(),
+                sizes.data_ptr(),
+                src.numel(),
+                direction,
+                self.device.index if self.device.index is not None else 0,
+            )
+            if rc != 0:
+                raise RuntimeError(f"cuMemcpyBatchAsync failed: CUresult {rc}")
+            return []  # the descriptor arrays were consumed by the call
+        # kernel: descriptors go to the device on the copy stream, from pinned memory.
+        desc = torch.stack((src, dst)).pin_memory()
+        desc_dev = desc.to(self.device, non_blocking=True)
+        _launch_copy_kernel(
+            desc_dev[0], desc_dev[1], self.layout.fragment_bytes // 8, self.kernel_programs
+        )
+        return [desc, desc_dev]
+
+    def _enqueue_gather(self, direction: int, gpu_ids: list[int], host_ids: list[int]) -> list[Any]:
+        frag = self.layout.fragment_bytes
+        step = self.staging_blocks
+        staging = self._staging[direction]
+        if staging is None:
+            staging = torch.empty(
+                (step, self.layout.block_bytes), dtype=torch.uint8, device=self.device
+            )
+            self._staging[direction] = staging
+        keep: list[Any] = []
+        for lo in range(0, len(gpu_ids), step):
+            g = gpu_ids[lo : lo + step]
+            h = host_ids[lo : lo + step]
+            gidx = torch.tensor(g, dtype=torch.int64).to(self.device, non_blocking=True)
+            keep.append(gidx)
+            part = staging[: len(g)]
+            if direction == 0:
+                for f, view in enumerate(self._frags):
+                    part[:, f * frag : (f + 1) * frag] = view.index_select(0, gidx)
+                for pos, first, length in self.pool.runs(h):
+                    self.pool.view(first, length).copy_(part[pos : pos + length], non_blocking=True)
+            else:
+                for pos, first, length in self.pool.runs(h):
+                    part[pos : pos + length].copy_(self.pool.view(first, length), non_blocking=True)
+                for f, view in enumerate(self._frags):
+                    view.index_copy_(0, gidx, part[:, f * frag : (f + 1) * frag])
+        return keep
+
+    def close(self) -> None:
+        """Wait for queued copies (and their wake-ups), then unpin the host pool."""
+        if self._closed:
+            return
+        self._closed = True
+        for stream in self._streams:
+            stream.synchronize()
+        self.pool.close()
+
+
+# --- the Triton copy kernel (imported only where Triton is installed) -------------------
+
+_triton_checked: bool | None = None
+
+
+def _triton_available() -> bool:
+    global _triton_checked
+    if _triton_checked is None:
+        _triton_checked = importlib.util.find_spec("triton") is not None
+    return _triton_checked
+
+
+def _launch_copy_kernel(src: torch.Tensor, dst: torch.Tensor, words: int, programs: int) -> None:
+    from asyncoffload.transfer._triton_copy import launch_copy_fragments
+
+    launch_copy_fragments(src, dst, words, programs)
