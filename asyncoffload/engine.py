@@ -61,7 +61,8 @@ class EngineStats:
     blocks_evicted: int
     bytes_stored: int
     bytes_loaded: int
-    #: Seconds the copies took, summed per direction.
+    #: Seconds from submission to the end of each copy (queueing included), summed per
+    #: direction: a lower bound on throughput when copies queue behind each other.
     store_seconds: float
     load_seconds: float
     in_flight: int

@@ -1,0 +1,639 @@
+"""The demo: a simulated serving loop on the CPU backend, moving and checking real bytes.
+
+A synthetic multi-turn chat workload (:func:`~asyncoffload.workloads.synthetic_chat`)
+arrives as concurrent tasks. Each request looks up its prompt's prefix in the CPU tier,
+loads the hit blocks into a simulated GPU KV cache (CPU tensors), checks them bit for
+bit, "computes" the rest (writes their deterministic content and sleeps for a time
+proportional to the tokens), and stores its new blocks. An event subscriber counts
+what the engine publishes. The result is a :class:`DemoReport`.
+
+Every block's content is a function of its key, so a load is checked exactly: block
+``b`` of layer ``l``, half ``h`` (K or V) holds the int64 words
+``(w(key) XOR salt[l, h]) + j``
+for ``j`` in the fragment.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import sys
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal, TextIO
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from asyncoffload.config import EngineConfig
+from asyncoffload.engine import AsyncOffloadEngine, EngineStats
+from asyncoffload.errors import TransferError
+from asyncoffload.events import EventSubscription, Lagged
+from asyncoffload.keys import OffloadKey
+from asyncoffload.manager import ReqContext, available_policies
+from asyncoffload.workloads import Request, summarize, synthetic_chat
+
+__all__ = [
+    "BlockAllocator",
+    "DemoConfig",
+    "DemoConfigError",
+    "DemoReport",
+    "EventCounts",
+    "SimulatedKVCache",
+    "run_demo",
+]
+
+ProgressMode = Literal["auto", "always", "never"]
+
+_WORD_MASK = (1 << 62) - 1
+_GB = 1e9
+
+
+class DemoConfigError(ValueError):
+    """The settings do not fit together (found once the workload is known)."""
+
+
+class DemoConfig(BaseModel):
+    """Settings of :func:`run_demo`. The defaults finish in well under a minute."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    # Workload (see synthetic_chat).
+    requests: int = Field(1500, ge=1, description="Requests in the workload.")
+    system_prompts: int = Field(4, ge=1, description="Distinct system prompts.")
+    system_prompt_blocks: int = Field(32, ge=0, description="Blocks of each system prompt.")
+    turns: int = Field(5, ge=1, description="Turns per chat session.")
+    blocks_per_turn: float = Field(6.0, gt=0, description="Mean user message, in blocks.")
+    output_tokens: float = Field(128.0, gt=0, description="Mean reply length, in tokens.")
+    arrival_rate: float = Field(150.0, gt=0, description="Requests per workload second.")
+    think_time_s: float = Field(1.0, ge=0, description="Mean gap between turns of a session.")
+    seed: int = Field(0, description="Seed of the workload and the block contents.")
+    # The engine.
+    cpu_blocks: int = Field(4096, gt=0, description="Slots of the CPU tier.")
+    policy: str = Field("lru", description="Cache policy of the CPU tier.")
+    completion: Literal["auto", "eventfd", "poll"] = "auto"
+    event_buffer: int = Field(1 << 16, gt=0, description="The subscriber's event buffer.")
+    # The simulated model and server.
+    layers: int = Field(8, ge=1, description="KV layers.")
+    block_size: int = Field(16, ge=1, description="Tokens per block.")
+    kv_heads: int = Field(4, ge=1)
+    head_dim: int = Field(64, ge=1)
+    gpu_blocks: int | None = Field(
+        None,
+        ge=1,
+        description="Blocks of the simulated GPU KV cache (default: enough "
+        "for `concurrency` of the largest request).",
+    )
+    concurrency: int = Field(16, ge=1, description="Requests served at once.")
+    time_scale: float = Field(
+        1.0,
+        ge=0,
+        description="Wall seconds per workload second (arrivals and compute); "
+        "0 runs as fast as possible.",
+    )
+    torch_threads: int | None = Field(
+        1,
+        ge=1,
+        description="torch intra-op threads while the demo runs (the copy threads "
+        "and the checks already run in parallel); None leaves torch's setting.",
+    )
+    prefill_us_per_token: float = Field(20.0, ge=0, description="Compute per prompt token.")
+    decode_us_per_token: float = Field(50.0, ge=0, description="Compute per output token.")
+
+    @field_validator("policy")
+    @classmethod
+    def _known_policy(cls, value: str) -> str:
+        known = available_policies()
+        if value not in known:
+            raise ValueError(f"unknown cache policy {value!r}; known: {', '.join(known)}")
+        return value
+
+    @model_validator(mode="after")
+    def _whole_words(self) -> DemoConfig:
+        if (self.block_size * self.kv_heads * self.head_dim * 2) % 8:
+            raise ValueError(
+                "block_size * kv_heads * head_dim must be a multiple of 4 "
+                "(a block fragment is checked as int64 words)"
+            )
+        return self
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one KV block across all layers (one CPU slot)."""
+        return self.layers * 2 * self.block_size * self.kv_heads * self.head_dim * 2
+
+    def workload(self) -> list[Request]:
+        return synthetic_chat(
+            self.requests,
+            num_system_prompts=self.system_prompts,
+            system_prompt_blocks=self.system_prompt_blocks,
+            turns=self.turns,
+            blocks_per_turn=self.blocks_per_turn,
+            output_tokens=self.output_tokens,
+            block_size=self.block_size,
+            arrival_rate=self.arrival_rate,
+            think_time_s=self.think_time_s,
+            seed=self.seed,
+        )
+
+
+# --- the simulated GPU -----------------------------------------------------------------
+
+
+class SimulatedKVCache:
+    """Per-layer K/V tensors ``[2, num_blocks, block_size, kv_heads, head_dim]`` bf16,
+    views of one tensor, whose blocks are written and checked by key."""
+
+    def __init__(
+        self,
+        layers: int,
+        num_blocks: int,
+        block_size: int,
+        kv_heads: int,
+        head_dim: int,
+        seed: int = 0,
+    ) -> None:
+        shape = (layers, 2, num_blocks, block_size, kv_heads, head_dim)
+        self.storage = torch.zeros(shape, dtype=torch.bfloat16)
+        #: What the engine sees: one contiguous tensor per layer.
+        self.kv_caches: list[torch.Tensor] = list(self.storage.unbind(0))
+        self.num_blocks = num_blocks
+        self._words = self.storage.view(layers, 2, num_blocks, -1).view(torch.int64)
+        n_words = self._words.shape[-1]
+        gen = torch.Generator().manual_seed(seed)
+        self._salt = torch.randint(0, 1 << 61, (layers, 2, 1, 1), generator=gen)
+        self._ramp = torch.arange(n_words, dtype=torch.int64)
+
+    def _expected(self, keys: Sequence[OffloadKey]) -> torch.Tensor:
+        words = [int.from_bytes(key[:8], "little") & _WORD_MASK for key in keys]
+        base = torch.tensor(words, dtype=torch.int64).view(1, 1, -1, 1) ^ self._salt
+        return base + self._ramp
+
+    def write(self, keys: Sequence[OffloadKey], blocks: Sequence[int]) -> None:
+        """Fill ``blocks`` with the content of ``keys`` (as a forward pass would)."""
+        if keys:
+            idx = torch.tensor(blocks, dtype=torch.int64)
+            self._words.index_copy_(2, idx, self._expected(keys))
+
+    def check(self, keys: Sequence[OffloadKey], blocks: Sequence[int]) -> int:
+        """How many of ``blocks`` do not hold exactly the content of ``keys``."""
+        if not keys:
+            return 0
+        idx = torch.tensor(blocks, dtype=torch.int64)
+        equal = self._words.index_select(2, idx) == self._expected(keys)
+        if bool(equal.all()):
+            return 0
+        per_block = equal.all(dim=3).all(dim=1).all(dim=0)
+        return int((~per_block).sum())
+
+
+class BlockAllocator:
+    """A free list of KV blocks; ``allocate`` waits, first come first served, while
+    too few are free."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self._free = list(range(num_blocks - 1, -1, -1))
+        self._waiters: deque[tuple[int, asyncio.Future[list[int]]]] = deque()
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def _take(self, n: int) -> list[int]:
+        free = self._free
+        ids = free[len(free) - n :]
+        del free[len(free) - n :]
+        return ids
+
+    async def allocate(self, n: int) -> list[int]:
+        if n > self.num_blocks:
+            raise ValueError(f"{n} blocks asked for, the KV cache has {self.num_blocks}")
+        if not self._waiters and n <= len(self._free):
+            return self._take(n)
+        fut: asyncio.Future[list[int]] = asyncio.get_running_loop().create_future()
+        entry = (n, fut)
+        self._waiters.append(entry)
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():
+                self.free(fut.result())  # handed over just as we were cancelled
+            else:
+                self._waiters.remove(entry)
+                self._wake()
+            raise
+
+    def free(self, ids: Sequence[int]) -> None:
+        self._free.extend(ids)
+        self._wake()
+
+    def _wake(self) -> None:
+        waiters = self._waiters
+        while waiters and waiters[0][0] <= len(self._free):
+            n, fut = waiters.popleft()
+            if not fut.done():
+                fut.set_result(self._take(n))
+
+
+# --- results ---------------------------------------------------------------------------
+
+
+@dataclass
+class EventCounts:
+    """What the event subscriber saw."""
+
+    events: int = 0
+    stored_events: int = 0
+    removed_events: int = 0
+    stored_keys: int = 0
+    removed_keys: int = 0
+    lagged: int = 0
+    missed: int = 0
+
+
+@dataclass
+class _Progress:
+    done: int = 0
+    failed: int = 0
+    prompt_tokens: int = 0
+    hit_tokens: int = 0
+    hit_blocks: int = 0
+    computed_blocks: int = 0
+    bytes_moved: int = 0
+    stores_rejected: int = 0
+    verified_blocks: int = 0
+    mismatches: int = 0
+    latencies_s: list[float] = field(default_factory=list)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+def _percentile(sorted_values: Sequence[float], q: float) -> float:
+    if not sorted_values:
+        return math.nan
+    idx = min(len(sorted_values) - 1, max(0, round(q / 100 * (len(sorted_values) - 1))))
+    return sorted_values[idx]
+
+
+@dataclass(frozen=True)
+class DemoReport:
+    """The outcome of :func:`run_demo`."""
+
+    config: DemoConfig
+    loop: str
+    requests: int
+    failed_requests: int
+    prompt_tokens: int
+    #: Prompt tokens loaded from the CPU tier instead of computed.
+    hit_tokens: int
+    #: Blocks this run loaded, and computed, summed over requests.
+    hit_blocks: int
+    computed_blocks: int
+    stores_rejected: int
+    verified_blocks: int
+    mismatches: int
+    unique_blocks: int
+    gpu_blocks: int
+    wall_s: float
+    request_latency_p50_ms: float
+    request_latency_p99_ms: float
+    events: EventCounts
+    stats: EngineStats
+
+    @property
+    def hit_rate(self) -> float:
+        """Prefix-hit rate in tokens: tokens loaded / prompt tokens."""
+        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def bytes_moved(self) -> int:
+        return self.stats.bytes_stored + self.stats.bytes_loaded
+
+    @property
+    def copy_gbps(self) -> float:
+        """GB per second of copy time (per-copy submit-to-end, summed)."""
+        seconds = self.stats.store_seconds + self.stats.load_seconds
+        return self.bytes_moved / _GB / seconds if seconds > 0 else 0.0
+
+    @property
+    def wall_gbps(self) -> float:
+        return self.bytes_moved / _GB / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def events_delivered(self) -> int:
+        """Events the subscriber received (Lagged markers not counted)."""
+        return self.events.events
+
+    @property
+    def ok(self) -> bool:
+        return self.mismatches == 0 and self.failed_requests == 0
+
+    def rows(self) -> list[tuple[str, str]]:
+        s = self.stats
+        cfg = self.config
+        ev = self.events
+        lagged = f", {ev.missed} missed in {ev.lagged} lags" if ev.lagged else ""
+        failed = f" ({self.failed_requests} failed)" if self.failed_requests else ""
+        verdict = "OK" if self.mismatches == 0 else "FAILED"
+        return [
+            ("requests", f"{self.requests}{failed}"),
+            (
+                "prefix-hit rate (tokens)",
+                f"{self.hit_rate:.1%}  ({self.hit_tokens:,} of {self.prompt_tokens:,})",
+            ),
+            (
+                "blocks stored / loaded / evicted",
+                f"{s.blocks_stored:,} / {s.blocks_loaded:,} / {s.blocks_evicted:,}",
+            ),
+            ("stores rejected (tier full)", f"{s.stores_rejected:,}"),
+            (
+                "GB moved (stored + loaded)",
+                f"{self.bytes_moved / _GB:.2f}  ({s.bytes_stored / _GB:.2f} + "
+                f"{s.bytes_loaded / _GB:.2f})",
+            ),
+            (
+                "GB/s",
+                f"{self.copy_gbps:.2f} per copy-second, {self.wall_gbps:.2f} per wall-second",
+            ),
+            (
+                "completion-callback latency",
+                f"p50 {s.callback_latency_p50_us:,.0f} us, p99 {s.callback_latency_p99_us:,.0f} us",
+            ),
+            (
+                "request latency",
+                f"p50 {self.request_latency_p50_ms:,.1f} ms, p99 "
+                f"{self.request_latency_p99_ms:,.1f} ms",
+            ),
+            (
+                "events delivered",
+                f"{ev.events:,} of {s.events_published:,} published  ({ev.stored_events:,} "
+                f"stored: {ev.stored_keys:,} keys, {ev.removed_events:,} removed: "
+                f"{ev.removed_keys:,} keys{lagged})",
+            ),
+            ("wall time", f"{self.wall_s:.2f} s"),
+            ("loop / completion / backend", f"{self.loop} / {s.completion} / {s.backend}"),
+            (
+                "CPU tier",
+                f"{cfg.cpu_blocks:,} blocks x {cfg.block_bytes // 1024} KiB, policy "
+                f"{cfg.policy}  (workload: {self.unique_blocks:,} distinct blocks)",
+            ),
+            (
+                "verification",
+                f"{verdict}: verified {self.verified_blocks:,} blocks, "
+                f"{self.mismatches} mismatches",
+            ),
+        ]
+
+    def format_table(self) -> str:
+        rows = self.rows()
+        width = max(len(name) for name, _ in rows)
+        rule = "-" * width + "  " + "-" * max(len(value) for _, value in rows)
+        lines = [f"{'metric':<{width}}  value", rule]
+        lines.extend(f"{name:<{width}}  {value}" for name, value in rows)
+        return "\n".join(lines)
+
+
+# --- the run ---------------------------------------------------------------------------
+
+
+def _loop_name(loop: asyncio.AbstractEventLoop) -> str:
+    return "uvloop" if type(loop).__module__.startswith("uvloop") else "asyncio"
+
+
+async def _count_events(sub: EventSubscription, counts: EventCounts) -> None:
+    async for item in sub:
+        if isinstance(item, Lagged):
+            counts.lagged += 1
+            counts.missed += item.missed
+        elif item.removed:
+            counts.events += 1
+            counts.removed_events += 1
+            counts.removed_keys += len(item.keys)
+        else:
+            counts.events += 1
+            counts.stored_events += 1
+            counts.stored_keys += len(item.keys)
+
+
+def _render(p: _Progress, total: int, elapsed: float, width: int = 30) -> str:
+    filled = width * p.done // total if total else width
+    bar = "#" * filled + "." * (width - filled)
+    return (
+        f"\r[{bar}] {p.done}/{total} requests  hit {p.hit_rate:4.0%}  "
+        f"{p.bytes_moved / _GB:6.2f} GB moved  {elapsed:5.1f} s"
+    )
+
+
+async def _show_progress(
+    p: _Progress, total: int, stream: TextIO, finished: asyncio.Event, interval: float = 0.2
+) -> None:
+    t0 = time.perf_counter()
+    try:
+        while not finished.is_set():
+            stream.write(_render(p, total, time.perf_counter() - t0))
+            stream.flush()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(finished.wait(), interval)
+    finally:
+        stream.write(_render(p, total, time.perf_counter() - t0) + "\n")
+        stream.flush()
+
+
+class _Server:
+    """Serves requests against one engine."""
+
+    def __init__(
+        self,
+        cfg: DemoConfig,
+        engine: AsyncOffloadEngine,
+        kv: SimulatedKVCache,
+        progress: _Progress,
+    ) -> None:
+        self.cfg = cfg
+        self.engine = engine
+        self.kv = kv
+        self.p = progress
+        self.alloc = BlockAllocator(kv.num_blocks)
+        self.sem = asyncio.Semaphore(cfg.concurrency)
+        self.block_bytes = engine.layout.block_bytes
+        scale = cfg.time_scale * 1e-6
+        self.prefill_s = cfg.prefill_us_per_token * scale
+        self.decode_s = cfg.decode_us_per_token * scale
+
+    async def serve(self, req: Request, arrived: float) -> None:
+        engine, p = self.engine, self.p
+        keys = req.keys
+        async with self.sem:
+            blocks = await self.alloc.allocate(len(keys))
+            try:
+                ctx = ReqContext(req.req_id)
+                # No await between the lookup and prepare_load: the hits stay resident.
+                n = engine.lookup(keys, ctx)
+                if n:
+                    await (await engine.prepare_load(keys[:n], blocks[:n], ctx))
+                    # Checks and writes run off the loop, as a GPU's kernels would.
+                    # (Not `p.mismatches += await ...`: that reads the counter before
+                    # the await and loses the updates of concurrent requests.)
+                    bad = await asyncio.to_thread(self.kv.check, keys[:n], blocks[:n])
+                    p.mismatches += bad
+                    p.verified_blocks += n
+                    p.bytes_moved += n * self.block_bytes
+                # "Compute" the rest of the prompt and the reply.
+                if n < len(keys):
+                    await asyncio.to_thread(self.kv.write, keys[n:], blocks[n:])
+                hit_tokens = min(n * self.cfg.block_size, req.input_tokens)
+                compute_s = (
+                    req.input_tokens - hit_tokens
+                ) * self.prefill_s + req.output_tokens * self.decode_s
+                if compute_s > 0:
+                    await asyncio.sleep(compute_s)
+                if n < len(keys):
+                    handle = await engine.prepare_store(keys[n:], blocks[n:], ctx)
+                    if handle is None:
+                        p.stores_rejected += 1
+                    else:
+                        result = await handle
+                        p.bytes_moved += result.nbytes
+            except TransferError:
+                p.failed += 1
+                return
+            finally:
+                self.alloc.free(blocks)
+        p.done += 1
+        p.prompt_tokens += req.input_tokens
+        p.hit_tokens += hit_tokens
+        p.hit_blocks += n
+        p.computed_blocks += len(keys) - n
+        p.latencies_s.append(time.perf_counter() - arrived)
+
+    async def run(self, requests: Sequence[Request]) -> None:
+        """Start every request as a task at its (scaled) arrival time; wait for all."""
+        tasks: list[asyncio.Task[None]] = []
+        errors: list[BaseException] = []
+
+        def on_done(task: asyncio.Task[None]) -> None:
+            exc = None if task.cancelled() else task.exception()
+            if exc is not None:
+                errors.append(exc)
+
+        scale = self.cfg.time_scale
+        t0 = time.perf_counter()
+        try:
+            for req in requests:
+                if errors:
+                    break
+                delay = t0 + req.arrival_s * scale - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                task = asyncio.create_task(self.serve(req, time.perf_counter()))
+                task.add_done_callback(on_done)
+                tasks.append(task)
+            if tasks and not errors:
+                await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        finally:
+            for task in tasks:
+                task.cancel()
+            if tasks:
+                await asyncio.wait(tasks)
+        if errors:
+            raise errors[0]
+
+
+async def run_demo(
+    cfg: DemoConfig | None = None,
+    progress: bool | ProgressMode = "auto",
+    *,
+    stream: TextIO | None = None,
+) -> DemoReport:
+    """Run the demo on the running loop and report.
+
+    ``progress``: ``"auto"`` (or ``True``) draws a progress bar on ``stream`` (default
+    stderr) when it is a terminal, ``"always"`` draws it anyway, ``"never"`` (or
+    ``False``) never. While it runs, torch's intra-op thread count is
+    ``cfg.torch_threads`` (process-wide; restored afterwards). Raises
+    :class:`DemoConfigError` when the settings don't fit the workload.
+    """
+    cfg = cfg if cfg is not None else DemoConfig()
+    mode: ProgressMode = "auto" if progress is True else "never" if progress is False else progress
+    out = stream if stream is not None else sys.stderr
+    show = mode == "always" or (mode == "auto" and out.isatty())
+    saved_threads = torch.get_num_threads()
+    if cfg.torch_threads is not None:
+        torch.set_num_threads(cfg.torch_threads)
+    try:
+        return await _run(cfg, out if show else None)
+    finally:
+        torch.set_num_threads(saved_threads)
+
+
+async def _run(cfg: DemoConfig, progress_stream: TextIO | None) -> DemoReport:
+    requests = cfg.workload()
+    summary = summarize(requests)
+    largest = summary.max_request_blocks
+    gpu_blocks = cfg.gpu_blocks if cfg.gpu_blocks is not None else cfg.concurrency * largest
+    if gpu_blocks < largest:
+        raise DemoConfigError(
+            f"gpu_blocks={gpu_blocks} cannot hold the largest request of the workload "
+            f"({largest} blocks)"
+        )
+    kv = SimulatedKVCache(
+        cfg.layers, max(gpu_blocks, 1), cfg.block_size, cfg.kv_heads, cfg.head_dim, cfg.seed
+    )
+    engine_cfg = EngineConfig(
+        cpu_blocks=cfg.cpu_blocks,
+        policy=cfg.policy,
+        completion=cfg.completion,
+        event_buffer=cfg.event_buffer,
+    )
+    engine = AsyncOffloadEngine(kv.kv_caches, engine_cfg)
+    state = _Progress()
+    counts = EventCounts()
+    finished = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    bar: asyncio.Task[None] | None = None
+    async with engine:
+        # Subscribed before the first request: the subscriber sees every event. The
+        # subscription ends when the engine closes, after its buffered events.
+        counter = asyncio.create_task(_count_events(engine.events(), counts))
+        if progress_stream is not None:
+            bar = asyncio.create_task(
+                _show_progress(state, len(requests), progress_stream, finished)
+            )
+        t0 = time.perf_counter()
+        try:
+            await _Server(cfg, engine, kv, state).run(requests)
+        finally:
+            finished.set()
+            if bar is not None:
+                await bar
+    # aclose waited for every copy.
+    wall = time.perf_counter() - t0
+    await counter
+    stats = engine.stats()
+    lat = sorted(state.latencies_s)
+    return DemoReport(
+        config=cfg,
+        loop=_loop_name(loop),
+        requests=state.done + state.failed,
+        failed_requests=state.failed,
+        prompt_tokens=state.prompt_tokens,
+        hit_tokens=state.hit_tokens,
+        hit_blocks=state.hit_blocks,
+        computed_blocks=state.computed_blocks,
+        stores_rejected=state.stores_rejected,
+        verified_blocks=state.verified_blocks,
+        mismatches=state.mismatches,
+        unique_blocks=summary.unique_blocks,
+        gpu_blocks=gpu_blocks,
+        wall_s=wall,
+        request_latency_p50_ms=_percentile(lat, 50) * 1e3,
+        request_latency_p99_ms=_percentile(lat, 99) * 1e3,
+        events=counts,
+        stats=stats,
+    )
