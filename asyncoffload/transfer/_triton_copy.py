@@ -4,6 +4,9 @@ Through UVA a kernel can read and write pinned host memory directly, so one laun
 gathers the (block, layer, K/V) fragments of a whole transfer: the SMs do the scatter and
 gather that would otherwise cost one DMA descriptor per fragment. Fragments must be whole
 int64 words and 8-byte aligned.
+
+Each program copies ``DESC`` fragments at a time, ``WORDS`` words of each per step, so
+that small fragments still keep many PCIe reads in flight per program.
 """
 
 from __future__ import annotations
@@ -14,23 +17,28 @@ import triton.language as tl
 
 __all__ = ["launch_copy_fragments"]
 
+# Words moved per program per step (DESC * WORDS): 32 KiB.
+_TILE_WORDS = 4096
+
 
 @triton.jit
-def _copy_fragments(src_addr, dst_addr, n_desc, words, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
-    # Program p copies descriptors p, p + nprog, ...; each is `words` int64 words, moved
-    # BLOCK words per step.
+def _copy_fragments(src_addr, dst_addr, n_desc, words, DESC: tl.constexpr, WORDS: tl.constexpr):  # type: ignore[no-untyped-def]
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    offs = tl.arange(0, BLOCK)
-    d = pid
-    while d < n_desc:
-        src = tl.load(src_addr + d).to(tl.pointer_type(tl.int64))
-        dst = tl.load(dst_addr + d).to(tl.pointer_type(tl.int64))
-        for start in range(0, words, BLOCK):
+    lanes = tl.arange(0, DESC)
+    offs = tl.arange(0, WORDS)
+    base = pid * DESC
+    while base < n_desc:
+        d = base + lanes
+        live = d < n_desc
+        src = tl.load(src_addr + d, mask=live, other=0).to(tl.pointer_type(tl.int64))
+        dst = tl.load(dst_addr + d, mask=live, other=0).to(tl.pointer_type(tl.int64))
+        for start in range(0, words, WORDS):
             idx = start + offs
-            mask = idx < words
-            tl.store(dst + idx, tl.load(src + idx, mask=mask), mask=mask)
-        d += nprog
+            mask = live[:, None] & (idx < words)[None, :]
+            vals = tl.load(src[:, None] + idx[None, :], mask=mask)
+            tl.store(dst[:, None] + idx[None, :], vals, mask=mask)
+        base += nprog * DESC
 
 
 def launch_copy_fragments(src: torch.Tensor, dst: torch.Tensor, words: int, programs: int) -> None:
@@ -40,5 +48,7 @@ def launch_copy_fragments(src: torch.Tensor, dst: torch.Tensor, words: int, prog
     n = src.numel()
     if n == 0:
         return
-    block = 1024 if words >= 1024 else max(16, 1 << (words - 1).bit_length())
-    _copy_fragments[(max(1, min(programs, n)),)](src, dst, n, words, BLOCK=block)
+    per_step = min(_TILE_WORDS, 1 << (words - 1).bit_length())
+    desc = max(1, _TILE_WORDS // per_step)
+    grid = (max(1, min(programs, triton.cdiv(n, desc))),)
+    _copy_fragments[grid](src, dst, n, words, DESC=desc, WORDS=per_step, num_warps=8)

@@ -22,7 +22,7 @@ class CopyJob:
     then ``error`` is ``None`` or the exception that ended it, and ``finished_ns``
     (``time.perf_counter_ns``) says when it ended."""
 
-    __slots__ = ("_done", "error", "finished_ns", "nbytes", "num_blocks", "started_ns")
+    __slots__ = ("_done", "error", "finished_ns", "nbytes", "num_blocks", "stamped", "started_ns")
 
     def __init__(self, num_blocks: int, nbytes: int) -> None:
         self.num_blocks = num_blocks
@@ -30,9 +30,18 @@ class CopyJob:
         self.started_ns = time.perf_counter_ns()
         self.finished_ns = 0
         self.error: BaseException | None = None
+        #: Whether ``finished_ns`` is when the copy really ended (stamped by whoever ran
+        #: it), rather than when someone noticed; only stamped jobs feed latency figures.
+        self.stamped = True
         self._done = False
 
     def query(self) -> bool:
+        return self._done
+
+    def check_failed(self) -> bool:
+        """Look for a failure that would stop the job from ever completing (a device
+        error); the bridge calls it now and then on a job that seems stuck. True if the
+        job has ended."""
         return self._done
 
     def finish(self, error: BaseException | None = None) -> None:

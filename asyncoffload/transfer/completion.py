@@ -131,11 +131,13 @@ class CompletionBridge:
         loop: asyncio.AbstractEventLoop,
         mode: str = "auto",
         poll_interval: float = 0.001,
+        watchdog_interval: float = 0.05,
     ) -> None:
         if mode not in ("auto", "eventfd", "poll"):
             raise ValueError(f"completion mode must be 'auto', 'eventfd' or 'poll', got {mode!r}")
         self.loop = loop
         self.poll_interval = poll_interval
+        self.watchdog_interval = watchdog_interval
         self.lanes: list[CopyLane] = []
         self.latency = LatencyWindow()
         self._waker: _Waker | None = None
@@ -181,10 +183,13 @@ class CompletionBridge:
         if self._closed:
             raise RuntimeError("completion bridge is closed")
         lane.jobs.append((job, callback))
-        if self._waker is None:
-            if self._timer is None:
-                self._timer = self.loop.call_later(self.poll_interval, self._on_timer)
-        elif job.query():
+        if self._timer is None:
+            # Poll mode: the timer is the mechanism. Wake-up mode: a slow watchdog, for
+            # jobs that end without signalling (a device error stops the stream before
+            # its host function runs).
+            delay = self.poll_interval if self._waker is None else self.watchdog_interval
+            self._timer = self.loop.call_later(delay, self._on_timer)
+        if self._waker is not None and job.query():
             # Ended before we watched it (a failed submission): its wake-up may be gone.
             self._waker.wake()
 
@@ -199,9 +204,14 @@ class CompletionBridge:
 
     def _on_timer(self) -> None:
         self._timer = None
+        if self._waker is not None:
+            for lane in self.lanes:
+                if lane.jobs:
+                    lane.jobs[0][0].check_failed()
         self.drain()
         if self.pending and not self._closed:
-            self._timer = self.loop.call_later(self.poll_interval, self._on_timer)
+            delay = self.poll_interval if self._waker is None else self.watchdog_interval
+            self._timer = self.loop.call_later(delay, self._on_timer)
 
     def drain(self) -> int:
         """Run the callbacks of every finished head job; how many ran."""
@@ -210,7 +220,7 @@ class CompletionBridge:
             jobs = lane.jobs
             while jobs and jobs[0][0].query():
                 job, callback = jobs.popleft()
-                if job.finished_ns:
+                if job.stamped and job.finished_ns:
                     self.latency.add(time.perf_counter_ns() - job.finished_ns)
                 try:
                     callback(job)
@@ -220,9 +230,12 @@ class CompletionBridge:
         return ran
 
     def close(self) -> None:
-        """Stop watching. Pending jobs are not resolved: wait for them first."""
+        """Stop watching and close the wake-up fd. Refuses while jobs are pending: native
+        code may still write the fd (wait for the jobs, and for the device, first)."""
         if self._closed:
             return
+        if self.pending:
+            raise RuntimeError(f"completion bridge closed with {self.pending} jobs pending")
         self._closed = True
         if self._timer is not None:
             self._timer.cancel()

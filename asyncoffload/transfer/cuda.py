@@ -30,7 +30,14 @@ from asyncoffload._native import load_cuda_helpers
 from asyncoffload.layout import KVLayout
 from asyncoffload.transfer.base import CopyJob, TransferBackend
 
-__all__ = ["CopyMethod", "CudaCopyBackend", "PinnedHostPool"]
+__all__ = [
+    "CopyMethod",
+    "CudaCopyBackend",
+    "CudaJob",
+    "PinnedHostPool",
+    "mark_completion",
+    "start_timing",
+]
 
 log = logging.getLogger("asyncoffload.transfer")
 
@@ -129,15 +136,17 @@ def _new_stream(device: torch.device) -> torch.cuda.Stream:
     return torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
 
 
-class _CudaJob(CopyJob):
+class CudaJob(CopyJob):
     """A transfer on a copy stream: done when its host-function slot says so, or (without
-    the native helper) when its CUDA event has completed."""
+    the native helper) when its CUDA event has completed. Its duration is measured on the
+    device, between timing events around the copy."""
 
-    __slots__ = ("_event", "_keep", "_lib", "_slot", "method")
+    __slots__ = ("_event", "_keep", "_lib", "_slot", "_start", "method")
 
     def __init__(self, num_blocks: int, nbytes: int, method: str) -> None:
         super().__init__(num_blocks, nbytes)
         self.method = method
+        self._start: torch.cuda.Event | None = None
         self._event: torch.cuda.Event | None = None
         self._slot: ctypes.Array[ctypes.c_int64] | None = None
         self._lib: ctypes.CDLL | None = None
@@ -152,23 +161,83 @@ class _CudaJob(CopyJob):
             if self._lib.ao_cuda_slot_done(ctypes.addressof(slot)):
                 self.finished_ns = slot[1]  # CLOCK_MONOTONIC, as perf_counter_ns
                 self._done = True
-        elif self._event is not None:
-            try:
-                done = self._event.query()  # type: ignore[no-untyped-call]
-            except RuntimeError as exc:  # a CUDA error surfaced by the event
-                self.finish(exc)
-            else:
-                if done:
-                    self.finish()
+        else:
+            self._query_event()
         if self._done:
             self._keep.clear()
         return self._done
+
+    def _query_event(self) -> None:
+        if self._event is None:
+            return
+        try:
+            done = self._event.query()  # type: ignore[no-untyped-call]
+        except RuntimeError as exc:  # a CUDA error surfaced by the event
+            self.finish(exc)
+            self.stamped = False
+        else:
+            if done:
+                self.finish()
+                self.stamped = False  # noticed now; the copy ended some time before
+
+    def check_failed(self) -> bool:
+        # With a host-function slot, a stream error means the slot is never stamped: the
+        # event query is what surfaces the error.
+        if not self._done and self._slot is not None and self._event is not None:
+            try:
+                self._event.query()  # type: ignore[no-untyped-call]
+            except RuntimeError as exc:
+                self.finish(exc)
+                self.stamped = False
+                self._keep.clear()
+        return self._done
+
+    @property
+    def duration_s(self) -> float:
+        if not self._done:
+            return 0.0
+        if self._start is not None and self._event is not None and self.error is None:
+            try:
+                ms: float = self._start.elapsed_time(self._event)
+                return ms / 1e3
+            except RuntimeError:
+                pass
+        return super().duration_s
+
+
+def start_timing(job: CudaJob, stream: torch.cuda.Stream) -> None:
+    """Record the timing event that marks the start of ``job``'s copy on ``stream``."""
+    start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+    start.record(stream)
+    job._start = start
+
+
+def mark_completion(
+    job: CudaJob,
+    stream: torch.cuda.Stream,
+    lib: ctypes.CDLL | None,
+    wake_fd: int | None,
+) -> None:
+    """Give ``job`` its completion marker at the current end of ``stream``: a CUDA event,
+    and, where the native helper ``lib`` is loaded and the loop watches ``wake_fd``, a
+    host function that stamps the job and writes the fd once the stream gets there."""
+    event = torch.cuda.Event(enable_timing=job._start is not None)  # type: ignore[no-untyped-call]
+    event.record(stream)
+    job._event = event
+    if lib is not None and wake_fd is not None:
+        slot = (ctypes.c_int64 * 3)(0, 0, wake_fd)
+        rc = lib.ao_cuda_launch_wake(stream.cuda_stream, ctypes.addressof(slot))
+        if rc != 0:
+            raise RuntimeError(f"cuLaunchHostFunc failed: CUresult {rc}")
+        job._slot = slot
+        job._lib = lib
 
 
 class CudaCopyBackend(TransferBackend):
     """Copies between KV tensors on one CUDA device and a pinned host pool."""
 
     name = "cuda"
+    DEFAULT_KERNEL_PROGRAMS = 264
 
     def __init__(
         self,
@@ -179,8 +248,8 @@ class CudaCopyBackend(TransferBackend):
         copy_method: CopyMethod = "auto",
         chunk_bytes: int = 1 << 30,
         pin: bool = True,
-        kernel_max_fragment_bytes: int = 16 << 10,
-        kernel_programs: int = 32,
+        kernel_max_fragment_bytes: int = 64 << 10,
+        kernel_programs: int = DEFAULT_KERNEL_PROGRAMS,
         staging_blocks: int = 64,
     ) -> None:
         if layout.device.type != "cuda":
@@ -277,25 +346,17 @@ class CudaCopyBackend(TransferBackend):
         if n and (min(host_ids) < 0 or max(host_ids) >= self.num_host_blocks):
             raise IndexError(f"host block ids must lie in [0, {self.num_host_blocks})")
         method = self.choose_method(n)
-        job = _CudaJob(n, n * self.layout.block_bytes, method)
+        job = CudaJob(n, n * self.layout.block_bytes, method)
         stream = self._streams[direction]
         # Order after the caller's queued work: a store reads finished KV, a load does not
         # overwrite blocks that earlier kernels still read or write.
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.device(self.device), torch.cuda.stream(stream):
+            start_timing(job, stream)
             if n:
                 job._keep = self._enqueue(method, direction, list(gpu_ids), list(host_ids))
-            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            event.record(stream)
-            job._event = event
-            if self.has_host_wake and self._wake_fd is not None:
-                assert self._lib is not None
-                slot = (ctypes.c_int64 * 3)(0, 0, self._wake_fd)
-                rc = self._lib.ao_cuda_launch_wake(stream.cuda_stream, ctypes.addressof(slot))
-                if rc != 0:
-                    raise RuntimeError(f"cuLaunchHostFunc failed: CUresult {rc}")
-                job._slot = slot
-                job._lib = self._lib
+            lib = self._lib if self.has_host_wake else None
+            mark_completion(job, stream, lib, self._wake_fd)
         self.transfers_by_method[method] += 1
         return job
 
