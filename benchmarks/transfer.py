@@ -228,6 +228,19 @@ async def run_layout(name: str, args: argparse.Namespace) -> dict[str, Any]:
                 sweep.append({"programs": programs, **row})
             backend.kernel_programs = CudaCopyBackend.DEFAULT_KERNEL_PROGRAMS
             out["kernel_programs_sweep"] = sweep
+        if args.mixed:
+            # Both directions at once with a different method per direction.
+            n = max(args.blocks)
+            mixed = []
+            for store_m, load_m in (("kernel", "batch"), ("batch", "kernel"), ("batch", "batch")):
+                if not (backend._available(store_m) and backend._available(load_m)):
+                    continue
+                backend.method_by_direction = [store_m, load_m]  # type: ignore[list-item]
+                row = (await engine_rates(engine, n, args.reps, ["auto"]))[0]
+                row["method"] = f"store {store_m} / load {load_m}"
+                mixed.append(row)
+            backend.method_by_direction = [None, None]
+            out["rows"] += mixed
         n_naive = min(args.blocks)
         st, lt = naive_per_fragment(kv, backend.pool.block, n_naive, max(1, args.reps // 2))
         out["naive"] = {"blocks": n_naive, "store": st, "load": lt}
@@ -273,6 +286,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--blocks", default="256,2048", help="blocks per call, comma-separated")
     parser.add_argument("--methods", default="auto,batch,kernel,gather")
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument(
+        "--mixed", action="store_true", help="also time a different method per direction"
+    )
     parser.add_argument(
         "--sweep-programs",
         default="",

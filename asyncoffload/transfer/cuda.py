@@ -21,6 +21,7 @@ import ctypes
 import importlib.util
 import logging
 import mmap
+from collections import deque
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -132,6 +133,41 @@ class PinnedHostPool:
         self._maps.clear()  # the tensors that viewed them are gone
 
 
+class _PinnedRing:
+    """Pinned int64 scratch for the block ids of transfers in flight.
+
+    Host-to-device copies from pinned memory are asynchronous, so a region may be reused
+    only once the copy that reads it has run: each region is returned with the event of
+    its transfer, and ``take`` waits (rarely) for the oldest overlapping region. Pageable
+    memory would make every such copy wait for the stream instead.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.buf = torch.empty(capacity, dtype=torch.int64, pin_memory=True)
+        self.head = 0
+        self.busy: deque[tuple[int, int, torch.cuda.Event]] = deque()
+
+    def take(self, n: int) -> torch.Tensor:
+        if n > self.capacity:
+            return torch.empty(n, dtype=torch.int64, pin_memory=True)
+        start = self.head if self.head + n <= self.capacity else 0
+        end = start + n
+        busy = self.busy
+        while busy and busy[0][2].query():  # type: ignore[no-untyped-call]
+            busy.popleft()
+        while busy and any(s < end and start < e for s, e, _ in busy):
+            busy.popleft()[2].synchronize()
+        self.head = end
+        return self.buf[start:end]
+
+    def release(self, region: torch.Tensor, event: torch.cuda.Event) -> None:
+        """``region`` (from :meth:`take`) is free once ``event`` has completed."""
+        if region.untyped_storage().data_ptr() == self.buf.untyped_storage().data_ptr():
+            start = int(region.storage_offset())
+            self.busy.append((start, start + int(region.numel()), event))
+
+
 def _new_stream(device: torch.device) -> torch.cuda.Stream:
     return torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
 
@@ -237,7 +273,7 @@ class CudaCopyBackend(TransferBackend):
     """Copies between KV tensors on one CUDA device and a pinned host pool."""
 
     name = "cuda"
-    DEFAULT_KERNEL_PROGRAMS = 264
+    DEFAULT_KERNEL_PROGRAMS = 132
 
     def __init__(
         self,
@@ -265,6 +301,11 @@ class CudaCopyBackend(TransferBackend):
         self._kv_base = torch.tensor([v.data_ptr() for v in self._frags], dtype=torch.int64)
         self._kv_stride = torch.tensor([v.stride(0) for v in self._frags], dtype=torch.int64)
         self._frag_offset = torch.arange(len(self._frags), dtype=torch.int64) * frag
+        # Device copies of the address tables, for the copy kernel.
+        self._kv_base_dev = self._kv_base.to(self.device)
+        self._kv_stride_dev = self._kv_stride.to(self.device)
+        self._host_addr_dev = self.pool.block_address.to(self.device)
+        self._rings = (_PinnedRing(1 << 18), _PinnedRing(1 << 18))
         helpers = load_cuda_helpers()
         self._lib = helpers[0] if helpers else None
         features = helpers[1] if helpers else 0
@@ -273,6 +314,8 @@ class CudaCopyBackend(TransferBackend):
         self.has_kernel = _triton_available() and self.pool.pinned and frag % 8 == 0
         self.can_wake = self.has_host_wake
         self.copy_method: CopyMethod = copy_method
+        #: Per-direction overrides of ``copy_method`` (store, load); ``None`` keeps it.
+        self.method_by_direction: list[CopyMethod | None] = [None, None]
         self.kernel_max_fragment_bytes = kernel_max_fragment_bytes
         self.kernel_programs = kernel_programs
         self.staging_blocks = staging_blocks
@@ -296,10 +339,12 @@ class CudaCopyBackend(TransferBackend):
     def _available(self, method: str) -> bool:
         return {"batch": self.has_batch, "kernel": self.has_kernel, "gather": True}[method]
 
-    def choose_method(self, num_blocks: int) -> str:
-        """The copy method a transfer of ``num_blocks`` blocks uses."""
-        if self.copy_method != "auto":
-            return self.copy_method
+    def choose_method(self, num_blocks: int, direction: int = 0) -> str:
+        """The copy method a transfer of ``num_blocks`` blocks uses in ``direction``
+        (0: store, 1: load). ``method_by_direction`` entries override ``copy_method``."""
+        forced = self.method_by_direction[direction] or self.copy_method
+        if forced != "auto":
+            return forced
         fragments = num_blocks * self.layout.fragments_per_block
         if (
             self.has_kernel
@@ -345,7 +390,7 @@ class CudaCopyBackend(TransferBackend):
             raise IndexError(f"KV block ids must lie in [0, {self.layout.num_blocks})")
         if n and (min(host_ids) < 0 or max(host_ids) >= self.num_host_blocks):
             raise IndexError(f"host block ids must lie in [0, {self.num_host_blocks})")
-        method = self.choose_method(n)
+        method = self.choose_method(n, direction)
         job = CudaJob(n, n * self.layout.block_bytes, method)
         stream = self._streams[direction]
         # Order after the caller's queued work: a store reads finished KV, a load does not
@@ -357,6 +402,10 @@ class CudaCopyBackend(TransferBackend):
                 job._keep = self._enqueue(method, direction, list(gpu_ids), list(host_ids))
             lib = self._lib if self.has_host_wake else None
             mark_completion(job, stream, lib, self._wake_fd)
+            assert job._event is not None
+            for item in job._keep:
+                if isinstance(item, torch.Tensor) and item.is_pinned():
+                    self._rings[direction].release(item, job._event)
         self.transfers_by_method[method] += 1
         return job
 
@@ -367,6 +416,8 @@ class CudaCopyBackend(TransferBackend):
             return self._enqueue_gather(direction, gpu_ids, host_ids)
         gidx = torch.tensor(gpu_ids, dtype=torch.int64)
         hidx = torch.tensor(host_ids, dtype=torch.int64)
+        if method == "kernel":
+            return self._enqueue_kernel(direction, gidx, hidx)
         kv_addr = (gidx[:, None] * self._kv_stride + self._kv_base).reshape(-1)
         host_addr = (self.pool.block_address[hidx][:, None] + self._frag_offset).reshape(-1)
         src, dst = (kv_addr, host_addr) if direction == 0 else (host_addr, kv_addr)
@@ -385,13 +436,26 @@ class CudaCopyBackend(TransferBackend):
             if rc != 0:
                 raise RuntimeError(f"cuMemcpyBatchAsync failed: CUresult {rc}")
             return []  # the descriptor arrays were consumed by the call
-        # kernel: descriptors go to the device on the copy stream, from pinned memory.
-        desc = torch.stack((src, dst)).pin_memory()
-        desc_dev = desc.to(self.device, non_blocking=True)
+        raise ValueError(f"unknown copy method {method!r}")
+
+    def _enqueue_kernel(self, direction: int, gidx: torch.Tensor, hidx: torch.Tensor) -> list[Any]:
+        # The ids go to the device on the copy stream; addresses are computed there.
+        n_blocks = gidx.numel()
+        ids = self._rings[direction].take(2 * n_blocks)
+        ids[:n_blocks] = gidx
+        ids[n_blocks:] = hidx
+        ids_dev = ids.to(self.device, non_blocking=True)
         _launch_copy_kernel(
-            desc_dev[0], desc_dev[1], self.layout.fragment_bytes // 8, self.kernel_programs
+            ids_dev,
+            n_blocks,
+            self._kv_base_dev,
+            self._kv_stride_dev,
+            self._host_addr_dev,
+            self.layout.fragment_bytes,
+            direction == 0,
+            self.kernel_programs,
         )
-        return [desc, desc_dev]
+        return [ids, ids_dev]
 
     def _enqueue_gather(self, direction: int, gpu_ids: list[int], host_ids: list[int]) -> list[Any]:
         frag = self.layout.fragment_bytes
@@ -406,8 +470,10 @@ class CudaCopyBackend(TransferBackend):
         for lo in range(0, len(gpu_ids), step):
             g = gpu_ids[lo : lo + step]
             h = host_ids[lo : lo + step]
-            gidx = torch.tensor(g, dtype=torch.int64).to(self.device, non_blocking=True)
-            keep.append(gidx)
+            staged = self._rings[direction].take(len(g))
+            staged.copy_(torch.tensor(g, dtype=torch.int64))
+            gidx = staged.to(self.device, non_blocking=True)
+            keep += (staged, gidx)
             part = staging[: len(g)]
             if direction == 0:
                 for f, view in enumerate(self._frags):
@@ -443,7 +509,18 @@ def _triton_available() -> bool:
     return _triton_checked
 
 
-def _launch_copy_kernel(src: torch.Tensor, dst: torch.Tensor, words: int, programs: int) -> None:
-    from asyncoffload.transfer._triton_copy import launch_copy_fragments
+def _launch_copy_kernel(
+    ids: torch.Tensor,
+    n_blocks: int,
+    kv_base: torch.Tensor,
+    kv_stride: torch.Tensor,
+    host_addr: torch.Tensor,
+    fragment_bytes: int,
+    store: bool,
+    programs: int,
+) -> None:
+    from asyncoffload.transfer._triton_copy import launch_copy_blocks
 
-    launch_copy_fragments(src, dst, words, programs)
+    launch_copy_blocks(
+        ids, n_blocks, kv_base, kv_stride, host_addr, fragment_bytes, store, programs
+    )
