@@ -32,7 +32,7 @@ _EMPTY_SPEC = CPULoadStoreSpec(())
 
 
 class ManagerStats(NamedTuple):
-    """Counters of a manager since it was made (or reset)."""
+    """State and counters of a manager; the counters run from its creation."""
 
     #: Slots in the tier.
     num_blocks: int
@@ -256,15 +256,18 @@ class CPUOffloadingManager(OffloadingManager):
         """
         _reject_duplicates(keys, "prepare_store")
         get = self._policy.get
-        to_store = [key for key in keys if get(key) is None]
-        if self._offers is not None and to_store:
-            to_store = self._admit(to_store)
+        offered = [key for key in keys if get(key) is None]
+        to_store = offered
+        if self._offers is not None and offered:
+            to_store = self._admissible(offered)
         if not to_store:
+            self._record_offers(offered, to_store)
             return PrepareStoreOutput([], _EMPTY_SPEC, [])
 
         evicted: list[OffloadKey] = []
         shortfall = len(to_store) - self.num_free
         if shortfall > 0:
+            # A refused call (``None``) changes nothing, offer counts included.
             if shortfall > self._num_idle:
                 return None
             victims = self._policy.evict(shortfall, set(keys))
@@ -279,6 +282,7 @@ class CPUOffloadingManager(OffloadingManager):
             self._evicted += len(victims)
             self._emit(evicted, removed=True)
 
+        self._record_offers(offered, to_store)
         ids = self._allocate(len(to_store))
         insert = self._policy.insert
         for key, block_id in zip(to_store, ids):
@@ -286,20 +290,26 @@ class CPUOffloadingManager(OffloadingManager):
         self._num_pending += len(to_store)
         return PrepareStoreOutput(to_store, CPULoadStoreSpec(tuple(ids)), evicted)
 
-    def _admit(self, keys: list[OffloadKey]) -> list[OffloadKey]:
+    def _admissible(self, keys: list[OffloadKey]) -> list[OffloadKey]:
+        """The ``keys`` whose offer in this call reaches ``store_threshold``; changes nothing."""
         offers = self._offers
         assert offers is not None
-        admitted: list[OffloadKey] = []
-        for key in keys:
+        threshold = self.store_threshold
+        return [key for key in keys if offers.get(key, 0) + 1 >= threshold]
+
+    def _record_offers(self, offered: list[OffloadKey], admitted: list[OffloadKey]) -> None:
+        """Count this call's offers: admitted keys leave the tracker, the others go up by one."""
+        offers = self._offers
+        if offers is None:
+            return
+        admitted_set = set(admitted)
+        for key in offered:
             count = offers.pop(key, 0) + 1
-            if count >= self.store_threshold:
-                admitted.append(key)
-            else:
+            if key not in admitted_set:
                 if len(offers) >= self.max_tracker_size:
                     offers.popitem(last=False)
                 offers[key] = count
-        self._store_skipped += len(keys) - len(admitted)
-        return admitted
+        self._store_skipped += len(offered) - len(admitted)
 
     def complete_store(
         self, keys: Sequence[OffloadKey], ctx: ReqContext | None = None, success: bool = True
@@ -335,9 +345,19 @@ class CPUOffloadingManager(OffloadingManager):
         return events
 
     def reset_cache(self) -> None:
-        """Drop every block. Ready blocks are reported in one removed event; in-flight
-        stores are forgotten (their later ``complete_store`` is ignored). Only call it when
-        no load is in flight."""
+        """Drop every block; ready blocks are reported in one removed event.
+
+        Refused (``RuntimeError``, nothing changed) while a store or a load is in flight:
+        a later ``complete_store`` could not tell the old store from a new one of the same
+        key, and a load would read a slot that may be handed out again. Wait for the
+        transfers first. Counters (:meth:`stats`) are kept.
+        """
+        pinned = self._num_ready - self._num_idle
+        if self._num_pending or pinned:
+            raise RuntimeError(
+                f"reset_cache with transfers in flight ({self._num_pending} blocks being "
+                f"stored, {pinned} being loaded): wait for them first"
+            )
         removed = list(self.resident_keys())
         self._policy.clear()
         if self._offers is not None:

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
+# The policy modules register their classes when imported.
+from asyncoffload.manager.policies.arc import ARCPolicy
 from asyncoffload.manager.policies.base import (
     CachePolicy,
     available_policies,
     get_policy_cls,
     register_policy,
 )
-
-# Imported for their registration side effect.
-from asyncoffload.manager.policies.arc import ARCPolicy
 from asyncoffload.manager.policies.lru import LRUPolicy
 
 __all__ = [
