@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import torch
 
 import asyncoffload as ao
+from asyncoffload.transfer.base import host_bytes
 
 
 def make_keys(n: int, prefix: bytes = b"k", group: int = 0) -> list[ao.OffloadKey]:
@@ -38,10 +39,10 @@ def block_bytes(kv: Sequence[torch.Tensor], block: int, kv_split: bool = True) -
     parts = []
     for t in kv:
         if kv_split:
-            parts.append(t[0, block].contiguous().view(torch.uint8).numpy().tobytes())
-            parts.append(t[1, block].contiguous().view(torch.uint8).numpy().tobytes())
+            parts.append(host_bytes(t[0, block].cpu()))
+            parts.append(host_bytes(t[1, block].cpu()))
         else:
-            parts.append(t[block].contiguous().view(torch.uint8).numpy().tobytes())
+            parts.append(host_bytes(t[block].cpu()))
     return b"".join(parts)
 
 

@@ -8,13 +8,16 @@ function it was bound to, from whatever thread noticed, so the loop checks its l
 
 from __future__ import annotations
 
+import ctypes
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 
+import torch
+
 from asyncoffload.layout import KVLayout
 
-__all__ = ["CopyJob", "FailedJob", "TransferBackend"]
+__all__ = ["CopyJob", "FailedJob", "TransferBackend", "host_bytes"]
 
 
 class CopyJob:
@@ -111,3 +114,9 @@ class TransferBackend(ABC):
 
 def _no_wake() -> None:
     return None
+
+
+def host_bytes(t: torch.Tensor) -> bytes:
+    """The bytes of a CPU tensor (without numpy, which torch does not require)."""
+    c = t.contiguous()
+    return ctypes.string_at(c.data_ptr(), c.numel() * c.element_size())

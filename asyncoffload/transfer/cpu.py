@@ -25,7 +25,7 @@ import torch
 
 from asyncoffload._native import load_copy_engine
 from asyncoffload.layout import KVLayout
-from asyncoffload.transfer.base import CopyJob, TransferBackend
+from asyncoffload.transfer.base import CopyJob, TransferBackend, host_bytes
 
 __all__ = ["CpuCopyBackend"]
 
@@ -260,7 +260,7 @@ class CpuCopyBackend(TransferBackend):
         }
 
     def read_host_block(self, host_id: int) -> bytes:
-        return bytes(self.host[host_id].numpy().tobytes())
+        return host_bytes(self.host[host_id])
 
     def close(self) -> None:
         if self._closed:

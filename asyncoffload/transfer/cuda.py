@@ -29,7 +29,7 @@ import torch
 
 from asyncoffload._native import load_cuda_helpers
 from asyncoffload.layout import KVLayout
-from asyncoffload.transfer.base import CopyJob, TransferBackend
+from asyncoffload.transfer.base import CopyJob, TransferBackend, host_bytes
 
 __all__ = [
     "CopyMethod",
@@ -357,7 +357,7 @@ class CudaCopyBackend(TransferBackend):
         return "kernel" if self.has_kernel else "gather"
 
     def read_host_block(self, host_id: int) -> bytes:
-        return bytes(self.pool.block(host_id).numpy().tobytes())
+        return host_bytes(self.pool.block(host_id))
 
     def describe(self) -> dict[str, object]:
         return {
