@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
-from asyncoffload.cli import main
+import warnings
+
+# torch warns at import when numpy is missing; asyncoffload never needs numpy.
+warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
+
+from asyncoffload.cli import main  # noqa: E402
 
 raise SystemExit(main())
