@@ -9,6 +9,12 @@ async with engine:
 
 from __future__ import annotations
 
+import warnings
+
+# torch warns at import when numpy is missing; nothing here needs numpy, so that one
+# warning is noise for asyncoffload's users (the filter matches it alone).
+warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
+
 from asyncoffload.config import EngineConfig
 from asyncoffload.engine import AsyncOffloadEngine, EngineStats
 from asyncoffload.errors import (

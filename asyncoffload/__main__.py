@@ -2,11 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
-
-# torch warns at import when numpy is missing; asyncoffload never needs numpy.
-warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
-
-from asyncoffload.cli import main  # noqa: E402
+from asyncoffload.cli import main
 
 raise SystemExit(main())
