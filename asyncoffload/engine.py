@@ -104,6 +104,11 @@ class AsyncOffloadEngine:
     from one event loop (the one of the first call). Use ``async with engine:`` or
     ``await engine.aclose()``.
 
+    On a GPU, a transfer is ordered after the work already queued on the *calling
+    thread's* current CUDA stream (``torch.cuda.current_stream()``) when ``prepare_*`` is
+    called: call it from the thread, and with the stream, that produced (or will consume)
+    the KV blocks.
+
     Completion order: per direction, transfers complete (callback run, handle resolved)
     in submission order. A store's callback makes its keys loadable and publishes one
     stored event before its handle wakes anyone; a load's callback unpins its slots

@@ -18,7 +18,9 @@ class TransferResult(NamedTuple):
     num_blocks: int
     #: Bytes copied.
     nbytes: int
-    #: Seconds from submission to the end of the copy (excludes the wake-up).
+    #: Seconds the copy took. CUDA backend: device time between timing events around the
+    #: copy (time spent waiting behind work queued before it is excluded). CPU backend:
+    #: from submission to the end of the copy, queueing included. Never the wake-up.
     duration_s: float
 
 

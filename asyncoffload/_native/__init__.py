@@ -107,7 +107,8 @@ def load_copy_engine() -> ctypes.CDLL | None:
 @cache
 def load_cuda_helpers() -> tuple[ctypes.CDLL, int] | None:
     """The CUDA helper library and its feature bits (1: host-function wake-ups, 2: batched
-    memcpy), or ``None`` where it can't be built or libcuda is missing."""
+    memcpy, 4: driver-API host registration), or ``None`` where it can't be built or
+    libcuda is missing."""
     lib = _load("cuda_helpers", ("-ldl",))
     if lib is None:
         return None
@@ -127,6 +128,12 @@ def load_cuda_helpers() -> tuple[ctypes.CDLL, int] | None:
         ctypes.c_int,
     ]
     lib.ao_cuda_memcpy_batch.restype = ctypes.c_int
+    lib.ao_cuda_host_register.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    lib.ao_cuda_host_register.restype = ctypes.c_int
+    lib.ao_cuda_host_unregister.argtypes = [ctypes.c_void_p]
+    lib.ao_cuda_host_unregister.restype = ctypes.c_int
+    lib.ao_cuda_host_device_pointer.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    lib.ao_cuda_host_device_pointer.restype = ctypes.c_int
     features = lib.ao_cuda_init()
     if features < 0:
         return None

@@ -35,10 +35,18 @@ typedef CUresult (*memcpy_batch_t)(CUdeviceptr *, CUdeviceptr *, size_t *, size_
                                    ao_CUmemcpyAttributes *, size_t *, size_t, size_t *,
                                    CUstream);
 
+typedef CUresult (*host_register_t)(void *, size_t, unsigned int);
+typedef CUresult (*host_unregister_t)(void *);
+typedef CUresult (*host_get_device_pointer_t)(CUdeviceptr *, void *, unsigned int);
+
 static launch_host_func_t p_launch_host_func;
 static memcpy_batch_t p_memcpy_batch;
+static host_register_t p_host_register;
+static host_unregister_t p_host_unregister;
+static host_get_device_pointer_t p_host_get_device_pointer;
 
-/* Bit 0: host functions available; bit 1: batched memcpy available. -1: no libcuda. */
+/* Bit 0: host functions; bit 1: batched memcpy; bit 2: host registration through the
+ * driver API (its errors, unlike the runtime's, do not linger). -1: no libcuda. */
 int ao_cuda_init(void) {
     void *lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
     if (lib == NULL) lib = dlopen("libcuda.so", RTLD_NOW | RTLD_LOCAL);
@@ -46,6 +54,11 @@ int ao_cuda_init(void) {
     int features = 0;
     p_launch_host_func = (launch_host_func_t)dlsym(lib, "cuLaunchHostFunc");
     if (p_launch_host_func) features |= 1;
+    p_host_register = (host_register_t)dlsym(lib, "cuMemHostRegister_v2");
+    p_host_unregister = (host_unregister_t)dlsym(lib, "cuMemHostUnregister");
+    p_host_get_device_pointer =
+        (host_get_device_pointer_t)dlsym(lib, "cuMemHostGetDevicePointer_v2");
+    if (p_host_register && p_host_unregister && p_host_get_device_pointer) features |= 4;
     get_proc_address_t gpa = (get_proc_address_t)dlsym(lib, "cuGetProcAddress_v2");
     if (gpa) {
         void *fn = NULL;
@@ -107,4 +120,24 @@ int ao_cuda_memcpy_batch(void *stream, uint64_t *dsts, uint64_t *srcs, uint64_t 
     size_t fail_idx = 0;
     return p_memcpy_batch((CUdeviceptr *)dsts, (CUdeviceptr *)srcs, (size_t *)sizes, count,
                           &attr, &attr_idx, 1, &fail_idx, (CUstream)stream);
+}
+
+/* Pin (portable, device-mapped) host memory; returns a CUresult. */
+int ao_cuda_host_register(void *ptr, size_t size) {
+    if (p_host_register == NULL) return -1;
+    return p_host_register(ptr, size, 0x01 | 0x02); /* PORTABLE | DEVICEMAP */
+}
+
+int ao_cuda_host_unregister(void *ptr) {
+    if (p_host_unregister == NULL) return -1;
+    return p_host_unregister(ptr);
+}
+
+/* The device address of registered host memory (equal to ptr on most UVA systems). */
+int ao_cuda_host_device_pointer(void *ptr, uint64_t *out) {
+    if (p_host_get_device_pointer == NULL) return -1;
+    CUdeviceptr d = 0;
+    CUresult r = p_host_get_device_pointer(&d, ptr, 0);
+    *out = (uint64_t)d;
+    return r;
 }

@@ -48,6 +48,38 @@ _HOST_REGISTER_PORTABLE = 0x01
 _HOST_REGISTER_MAPPED = 0x02
 
 
+class _Registrar:
+    """Pins host memory: through the driver API where the native helper is loaded (its
+    failures do not linger as the runtime's last error, which the next unrelated kernel
+    launch would raise), else through the CUDA runtime."""
+
+    def __init__(self) -> None:
+        helpers = load_cuda_helpers()
+        self._lib = helpers[0] if helpers and helpers[1] & 4 else None
+
+    def register(self, ptr: int, nbytes: int) -> int:
+        if self._lib is not None:
+            return int(self._lib.ao_cuda_host_register(ptr, nbytes))
+        cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+        flags = _HOST_REGISTER_PORTABLE | _HOST_REGISTER_MAPPED
+        return int(cudart.cudaHostRegister(ptr, nbytes, flags))
+
+    def unregister(self, ptr: int) -> None:
+        if self._lib is not None:
+            self._lib.ao_cuda_host_unregister(ptr)
+        else:
+            torch.cuda.cudart().cudaHostUnregister(ptr)  # type: ignore[no-untyped-call]
+
+    def device_pointer(self, ptr: int) -> int:
+        """The address a kernel uses for registered host memory (UVA: usually ``ptr``)."""
+        if self._lib is None:
+            return ptr
+        out = ctypes.c_uint64(0)
+        if self._lib.ao_cuda_host_device_pointer(ptr, ctypes.addressof(out)) != 0:
+            raise RuntimeError("cuMemHostGetDevicePointer failed for a pinned chunk")
+        return int(out.value)
+
+
 class PinnedHostPool:
     """``num_blocks`` host slots of ``block_bytes``, in chunks of about ``chunk_bytes``."""
 
@@ -62,37 +94,45 @@ class PinnedHostPool:
         self._registered: list[int] = []
         self.pinned_chunks = 0
         self.pageable_chunks = 0
-        cudart = torch.cuda.cudart() if pin else None  # type: ignore[no-untyped-call]
+        self._registrar = _Registrar() if pin else None
+        device_bases: list[int] = []
         remaining = num_blocks
         while remaining > 0:
             rows = min(remaining, self.rows_per_chunk)
             nbytes = rows * block_bytes
             mm = mmap.mmap(-1, nbytes)  # anonymous: page-aligned, zero-filled
             chunk = torch.frombuffer(mm, dtype=torch.uint8).view(rows, block_bytes)
-            if cudart is not None:
-                flags = _HOST_REGISTER_PORTABLE | _HOST_REGISTER_MAPPED
-                err = cudart.cudaHostRegister(chunk.data_ptr(), nbytes, flags)
-                if int(err) == 0:
-                    self._registered.append(chunk.data_ptr())
-                    self.pinned_chunks += 1
-                else:
-                    self.pageable_chunks += 1
-                    log.warning(
-                        "could not pin a %d MiB host chunk (cudaHostRegister error %s): using "
-                        "pageable memory, copies from it are slower and synchronous",
-                        nbytes >> 20,
-                        int(err),
-                    )
+            ptr = chunk.data_ptr()
+            err = self._registrar.register(ptr, nbytes) if self._registrar else None
+            if err == 0:
+                assert self._registrar is not None
+                self._registered.append(ptr)
+                self.pinned_chunks += 1
+                device_bases.append(self._registrar.device_pointer(ptr))
             else:
                 self.pageable_chunks += 1
+                device_bases.append(ptr)
+                if err is not None:
+                    log.warning(
+                        "could not pin a %d MiB host chunk (CUDA error %s): using pageable "
+                        "memory, copies from it are slower and synchronous",
+                        nbytes >> 20,
+                        err,
+                    )
             self._maps.append(mm)
             self.chunks.append(chunk)
             remaining -= rows
-        chunk_base = torch.tensor([c.data_ptr() for c in self.chunks], dtype=torch.int64)
         ids = torch.arange(num_blocks, dtype=torch.int64)
+        row_offset = (ids % self.rows_per_chunk) * block_bytes
+        chunk_of = ids // self.rows_per_chunk
         #: Host address of each slot.
         self.block_address = (
-            chunk_base[ids // self.rows_per_chunk] + (ids % self.rows_per_chunk) * block_bytes
+            torch.tensor([c.data_ptr() for c in self.chunks], dtype=torch.int64)[chunk_of]
+            + row_offset
+        )
+        #: The address of each slot for a kernel (UVA device pointer of pinned memory).
+        self.device_block_address = (
+            torch.tensor(device_bases, dtype=torch.int64)[chunk_of] + row_offset
         )
 
     @property
@@ -125,9 +165,9 @@ class PinnedHostPool:
 
     def close(self) -> None:
         if self._registered:
-            cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+            assert self._registrar is not None
             for ptr in self._registered:
-                cudart.cudaHostUnregister(ptr)
+                self._registrar.unregister(ptr)
             self._registered.clear()
         self.chunks.clear()
         self._maps.clear()  # the tensors that viewed them are gone
@@ -286,7 +326,7 @@ class CudaCopyBackend(TransferBackend):
         pin: bool = True,
         kernel_max_fragment_bytes: int = 64 << 10,
         kernel_programs: int = DEFAULT_KERNEL_PROGRAMS,
-        staging_blocks: int = 64,
+        staging_bytes: int = 64 << 20,
     ) -> None:
         if layout.device.type != "cuda":
             raise ValueError(f"CudaCopyBackend needs CUDA tensors, got {layout.device}")
@@ -304,7 +344,7 @@ class CudaCopyBackend(TransferBackend):
         # Device copies of the address tables, for the copy kernel.
         self._kv_base_dev = self._kv_base.to(self.device)
         self._kv_stride_dev = self._kv_stride.to(self.device)
-        self._host_addr_dev = self.pool.block_address.to(self.device)
+        self._host_addr_dev = self.pool.device_block_address.to(self.device)
         self._rings = (_PinnedRing(1 << 18), _PinnedRing(1 << 18))
         helpers = load_cuda_helpers()
         self._lib = helpers[0] if helpers else None
@@ -318,11 +358,13 @@ class CudaCopyBackend(TransferBackend):
         self.method_by_direction: list[CopyMethod | None] = [None, None]
         self.kernel_max_fragment_bytes = kernel_max_fragment_bytes
         self.kernel_programs = kernel_programs
-        self.staging_blocks = staging_blocks
+        self.staging_blocks = max(1, staging_bytes // layout.block_bytes)
         self._staging: list[torch.Tensor | None] = [None, None]
         self.transfers_by_method: dict[str, int] = {"batch": 0, "kernel": 0, "gather": 0}
         if copy_method != "auto" and not self._available(copy_method):
             raise RuntimeError(f"copy_method={copy_method!r} is not available here")
+        if self.has_kernel:
+            self._warm_up_kernel()
         self._closed = False
         log.info(
             "CUDA backend on %s: %d host blocks of %d B (%s), methods: batch=%s kernel=%s, "
@@ -335,6 +377,28 @@ class CudaCopyBackend(TransferBackend):
             self.has_kernel,
             self.has_host_wake,
         )
+
+    def _warm_up_kernel(self) -> None:
+        """Compile and load the copy kernel for both directions now, on scratch memory:
+        the first launch would otherwise stall a submission (and the event loop) for a
+        compile and a module load that may synchronize the device."""
+        frag = self.layout.fragment_bytes
+        nfrag = len(self._frags)
+        with torch.cuda.device(self.device):
+            dev = torch.empty(nfrag * frag, dtype=torch.uint8, device=self.device)
+            host = self.pool.block(0)  # slot 0 holds nothing yet
+            kv_base = (dev.data_ptr() + torch.arange(nfrag, dtype=torch.int64) * frag).to(
+                self.device
+            )
+            kv_stride = torch.zeros(nfrag, dtype=torch.int64, device=self.device)
+            host_addr = self.pool.device_block_address[:1].to(self.device)
+            ids = torch.zeros(2, dtype=torch.int64, device=self.device)
+            for store in (True, False):
+                _launch_copy_kernel(
+                    ids, 1, kv_base, kv_stride, host_addr, frag, store, self.kernel_programs
+                )
+            torch.cuda.synchronize(self.device)
+            host.zero_()
 
     def _available(self, method: str) -> bool:
         return {"batch": self.has_batch, "kernel": self.has_kernel, "gather": True}[method]
@@ -397,11 +461,17 @@ class CudaCopyBackend(TransferBackend):
         # overwrite blocks that earlier kernels still read or write.
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.device(self.device), torch.cuda.stream(stream):
-            start_timing(job, stream)
-            if n:
-                job._keep = self._enqueue(method, direction, list(gpu_ids), list(host_ids))
-            lib = self._lib if self.has_host_wake else None
-            mark_completion(job, stream, lib, self._wake_fd)
+            try:
+                start_timing(job, stream)
+                if n:
+                    job._keep = self._enqueue(method, direction, list(gpu_ids), list(host_ids))
+                lib = self._lib if self.has_host_wake else None
+                mark_completion(job, stream, lib, self._wake_fd)
+            except BaseException:
+                # Part of the transfer may be queued: its slots must not be freed (the
+                # caller does, on failure) before the device is done with them.
+                stream.synchronize()
+                raise
             assert job._event is not None
             for item in job._keep:
                 if isinstance(item, torch.Tensor) and item.is_pinned():
@@ -494,6 +564,7 @@ class CudaCopyBackend(TransferBackend):
         self._closed = True
         for stream in self._streams:
             stream.synchronize()
+        self._staging = [None, None]
         self.pool.close()
 
 
