@@ -228,6 +228,15 @@ async def run_layout(name: str, args: argparse.Namespace) -> dict[str, Any]:
                 sweep.append({"programs": programs, **row})
             backend.kernel_programs = CudaCopyBackend.DEFAULT_KERNEL_PROGRAMS
             out["kernel_programs_sweep"] = sweep
+        if args.program_pairs and backend.has_kernel:
+            # Both directions at once with a different kernel program count per direction.
+            n = max(args.blocks)
+            for store_p, load_p in args.program_pairs:
+                backend.kernel_programs_by_direction = [store_p, load_p]
+                row = (await engine_rates(engine, n, args.reps, ["kernel"]))[0]
+                row["method"] = f"kernel, programs store {store_p} / load {load_p}"
+                out["rows"].append(row)
+            backend.kernel_programs_by_direction = [None, None]
         if args.mixed:
             # Both directions at once with a different method per direction.
             n = max(args.blocks)
@@ -290,6 +299,11 @@ def main(argv: list[str] | None = None) -> int:
         "--mixed", action="store_true", help="also time a different method per direction"
     )
     parser.add_argument(
+        "--program-pairs",
+        default="",
+        help="also time the kernel with store:load program counts, e.g. 66:264,264:66",
+    )
+    parser.add_argument(
         "--sweep-programs",
         default="",
         help="also time the kernel method with these program counts, e.g. 16,32,64,132",
@@ -299,6 +313,9 @@ def main(argv: list[str] | None = None) -> int:
     args.blocks = [int(b) for b in args.blocks.split(",")]
     args.methods = args.methods.split(",")
     args.sweep_programs = [int(p) for p in args.sweep_programs.split(",") if p]
+    args.program_pairs = [
+        tuple(int(x) for x in pair.split(":")) for pair in args.program_pairs.split(",") if pair
+    ]
     if not torch.cuda.is_available():
         print("benchmarks/transfer.py needs a CUDA device", file=sys.stderr)
         return 2

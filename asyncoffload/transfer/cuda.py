@@ -358,6 +358,8 @@ class CudaCopyBackend(TransferBackend):
         self.method_by_direction: list[CopyMethod | None] = [None, None]
         self.kernel_max_fragment_bytes = kernel_max_fragment_bytes
         self.kernel_programs = kernel_programs
+        #: Per-direction overrides of ``kernel_programs`` (store, load); ``None`` keeps it.
+        self.kernel_programs_by_direction: list[int | None] = [None, None]
         self.staging_blocks = max(1, staging_bytes // layout.block_bytes)
         self._staging: list[torch.Tensor | None] = [None, None]
         self.transfers_by_method: dict[str, int] = {"batch": 0, "kernel": 0, "gather": 0}
@@ -523,7 +525,7 @@ class CudaCopyBackend(TransferBackend):
             self._host_addr_dev,
             self.layout.fragment_bytes,
             direction == 0,
-            self.kernel_programs,
+            self.kernel_programs_by_direction[direction] or self.kernel_programs,
         )
         return [ids, ids_dev]
 
