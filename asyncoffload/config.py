@@ -45,10 +45,11 @@ class EngineConfig(BaseModel):
         description="CPU backend copy engine: 'native' lanes (compiled on first use, never "
         "take the GIL), 'threads' (Python threads), or 'auto' (native where it builds).",
     )
-    copy_method: Literal["auto", "batch", "kernel", "gather"] = Field(
+    copy_method: Literal["auto", "batch", "kernel", "staged", "gather"] = Field(
         "auto",
-        description="CUDA backend copy method: 'batch' (cuMemcpyBatchAsync), 'kernel' "
-        "(Triton SM copy through UVA), 'gather' (torch gather + per-block copies), or "
+        description="CUDA backend copy method: 'kernel' (Triton SM copy through UVA), "
+        "'batch' (cuMemcpyBatchAsync per fragment), 'staged' (kernel gather into device "
+        "staging, then one DMA per block), 'gather' (torch gather + per-block copies), or "
         "'auto' (chosen per transfer by fragment size and count).",
     )
     pin_memory: bool = Field(True, description="Pin the CUDA backend's host pool.")

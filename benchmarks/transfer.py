@@ -293,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--layouts", default="llama8b,small")
     parser.add_argument("--blocks", default="256,2048", help="blocks per call, comma-separated")
-    parser.add_argument("--methods", default="auto,batch,kernel,gather")
+    parser.add_argument("--methods", default="auto,kernel,staged,batch,gather")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument(
         "--mixed", action="store_true", help="also time a different method per direction"

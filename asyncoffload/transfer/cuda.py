@@ -42,7 +42,7 @@ __all__ = [
 
 log = logging.getLogger("asyncoffload.transfer")
 
-CopyMethod = Literal["auto", "batch", "kernel", "gather"]
+CopyMethod = Literal["auto", "batch", "kernel", "staged", "gather"]
 
 _HOST_REGISTER_PORTABLE = 0x01
 _HOST_REGISTER_MAPPED = 0x02
@@ -326,7 +326,7 @@ class CudaCopyBackend(TransferBackend):
         pin: bool = True,
         kernel_max_fragment_bytes: int = 64 << 10,
         kernel_programs: int = DEFAULT_KERNEL_PROGRAMS,
-        staging_bytes: int = 64 << 20,
+        staging_bytes: int = 128 << 20,
     ) -> None:
         if layout.device.type != "cuda":
             raise ValueError(f"CudaCopyBackend needs CUDA tensors, got {layout.device}")
@@ -362,7 +362,13 @@ class CudaCopyBackend(TransferBackend):
         self.kernel_programs_by_direction: list[int | None] = [None, None]
         self.staging_blocks = max(1, staging_bytes // layout.block_bytes)
         self._staging: list[torch.Tensor | None] = [None, None]
-        self.transfers_by_method: dict[str, int] = {"batch": 0, "kernel": 0, "gather": 0}
+        self._staging_addr: list[torch.Tensor | None] = [None, None]
+        self.transfers_by_method: dict[str, int] = {
+            "batch": 0,
+            "kernel": 0,
+            "staged": 0,
+            "gather": 0,
+        }
         if copy_method != "auto" and not self._available(copy_method):
             raise RuntimeError(f"copy_method={copy_method!r} is not available here")
         if self.has_kernel:
@@ -403,7 +409,12 @@ class CudaCopyBackend(TransferBackend):
             host.zero_()
 
     def _available(self, method: str) -> bool:
-        return {"batch": self.has_batch, "kernel": self.has_kernel, "gather": True}[method]
+        return {
+            "batch": self.has_batch,
+            "kernel": self.has_kernel,
+            "staged": self.has_kernel and self.has_batch,
+            "gather": True,
+        }[method]
 
     def choose_method(self, num_blocks: int, direction: int = 0) -> str:
         """The copy method a transfer of ``num_blocks`` blocks uses in ``direction``
@@ -486,6 +497,8 @@ class CudaCopyBackend(TransferBackend):
     ) -> list[Any]:
         if method == "gather":
             return self._enqueue_gather(direction, gpu_ids, host_ids)
+        if method == "staged":
+            return self._enqueue_staged(direction, gpu_ids, host_ids)
         gidx = torch.tensor(gpu_ids, dtype=torch.int64)
         hidx = torch.tensor(host_ids, dtype=torch.int64)
         if method == "kernel":
@@ -517,27 +530,91 @@ class CudaCopyBackend(TransferBackend):
         ids[:n_blocks] = gidx
         ids[n_blocks:] = hidx
         ids_dev = ids.to(self.device, non_blocking=True)
+        self._run_kernel(ids_dev, n_blocks, self._host_addr_dev, store=direction == 0)
+        return [ids, ids_dev]
+
+    def _staging_buffer(self, direction: int) -> torch.Tensor:
+        staging = self._staging[direction]
+        if staging is None:
+            staging = torch.empty(
+                (self.staging_blocks, self.layout.block_bytes),
+                dtype=torch.uint8,
+                device=self.device,
+            )
+            self._staging[direction] = staging
+        return staging
+
+    def _enqueue_staged(self, direction: int, gpu_ids: list[int], host_ids: list[int]) -> list[Any]:
+        """The kernel gathers blocks into a device staging buffer (device memory only, so
+        fast), then the copy engines move whole blocks: one large DMA descriptor per
+        host block instead of one per fragment. Sub-batches reuse the buffer in stream
+        order."""
+        staging = self._staging_buffer(direction)
+        block = self.layout.block_bytes
+        step = self.staging_blocks
+        row_addr = staging.data_ptr() + torch.arange(step, dtype=torch.int64) * block
+        staging_addr = self._staging_addr[direction]
+        if staging_addr is None:
+            staging_addr = row_addr.to(self.device)
+            self._staging_addr[direction] = staging_addr
+        keep: list[Any] = []
+        stream = torch.cuda.current_stream(self.device)
+        for lo in range(0, len(gpu_ids), step):
+            g = gpu_ids[lo : lo + step]
+            h = host_ids[lo : lo + step]
+            m = len(g)
+            ids = self._rings[direction].take(2 * m)
+            ids[:m] = torch.tensor(g, dtype=torch.int64)
+            ids[m:] = torch.arange(m, dtype=torch.int64)  # staging rows 0..m-1
+            ids_dev = ids.to(self.device, non_blocking=True)
+            keep += (ids, ids_dev)
+            host = self.pool.block_address[torch.tensor(h, dtype=torch.int64)]
+            rows = row_addr[:m]
+            src, dst = (rows, host) if direction == 0 else (host, rows)
+            if direction == 0:
+                self._run_kernel(ids_dev, m, staging_addr, store=True)
+                self._dma_blocks(stream, direction, src, dst)
+            else:
+                self._dma_blocks(stream, direction, src, dst)
+                self._run_kernel(ids_dev, m, staging_addr, store=False)
+        return keep
+
+    def _run_kernel(
+        self, ids_dev: torch.Tensor, n_blocks: int, block_addr: torch.Tensor, store: bool
+    ) -> None:
         _launch_copy_kernel(
             ids_dev,
             n_blocks,
             self._kv_base_dev,
             self._kv_stride_dev,
-            self._host_addr_dev,
+            block_addr,
             self.layout.fragment_bytes,
-            direction == 0,
-            self.kernel_programs_by_direction[direction] or self.kernel_programs,
+            store,
+            self.kernel_programs_by_direction[0 if store else 1] or self.kernel_programs,
         )
-        return [ids, ids_dev]
+
+    def _dma_blocks(
+        self, stream: torch.cuda.Stream, direction: int, src: torch.Tensor, dst: torch.Tensor
+    ) -> None:
+        """Whole-block copies between staging rows and host slots on ``stream``."""
+        assert self._lib is not None  # "staged" is available only with batched memcpy
+        sizes = torch.full_like(src, self.layout.block_bytes)
+        rc = self._lib.ao_cuda_memcpy_batch(
+            stream.cuda_stream,
+            dst.data_ptr(),
+            src.data_ptr(),
+            sizes.data_ptr(),
+            src.numel(),
+            direction,
+            self.device.index if self.device.index is not None else 0,
+        )
+        if rc != 0:
+            raise RuntimeError(f"cuMemcpyBatchAsync failed: CUresult {rc}")
 
     def _enqueue_gather(self, direction: int, gpu_ids: list[int], host_ids: list[int]) -> list[Any]:
         frag = self.layout.fragment_bytes
         step = self.staging_blocks
-        staging = self._staging[direction]
-        if staging is None:
-            staging = torch.empty(
-                (step, self.layout.block_bytes), dtype=torch.uint8, device=self.device
-            )
-            self._staging[direction] = staging
+        staging = self._staging_buffer(direction)
         keep: list[Any] = []
         for lo in range(0, len(gpu_ids), step):
             g = gpu_ids[lo : lo + step]
@@ -567,6 +644,7 @@ class CudaCopyBackend(TransferBackend):
         for stream in self._streams:
             stream.synchronize()
         self._staging = [None, None]
+        self._staging_addr = [None, None]
         self.pool.close()
 
 

@@ -28,7 +28,7 @@ GPU = [
 ]
 
 #: Copy methods a transfer can be forced to use.
-METHODS: tuple[CopyMethod, ...] = ("batch", "kernel", "gather")
+METHODS: tuple[CopyMethod, ...] = ("batch", "kernel", "staged", "gather")
 #: Those, and the per-transfer choice.
 ALL_METHODS: tuple[CopyMethod, ...] = (*METHODS, "auto")
 
@@ -164,7 +164,7 @@ def require_method(kv: Sequence[torch.Tensor], method: str, *, pin: bool = True)
         return
     probe = CudaCopyBackend(kv, ao.KVLayout.infer(kv), 1, pin=pin)
     try:
-        available = {"batch": probe.has_batch, "kernel": probe.has_kernel}[method]
+        available = probe._available(method)
     finally:
         probe.close()
     if not available:

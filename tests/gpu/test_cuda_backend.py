@@ -184,7 +184,7 @@ async def test_auto_chooses_the_method_per_transfer() -> None:
     kv = random_kv(4, 40, inner=(16, 1, 128), seed=12)  # 4 KiB fragments, 8 a block
     engine = make_engine(kv, "auto", cpu_blocks=32)
     backend = cuda_backend(engine)
-    expected = {"batch": 0, "kernel": 0, "gather": 0}
+    expected = {"batch": 0, "kernel": 0, "staged": 0, "gather": 0}
     async with engine:
         for i, n in enumerate([1, 7, 8, 32]):  # 8, 56, 64 and 256 fragments
             expected[backend.choose_method(n)] += 1
