@@ -326,7 +326,7 @@ class CudaCopyBackend(TransferBackend):
         pin: bool = True,
         kernel_max_fragment_bytes: int = 64 << 10,
         kernel_programs: int = DEFAULT_KERNEL_PROGRAMS,
-        staging_bytes: int = 128 << 20,
+        staging_bytes: int = 64 << 20,
     ) -> None:
         if layout.device.type != "cuda":
             raise ValueError(f"CudaCopyBackend needs CUDA tensors, got {layout.device}")
@@ -362,7 +362,12 @@ class CudaCopyBackend(TransferBackend):
         self.kernel_programs_by_direction: list[int | None] = [None, None]
         self.staging_blocks = max(1, staging_bytes // layout.block_bytes)
         self._staging: list[torch.Tensor | None] = [None, None]
-        self._staging_addr: list[torch.Tensor | None] = [None, None]
+        # The staged method: per direction a kernel stream, two buffers, and for each
+        # buffer the event after which it may be refilled.
+        self._kernel_streams = (_new_stream(self.device), _new_stream(self.device))
+        self._staged: list[list[tuple[torch.Tensor, torch.Tensor]] | None] = [None, None]
+        self._staged_buffers: list[torch.Tensor] = []
+        self._staging_free: list[list[torch.cuda.Event | None]] = [[None, None], [None, None]]
         self.transfers_by_method: dict[str, int] = {
             "batch": 0,
             "kernel": 0,
@@ -483,6 +488,7 @@ class CudaCopyBackend(TransferBackend):
             except BaseException:
                 # Part of the transfer may be queued: its slots must not be freed (the
                 # caller does, on failure) before the device is done with them.
+                self._kernel_streams[direction].synchronize()
                 stream.synchronize()
                 raise
             assert job._event is not None
@@ -545,39 +551,80 @@ class CudaCopyBackend(TransferBackend):
         return staging
 
     def _enqueue_staged(self, direction: int, gpu_ids: list[int], host_ids: list[int]) -> list[Any]:
-        """The kernel gathers blocks into a device staging buffer (device memory only, so
-        fast), then the copy engines move whole blocks: one large DMA descriptor per
-        host block instead of one per fragment. Sub-batches reuse the buffer in stream
-        order."""
-        staging = self._staging_buffer(direction)
-        block = self.layout.block_bytes
+        """The kernel gathers blocks into device staging memory (fast: device memory
+        only), and the copy engines move whole blocks, one DMA descriptor per host block.
+
+        Two staging buffers per direction form a pipeline across two streams: the kernel
+        fills one buffer on the direction's kernel stream while the copy stream moves the
+        other; events order each buffer's producer before its consumer, and its consumer
+        before its next producer, across transfers too. Everything ends on the copy
+        stream, where the transfer's completion marker is recorded.
+        """
+        copy_stream = torch.cuda.current_stream(self.device)
+        kernel_stream = self._kernel_streams[direction]
+        staging = self._staging_pair(direction)
         step = self.staging_blocks
-        row_addr = staging.data_ptr() + torch.arange(step, dtype=torch.int64) * block
-        staging_addr = self._staging_addr[direction]
-        if staging_addr is None:
-            staging_addr = row_addr.to(self.device)
-            self._staging_addr[direction] = staging_addr
         keep: list[Any] = []
-        stream = torch.cuda.current_stream(self.device)
-        for lo in range(0, len(gpu_ids), step):
+        # The kernel stream starts where the copy stream is: after the caller's queued
+        # work and after this direction's earlier transfers.
+        kernel_stream.wait_stream(copy_stream)
+        for k, lo in enumerate(range(0, len(gpu_ids), step)):
             g = gpu_ids[lo : lo + step]
             h = host_ids[lo : lo + step]
             m = len(g)
+            buf = k % 2
+            rows_dev, rows = staging[buf]
             ids = self._rings[direction].take(2 * m)
             ids[:m] = torch.tensor(g, dtype=torch.int64)
             ids[m:] = torch.arange(m, dtype=torch.int64)  # staging rows 0..m-1
-            ids_dev = ids.to(self.device, non_blocking=True)
-            keep += (ids, ids_dev)
             host = self.pool.block_address[torch.tensor(h, dtype=torch.int64)]
-            rows = row_addr[:m]
-            src, dst = (rows, host) if direction == 0 else (host, rows)
+            rows_m = rows[:m]
+            src, dst = (rows_m, host) if direction == 0 else (host, rows_m)
+            free = self._staging_free[direction][buf]
+            ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            done = torch.cuda.Event()  # type: ignore[no-untyped-call]
             if direction == 0:
-                self._run_kernel(ids_dev, m, staging_addr, store=True)
-                self._dma_blocks(stream, direction, src, dst)
+                with torch.cuda.stream(kernel_stream):
+                    if free is not None:
+                        kernel_stream.wait_event(free)  # the DMA that last read buf
+                    ids_dev = ids.to(self.device, non_blocking=True)
+                    self._run_kernel(ids_dev, m, rows_dev, store=True)
+                    ready.record(kernel_stream)
+                copy_stream.wait_event(ready)
+                self._dma_blocks(copy_stream, direction, src, dst)
+                done.record(copy_stream)
             else:
-                self._dma_blocks(stream, direction, src, dst)
-                self._run_kernel(ids_dev, m, staging_addr, store=False)
+                if free is not None:
+                    copy_stream.wait_event(free)  # the kernel that last read buf
+                self._dma_blocks(copy_stream, direction, src, dst)
+                ready.record(copy_stream)
+                with torch.cuda.stream(kernel_stream):
+                    kernel_stream.wait_event(ready)
+                    ids_dev = ids.to(self.device, non_blocking=True)
+                    self._run_kernel(ids_dev, m, rows_dev, store=False)
+                    done.record(kernel_stream)
+            self._staging_free[direction][buf] = done
+            keep += (ids, ids_dev)
+        # The transfer ends on the copy stream, after the kernel stream's last work.
+        copy_stream.wait_stream(kernel_stream)
         return keep
+
+    def _staging_pair(self, direction: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The direction's two staging buffers: (device table of row addresses, host-side
+        int64 row addresses) each; allocated on first use."""
+        pair = self._staged[direction]
+        if pair is None:
+            pair = []
+            block = self.layout.block_bytes
+            for _ in range(2):
+                buf = torch.empty(
+                    (self.staging_blocks, block), dtype=torch.uint8, device=self.device
+                )
+                rows = buf.data_ptr() + torch.arange(self.staging_blocks, dtype=torch.int64) * block
+                self._staged_buffers.append(buf)
+                pair.append((rows.to(self.device), rows))
+            self._staged[direction] = pair
+        return pair
 
     def _run_kernel(
         self, ids_dev: torch.Tensor, n_blocks: int, block_addr: torch.Tensor, store: bool
@@ -643,8 +690,11 @@ class CudaCopyBackend(TransferBackend):
         self._closed = True
         for stream in self._streams:
             stream.synchronize()
+        for stream in self._kernel_streams:
+            stream.synchronize()
         self._staging = [None, None]
-        self._staging_addr = [None, None]
+        self._staged = [None, None]
+        self._staged_buffers.clear()
         self.pool.close()
 
 
