@@ -126,6 +126,8 @@ def load_cuda_helpers() -> tuple[ctypes.CDLL, int] | None:
         ctypes.c_size_t,
         ctypes.c_int,
         ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_uint,
     ]
     lib.ao_cuda_memcpy_batch.restype = ctypes.c_int
     lib.ao_cuda_host_register.argtypes = [ctypes.c_void_p, ctypes.c_size_t]

@@ -103,19 +103,21 @@ int64_t ao_cuda_slot_done(const void *slot) {
 
 /*
  * direction 0: device -> host (store), 1: host -> device (load). The descriptor arrays are
- * read during the call; the source is read in stream order.
+ * read during the call. src_access_order 1 reads the source in stream order, 3 in any
+ * order (the caller guarantees nothing writes it meanwhile).
  */
 int ao_cuda_memcpy_batch(void *stream, uint64_t *dsts, uint64_t *srcs, uint64_t *sizes,
-                         size_t count, int direction, int device) {
+                         size_t count, int direction, int device, int src_access_order,
+                         unsigned int flags) {
     if (p_memcpy_batch == NULL) return -1;
     if (count == 0) return 0;
     ao_CUmemcpyAttributes attr;
-    attr.srcAccessOrder = 1; /* CU_MEMCPY_SRC_ACCESS_ORDER_STREAM */
+    attr.srcAccessOrder = src_access_order; /* 1: STREAM, 3: ANY */
     ao_CUmemLocation dev = {1, device}; /* CU_MEM_LOCATION_TYPE_DEVICE */
     ao_CUmemLocation host = {2, 0};     /* CU_MEM_LOCATION_TYPE_HOST */
     attr.srcLocHint = direction == 0 ? dev : host;
     attr.dstLocHint = direction == 0 ? host : dev;
-    attr.flags = 1; /* CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE */
+    attr.flags = flags; /* 1: CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE */
     size_t attr_idx = 0;
     size_t fail_idx = 0;
     return p_memcpy_batch((CUdeviceptr *)dsts, (CUdeviceptr *)srcs, (size_t *)sizes, count,

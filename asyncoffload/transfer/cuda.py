@@ -324,7 +324,7 @@ class CudaCopyBackend(TransferBackend):
         copy_method: CopyMethod = "auto",
         chunk_bytes: int = 1 << 30,
         pin: bool = True,
-        kernel_max_fragment_bytes: int = 64 << 10,
+        kernel_max_fragment_bytes: int = 16 << 10,
         kernel_programs: int = DEFAULT_KERNEL_PROGRAMS,
         staging_bytes: int = 64 << 20,
     ) -> None:
@@ -358,6 +358,12 @@ class CudaCopyBackend(TransferBackend):
         self.method_by_direction: list[CopyMethod | None] = [None, None]
         self.kernel_max_fragment_bytes = kernel_max_fragment_bytes
         self.kernel_programs = kernel_programs
+        #: cuMemcpyBatchAsync attributes per direction, (source access order, flags).
+        #: Stores read in stream order (their source was written by earlier work on the
+        #: stream); loads read host slots nothing writes while they are pinned, so any
+        #: order. No overlap-with-compute hint: it cost both-direction bandwidth (75 GB/s
+        #: against 86 without, H200).
+        self.batch_attributes: tuple[tuple[int, int], tuple[int, int]] = ((1, 0), (3, 0))
         #: Per-direction overrides of ``kernel_programs`` (store, load); ``None`` keeps it.
         self.kernel_programs_by_direction: list[int | None] = [None, None]
         self.staging_blocks = max(1, staging_bytes // layout.block_bytes)
@@ -428,12 +434,11 @@ class CudaCopyBackend(TransferBackend):
         if forced != "auto":
             return forced
         fragments = num_blocks * self.layout.fragments_per_block
-        if (
-            self.has_kernel
-            and self.layout.fragment_bytes <= self.kernel_max_fragment_bytes
-            and fragments >= 64
-        ):
+        small = self.layout.fragment_bytes <= self.kernel_max_fragment_bytes
+        if self.has_kernel and small and fragments >= 64:
             return "kernel"
+        if not small and self._available("staged"):
+            return "staged"
         if self.has_batch:
             return "batch"
         return "kernel" if self.has_kernel else "gather"
@@ -523,6 +528,7 @@ class CudaCopyBackend(TransferBackend):
                 src.numel(),
                 direction,
                 self.device.index if self.device.index is not None else 0,
+                *self.batch_attributes[direction],
             )
             if rc != 0:
                 raise RuntimeError(f"cuMemcpyBatchAsync failed: CUresult {rc}")
@@ -654,6 +660,7 @@ class CudaCopyBackend(TransferBackend):
             src.numel(),
             direction,
             self.device.index if self.device.index is not None else 0,
+            *self.batch_attributes[direction],
         )
         if rc != 0:
             raise RuntimeError(f"cuMemcpyBatchAsync failed: CUresult {rc}")
