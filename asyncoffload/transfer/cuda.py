@@ -7,10 +7,12 @@
   on the caller's current stream (``wait_stream``), so a store reads finished KV and a load
   does not race writes queued before it. A direction's transfers complete in order.
 - **Copy methods**, chosen per transfer (or forced with ``copy_method``):
-  ``batch``: one ``cuMemcpyBatchAsync`` over every (block, layer, K/V) fragment, run by the
-  copy engines, leaving the SMs to the model; ``kernel``: a Triton kernel copying the
-  fragments through UVA, best for small fragments; ``gather``: GPU-side
-  ``index_select`` into a staging buffer and one copy per block, the fallback.
+  ``kernel``: a Triton kernel copying every (block, layer, K/V) fragment through UVA,
+  best for small fragments; ``staged``: the kernel gathers whole blocks into device
+  staging memory and the copy engines move one block per DMA descriptor, best for large
+  fragments and for both directions at once; ``batch``: one ``cuMemcpyBatchAsync`` over
+  every fragment; ``gather``: torch ``index_select`` into staging and one copy per block
+  range, the fallback without Triton.
 - **Completion.** Each transfer records a CUDA event; where the native helper is built, a
   host function after it stamps the job and writes the loop's eventfd, without the GIL.
 """
