@@ -107,8 +107,8 @@ def load_copy_engine() -> ctypes.CDLL | None:
 @cache
 def load_cuda_helpers() -> tuple[ctypes.CDLL, int] | None:
     """The CUDA helper library and its feature bits (1: host-function wake-ups, 2: batched
-    memcpy, 4: driver-API host registration), or ``None`` where it can't be built or
-    libcuda is missing."""
+    memcpy, 4: driver-API host registration, 8: the completion spinner), or ``None``
+    where it can't be built or libcuda is missing."""
     lib = _load("cuda_helpers", ("-ldl",))
     if lib is None:
         return None
@@ -136,7 +136,20 @@ def load_cuda_helpers() -> tuple[ctypes.CDLL, int] | None:
     lib.ao_cuda_host_unregister.restype = ctypes.c_int
     lib.ao_cuda_host_device_pointer.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
     lib.ao_cuda_host_device_pointer.restype = ctypes.c_int
+    lib.ao_cuda_slot_released.argtypes = [ctypes.c_void_p]
+    lib.ao_cuda_slot_released.restype = ctypes.c_int64
+    lib.ao_cuda_spinner_init.argtypes = []
+    lib.ao_cuda_spinner_init.restype = ctypes.c_int
+    lib.ao_cuda_spin_watch.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_int64,
+        ctypes.c_int64,
+    ]
+    lib.ao_cuda_spin_watch.restype = ctypes.c_int
     features = lib.ao_cuda_init()
     if features < 0:
         return None
+    if lib.ao_cuda_spinner_init() == 0:
+        features |= 8
     return lib, features

@@ -72,22 +72,25 @@ int ao_cuda_init(void) {
     return features;
 }
 
-typedef struct {
-    int64_t done;        /* 0 until the host function ran, then 1 */
-    int64_t finished_ns; /* CLOCK_MONOTONIC when it ran */
-    int64_t fd;          /* eventfd to write, or -1 */
-} ao_wake_slot;
-
 static void ao_host_wake(void *arg) {
-    ao_wake_slot *slot = (ao_wake_slot *)arg;
-    int fd = (int)slot->fd; /* read before publishing: the slot may be freed after */
+    /* slot: [0] state, [1] end ns, [2] fd, [3] host function ran (see the spinner). */
+    int64_t *slot = (int64_t *)arg;
+    int64_t fd = slot[2];
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
-    slot->finished_ns = (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
-    __atomic_store_n(&slot->done, 1, __ATOMIC_RELEASE);
-    if (fd >= 0) {
+    int64_t now = (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+    int64_t expected = 0;
+    int won = __atomic_compare_exchange_n(&slot[0], &expected, 2, 0, __ATOMIC_ACQ_REL,
+                                          __ATOMIC_ACQUIRE);
+    if (won) {
+        slot[1] = now;
+        __atomic_store_n(&slot[0], 1, __ATOMIC_RELEASE);
+    }
+    /* Last touch of the slot: after this the owner may free it. */
+    __atomic_store_n(&slot[3], 1, __ATOMIC_RELEASE);
+    if (won && fd >= 0) {
         uint64_t one = 1;
-        ssize_t r = write(fd, &one, sizeof one);
+        ssize_t r = write((int)fd, &one, sizeof one);
         (void)r;
     }
 }
@@ -97,8 +100,15 @@ int ao_cuda_launch_wake(void *stream, void *slot) {
     return p_launch_host_func((CUstream)stream, ao_host_wake, slot);
 }
 
+/* 1 once the end is published (by the host function or the spinner). */
 int64_t ao_cuda_slot_done(const void *slot) {
-    return __atomic_load_n(&((const ao_wake_slot *)slot)->done, __ATOMIC_ACQUIRE);
+    return __atomic_load_n(&((const int64_t *)slot)[0], __ATOMIC_ACQUIRE) == 1;
+}
+
+/* 1 once neither the host function nor the spinner will touch the slot again. */
+int64_t ao_cuda_slot_released(const void *slot) {
+    const int64_t *s = (const int64_t *)slot;
+    return __atomic_load_n(&s[3], __ATOMIC_ACQUIRE) && __atomic_load_n(&s[4], __ATOMIC_ACQUIRE);
 }
 
 /*
@@ -142,4 +152,150 @@ int ao_cuda_host_device_pointer(void *ptr, uint64_t *out) {
     CUresult r = p_host_get_device_pointer(&d, ptr, 0);
     *out = (uint64_t)d;
     return r;
+}
+
+/*
+ * The spinner: a native thread that, for jobs with an expected end time, sleeps until
+ * just before it and then polls the job's CUDA event (cuEventQuery costs about a
+ * microsecond) for a bounded time. A host function takes an interrupt and a driver
+ * thread wake-up, tens of microseconds in a VM; the spinner sees the event within a few
+ * microseconds, at a CPU cost bounded by its window. The host function stays queued as
+ * the backstop: whichever sees the end first claims the slot, the other does nothing.
+ *
+ * Slot words: [0] state (0 pending, 2 being claimed, 1 done), [1] end time (ns),
+ * [2] eventfd, [3] set to 1 by the host function when it has run, [4] set to 1 by the
+ * spinner when it is done with the slot (1 from the start for jobs it never sees). The
+ * slot may be freed only once [3] and [4] are both 1.
+ */
+#include <pthread.h>
+
+typedef CUresult (*event_query_t)(void *);
+typedef CUresult (*ctx_set_current_t)(void *);
+typedef CUresult (*ctx_get_current_t)(void **);
+
+static event_query_t p_event_query;
+static ctx_set_current_t p_ctx_set_current;
+static ctx_get_current_t p_ctx_get_current;
+
+typedef struct ao_spin_job {
+    struct ao_spin_job *next;
+    void *event;
+    int64_t *slot;
+    int64_t start_ns; /* begin polling */
+    int64_t stop_ns;  /* give up (the host function will report it) */
+} ao_spin_job;
+
+static pthread_mutex_t spin_mutex = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t spin_cond = PTHREAD_COND_INITIALIZER;
+static ao_spin_job *spin_head;
+static int spin_started;
+static void *spin_ctx;
+
+static int64_t ao_now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+/* Claim the slot and publish the end: returns 1 if this caller won. */
+static int ao_claim(int64_t *slot, int64_t now) {
+    int64_t expected = 0;
+    if (!__atomic_compare_exchange_n(&slot[0], &expected, 2, 0, __ATOMIC_ACQ_REL,
+                                     __ATOMIC_ACQUIRE))
+        return 0;
+    slot[1] = now;
+    __atomic_store_n(&slot[0], 1, __ATOMIC_RELEASE);
+    return 1;
+}
+
+static void ao_signal(int64_t fd) {
+    if (fd < 0) return;
+    uint64_t one = 1;
+    ssize_t r = write((int)fd, &one, sizeof one);
+    (void)r;
+}
+
+static void *ao_spin_main(void *arg) {
+    (void)arg;
+    int ctx_set = 0;
+    pthread_mutex_lock(&spin_mutex);
+    for (;;) {
+        while (spin_head == NULL) pthread_cond_wait(&spin_cond, &spin_mutex);
+        if (!ctx_set && spin_ctx != NULL && p_ctx_set_current) {
+            p_ctx_set_current(spin_ctx);
+            ctx_set = 1;
+        }
+        ao_spin_job *job = spin_head; /* jobs are queued in start order */
+        int64_t now = ao_now_ns();
+        if (job->start_ns > now) {
+            struct timespec until;
+            until.tv_sec = job->start_ns / 1000000000LL;
+            until.tv_nsec = job->start_ns % 1000000000LL;
+            pthread_mutex_unlock(&spin_mutex);
+            clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &until, NULL);
+            pthread_mutex_lock(&spin_mutex);
+            continue; /* the queue may have changed */
+        }
+        spin_head = job->next;
+        pthread_mutex_unlock(&spin_mutex);
+        for (;;) {
+            if (__atomic_load_n(&job->slot[0], __ATOMIC_ACQUIRE) != 0) break;
+            if (p_event_query(job->event) == 0) {
+                int64_t fd = job->slot[2];
+                if (ao_claim(job->slot, ao_now_ns())) ao_signal(fd);
+                break;
+            }
+            if (ao_now_ns() > job->stop_ns) break;
+        }
+        __atomic_store_n(&job->slot[4], 1, __ATOMIC_RELEASE); /* last touch */
+        free(job);
+        pthread_mutex_lock(&spin_mutex);
+    }
+    return NULL;
+}
+
+/* Bit 3 of the features: the spinner is available. */
+int ao_cuda_spinner_init(void) {
+    void *lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (lib == NULL) return -1;
+    p_event_query = (event_query_t)dlsym(lib, "cuEventQuery");
+    p_ctx_set_current = (ctx_set_current_t)dlsym(lib, "cuCtxSetCurrent");
+    p_ctx_get_current = (ctx_get_current_t)dlsym(lib, "cuCtxGetCurrent");
+    if (!p_event_query || !p_ctx_set_current || !p_ctx_get_current) return -1;
+    return 0;
+}
+
+/*
+ * Poll `event` from start_ns to stop_ns (CLOCK_MONOTONIC) on the spinner thread. Call
+ * from a thread whose current CUDA context owns the event. Jobs must be submitted in
+ * start order (one stream's jobs are).
+ */
+int ao_cuda_spin_watch(void *event, int64_t *slot, int64_t start_ns, int64_t stop_ns) {
+    if (p_event_query == NULL) return -1;
+    ao_spin_job *job = (ao_spin_job *)malloc(sizeof *job);
+    if (job == NULL) return -1;
+    job->next = NULL;
+    job->event = event;
+    job->slot = slot;
+    job->start_ns = start_ns;
+    job->stop_ns = stop_ns;
+    pthread_mutex_lock(&spin_mutex);
+    if (spin_ctx == NULL) p_ctx_get_current(&spin_ctx);
+    if (!spin_started) {
+        pthread_t t;
+        if (pthread_create(&t, NULL, ao_spin_main, NULL) != 0) {
+            pthread_mutex_unlock(&spin_mutex);
+            free(job);
+            return -1;
+        }
+        pthread_detach(t);
+        spin_started = 1;
+    }
+    ao_spin_job **p = &spin_head;
+    while (*p != NULL && (*p)->start_ns <= start_ns) p = &(*p)->next;
+    job->next = *p;
+    *p = job;
+    pthread_cond_signal(&spin_cond);
+    pthread_mutex_unlock(&spin_mutex);
+    return 0;
 }

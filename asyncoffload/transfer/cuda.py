@@ -23,6 +23,7 @@ import ctypes
 import importlib.util
 import logging
 import mmap
+import time
 from collections import deque
 from collections.abc import Sequence
 from typing import Any, Literal
@@ -239,6 +240,7 @@ class CudaJob(CopyJob):
             if self._lib.ao_cuda_slot_done(ctypes.addressof(slot)):
                 self.finished_ns = slot[1]  # CLOCK_MONOTONIC, as perf_counter_ns
                 self._done = True
+                _retire(self._lib, slot)
         else:
             self._query_event()
         if self._done:
@@ -268,6 +270,8 @@ class CudaJob(CopyJob):
                 self.finish(exc)
                 self.stamped = False
                 self._keep.clear()
+                if self._lib is not None:
+                    _retire(self._lib, self._slot)
         return self._done
 
     @property
@@ -290,25 +294,73 @@ def start_timing(job: CudaJob, stream: torch.cuda.Stream) -> None:
     job._start = start
 
 
+# Wake-up slots that native code may still touch after their job resolved: the host
+# function runs after the job is done when the spinner saw the end first, and the
+# spinner may look at a slot until its window closes. They are freed only once native
+# code has let go of them (``ao_cuda_slot_released``).
+_retired_slots: list[tuple[ctypes.CDLL, ctypes.Array[ctypes.c_int64]]] = []
+
+
+def _retire(lib: ctypes.CDLL, slot: ctypes.Array[ctypes.c_int64]) -> None:
+    _retired_slots.append((lib, slot))
+    if len(_retired_slots) > 64:
+        _reap_slots()
+
+
+def _reap_slots() -> int:
+    """Free the retired slots native code is done with; how many remain."""
+    _retired_slots[:] = [
+        (lib, slot)
+        for lib, slot in _retired_slots
+        if not lib.ao_cuda_slot_released(ctypes.addressof(slot))
+    ]
+    return len(_retired_slots)
+
+
+def wait_for_slots(timeout_s: float = 2.0) -> bool:
+    """Wait until native code has let go of every retired slot (so no host function or
+    spinner will write a wake-up fd again). True if it did within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while _reap_slots():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.0005)
+    return True
+
+
 def mark_completion(
     job: CudaJob,
     stream: torch.cuda.Stream,
     lib: ctypes.CDLL | None,
     wake_fd: int | None,
+    *,
+    spin_ns: tuple[int, int] | None = None,
 ) -> None:
     """Give ``job`` its completion marker at the current end of ``stream``: a CUDA event,
     and, where the native helper ``lib`` is loaded and the loop watches ``wake_fd``, a
-    host function that stamps the job and writes the fd once the stream gets there."""
+    host function that stamps the job and writes the fd once the stream gets there.
+
+    ``spin_ns`` = (from, until), ``time.perf_counter_ns`` times around the expected end
+    of the job: the native spinner polls the event in that window and, if it sees the
+    end first, stamps the job and writes the fd itself (the host function then does
+    nothing). The window bounds its CPU cost; a wrong estimate only loses the speed-up.
+    """
     event = torch.cuda.Event(enable_timing=job._start is not None)  # type: ignore[no-untyped-call]
     event.record(stream)
     job._event = event
     if lib is not None and wake_fd is not None:
-        slot = (ctypes.c_int64 * 3)(0, 0, wake_fd)
+        # [state, end ns, fd, host function ran, spinner done] (see cuda_helpers.c)
+        slot = (ctypes.c_int64 * 5)(0, 0, wake_fd, 0, 1)
         rc = lib.ao_cuda_launch_wake(stream.cuda_stream, ctypes.addressof(slot))
         if rc != 0:
             raise RuntimeError(f"cuLaunchHostFunc failed: CUresult {rc}")
         job._slot = slot
         job._lib = lib
+        if spin_ns is not None:
+            slot[4] = 0
+            addr = ctypes.addressof(slot)
+            if lib.ao_cuda_spin_watch(event.cuda_event, addr, spin_ns[0], spin_ns[1]) != 0:
+                slot[4] = 1
 
 
 class CudaCopyBackend(TransferBackend):
@@ -355,6 +407,15 @@ class CudaCopyBackend(TransferBackend):
         self.has_batch = bool(features & 2)
         self.has_kernel = _triton_available() and self.pool.pinned and frag % 8 == 0
         self.can_wake = self.has_host_wake
+        #: Poll each transfer's event natively around its expected end (see
+        #: ``mark_completion``); the expected end comes from the bandwidth this backend
+        #: has measured per direction.
+        self.spin = bool(features & 8) and self.has_host_wake
+        self.spin_lead_ns = 30_000
+        self.spin_window_ns = 150_000
+        self._rate: list[float | None] = [None, None]  # bytes per ns, EWMA
+        self._lane_end_ns = [0, 0]
+        self._recent: tuple[list[CudaJob], list[CudaJob]] = ([], [])
         self.copy_method: CopyMethod = copy_method
         #: Per-direction overrides of ``copy_method`` (store, load); ``None`` keeps it.
         self.method_by_direction: list[CopyMethod | None] = [None, None]
@@ -398,6 +459,27 @@ class CudaCopyBackend(TransferBackend):
             self.has_kernel,
             self.has_host_wake,
         )
+
+    def _spin_window(self, job: CudaJob, direction: int) -> tuple[int, int] | None:
+        """When the spinner should poll ``job``'s event: around its expected end, from the
+        measured bandwidth of this direction and the transfers queued before it."""
+        recent = self._recent[direction]
+        for done in [j for j in recent if j.query()]:
+            recent.remove(done)
+            seconds = done.duration_s
+            if done.error is None and done.nbytes and seconds > 0:
+                sample = done.nbytes / (seconds * 1e9)
+                old = self._rate[direction]
+                self._rate[direction] = sample if old is None else 0.7 * old + 0.3 * sample
+        if len(recent) < 64:
+            recent.append(job)
+        rate = self._rate[direction]
+        if not (self.spin and self._wake_fd is not None and rate and job.nbytes):
+            return None
+        now = time.perf_counter_ns()
+        end = max(now, self._lane_end_ns[direction]) + int(job.nbytes / rate)
+        self._lane_end_ns[direction] = end
+        return (max(now, end - self.spin_lead_ns), end + self.spin_window_ns)
 
     def _warm_up_kernel(self) -> None:
         """Compile and load the copy kernel for both directions now, on scratch memory:
@@ -458,6 +540,7 @@ class CudaCopyBackend(TransferBackend):
             "batch_memcpy": self.has_batch,
             "copy_kernel": self.has_kernel,
             "host_function_wakeups": self.has_host_wake,
+            "completion_spinner": self.spin,
             "transfers_by_method": dict(self.transfers_by_method),
         }
 
@@ -491,7 +574,8 @@ class CudaCopyBackend(TransferBackend):
                 if n:
                     job._keep = self._enqueue(method, direction, list(gpu_ids), list(host_ids))
                 lib = self._lib if self.has_host_wake else None
-                mark_completion(job, stream, lib, self._wake_fd)
+                spin = self._spin_window(job, direction)
+                mark_completion(job, stream, lib, self._wake_fd, spin_ns=spin)
             except BaseException:
                 # Part of the transfer may be queued: its slots must not be freed (the
                 # caller does, on failure) before the device is done with them.
@@ -701,6 +785,8 @@ class CudaCopyBackend(TransferBackend):
             stream.synchronize()
         for stream in self._kernel_streams:
             stream.synchronize()
+        if not wait_for_slots():
+            log.warning("native wake-up code still holds completion slots after close")
         self._staging = [None, None]
         self._staged = [None, None]
         self._staged_buffers.clear()
