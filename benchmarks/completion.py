@@ -334,7 +334,7 @@ class OursBridge(Mechanism):
         if spin:
             self.description = (
                 "host function -> eventfd, plus the native spinner polling the event from "
-                "30 us before to 150 us after the expected end (ours, as the CUDA backend "
+                "60 us before to 150 us after the expected end (ours, as the CUDA backend "
                 "does for transfers; the expected end here is the job's measured GPU time)"
             )
         elif mode == "eventfd":
@@ -377,7 +377,7 @@ class OursBridge(Mechanism):
         spin: tuple[int, int] | None = None
         if self.spin:
             end = time.perf_counter_ns() + int(job.gpu_us * 1000)
-            spin = (end - 30_000, end + 150_000)
+            spin = (end - 60_000, end + 150_000)
         mark_completion(cjob, self.gpu.side, self.lib, bridge.wake_fd, spin_ns=spin)
         p.job = cjob
         bridge.watch(lane, cjob, p.deliver)

@@ -168,6 +168,9 @@ int ao_cuda_host_device_pointer(void *ptr, uint64_t *out) {
  * slot may be freed only once [3] and [4] are both 1.
  */
 #include <pthread.h>
+#ifdef __linux__
+#include <sys/prctl.h>
+#endif
 
 typedef CUresult (*event_query_t)(void *);
 typedef CUresult (*ctx_set_current_t)(void *);
@@ -218,6 +221,10 @@ static void ao_signal(int64_t fd) {
 static void *ao_spin_main(void *arg) {
     (void)arg;
     int ctx_set = 0;
+#ifdef __linux__
+    /* Wake at the asked time, not up to 50 us later (the default timer slack). */
+    prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);
+#endif
     pthread_mutex_lock(&spin_mutex);
     for (;;) {
         while (spin_head == NULL) pthread_cond_wait(&spin_cond, &spin_mutex);

@@ -411,7 +411,7 @@ class CudaCopyBackend(TransferBackend):
         #: ``mark_completion``); the expected end comes from the bandwidth this backend
         #: has measured per direction.
         self.spin = bool(features & 8) and self.has_host_wake
-        self.spin_lead_ns = 30_000
+        self.spin_lead_ns = 60_000
         self.spin_window_ns = 150_000
         self._rate: list[float | None] = [None, None]  # bytes per ns, EWMA
         self._lane_end_ns = [0, 0]
