@@ -604,20 +604,8 @@ class CudaCopyBackend(TransferBackend):
         host_addr = (self.pool.block_address[hidx][:, None] + self._frag_offset).reshape(-1)
         src, dst = (kv_addr, host_addr) if direction == 0 else (host_addr, kv_addr)
         if method == "batch":
-            assert self._lib is not None
-            sizes = torch.full_like(src, self.layout.fragment_bytes)
-            rc = self._lib.ao_cuda_memcpy_batch(
-                torch.cuda.current_stream(self.device).cuda_stream,
-                dst.data_ptr(),
-                src.data_ptr(),
-                sizes.data_ptr(),
-                src.numel(),
-                direction,
-                self.device.index if self.device.index is not None else 0,
-                *self.batch_attributes[direction],
-            )
-            if rc != 0:
-                raise RuntimeError(f"cuMemcpyBatchAsync failed: CUresult {rc}")
+            stream = torch.cuda.current_stream(self.device)
+            self._memcpy_batch(stream, direction, src, dst, self.layout.fragment_bytes)
             return []  # the descriptor arrays were consumed by the call
         raise ValueError(f"unknown copy method {method!r}")
 
@@ -736,8 +724,20 @@ class CudaCopyBackend(TransferBackend):
         self, stream: torch.cuda.Stream, direction: int, src: torch.Tensor, dst: torch.Tensor
     ) -> None:
         """Whole-block copies between staging rows and host slots on ``stream``."""
-        assert self._lib is not None  # "staged" is available only with batched memcpy
-        sizes = torch.full_like(src, self.layout.block_bytes)
+        self._memcpy_batch(stream, direction, src, dst, self.layout.block_bytes)
+
+    def _memcpy_batch(
+        self,
+        stream: torch.cuda.Stream,
+        direction: int,
+        src: torch.Tensor,
+        dst: torch.Tensor,
+        size: int,
+    ) -> None:
+        """One ``cuMemcpyBatchAsync`` of ``size`` bytes from each ``src`` address to the
+        matching ``dst`` (int64 CPU tensors, read during the call)."""
+        assert self._lib is not None  # the batch and staged methods need the helper
+        sizes = torch.full_like(src, size)
         rc = self._lib.ao_cuda_memcpy_batch(
             stream.cuda_stream,
             dst.data_ptr(),
