@@ -53,6 +53,12 @@ class EngineConfig(BaseModel):
         "'auto' (chosen per transfer by fragment size and count).",
     )
     pin_memory: bool = Field(True, description="Pin the CUDA backend's host pool.")
+    staging_bytes: int = Field(
+        64 << 20,
+        gt=0,
+        description="CUDA backend: device staging per buffer for the 'staged' and 'gather' "
+        "methods (the staged method uses two buffers per direction).",
+    )
     host_chunk_bytes: int = Field(
         1 << 30, gt=0, description="The CUDA backend allocates its host pool in chunks of this."
     )

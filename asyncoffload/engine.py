@@ -89,6 +89,7 @@ def _make_backend(
             copy_method=config.copy_method,
             chunk_bytes=config.host_chunk_bytes,
             pin=config.pin_memory,
+            staging_bytes=config.staging_bytes,
         )
     raise ValueError(
         f"no transfer backend for KV tensors on {layout.device}: this build copies CPU "

@@ -203,7 +203,7 @@ async def run_layout(name: str, args: argparse.Namespace) -> dict[str, Any]:
         torch.randn((2, gpu_blocks, *inner), device="cuda").to(torch.bfloat16)
         for _ in range(layers)
     ]
-    cfg = ao.EngineConfig(cpu_blocks=max(args.blocks) * 3)
+    cfg = ao.EngineConfig(cpu_blocks=max(args.blocks) * 3, staging_bytes=args.staging_mib << 20)
     engine = ao.AsyncOffloadEngine(kv, cfg)
     layout = engine.layout
     print(
@@ -295,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--blocks", default="256,2048", help="blocks per call, comma-separated")
     parser.add_argument("--methods", default="auto,kernel,staged,batch,gather")
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--staging-mib", type=int, default=64, help="staging per buffer")
     parser.add_argument(
         "--mixed", action="store_true", help="also time a different method per direction"
     )
