@@ -295,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--blocks", default="256,2048", help="blocks per call, comma-separated")
     parser.add_argument("--methods", default="auto,kernel,staged,batch,gather")
     parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--staging-mib", type=int, default=64, help="staging per buffer")
+    parser.add_argument("--staging-mib", type=int, default=192, help="staging per buffer")
     parser.add_argument(
         "--mixed", action="store_true", help="also time a different method per direction"
     )

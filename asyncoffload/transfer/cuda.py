@@ -380,7 +380,7 @@ class CudaCopyBackend(TransferBackend):
         pin: bool = True,
         kernel_max_fragment_bytes: int = 16 << 10,
         kernel_programs: int = DEFAULT_KERNEL_PROGRAMS,
-        staging_bytes: int = 64 << 20,
+        staging_bytes: int = 192 << 20,
     ) -> None:
         if layout.device.type != "cuda":
             raise ValueError(f"CudaCopyBackend needs CUDA tensors, got {layout.device}")
