@@ -429,7 +429,8 @@ class CudaCopyBackend(TransferBackend):
         self.batch_attributes: tuple[tuple[int, int], tuple[int, int]] = ((1, 0), (3, 0))
         #: Per-direction overrides of ``kernel_programs`` (store, load); ``None`` keeps it.
         self.kernel_programs_by_direction: list[int | None] = [None, None]
-        self.staging_blocks = max(1, staging_bytes // layout.block_bytes)
+        # Rows beyond the KV cache's block count would serve only stores that repeat ids.
+        self.staging_blocks = max(1, min(staging_bytes // layout.block_bytes, layout.num_blocks))
         self._staging: list[torch.Tensor | None] = [None, None]
         # The staged method: per direction a kernel stream, two buffers, and for each
         # buffer the event after which it may be refilled.
