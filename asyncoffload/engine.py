@@ -10,7 +10,7 @@ import asyncio
 import logging
 import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 
@@ -462,9 +462,11 @@ class AsyncOffloadEngine:
         fut.add_done_callback(_retrieve)
         fut.add_done_callback(self._inflight.discard)
 
-    def _submit(self, submit: object, src: list[int], dst: list[int]) -> CopyJob:
+    def _submit(
+        self, submit: Callable[[list[int], list[int]], CopyJob], src: list[int], dst: list[int]
+    ) -> CopyJob:
         try:
-            return submit(src, dst)  # type: ignore[operator,no-any-return]
+            return submit(src, dst)
         except Exception as exc:
             return FailedJob(len(src), exc)
 

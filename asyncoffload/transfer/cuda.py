@@ -14,7 +14,9 @@
   every fragment; ``gather``: torch ``index_select`` into staging and one copy per block
   range, the fallback without Triton.
 - **Completion.** Each transfer records a CUDA event; where the native helper is built, a
-  host function after it stamps the job and writes the loop's eventfd, without the GIL.
+  host function after it stamps the job and writes the loop's eventfd, without the GIL,
+  and a native spinner polls the event around the transfer's expected end so that it can
+  do the same sooner.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ __all__ = [
     "PinnedHostPool",
     "mark_completion",
     "start_timing",
+    "wait_for_slots",
 ]
 
 log = logging.getLogger("asyncoffload.transfer")
@@ -497,8 +500,10 @@ class CudaCopyBackend(TransferBackend):
             kv_stride = torch.zeros(nfrag, dtype=torch.int64, device=self.device)
             host_addr = self.pool.device_block_address[:1].to(self.device)
             ids = torch.zeros(2, dtype=torch.int64, device=self.device)
+            from asyncoffload.transfer._triton_copy import launch_copy_blocks
+
             for store in (True, False):
-                _launch_copy_kernel(
+                launch_copy_blocks(
                     ids, 1, kv_base, kv_stride, host_addr, frag, store, self.kernel_programs
                 )
             torch.cuda.synchronize(self.device)
@@ -710,7 +715,9 @@ class CudaCopyBackend(TransferBackend):
     def _run_kernel(
         self, ids_dev: torch.Tensor, n_blocks: int, block_addr: torch.Tensor, store: bool
     ) -> None:
-        _launch_copy_kernel(
+        from asyncoffload.transfer._triton_copy import launch_copy_blocks  # needs Triton
+
+        launch_copy_blocks(
             ids_dev,
             n_blocks,
             self._kv_base_dev,
@@ -804,20 +811,3 @@ def _triton_available() -> bool:
     if _triton_checked is None:
         _triton_checked = importlib.util.find_spec("triton") is not None
     return _triton_checked
-
-
-def _launch_copy_kernel(
-    ids: torch.Tensor,
-    n_blocks: int,
-    kv_base: torch.Tensor,
-    kv_stride: torch.Tensor,
-    host_addr: torch.Tensor,
-    fragment_bytes: int,
-    store: bool,
-    programs: int,
-) -> None:
-    from asyncoffload.transfer._triton_copy import launch_copy_blocks
-
-    launch_copy_blocks(
-        ids, n_blocks, kv_base, kv_stride, host_addr, fragment_bytes, store, programs
-    )
