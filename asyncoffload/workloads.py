@@ -1,36 +1,59 @@
 """Workloads: streams of requests, each a prompt's prefix-chained block keys and an arrival time.
 
 A :class:`Request` is what a serving loop needs to exercise an offload engine: when it
-arrives, the keys of its prompt's full blocks (prefix-chained, so equal keys mean equal
-prefixes), and how many tokens it reads and writes. Generators and trace loaders all
-produce ``list[Request]`` sorted by arrival, so a serving loop or benchmark takes any of
-them.
+arrives, the keys of its prompt's blocks in order (prefix-chained, so equal keys mean
+equal prefixes), and how many tokens it reads and writes. Generators and trace loaders
+all produce ``list[Request]`` sorted by arrival, so a serving loop or benchmark takes any
+of them.
 
-:func:`synthetic_chat` makes a multi-turn chat workload: sessions share a few system
-prompts, and every turn's prompt is the whole conversation so far plus a new user
-message, so prefixes are shared within a session (turn after turn) and across sessions
-(the system prompt).
+:func:`synthetic_chat` makes a multi-turn chat workload from random token ids: sessions
+share a few system prompts, and every turn's prompt is the whole conversation so far plus
+a new user message, so prefixes are shared within a session (turn after turn) and across
+sessions (the system prompt). Only its full blocks have keys.
+
+:func:`load_mooncake` (and :func:`iter_mooncake`) read a Mooncake request trace (JSONL,
+one request a line with ``hash_ids`` for its 512-token blocks, the last one usually
+partial). :func:`synthetic_sessions` makes workloads of that shape without token ids, fast
+enough for hundreds of thousands of requests, to check conclusions beyond one trace.
 """
 
 from __future__ import annotations
 
 import heapq
+import itertools
+import json
 import math
+import os
 import random
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import cast
 
 from asyncoffload.keys import OffloadKey, hash_token_blocks, make_offload_key
 
-__all__ = ["Request", "WorkloadSummary", "summarize", "synthetic_chat"]
+__all__ = [
+    "Request",
+    "TraceFormatError",
+    "WorkloadSummary",
+    "iter_mooncake",
+    "load_mooncake",
+    "summarize",
+    "synthetic_chat",
+    "synthetic_sessions",
+]
 
 
 @dataclass(frozen=True, slots=True)
 class Request:
     """One request of a workload.
 
-    ``keys`` are the offload keys of the prompt's full blocks, in order; a trailing
-    partial block has no key, so ``len(keys) == input_tokens // block_size``.
+    ``keys`` are the offload keys of the prompt's blocks of ``block_size`` tokens, in
+    order. Every block but the last is full; the last may be partial (trace sources and
+    :func:`synthetic_sessions`: ``len(keys) == ceil(input_tokens / block_size)``) or a
+    trailing partial block may have no key (:func:`synthetic_chat`:
+    ``len(keys) == input_tokens // block_size``). Either way
+    ``block_size * (len(keys) - 1) < input_tokens`` when there are keys.
     """
 
     req_id: str
@@ -45,10 +68,28 @@ class Request:
     session_id: str = ""
     #: Its position in the session, from 0.
     turn: int = 0
+    #: Tokens per block.
+    block_size: int = 16
 
     @property
     def num_blocks(self) -> int:
         return len(self.keys)
+
+    @property
+    def last_block_partial(self) -> bool:
+        """Whether the last keyed block holds fewer than ``block_size`` tokens."""
+        return self.input_tokens < self.block_size * len(self.keys)
+
+    def block_tokens(self) -> list[int]:
+        """Tokens in each keyed block: ``block_size`` for all but the last, which holds
+        what is left of the prompt, up to ``block_size`` (tokens past the last key, a
+        partial block without a key, are not counted)."""
+        n = len(self.keys)
+        if not n:
+            return []
+        sizes = [self.block_size] * n
+        sizes[-1] = min(self.block_size, self.input_tokens - self.block_size * (n - 1))
+        return sizes
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,10 +146,51 @@ def _check_positive(name: str, value: float) -> None:
         raise ValueError(f"{name} must be a positive number, got {value!r}")
 
 
+def _check_at_least(name: str, value: float, low: float) -> None:
+    if isinstance(value, bool) or not value >= low or not math.isfinite(value):
+        raise ValueError(f"{name} must be a number >= {low}, got {value!r}")
+
+
+def _check_int(name: str, value: int, *, positive: bool) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < int(positive):
+        kind = "positive" if positive else "non-negative"
+        raise ValueError(f"{name} must be a {kind} int, got {value!r}")
+
+
 def _uniform_mean(rng: random.Random, mean: float) -> int:
     """An int uniform in ``[1, 2 * mean - 1]`` (mean ``mean``), at least 1."""
     hi = max(1, round(2 * mean) - 1)
     return rng.randint(1, hi)
+
+
+def _think_time(rng: random.Random, mean: float) -> float:
+    """An exponential time of mean ``mean`` (0 when ``mean`` is 0)."""
+    return rng.expovariate(1.0 / mean) if mean > 0 else 0.0
+
+
+class _Earliest:
+    """The ``n`` earliest arrival times seen so far, to cut a workload at ``n`` requests.
+
+    Generators make sessions in start order and stop at the first start that
+    :meth:`too_late` rejects; the ``n`` earliest requests made by then are final.
+    """
+
+    __slots__ = ("_heap", "_n")
+
+    def __init__(self, n: int) -> None:
+        self._n = n
+        #: Max-heap (negated).
+        self._heap: list[float] = []
+
+    def add(self, t: float) -> None:
+        if len(self._heap) < self._n:
+            heapq.heappush(self._heap, -t)
+        elif t < -self._heap[0]:
+            heapq.heapreplace(self._heap, -t)
+
+    def too_late(self, t: float) -> bool:
+        """Whether nothing arriving after ``t`` can be among the ``n`` earliest."""
+        return len(self._heap) == self._n and t > -self._heap[0]
 
 
 class _Session:
@@ -158,31 +240,18 @@ def synthetic_chat(
 
     Token ids are random (``vocab_size``) and keys are their chained block hashes
     (:func:`~asyncoffload.hash_token_blocks`), so the result is deterministic for a
-    ``seed``.
+    ``seed``. Only full blocks have keys.
     """
-    if isinstance(num_requests, bool) or not isinstance(num_requests, int) or num_requests < 0:
-        raise ValueError(f"num_requests must be a non-negative int, got {num_requests!r}")
-    for name, ivalue in (
-        ("num_system_prompts", num_system_prompts),
-        ("turns", turns),
-        ("block_size", block_size),
-        ("vocab_size", vocab_size),
-    ):
-        if isinstance(ivalue, bool) or not isinstance(ivalue, int) or ivalue <= 0:
-            raise ValueError(f"{name} must be a positive int, got {ivalue!r}")
-    if (
-        isinstance(system_prompt_blocks, bool)
-        or not isinstance(system_prompt_blocks, int)
-        or system_prompt_blocks < 0
-    ):
-        raise ValueError(
-            f"system_prompt_blocks must be a non-negative int, got {system_prompt_blocks!r}"
-        )
+    _check_int("num_requests", num_requests, positive=False)
+    _check_int("num_system_prompts", num_system_prompts, positive=True)
+    _check_int("turns", turns, positive=True)
+    _check_int("block_size", block_size, positive=True)
+    _check_int("vocab_size", vocab_size, positive=True)
+    _check_int("system_prompt_blocks", system_prompt_blocks, positive=False)
     _check_positive("blocks_per_turn", blocks_per_turn)
     _check_positive("output_tokens", output_tokens)
     _check_positive("arrival_rate", arrival_rate)
-    if not (think_time_s >= 0 and math.isfinite(think_time_s)):
-        raise ValueError(f"think_time_s must be >= 0, got {think_time_s!r}")
+    _check_at_least("think_time_s", think_time_s, 0)
 
     rng = random.Random(seed)
     vocab = range(vocab_size)
@@ -196,18 +265,15 @@ def synthetic_chat(
         system_prompts.append((toks, hash_token_blocks(toks, block_size)))
     sys_keys = [[make_offload_key(h) for h in hashes] for _, hashes in system_prompts]
 
-    # Sessions are generated in start order until no later one can arrive before the
-    # num_requests-th arrival seen so far; then the earliest num_requests are kept.
     session_rate = arrival_rate / turns
     mean_user_tokens = blocks_per_turn * block_size
     out: list[Request] = []
-    # Max-heap (negated) of the num_requests earliest arrivals so far.
-    earliest: list[float] = []
+    earliest = _Earliest(num_requests)
     start = 0.0
     session_idx = 0
     while num_requests:
         start += rng.expovariate(session_rate)
-        if len(earliest) == num_requests and start > -earliest[0]:
+        if earliest.too_late(start):
             break
         prompt = rng.randrange(num_system_prompts)
         sys_tokens, sys_hashes = system_prompts[prompt]
@@ -217,7 +283,7 @@ def synthetic_chat(
         t = start
         for turn in range(turns):
             if turn:
-                t += rng.expovariate(1.0 / think_time_s) if think_time_s > 0 else 0.0
+                t += _think_time(rng, think_time_s)
             session.extend(tokens(_uniform_mean(rng, mean_user_tokens)), block_size)
             n_out = _uniform_mean(rng, output_tokens)
             out.append(
@@ -229,14 +295,278 @@ def synthetic_chat(
                     output_tokens=n_out,
                     session_id=session_id,
                     turn=turn,
+                    block_size=block_size,
                 )
             )
-            if len(earliest) < num_requests:
-                heapq.heappush(earliest, -t)
-            elif t < -earliest[0]:
-                heapq.heapreplace(earliest, -t)
+            earliest.add(t)
             if turn + 1 < turns:
                 session.extend(tokens(n_out), block_size)
 
     out.sort(key=lambda r: r.arrival_s)
     return out[:num_requests]
+
+
+def synthetic_sessions(
+    num_requests: int,
+    *,
+    num_system_prompts: int = 8,
+    system_prompt_blocks: int = 4,
+    mean_turns: float = 3.0,
+    blocks_per_turn: float = 6.0,
+    output_blocks: float = 1.0,
+    block_size: int = 512,
+    arrival_rate: float = 3.0,
+    think_time_s: float = 120.0,
+    seed: int = 0,
+) -> list[Request]:
+    """A Mooncake-style multi-turn workload of ``num_requests`` requests, sorted by
+    arrival, made of keys alone (no token ids), so it is fast at any size.
+
+    Sessions start as a Poisson process (``arrival_rate / mean_turns`` per second, so
+    requests arrive at about ``arrival_rate`` per second) and have a geometric number of
+    turns (at least 1, mean ``mean_turns``; the sessions still open when the workload
+    ends are cut short). A session picks one of ``num_system_prompts`` system prompts of
+    ``system_prompt_blocks`` full blocks, prompt ``i`` with probability proportional to
+    ``1 / (i + 1)`` (Zipf). Turn ``k`` comes an exponential think time (mean
+    ``think_time_s``) after turn ``k - 1``; its prompt is turn ``k - 1``'s prompt, its
+    reply (about ``output_blocks`` blocks) and a new user message (about
+    ``blocks_per_turn`` blocks), token counts uniform with those means.
+
+    As in a Mooncake trace, every block of a prompt has a key and the last is usually
+    partial: turn ``k`` shares turn ``k - 1``'s full blocks, and its later blocks
+    (including the one that was turn ``k - 1``'s partial last block) get fresh keys.
+    Keys are a counter under a namespace drawn from ``seed``, so workloads of different
+    seeds share no key (nor with traces: the hash part is 16 bytes, not 8); the result is
+    deterministic for a ``seed``.
+    """
+    _check_int("num_requests", num_requests, positive=False)
+    _check_int("num_system_prompts", num_system_prompts, positive=True)
+    _check_int("system_prompt_blocks", system_prompt_blocks, positive=False)
+    _check_at_least("mean_turns", mean_turns, 1)
+    _check_positive("blocks_per_turn", blocks_per_turn)
+    _check_positive("output_blocks", output_blocks)
+    _check_int("block_size", block_size, positive=True)
+    _check_positive("arrival_rate", arrival_rate)
+    _check_at_least("think_time_s", think_time_s, 0)
+
+    rng = random.Random(seed)
+    namespace = rng.randbytes(8)
+    counter = itertools.count()
+
+    def fresh(n: int) -> list[OffloadKey]:
+        return [
+            make_offload_key(namespace + i.to_bytes(8, "big")) for i in itertools.islice(counter, n)
+        ]
+
+    sys_keys = [fresh(system_prompt_blocks) for _ in range(num_system_prompts)]
+    prompts = range(num_system_prompts)
+    popularity = list(itertools.accumulate(1 / (i + 1) for i in prompts))
+    more_turns = 1 - 1 / mean_turns
+    session_rate = arrival_rate / mean_turns
+    mean_user_tokens = blocks_per_turn * block_size
+    mean_output_tokens = output_blocks * block_size
+
+    out: list[Request] = []
+    earliest = _Earliest(num_requests)
+    start = 0.0
+    session_idx = 0
+    while num_requests:
+        start += rng.expovariate(session_rate)
+        if earliest.too_late(start):
+            break
+        turns = 1
+        while rng.random() < more_turns:
+            turns += 1
+        # The keys of the conversation's full blocks, and its length in tokens.
+        keys = list(sys_keys[rng.choices(prompts, cum_weights=popularity)[0]])
+        n_tokens = system_prompt_blocks * block_size
+        session_id = f"s{session_idx}"
+        session_idx += 1
+        t = start
+        for turn in range(turns):
+            if turn:
+                t += _think_time(rng, think_time_s)
+            n_tokens += _uniform_mean(rng, mean_user_tokens)
+            keys += fresh(-(-n_tokens // block_size) - len(keys))
+            n_out = _uniform_mean(rng, mean_output_tokens)
+            out.append(
+                Request(
+                    req_id=f"{session_id}-t{turn}",
+                    arrival_s=t,
+                    keys=tuple(keys),
+                    input_tokens=n_tokens,
+                    output_tokens=n_out,
+                    session_id=session_id,
+                    turn=turn,
+                    block_size=block_size,
+                )
+            )
+            earliest.add(t)
+            # The reply continues the prompt's partial last block: that block's key goes.
+            del keys[n_tokens // block_size :]
+            n_tokens += n_out
+
+    out.sort(key=lambda r: r.arrival_s)
+    return out[:num_requests]
+
+
+class TraceFormatError(ValueError):
+    """A malformed request trace; the message names the file, the line and the problem."""
+
+
+class _BadRecord(Exception):
+    """What is wrong with one line of a trace (located by the caller)."""
+
+
+_HASH_ID_LIMIT = 1 << 64
+_JSON_TYPES = {
+    bool: "boolean",
+    int: "integer",
+    float: "number",
+    str: "string",
+    list: "array",
+    dict: "object",
+    type(None): "null",
+}
+
+
+def _describe(value: object) -> str:
+    """``value``'s JSON type and (shortened) text, for error messages."""
+    text = json.dumps(value)
+    if len(text) > 40:
+        text = text[:37] + "..."
+    return f"{_JSON_TYPES.get(type(value), type(value).__name__)} {text}"
+
+
+def _field(record: dict[str, object], name: str) -> object:
+    try:
+        return record[name]
+    except KeyError:
+        raise _BadRecord(f"missing field {name!r}") from None
+
+
+def _count_field(record: dict[str, object], name: str) -> int:
+    """Field ``name`` of ``record``, a non-negative integer."""
+    value = _field(record, name)
+    if type(value) is not int:
+        raise _BadRecord(f"{name} must be an integer, got {_describe(value)}")
+    if value < 0:
+        raise _BadRecord(f"{name} must be >= 0, got {value}")
+    return value
+
+
+def _parse_mooncake(line: bytes, block_size: int) -> tuple[int, int, int, list[int]]:
+    """``(timestamp, input_length, output_length, hash_ids)`` of one trace line."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise _BadRecord(f"invalid JSON: {e.msg} at column {e.colno}") from None
+    except UnicodeDecodeError:
+        raise _BadRecord("invalid JSON: not UTF-8 text") from None
+    if type(record) is not dict:
+        raise _BadRecord(f"expected a JSON object, got {_describe(record)}")
+    timestamp = _count_field(record, "timestamp")
+    input_length = _count_field(record, "input_length")
+    output_length = _count_field(record, "output_length")
+    hash_ids = _field(record, "hash_ids")
+    if type(hash_ids) is not list:
+        raise _BadRecord(f"hash_ids must be an array of integers, got {_describe(hash_ids)}")
+    if not hash_ids:
+        raise _BadRecord("hash_ids is empty")
+    if set(map(type, hash_ids)) != {int}:  # exact types: a bool is no id
+        i, h = next((i, h) for i, h in enumerate(hash_ids) if type(h) is not int)
+        raise _BadRecord(f"hash_ids[{i}] must be an integer, got {_describe(h)}")
+    ids: list[int] = hash_ids
+    if min(ids) < 0 or max(ids) >= _HASH_ID_LIMIT:
+        i, h = next((i, h) for i, h in enumerate(ids) if not 0 <= h < _HASH_ID_LIMIT)
+        raise _BadRecord(f"hash_ids[{i}] = {h} is outside [0, 2**64) (8 bytes)")
+    blocks = -(-input_length // block_size)
+    if len(ids) != blocks:
+        raise _BadRecord(
+            f"hash_ids has {len(ids)} ids, but input_length {input_length} makes "
+            f"{blocks} blocks of {block_size} tokens"
+        )
+    return timestamp, input_length, output_length, ids
+
+
+def iter_mooncake(
+    path: str | os.PathLike[str],
+    *,
+    block_size: int = 512,
+    limit: int | None = None,
+    group_idx: int = 0,
+) -> Iterator[Request]:
+    """The requests of the Mooncake trace at ``path``, one at a time, in file order.
+
+    Arguments are checked at once; the file is opened when iteration starts. See
+    :func:`load_mooncake`.
+    """
+    _check_int("block_size", block_size, positive=True)
+    if limit is not None:
+        _check_int("limit", limit, positive=True)
+    group = make_offload_key(b"\0", group_idx)[1:]  # group_idx's 4 bytes, checked
+    return _read_mooncake(os.fspath(path), block_size, limit, group)
+
+
+def _read_mooncake(
+    path: str, block_size: int, limit: int | None, group: bytes
+) -> Iterator[Request]:
+    stem = Path(path).stem
+    previous_ts = 0
+    count = 0
+    with open(path, "rb") as f:
+        for line_no, line in enumerate(f, 1):
+            if line.isspace():
+                continue
+            try:
+                timestamp, input_length, output_length, ids = _parse_mooncake(line, block_size)
+                if timestamp < previous_ts:
+                    raise _BadRecord(
+                        f"timestamp {timestamp} is earlier than the previous request's "
+                        f"{previous_ts} (timestamps must not decrease)"
+                    )
+            except _BadRecord as e:
+                raise TraceFormatError(f"{path}:{line_no}: {e}") from None
+            previous_ts = timestamp
+            # make_offload_key(h.to_bytes(8, "big"), group_idx), without its checks.
+            keys = cast(
+                "tuple[OffloadKey, ...]", tuple([h.to_bytes(8, "big") + group for h in ids])
+            )
+            yield Request(
+                req_id=f"{stem}:{line_no}",
+                arrival_s=timestamp / 1000,
+                keys=keys,
+                input_tokens=input_length,
+                output_tokens=output_length,
+                block_size=block_size,
+            )
+            count += 1
+            if count == limit:
+                return
+
+
+def load_mooncake(
+    path: str | os.PathLike[str],
+    *,
+    block_size: int = 512,
+    limit: int | None = None,
+    group_idx: int = 0,
+) -> list[Request]:
+    """The requests of the Mooncake trace at ``path`` (the first ``limit`` if given).
+
+    Each line is a JSON object ``{"timestamp": ms, "input_length": tokens,
+    "output_length": tokens, "hash_ids": [int, ...]}``; ``hash_ids`` name the prompt's
+    ``block_size``-token blocks, prefix-chained (equal ids, equal prefixes), the last
+    one partial unless ``input_length`` is a multiple of ``block_size``. A request's keys
+    are ``make_offload_key(hash_id.to_bytes(8, "big"), group_idx)``, its arrival
+    ``timestamp / 1000`` seconds, its ``req_id`` ``"<file stem>:<line number>"``; the
+    trace has no sessions. Blank lines are skipped.
+
+    Raises :class:`TraceFormatError`, naming the file and the 1-based line, for a line
+    that is not valid JSON, not an object, lacks a field or has one that is not a
+    non-negative integer (``hash_ids``: a non-empty array of integers in ``[0, 2**64)``,
+    ``ceil(input_length / block_size)`` of them), and for a timestamp earlier than the
+    previous request's. ``ValueError`` for bad arguments, ``OSError`` for an unreadable
+    file.
+    """
+    return list(iter_mooncake(path, block_size=block_size, limit=limit, group_idx=group_idx))
