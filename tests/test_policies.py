@@ -3,7 +3,7 @@ operation sequences.
 
 The references below are written plainly (lists scanned front to back, LRU first) so that
 they are easy to check by eye against the documented semantics; the real policies use
-ordered dicts and incremental scans.
+ordered dicts, deques and incremental scans.
 """
 
 from __future__ import annotations
@@ -20,7 +20,13 @@ from hypothesis import strategies as st
 import asyncoffload as ao
 from asyncoffload.keys import OffloadKey
 from asyncoffload.manager import BlockStatus
-from asyncoffload.manager.policies import ARCPolicy
+from asyncoffload.manager.policies import (
+    ARCPolicy,
+    CachePolicy,
+    S3FIFOPolicy,
+    SIEVEPolicy,
+    get_policy_cls,
+)
 
 POLICIES = ao.available_policies()
 UNIVERSE = 12
@@ -171,7 +177,148 @@ class RefARC:
         self.t1, self.t2, self.b1, self.b2 = [], [], [], []
 
 
-RefPolicy = RefLRU | RefARC
+class RefS3FIFO:
+    """S3-FIFO as three lists (oldest first) and a count (0 to 3) per block.
+
+    Each victim comes from the first of S (only while |S| is at its target), M, S, M that
+    yields one. Both scans pass over blocks that may not be evicted, moving them unchanged
+    to the newest end of their list; a scan of M that could only pass over blocks is not
+    run. Touches of blocks being stored do not count.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.small_capacity = max(1, capacity // 10)
+        self.ghost_capacity = max(1, capacity - self.small_capacity)
+        self.s: list[OffloadKey] = []
+        self.m: list[OffloadKey] = []
+        self.g: list[OffloadKey] = []
+        self.freq: dict[OffloadKey, int] = {}
+
+    def insert(self, key: OffloadKey) -> None:
+        if key in self.g:
+            self.g.remove(key)
+            self.m.append(key)
+        else:
+            self.s.append(key)
+        self.freq[key] = 0
+
+    def remove(self, key: OffloadKey) -> None:
+        if key in self.s:
+            self.s.remove(key)
+        else:
+            self.m.remove(key)
+        del self.freq[key]
+
+    def touch(self, keys: Sequence[OffloadKey], is_ready: Callable[[OffloadKey], bool]) -> None:
+        for key in keys:
+            if key in self.freq and is_ready(key):
+                self.freq[key] = min(self.freq[key] + 1, 3)
+
+    def _from_s(self, evictable: Callable[[OffloadKey], bool]) -> OffloadKey | None:
+        for _ in range(len(self.s)):
+            key = self.s.pop(0)
+            if not evictable(key):
+                self.s.append(key)
+            elif self.freq[key] > 0:
+                self.m.append(key)
+            else:
+                del self.freq[key]
+                self.g.append(key)
+                return key
+        return None
+
+    def _from_m(self, evictable: Callable[[OffloadKey], bool]) -> OffloadKey | None:
+        if not any(evictable(key) for key in self.m):
+            return None
+        while True:
+            key = self.m.pop(0)
+            if not evictable(key):
+                self.m.append(key)
+            elif self.freq[key] > 0:
+                self.freq[key] -= 1
+                self.m.append(key)
+            else:
+                del self.freq[key]
+                return key
+
+    def evict(self, n: int, evictable: Callable[[OffloadKey], bool]) -> list[OffloadKey] | None:
+        if len([key for key in self.s + self.m if evictable(key)]) < n:
+            return None  # before anything moves
+        victims: list[OffloadKey] = []
+        for _ in range(n):
+            victim = None
+            if len(self.s) >= self.small_capacity:
+                victim = self._from_s(evictable)
+            for scan in (self._from_m, self._from_s, self._from_m):
+                if victim is None:
+                    victim = scan(evictable)
+            assert victim is not None
+            victims.append(victim)
+        while len(self.g) > self.ghost_capacity:
+            self.g.pop(0)
+        return victims
+
+    def blocks_order(self) -> list[OffloadKey]:
+        return self.s + self.m
+
+    def clear(self) -> None:
+        self.s, self.m, self.g, self.freq = [], [], [], {}
+
+
+class RefSIEVE:
+    """SIEVE as one list (oldest first), the visited keys, and the hand as an index.
+
+    The hand passes over blocks that may not be evicted, keeping their bit. Touches of
+    blocks being stored do not count.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.queue: list[OffloadKey] = []
+        self.visited: set[OffloadKey] = set()
+        self.hand = 0
+
+    def insert(self, key: OffloadKey) -> None:
+        self.queue.append(key)
+
+    def remove(self, key: OffloadKey) -> None:
+        i = self.queue.index(key)
+        del self.queue[i]
+        self.visited.discard(key)
+        if i < self.hand:
+            self.hand -= 1
+        if self.hand == len(self.queue):
+            self.hand = 0
+
+    def touch(self, keys: Sequence[OffloadKey], is_ready: Callable[[OffloadKey], bool]) -> None:
+        for key in keys:
+            if key in self.queue and is_ready(key):
+                self.visited.add(key)
+
+    def evict(self, n: int, evictable: Callable[[OffloadKey], bool]) -> list[OffloadKey] | None:
+        if len([key for key in self.queue if evictable(key)]) < n:
+            return None  # before the hand moves
+        victims: list[OffloadKey] = []
+        while len(victims) < n:
+            key = self.queue[self.hand]
+            if evictable(key) and key not in self.visited:
+                del self.queue[self.hand]
+                victims.append(key)
+            else:
+                if evictable(key):
+                    self.visited.remove(key)
+                self.hand += 1
+            if self.hand == len(self.queue):
+                self.hand = 0
+        return victims
+
+    def blocks_order(self) -> list[OffloadKey]:
+        return list(self.queue)
+
+    def clear(self) -> None:
+        self.queue, self.visited, self.hand = [], set(), 0
+
+
+RefPolicy = RefLRU | RefARC | RefS3FIFO | RefSIEVE
 
 
 # --- reference manager -----------------------------------------------------------------
@@ -519,14 +666,30 @@ def _lockstep(data: st.DataObject, policy: str, ref_policy: RefPolicy, num_block
         update_states(states, op, got)
         queued = follow_up(op, got)
         assert real_blocks(m) == ref.blocks()
-        if isinstance(ref_policy, RefARC):
-            arc = m.policy
-            assert isinstance(arc, ARCPolicy)
-            assert (list(arc.t1), list(arc.t2)) == (ref_policy.t1, ref_policy.t2)
-            assert (list(arc.b1), list(arc.b2)) == (ref_policy.b1, ref_policy.b2)
-            assert arc.target_t1 == ref_policy.target
-        else:
+        assert_same_policy_state(m.policy, ref_policy)
+        if isinstance(ref_policy, RefLRU):
             assert list(m.resident_keys()) == [k for k in ref_policy.order if ref.ref[k] >= 0]
+
+
+def assert_same_policy_state(real: CachePolicy, ref_policy: RefPolicy) -> None:
+    """The real policy's internals (queues, ghosts, counts, hand) equal the reference's."""
+    assert [key for key, _ in real.items()] == ref_policy.blocks_order()
+    assert len(real) == len(ref_policy.blocks_order())
+    if isinstance(ref_policy, RefARC):
+        assert isinstance(real, ARCPolicy)
+        assert (list(real.t1), list(real.t2)) == (ref_policy.t1, ref_policy.t2)
+        assert (list(real.b1), list(real.b2)) == (ref_policy.b1, ref_policy.b2)
+        assert real.target_t1 == ref_policy.target
+    elif isinstance(ref_policy, RefS3FIFO):
+        assert isinstance(real, S3FIFOPolicy)
+        assert (list(real.small), list(real.main)) == (ref_policy.s, ref_policy.m)
+        assert list(real.ghost) == ref_policy.g
+        assert real.freq == {key: c for key, c in ref_policy.freq.items() if c}
+    elif isinstance(ref_policy, RefSIEVE):
+        assert isinstance(real, SIEVEPolicy)
+        assert list(real.behind) + list(real.ahead) == ref_policy.queue
+        assert len(real.behind) == ref_policy.hand
+        assert real.visited == ref_policy.visited
 
 
 @SETTINGS
@@ -539,6 +702,93 @@ def test_lru_matches_reference_model(data: st.DataObject, num_blocks: int) -> No
 @given(data=st.data(), num_blocks=st.integers(1, 6))
 def test_arc_matches_reference_model(data: st.DataObject, num_blocks: int) -> None:
     _lockstep(data, "arc", RefARC(num_blocks), num_blocks)
+
+
+@SETTINGS
+@given(data=st.data(), num_blocks=st.integers(1, 6))
+def test_s3fifo_matches_reference_model(data: st.DataObject, num_blocks: int) -> None:
+    _lockstep(data, "s3fifo", RefS3FIFO(num_blocks), num_blocks)
+
+
+@SETTINGS
+@given(data=st.data(), num_blocks=st.integers(1, 6))
+def test_sieve_matches_reference_model(data: st.DataObject, num_blocks: int) -> None:
+    _lockstep(data, "sieve", RefSIEVE(num_blocks), num_blocks)
+
+
+# Straight against the policy, with more keys and slots than the manager runs above (so
+# S3-FIFO's S targets more than one block), ref counts set freely and arbitrary protected
+# sets: passes over pinned, in-flight and protected blocks, dry queues, ghost hits.
+POLICY_KEYS = [ao.make_offload_key(bytes([100 + i]) * 8) for i in range(40)]
+DIRECT_REFS: dict[str, Callable[[int], RefPolicy]] = {"s3fifo": RefS3FIFO, "sieve": RefSIEVE}
+DIRECT_OPS = ["insert"] * 5 + ["ready"] * 3 + ["pin", "unpin", "touch", "touch", "remove"]
+DIRECT_OPS += ["evict"] * 4 + ["clear"]
+
+
+def _pick(data: st.DataObject, pool: Sequence[OffloadKey]) -> OffloadKey | None:
+    return pool[_index(data, len(pool))] if pool else None
+
+
+@pytest.mark.parametrize("policy", sorted(DIRECT_REFS))
+@SETTINGS
+@given(data=st.data(), capacity=st.integers(1, 24))
+def test_policy_matches_reference_directly(policy: str, data: st.DataObject, capacity: int) -> None:
+    real = get_policy_cls(policy)(capacity)
+    ref = DIRECT_REFS[policy](capacity)
+    blocks: dict[OffloadKey, BlockStatus] = {}
+    evicted: list[OffloadKey] = []  # most recent last
+    for step in range(data.draw(st.integers(1, 100), label="n_ops")):
+        kind = DIRECT_OPS[_index(data, len(DIRECT_OPS))]
+        tracked = list(blocks)
+        pending = [k for k in tracked if blocks[k].ref_cnt < 0]
+        ready = [k for k in tracked if blocks[k].ref_cnt >= 0]
+        key: OffloadKey | None = None
+        result: object = None
+        if kind == "insert" and len(blocks) < capacity:
+            recent = [k for k in evicted[-4:] if k not in blocks]  # ghost hits
+            absent = [k for k in POLICY_KEYS if k not in blocks]
+            ghost_hit = bool(recent) and data.draw(st.booleans())
+            key = _pick(data, recent if ghost_hit else absent)
+            assert key is not None
+            blocks[key] = BlockStatus(step)
+            if data.draw(st.booleans()):
+                blocks[key].ref_cnt = 0
+            real.insert(key, blocks[key])
+            ref.insert(key)
+        elif kind == "ready" and (key := _pick(data, pending)) is not None:
+            blocks[key].ref_cnt = 0
+        elif kind == "pin" and (key := _pick(data, ready)) is not None:
+            blocks[key].ref_cnt += 1
+        elif kind == "unpin" and (key := _pick(data, [k for k in ready if blocks[k].ref_cnt])):
+            blocks[key].ref_cnt -= 1
+        elif kind == "remove" and (key := _pick(data, pending)) is not None:
+            del blocks[key]
+            real.remove(key)
+            ref.remove(key)
+        elif kind == "touch":
+            keys = _keys(data, tracked, 6) + _keys(data, POLICY_KEYS, 2)
+            result = keys
+            real.touch(keys)
+            ref.touch(keys, lambda k: blocks[k].ref_cnt >= 0)
+        elif kind == "evict":
+            n = data.draw(st.integers(0, 4))
+            protected = set(_keys(data, tracked, 8))
+            got = real.evict(n, protected)
+            idle = {k for k, block in blocks.items() if block.ref_cnt == 0} - protected
+            want = ref.evict(n, idle.__contains__)
+            result = (n, protected, want)
+            assert (None if got is None else [k for k, _ in got]) == want, f"step {step}"
+            for k, block in got or []:
+                assert blocks.pop(k) is block
+                evicted.append(k)
+        elif kind == "clear" and data.draw(st.integers(0, 5)) == 0:
+            blocks.clear()
+            real.clear()
+            ref.clear()
+        note(f"{step}: {kind} {key!r} {result!r}")
+        assert_same_policy_state(real, ref)
+        assert dict(real.items()) == blocks
+        assert all(real.get(k) is b for k, b in blocks.items())
 
 
 # --- (3): invariants of the manager, for every registered policy -----------------------
@@ -788,3 +1038,256 @@ def test_arc_evicts_from_t2_when_t1_is_below_its_target() -> None:
     assert out is not None
     assert out.evicted_keys == [a]
     assert list(arc.b2) == [a]
+
+
+# --- S3-FIFO examples ------------------------------------------------------------------
+
+
+def _s3fifo(num_blocks: int) -> tuple[ao.CPUOffloadingManager, S3FIFOPolicy]:
+    m = ao.CPUOffloadingManager(num_blocks, policy="s3fifo")
+    s3 = m.policy
+    assert isinstance(s3, S3FIFOPolicy)
+    return m, s3
+
+
+def _queues(s3: S3FIFOPolicy) -> tuple[list[OffloadKey], list[OffloadKey], list[OffloadKey]]:
+    return list(s3.small), list(s3.main), list(s3.ghost)
+
+
+def _ready(block_id: int) -> BlockStatus:
+    block = BlockStatus(block_id)
+    block.ref_cnt = 0
+    return block
+
+
+def test_new_policies_are_registered() -> None:
+    assert {"s3fifo", "sieve"} <= set(POLICIES)
+
+
+def test_s3fifo_sizes() -> None:
+    assert (S3FIFOPolicy(3).small_capacity, S3FIFOPolicy(3).ghost_capacity) == (1, 2)
+    assert (S3FIFOPolicy(9000).small_capacity, S3FIFOPolicy(9000).ghost_capacity) == (900, 8100)
+    assert (S3FIFOPolicy(1).small_capacity, S3FIFOPolicy(1).ghost_capacity) == (1, 1)
+
+
+def test_s3fifo_evicts_one_hit_wonder_from_small_and_promotes_a_used_block() -> None:
+    m, s3 = _s3fifo(3)  # S targets 1 block
+    a, b, c, d = KEYS[:4]
+    for key in (a, b, c):
+        _store(m, [key])
+    m.touch([a])  # used again since it was stored
+    out = m.prepare_store([d])
+    assert out is not None
+    assert out.evicted_keys == [b]  # a moved to M on the way
+    assert _queues(s3) == ([c, d], [a], [b])
+    assert s3.freq == {a: 1}  # a keeps its count in M
+
+
+def test_s3fifo_ghost_hit_goes_straight_to_main() -> None:
+    m, s3 = _s3fifo(3)
+    a, b, c, d = KEYS[:4]
+    for key in (a, b, c):
+        _store(m, [key])
+    m.touch([a])
+    _store(m, [d])  # evicts b into G
+    out = m.prepare_store([b])  # S is at its target: c goes, into G
+    assert out is not None
+    assert out.evicted_keys == [c]
+    assert _queues(s3) == ([d], [a, b], [c])
+    assert s3.freq == {a: 1}  # b starts over at 0
+
+
+def test_s3fifo_main_is_a_clock_over_counts() -> None:
+    m, s3 = _s3fifo(3)
+    a, b, c, d, e = KEYS[:5]
+    for key in (a, b, c):
+        _store(m, [key])
+    m.touch([a, b])
+    m.touch([a])  # counts: a 2, b 1
+    assert m.prepare_store([d]) is not None  # a and b to M, c evicted; d stays in flight
+    assert _queues(s3) == ([d], [a, b], [c])
+    assert s3.freq == {a: 2, b: 1}
+    out = m.prepare_store([e])
+    # S is at its target but holds only d, in flight: passed over. M's hand: a 2 -> 1,
+    # b 1 -> 0, a 1 -> 0, each back to the newest end; then b, at 0, goes (no ghost).
+    assert out is not None
+    assert out.evicted_keys == [b]
+    assert _queues(s3) == ([d, e], [a], [c])
+    assert s3.freq == {}
+
+
+def test_s3fifo_promotes_from_small_when_main_has_no_evictable_block() -> None:
+    s3 = S3FIFOPolicy(20)  # S targets 2 blocks
+    m1, m2, x, y, z = KEYS[:5]
+    blocks = {key: _ready(i) for i, key in enumerate((m1, m2, x, y, z))}
+    for key in (m1, m2, x):
+        s3.insert(key, blocks[key])
+    s3.touch([m1, m2])
+    assert s3.evict(1, ()) == [(x, blocks[x])]  # m1, m2 to M
+    s3.insert(y, blocks[y])
+    s3.touch([y])
+    blocks[m1].ref_cnt = blocks[m2].ref_cnt = 1  # pinned: M has no evictable block
+    # |S| = 1 is below its target, so M first: a full round passes over m1 and m2. Then
+    # S: y was used, so it moves to M, and M's hand takes it on its next round.
+    assert s3.evict(1, ()) == [(y, blocks[y])]
+    assert _queues(s3) == ([], [m1, m2], [x])
+    assert s3.freq == {m1: 1, m2: 1}  # passed over: counts kept
+    s3.insert(z, blocks[z])
+    assert s3.evict(1, ()) == [(z, blocks[z])]  # not used: evicted from S, below target
+    assert _queues(s3) == ([], [m1, m2], [x, z])
+
+
+def test_s3fifo_counts_saturate_and_ignore_blocks_being_stored() -> None:
+    m, s3 = _s3fifo(4)
+    a, b = KEYS[:2]
+    assert m.prepare_store([a, b]) is not None
+    m.touch([a, b])  # their stores are in flight: the request storing them touches them
+    assert s3.freq == {}
+    m.complete_store([a])
+    for _ in range(5):
+        m.touch([a, b])
+    assert s3.freq == {a: 3}
+
+
+# --- SIEVE examples --------------------------------------------------------------------
+
+
+def _sieve(num_blocks: int) -> tuple[ao.CPUOffloadingManager, SIEVEPolicy]:
+    m = ao.CPUOffloadingManager(num_blocks, policy="sieve")
+    sieve = m.policy
+    assert isinstance(sieve, SIEVEPolicy)
+    return m, sieve
+
+
+def _hand(sieve: SIEVEPolicy) -> tuple[list[OffloadKey], list[OffloadKey]]:
+    """The queue, oldest first, split at the hand: (passed, from the hand on)."""
+    return list(sieve.behind), list(sieve.ahead)
+
+
+def test_sieve_visited_block_survives_one_pass_of_the_hand() -> None:
+    m, sieve = _sieve(3)
+    a, b, c, d = KEYS[:4]
+    for key in (a, b, c):
+        _store(m, [key])
+    m.touch([a])
+    out = m.prepare_store([d])
+    assert out is not None
+    assert out.evicted_keys == [b]  # a, visited, lost its bit and stayed
+    assert sieve.visited == set()
+    assert _hand(sieve) == ([a], [c, d])  # a in place; the hand rests on c
+
+
+def test_sieve_hand_position_persists_across_evictions() -> None:
+    m, sieve = _sieve(3)
+    a, b, c, d, e, f = KEYS[:6]
+    for key in (a, b, c):
+        _store(m, [key])
+    m.touch([a])
+    _store(m, [d])  # evicts b; the hand stops at c
+    out = m.prepare_store([e])
+    assert out is not None
+    assert out.evicted_keys == [c]  # not a, the oldest: the hand went on from c
+    m.complete_store([e])
+    assert _hand(sieve) == ([a], [d, e])
+    m.touch([a])
+    out = m.prepare_store([f])
+    assert out is not None
+    assert out.evicted_keys == [d]
+    assert _hand(sieve) == ([a], [e, f])
+    assert sieve.visited == {a}  # not reached since its touch
+
+
+def test_sieve_hand_wraps_to_the_tail() -> None:
+    m, sieve = _sieve(2)
+    a, b, c = KEYS[:3]
+    _store(m, [a])
+    _store(m, [b])
+    m.touch([a, b])
+    out = m.prepare_store([c])  # clears a, clears b, wraps, evicts a
+    assert out is not None
+    assert out.evicted_keys == [a]
+    assert _hand(sieve) == ([], [b, c])
+    assert sieve.visited == set()
+
+
+def test_sieve_passes_over_blocks_it_may_not_evict_keeping_their_bit() -> None:
+    m, sieve = _sieve(3)
+    a, b, c, d = KEYS[:4]
+    for key in (a, b, c):
+        _store(m, [key])
+    m.touch([a])
+    m.prepare_load([a])  # pinned, and visited
+    assert m.prepare_store([b, d]) is not None  # b protected: the hand passes a, b; takes c
+    assert m.take_events()[-1].keys == (c,)
+    assert sieve.visited == {a}
+    assert _hand(sieve) == ([], [a, b, d])  # c was the head: the hand wrapped
+
+
+def test_sieve_ignores_touches_of_blocks_being_stored() -> None:
+    m, sieve = _sieve(2)
+    a = KEYS[0]
+    assert m.prepare_store([a]) is not None
+    m.touch([a])
+    assert sieve.visited == set()
+    m.complete_store([a])
+    m.touch([a])
+    assert sieve.visited == {a}
+
+
+# --- all or nothing --------------------------------------------------------------------
+
+
+def _policy_snapshot(policy: CachePolicy) -> tuple[object, ...]:
+    return (
+        [(key, block.block_id, block.ref_cnt) for key, block in policy.items()],
+        len(policy),
+        sorted((name, repr(_norm(v))) for name, v in vars(policy).items()),
+    )
+
+
+def _busy_policy(name: str) -> tuple[CachePolicy, dict[OffloadKey, BlockStatus]]:
+    """Ten blocks with counts / bits, ghosts and a moved hand; c pinned, j in flight."""
+    policy = get_policy_cls(name)(10)
+    blocks = {key: _ready(i) for i, key in enumerate(KEYS[:11])}
+    for key in KEYS[:10]:
+        policy.insert(key, blocks[key])
+    policy.touch(KEYS[0:10:2])
+    policy.touch(KEYS[0:4])
+    victims = policy.evict(2, ())
+    assert victims is not None
+    for key, _ in victims:
+        del blocks[key]
+    for key in KEYS[10:11]:
+        policy.insert(key, blocks[key])
+    blocks[KEYS[10]].ref_cnt = -1
+    blocks[KEYS[2]].ref_cnt = 1
+    return policy, blocks
+
+
+@pytest.mark.parametrize("name", ["s3fifo", "sieve"])
+def test_infeasible_eviction_changes_nothing(name: str) -> None:
+    policy, blocks = _busy_policy(name)
+    twin, twin_blocks = _busy_policy(name)
+    assert _policy_snapshot(policy) == _policy_snapshot(twin)
+    idle = [key for key, block in blocks.items() if block.ref_cnt == 0]
+    assert len(idle) >= 4
+    # Two idle blocks left unprotected, three wanted: the scans would pass over pinned,
+    # in-flight and protected blocks, promote, decrement and clear bits before failing.
+    protected = set(idle[2:])
+    before = _policy_snapshot(policy)
+    assert policy.evict(3, protected) is None
+    assert _policy_snapshot(policy) == before
+    # And it behaves as if the call never happened.
+    assert _follow_up(policy, idle) == _follow_up(twin, idle)
+    assert _policy_snapshot(policy) == _policy_snapshot(twin)
+    assert twin_blocks.keys() == blocks.keys()
+
+
+def _follow_up(policy: CachePolicy, idle: list[OffloadKey]) -> list[list[OffloadKey] | None]:
+    outs = []
+    policy.touch(idle[:3])
+    outs.append(policy.evict(2, set()))
+    policy.touch(idle[:1])
+    outs.append(policy.evict(3, set(idle[:1])))
+    assert all(out is not None for out in outs)
+    return [None if out is None else [key for key, _ in out] for out in outs]

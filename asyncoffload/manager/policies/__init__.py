@@ -10,12 +10,18 @@ from asyncoffload.manager.policies.base import (
     get_policy_cls,
     register_policy,
 )
+from asyncoffload.manager.policies.kv import KVPolicy
 from asyncoffload.manager.policies.lru import LRUPolicy
+from asyncoffload.manager.policies.s3fifo import S3FIFOPolicy
+from asyncoffload.manager.policies.sieve import SIEVEPolicy
 
 __all__ = [
     "ARCPolicy",
     "CachePolicy",
+    "KVPolicy",
     "LRUPolicy",
+    "S3FIFOPolicy",
+    "SIEVEPolicy",
     "available_policies",
     "get_policy_cls",
     "register_policy",
