@@ -5,8 +5,9 @@ from __future__ import annotations
 import os
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from asyncoffload.manager.admission import available_admissions
 from asyncoffload.manager.policies import available_policies
 
 __all__ = ["EngineConfig"]
@@ -24,7 +25,14 @@ class EngineConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     cpu_blocks: int = Field(1024, gt=0, description="Slots of the CPU tier, one KV block each.")
-    policy: str = Field("lru", description="Registered cache policy name: 'lru', 'arc', ...")
+    policy: str = Field(
+        "lru", description="Registered cache policy name: 'lru', 'arc', 'kv', 's3fifo', ..."
+    )
+    admission: str | None = Field(
+        None,
+        description="Registered admission filter ('ghost', 'adaptive') or None: store "
+        "every offered block (store_threshold aside).",
+    )
     store_threshold: int = Field(
         0, ge=0, description="Store a key only from its n-th offer (0 or 1: always store)."
     )
@@ -78,6 +86,24 @@ class EngineConfig(BaseModel):
         if value not in known:
             raise ValueError(f"unknown cache policy {value!r}; known: {', '.join(known)}")
         return value
+
+    @field_validator("admission", mode="before")
+    @classmethod
+    def _known_admission(cls, value: object) -> object:
+        if value is None or (isinstance(value, str) and value.lower() in ("", "none")):
+            return None
+        if not isinstance(value, str):
+            return value  # the type check names it
+        known = available_admissions()
+        if value not in known:
+            raise ValueError(f"unknown admission filter {value!r}; known: {', '.join(known)}")
+        return value
+
+    @model_validator(mode="after")
+    def _one_admission_rule(self) -> EngineConfig:
+        if self.admission is not None and self.store_threshold >= 2:
+            raise ValueError("set either store_threshold or admission, not both")
+        return self
 
     @classmethod
     def from_env(cls, prefix: str = "ASYNCOFFLOAD_", **overrides: Any) -> EngineConfig:

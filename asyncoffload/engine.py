@@ -133,6 +133,7 @@ class AsyncOffloadEngine:
             cfg.store_threshold,
             enable_events=True,
             max_tracker_size=cfg.max_tracker_size,
+            admission=cfg.admission,
         )
         if backend is None:
             backend = _make_backend(kv_caches, self.layout, cfg)

@@ -403,7 +403,12 @@ def test_invalid_construction_rejected(kwargs: dict[str, Any]) -> None:
 # --- touch -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("policy", POLICIES)
+#: Policies that order blocks by recency alone (S3-FIFO and SIEVE never move a block on a
+#: hit; kv orders by learned value first, see tests/test_kv_policy.py).
+RECENCY_POLICIES = [p for p in POLICIES if p in ("lru", "arc")]
+
+
+@pytest.mark.parametrize("policy", RECENCY_POLICIES)
 def test_touch_first_key_most_recent(policy: str) -> None:
     m = make(policy, 3)
     store_each(m, [A, B, C])
@@ -418,7 +423,12 @@ def test_touch_ignores_unknown_keys(policy: str) -> None:
     before = fingerprint(m)
     m.touch([D, E])
     m.touch([])
-    assert fingerprint(m) == before
+    if policy == "kv":
+        # kv remembers keys it has seen requested (that is what it learns from), but
+        # what is stored, and in what order, does not change.
+        assert fingerprint(m)[:5] == before[:5]
+    else:
+        assert fingerprint(m) == before
 
 
 # --- complete_store --------------------------------------------------------------------

@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 from asyncoffload.errors import DuplicateKeyError, KeyNotReadyError, UnknownKeyError
 from asyncoffload.keys import OffloadKey
+from asyncoffload.manager.admission import AdmissionFilter, get_admission_cls
 from asyncoffload.manager.base import (
     BlockStatus,
     CPULoadStoreSpec,
@@ -71,10 +72,13 @@ def _reject_duplicates(keys: Sequence[OffloadKey], what: str) -> None:
 class CPUOffloadingManager(OffloadingManager):
     """vLLM-compatible manager of ``num_blocks`` CPU slots.
 
-    ``policy`` names a registered :class:`CachePolicy` (``"lru"``, ``"arc"``, ...).
-    ``store_threshold >= 2`` stores a key only from the ``store_threshold``-th time it is
-    offered to ``prepare_store`` (offers are counted per key in a bounded LRU tracker of
-    ``max_tracker_size`` keys); 0 or 1 stores on first offer.
+    ``policy`` names a registered :class:`CachePolicy` (``"lru"``, ``"arc"``, ``"kv"``,
+    ...) or is one, built for ``num_blocks``. ``store_threshold >= 2`` stores a key only
+    from the ``store_threshold``-th time it is offered to ``prepare_store`` (offers are
+    counted per key in a bounded LRU tracker of ``max_tracker_size`` keys); 0 or 1 stores
+    on first offer. ``admission`` names a registered
+    :class:`~asyncoffload.manager.admission.AdmissionFilter` (``"ghost"``,
+    ``"adaptive"``) or is one; it cannot be combined with ``store_threshold``.
     """
 
     medium = Medium.CPU
@@ -82,11 +86,12 @@ class CPUOffloadingManager(OffloadingManager):
     def __init__(
         self,
         num_blocks: int,
-        policy: str = "lru",
+        policy: str | CachePolicy = "lru",
         store_threshold: int = 0,
         enable_events: bool = True,
         *,
         max_tracker_size: int = 64_000,
+        admission: str | AdmissionFilter | None = None,
     ) -> None:
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
             raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
@@ -94,9 +99,26 @@ class CPUOffloadingManager(OffloadingManager):
             raise ValueError(f"store_threshold must be >= 0, got {store_threshold}")
         if max_tracker_size <= 0:
             raise ValueError(f"max_tracker_size must be positive, got {max_tracker_size}")
+        if admission is not None and store_threshold >= 2:
+            raise ValueError("use either store_threshold or an admission filter, not both")
+        if isinstance(policy, CachePolicy):
+            if policy.capacity != num_blocks:
+                raise ValueError(
+                    f"policy capacity {policy.capacity} differs from num_blocks {num_blocks}"
+                )
+            if len(policy):
+                raise ValueError("the policy instance already tracks blocks")
+            self._policy: CachePolicy = policy
+        else:
+            self._policy = get_policy_cls(policy)(num_blocks)
+        if isinstance(admission, str):
+            admission = get_admission_cls(admission)(num_blocks)
+        elif admission is not None and not isinstance(admission, AdmissionFilter):
+            raise TypeError(f"admission must be a name or an AdmissionFilter, got {admission!r}")
+        self._admission: AdmissionFilter | None = admission
         self.num_blocks = num_blocks
-        self.policy_name = policy
-        self._policy: CachePolicy = get_policy_cls(policy)(num_blocks)
+        self.policy_name = self._policy.name or type(self._policy).__name__
+        self.admission_name = admission.name if admission is not None else None
         self.store_threshold = store_threshold
         self.max_tracker_size = max_tracker_size
         self._offers: OrderedDict[OffloadKey, int] | None = (
@@ -227,6 +249,8 @@ class CPUOffloadingManager(OffloadingManager):
 
     def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext | None = None) -> None:
         self._policy.touch(keys)
+        if self._admission is not None:
+            self._admission.on_touch(keys)
 
     def complete_load(self, keys: Sequence[OffloadKey], ctx: ReqContext | None = None) -> None:
         """Unpin blocks pinned by ``prepare_load``. ``ValueError`` if one is not pinned."""
@@ -258,8 +282,14 @@ class CPUOffloadingManager(OffloadingManager):
         get = self._policy.get
         offered = [key for key in keys if get(key) is None]
         to_store = offered
-        if self._offers is not None and offered:
-            to_store = self._admissible(offered)
+        admission = self._admission
+        if offered:
+            full = len(offered) > self.num_free
+            to_store = list(self._policy.admissible(offered, full))
+            if self._offers is not None:
+                to_store = self._admissible(to_store)
+            elif admission is not None:
+                to_store = admission.admissible(to_store, full)
         if not to_store:
             self._record_offers(offered, to_store)
             return PrepareStoreOutput([], _EMPTY_SPEC, [])
@@ -281,12 +311,14 @@ class CPUOffloadingManager(OffloadingManager):
             self._num_ready -= len(victims)
             self._evicted += len(victims)
             self._emit(evicted, removed=True)
+            if admission is not None:
+                admission.on_evict(evicted)
 
         self._record_offers(offered, to_store)
         ids = self._allocate(len(to_store))
-        insert = self._policy.insert
-        for key, block_id in zip(to_store, ids):
-            insert(key, BlockStatus(block_id))
+        self._policy.insert_many(
+            [(key, BlockStatus(block_id)) for key, block_id in zip(to_store, ids)]
+        )
         self._num_pending += len(to_store)
         return PrepareStoreOutput(to_store, CPULoadStoreSpec(tuple(ids)), evicted)
 
@@ -298,9 +330,13 @@ class CPUOffloadingManager(OffloadingManager):
         return [key for key in keys if offers.get(key, 0) + 1 >= threshold]
 
     def _record_offers(self, offered: list[OffloadKey], admitted: list[OffloadKey]) -> None:
-        """Count this call's offers: admitted keys leave the tracker, the others go up by one."""
+        """Count this call's offers: admitted keys leave the tracker, the others go up by
+        one; or tell the admission filter."""
         offers = self._offers
         if offers is None:
+            if self._admission is not None and offered:
+                self._admission.record(offered, admitted)
+                self._store_skipped += len(offered) - len(admitted)
             return
         admitted_set = set(admitted)
         for key in offered:
@@ -362,5 +398,7 @@ class CPUOffloadingManager(OffloadingManager):
         self._policy.clear()
         if self._offers is not None:
             self._offers.clear()
+        if self._admission is not None:
+            self._admission.clear()
         self._reset_slots()
         self._emit(removed, removed=True)

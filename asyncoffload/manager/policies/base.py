@@ -12,7 +12,7 @@ reference counts and slots; a policy must honour two guarantees:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from typing import ClassVar, TypeVar
 
 from asyncoffload.keys import OffloadKey
@@ -38,6 +38,22 @@ class CachePolicy(ABC):
     @abstractmethod
     def insert(self, key: OffloadKey, block: BlockStatus) -> None:
         """Track a new block (its store is in flight)."""
+
+    def insert_many(self, items: Iterable[tuple[OffloadKey, BlockStatus]]) -> None:
+        """Track the blocks of one store, given parent first (a prefix's order).
+
+        The default inserts them one by one in that order; a prefix-aware policy may
+        order them otherwise."""
+        for key, block in items:
+            self.insert(key, block)
+
+    def admissible(self, keys: Sequence[OffloadKey], full: bool) -> Sequence[OffloadKey]:
+        """Which of ``keys`` (offered to a store, not tracked) the policy would keep.
+
+        ``full`` says whether storing them all would evict. The default keeps all; a
+        policy that can tell a block is worth less than what it would push out may
+        decline it. Must not change anything."""
+        return keys
 
     @abstractmethod
     def remove(self, key: OffloadKey) -> None:

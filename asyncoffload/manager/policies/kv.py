@@ -1,0 +1,343 @@
+"""KV-aware eviction and admission: keep the blocks most likely to be read again.
+
+A block is worth its slot only if a later request reads it again, and in LLM serving that
+chance is very uneven. On the Mooncake conversation trace three quarters of all blocks
+are never read again; a prefix read once is read again far more often (0.26 -> 0.42 ->
+0.50 -> 0.78 for its 1st, 2nd, 3rd, 4th+ use); long prompts are reused less per block
+than short ones; and the last block of a prompt is almost never reused (it is partial,
+and the next turn of the conversation rewrites it). Generic policies guess from recency
+(LRU) or apply fixed frequency rules (ARC, S3-FIFO, SIEVE). This policy *measures* the
+chance of reuse online and evicts the block least likely to be read again.
+
+Classes. A block's class is what the policy can see when a request touches it:
+
+- how many requests have touched it (1, 2, 3, 4 or more): every turn of a conversation
+  touches all of its earlier blocks, so this counts the turns a prefix has served;
+- the length of that request, in three buckets (< 16, < 64, >= 64 blocks);
+- for a block touched once, whether it was the last block of its request.
+
+Within a class blocks are kept least recently touched first, one ordered dict per class.
+
+Learning. Time counts :meth:`touch` calls (one per request in the serving sequence).
+Per class the policy counts the blocks that entered it and, when a block is touched
+again, the age at which that happened (power-of-two age bins). From those counts it
+estimates ``P(reuse | class, survived to age a)``: the share of the class's blocks still
+unused at age ``a`` that were used again later. Evicted blocks are remembered for a while
+(a ghost list of ``ghost_factor`` times the capacity), so reuses that come too late to
+hit still teach it. One block in four (by a byte of its hash) feeds the counts, which
+decay with a half-life of ``half_life`` capacities of inserted blocks, so the estimate
+follows the workload; the table is rebuilt every eighth of a capacity of inserts. The
+table is made non-increasing in age and non-decreasing in uses, and a last block is
+never worth more than a block of the same request that is not last: a parent block is
+touched whenever its children are, so it keeps at least their value and a prefix is
+never cut before its tail. Nothing in it is fitted to one trace: the classes are what
+any scheduler sees, and the values are learned from the workload at hand.
+
+Eviction takes, among the evictable blocks, the one with the lowest value now; ties go
+to the lower class, then the less recently touched block. In a class the value only
+falls with age, so only the oldest evictable block of each class is a candidate. Blocks
+a store inserts together go in deepest first, so a just-stored prefix is cut from its
+end and what remains still hits.
+
+Admission. When a store would evict, a block seen for the first time is declined if
+its class is worth less, even at age 0, than the least valuable block now resident: it
+would be the next victim anyway, and declining it saves the copy.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import OrderedDict
+from collections.abc import Collection, Iterable, Iterator, Sequence
+
+from asyncoffload.keys import OffloadKey
+from asyncoffload.manager.base import BlockStatus
+from asyncoffload.manager.policies.base import CachePolicy, register_policy
+
+__all__ = ["KVPolicy", "class_of", "size_bucket"]
+
+#: Use-count buckets: 1, 2, 3, 4+.
+USE_BUCKETS = 4
+#: Request-length buckets: < 16, < 64, >= 64 blocks.
+SIZE_BUCKETS = 3
+#: First-time blocks that were the last block of their request have a class of their
+#: own per size bucket, after the use x size classes.
+TAIL = USE_BUCKETS * SIZE_BUCKETS
+NUM_CLASSES = TAIL + SIZE_BUCKETS
+#: Age bins: 0, 1, 2-3, 4-7, ... touches (``age.bit_length()``; 64 bins cover any age).
+AGE_BINS = 64
+#: Learn from the blocks whose hash byte ``key[-5]`` has these bits clear (one in four):
+#: the estimates need far fewer samples than a tier has blocks.
+_SAMPLE_MASK = 3
+
+# What the policy knows of a block, resident or remembered: [uses, last touch, class].
+_Meta = list[int]
+
+
+def size_bucket(num_blocks: int) -> int:
+    """The length bucket of a request of ``num_blocks`` blocks."""
+    return 0 if num_blocks < 16 else (1 if num_blocks < 64 else 2)
+
+
+def class_of(uses: int, size: int, last: bool = False) -> int:
+    """The class of a block touched ``uses`` times, last by a request of length bucket
+    ``size``, in which it was the last block (``last``, only counted for one use)."""
+    if uses <= 1 and last:
+        return TAIL + size
+    return (min(uses, USE_BUCKETS) - 1) * SIZE_BUCKETS + size
+
+
+@register_policy("kv")
+class KVPolicy(CachePolicy):
+    """Evicts the block least likely to be reused, by class and age, learned online."""
+
+    def __init__(self, capacity: int, *, ghost_factor: float = 4.0, half_life: float = 4.0) -> None:
+        super().__init__(capacity)
+        if not ghost_factor >= 0:
+            raise ValueError(f"ghost_factor must be >= 0, got {ghost_factor}")
+        if not half_life > 0:
+            raise ValueError(f"half_life must be positive, got {half_life}")
+        self.ghost_factor = ghost_factor
+        self.half_life = half_life
+        self._ghost_cap = int(capacity * ghost_factor)
+        self._rebuild_every = max(64, capacity // 8)
+        self._decay = 0.5 ** (self._rebuild_every / (half_life * capacity))
+        self.clear()
+
+    # --- state ------------------------------------------------------------------------
+
+    def clear(self) -> None:
+        self._blocks: dict[OffloadKey, BlockStatus] = {}
+        #: Every block known: resident, fresh or ghost.
+        self._meta: dict[OffloadKey, _Meta] = {}
+        #: Resident blocks by class, least recently touched first.
+        self._queues: list[OrderedDict[OffloadKey, _Meta]] = [
+            OrderedDict() for _ in range(NUM_CLASSES)
+        ]
+        #: Keys first seen by the latest touch, not inserted yet.
+        self._fresh: dict[OffloadKey, _Meta] = {}
+        #: Keys known but not resident (evicted, or touched and never stored).
+        self._ghost: OrderedDict[OffloadKey, None] = OrderedDict()
+        self._tick = 0
+        self._inserts = 0
+        #: Value of the last block evicted, when it was (admission compares with it).
+        self._last_victim = 0.0
+        # Per class: blocks that entered it, and reuses seen per age bin (flat).
+        self._entered = [0.0] * NUM_CLASSES
+        self._reused = [0.0] * (NUM_CLASSES * AGE_BINS)
+        self._table = [[1.0] * AGE_BINS for _ in range(NUM_CLASSES)]
+
+    def get(self, key: OffloadKey) -> BlockStatus | None:
+        return self._blocks.get(key)
+
+    def items(self) -> Iterator[tuple[OffloadKey, BlockStatus]]:
+        """Every block, class by class, least recently touched first within a class."""
+        blocks = self._blocks
+        return ((key, blocks[key]) for queue in self._queues for key in queue)
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def value(self, key: OffloadKey) -> float | None:
+        """The estimated reuse probability of a resident block now (for inspection)."""
+        if key not in self._blocks:
+            return None
+        _, last, cls = self._meta[key]
+        return self._table[cls][(self._tick - last).bit_length()]
+
+    def class_and_age(self, key: OffloadKey) -> tuple[int, int] | None:
+        """``(class, age in touches)`` of a resident block (for inspection and tests)."""
+        if key not in self._blocks:
+            return None
+        _, last, cls = self._meta[key]
+        return cls, self._tick - last
+
+    def reuse_table(self) -> list[list[float]]:
+        """``P(reuse | class, age bin)`` as last rebuilt (a copy)."""
+        return [row[:] for row in self._table]
+
+    # --- learning ---------------------------------------------------------------------
+
+    def _forget_ghosts(self) -> None:
+        ghost, meta = self._ghost, self._meta
+        for _ in range(len(ghost) - self._ghost_cap):
+            del meta[ghost.popitem(last=False)[0]]
+
+    def _rebuild(self) -> None:
+        decay = self._decay
+        table, reused, entered = self._table, self._reused, self._entered
+        for c in range(NUM_CLASSES):
+            base = c * AGE_BINS
+            alive = entered[c]
+            later = sum(reused[base : base + AGE_BINS])
+            row = table[c]
+            prev = 1.0
+            for b in range(base, base + AGE_BINS):
+                p = later / alive if alive > 1e-9 else 0.0
+                prev = p if p < prev else prev
+                row[b - base] = prev
+                alive -= reused[b]
+                later -= reused[b]
+                reused[b] *= decay
+            entered[c] *= decay
+        for c in range(SIZE_BUCKETS, TAIL):
+            lower = table[c - SIZE_BUCKETS]
+            table[c] = [a if a > b else b for a, b in zip(table[c], lower)]
+        for c in range(TAIL, NUM_CLASSES):
+            parent = table[c - TAIL]
+            table[c] = [a if a < b else b for a, b in zip(table[c], parent)]
+
+    # --- CachePolicy ------------------------------------------------------------------
+
+    def touch(self, keys: Sequence[OffloadKey]) -> None:
+        self._tick += 1
+        tick = self._tick
+        meta_of, ghost = self._meta, self._ghost
+        fresh = self._fresh
+        if fresh:
+            # Touched before and never stored: remembered like evicted blocks.
+            for key in fresh:
+                ghost[key] = None
+            fresh.clear()
+        size = size_bucket(len(keys))
+        top = TAIL - SIZE_BUCKETS + size
+        blocks, queues = self._blocks, self._queues
+        entered, reused = self._entered, self._reused
+        first = TAIL + size  # the class of a first-seen last block
+        for key in reversed(keys):
+            meta = meta_of.get(key)
+            if meta is None:
+                meta_of[key] = fresh[key] = [1, tick, first]
+                if not key[-5] & _SAMPLE_MASK:
+                    entered[first] += 1
+                first = size
+                continue
+            first = size
+            uses, last, old = meta
+            if last == tick:
+                continue  # the same key twice in one touch counts once
+            if uses < USE_BUCKETS:
+                meta[0] = uses + 1
+                cls = uses * SIZE_BUCKETS + size
+            else:
+                cls = top
+            meta[1] = tick
+            if not key[-5] & _SAMPLE_MASK:
+                reused[old * AGE_BINS + (tick - last).bit_length()] += 1
+                entered[cls] += 1
+            if key in blocks:
+                if cls == old:
+                    queues[cls].move_to_end(key)
+                else:
+                    meta[2] = cls
+                    del queues[old][key]
+                    queues[cls][key] = meta
+            else:
+                meta[2] = cls
+                ghost.move_to_end(key)
+        if len(ghost) > self._ghost_cap:
+            self._forget_ghosts()
+
+    def admissible(self, keys: Sequence[OffloadKey], full: bool) -> Sequence[OffloadKey]:
+        """When storing would evict, decline blocks seen for the first time whose class
+        is worth less at age 0 than the last block evicted was when it went."""
+        if not full or not self._blocks:
+            return keys
+        meta_of, table, floor = self._meta, self._table, self._last_victim
+        out = []
+        for key in keys:
+            meta = meta_of.get(key)
+            if meta is None or meta[0] > 1 or table[meta[2]][0] >= floor:
+                out.append(key)
+        return out
+
+    def insert(self, key: OffloadKey, block: BlockStatus) -> None:
+        self.insert_many(((key, block),))
+
+    def insert_many(self, items: Iterable[tuple[OffloadKey, BlockStatus]]) -> None:
+        """Insert a store's blocks, deepest first, so the deepest is evicted first."""
+        batch = items if isinstance(items, list) else list(items)
+        meta_of, blocks, queues = self._meta, self._blocks, self._queues
+        fresh, ghost = self._fresh, self._ghost
+        for key, block in reversed(batch):
+            meta = fresh.pop(key, None)
+            if meta is None:
+                meta = meta_of.get(key)
+                if meta is None:
+                    meta = meta_of[key] = [1, self._tick, 0]
+                    if not key[-5] & _SAMPLE_MASK:
+                        self._entered[0] += 1
+                else:
+                    ghost.pop(key, None)
+            blocks[key] = block
+            queues[meta[2]][key] = meta
+        self._inserts += len(batch)
+        if self._inserts >= self._rebuild_every:
+            self._inserts = 0
+            self._rebuild()
+
+    def remove(self, key: OffloadKey) -> None:
+        if self._blocks.pop(key, None) is None:
+            return
+        meta = self._meta.pop(key)
+        del self._queues[meta[2]][key]
+
+    def evict(
+        self, n: int, protected: Collection[OffloadKey]
+    ) -> list[tuple[OffloadKey, BlockStatus]] | None:
+        if n <= 0:
+            return []
+        blocks, table, tick, queues = self._blocks, self._table, self._tick, self._queues
+        # One cursor per class over its evictable blocks, oldest first; a heap of the
+        # cursors by the value of the block they point at. Values rise along a queue,
+        # so a class keeps giving victims while it stays the cheapest.
+        heads: list[tuple[float, int]] = []
+        cursors: dict[int, Iterator[tuple[OffloadKey, _Meta]]] = {}
+        pointed: dict[int, OffloadKey] = {}
+        for c, queue in enumerate(queues):
+            if not queue:
+                continue
+            cursor = iter(queue.items())
+            for key, meta in cursor:
+                if blocks[key].ref_cnt == 0 and key not in protected:
+                    heads.append((table[c][(tick - meta[1]).bit_length()], c))
+                    cursors[c] = cursor
+                    pointed[c] = key
+                    break
+        heapq.heapify(heads)
+        taken: list[tuple[int, list[OffloadKey]]] = []
+        need = n
+        value = 0.0
+        while need:
+            if not heads:
+                return None
+            value, c = heapq.heappop(heads)
+            bar, bar_c = heads[0] if heads else (3.0, NUM_CLASSES)
+            row = table[c]
+            keys = [pointed.pop(c)]
+            need -= 1
+            for key, meta in cursors[c]:
+                if blocks[key].ref_cnt != 0 or key in protected:
+                    continue
+                v = row[(tick - meta[1]).bit_length()]
+                if need and (v < bar or (v == bar and c < bar_c)):
+                    keys.append(key)
+                    value = v
+                    need -= 1
+                    continue
+                pointed[c] = key
+                heapq.heappush(heads, (v, c))
+                break
+            taken.append((c, keys))
+        self._last_victim = value
+        out: list[tuple[OffloadKey, BlockStatus]] = []
+        ghost = self._ghost
+        for c, keys in taken:
+            queue = queues[c]
+            for key in keys:
+                del queue[key]
+                out.append((key, blocks.pop(key)))
+                ghost[key] = None
+        if len(ghost) > self._ghost_cap:
+            self._forget_ghosts()
+        return out
