@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, TextIO
 
 from pydantic import ValidationError
 
@@ -245,7 +247,232 @@ def _run_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return 0
 
 
-#: The subcommands, in help order. Later commands (replay, bench) register here.
+# --- replay ----------------------------------------------------------------------------
+
+DEFAULT_SHARES = "1%,5%,10%,20%,50%"
+
+
+def capacity_shares(text: str) -> list[float]:
+    """``"1%,5%"`` or ``"0.01,0.05"`` -> ``[0.01, 0.05]``."""
+    shares: list[float] = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        try:
+            value = float(part[:-1]) / 100 if part.endswith("%") else float(part)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected capacities like 5% or 0.05, got {part!r}"
+            ) from None
+        if not 0 < value <= 1 or value != value:
+            raise argparse.ArgumentTypeError(
+                f"a capacity is a share of the unique blocks in (0, 100%], got {part!r}"
+            )
+        shares.append(value)
+    if not shares:
+        raise argparse.ArgumentTypeError("no capacity given")
+    return shares
+
+
+def _add_replay(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "trace",
+        metavar="TRACE",
+        help="a Mooncake-format JSONL trace (one request a line with hash_ids), or "
+        "'synthetic[:N]' for N requests of the built-in multi-turn generator",
+    )
+    parser.add_argument(
+        "--capacity",
+        nargs="+",
+        action="extend",
+        metavar="SHARE",
+        help=f"tier capacities as shares of the trace's unique blocks, comma-separated or "
+        f"repeated (default: {DEFAULT_SHARES})",
+    )
+    parser.add_argument(
+        "--policy",
+        nargs="+",
+        action="extend",
+        metavar="SPEC",
+        help="policies to compare: 'all' (default), or names like lru, kv, lru+ghost "
+        "(a policy with an admission filter), comma-separated or repeated",
+    )
+    parser.add_argument(
+        "--no-bound", action="store_true", help="leave out Belady's MIN (the offline bound)"
+    )
+    parser.add_argument(
+        "--block-size",
+        type=positive_int,
+        default=512,
+        help="tokens per block of the trace's hash_ids (%(default)s)",
+    )
+    parser.add_argument(
+        "--limit", type=positive_int, default=None, help="replay only the first N requests"
+    )
+    parser.add_argument(
+        "--metric",
+        choices=("block", "token"),
+        default="block",
+        help="hit rate shown in the table: prefix hits in blocks or tokens (%(default)s)",
+    )
+    parser.add_argument("--plot", metavar="PNG", help="write a plot of hit rate vs capacity")
+    parser.add_argument("--json", metavar="PATH", help="write every result as JSON")
+    parser.add_argument("--seed", type=int, default=0, help="seed of 'synthetic' (%(default)s)")
+    shown = parser.add_mutually_exclusive_group()
+    shown.add_argument(
+        "--no-progress",
+        dest="progress",
+        action="store_const",
+        const="never",
+        default="auto",
+        help="no progress bar (default: one on stderr when it is a terminal)",
+    )
+    shown.add_argument(
+        "--progress",
+        dest="progress",
+        action="store_const",
+        const="always",
+        help="a progress bar on stderr even when it is not a terminal",
+    )
+
+
+ALL_SPECS_EXTRA = ("lru+ghost", "lru+adaptive", "kv+adaptive")
+
+
+def _policy_specs(values: list[str] | None) -> list[str]:
+    from asyncoffload.manager import available_policies
+
+    specs: list[str] = []
+    for value in values or ["all"]:
+        for part in value.split(","):
+            part = part.strip()
+            if part == "all":
+                specs.extend(available_policies())
+                specs.extend(ALL_SPECS_EXTRA)
+            elif part:
+                specs.append(part)
+    return list(dict.fromkeys(specs))
+
+
+class _ProgressBar:
+    """A one-line progress bar on a stream."""
+
+    def __init__(self, stream: TextIO, width: int = 30) -> None:
+        self.stream = stream
+        self.width = width
+        self.started = time.monotonic()
+        self._last = -1.0
+
+    def __call__(self, label: str, done: int, total: int) -> None:
+        now = time.monotonic()
+        if done < total and now - self._last < 0.1:
+            return
+        self._last = now
+        frac = done / total if total else 1.0
+        fill = int(frac * self.width)
+        bar = "#" * fill + "." * (self.width - fill)
+        elapsed = now - self.started
+        eta = elapsed / frac - elapsed if frac > 0 else 0.0
+        self.stream.write(f"\r[{bar}] {frac:6.1%}  {label:<24} eta {eta:5.0f}s ")
+        if done >= total:
+            self.stream.write("\n")
+        self.stream.flush()
+
+
+def _load_workload(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[Any]:
+    from asyncoffload.workloads import TraceFormatError, load_mooncake, synthetic_sessions
+
+    trace: str = args.trace
+    if trace == "synthetic" or trace.startswith("synthetic:"):
+        _, _, count = trace.partition(":")
+        try:
+            n = int(count) if count else 20_000
+        except ValueError:
+            parser.error(f"TRACE: expected synthetic:N with N a positive integer, got {trace!r}")
+        if n <= 0:
+            parser.error(f"TRACE: expected synthetic:N with N a positive integer, got {trace!r}")
+        if args.limit is not None:
+            n = min(n, args.limit)
+        return synthetic_sessions(n, block_size=args.block_size, seed=args.seed)
+    try:
+        return load_mooncake(trace, block_size=args.block_size, limit=args.limit)
+    except OSError as exc:
+        parser.error(f"TRACE: cannot read {trace!r}: {exc.strerror or exc}")
+    except TraceFormatError as exc:
+        parser.error(str(exc))
+
+
+def _run_replay(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    import json
+
+    from asyncoffload.replay import BELADY, format_table, parse_spec, plot, replay_matrix
+    from asyncoffload.workloads import summarize
+
+    try:
+        shares = sorted(set(capacity_shares(",".join(args.capacity or [DEFAULT_SHARES]))))
+    except argparse.ArgumentTypeError as exc:
+        parser.error(f"--capacity: {exc}")
+    specs = _policy_specs(args.policy)
+    if not args.no_bound and BELADY not in specs:
+        specs.append(BELADY)
+    try:
+        for spec in specs:
+            parse_spec(spec)
+    except ValueError as exc:
+        parser.error(f"--policy: {exc}")
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            parser.error("--plot needs matplotlib: pip install 'asyncoffload[replay]'")
+    requests = _load_workload(args, parser)
+    if not requests:
+        parser.error(f"TRACE: {args.trace!r} holds no requests")
+    summary = summarize(requests)
+    show = args.progress == "always" or (args.progress == "auto" and sys.stderr.isatty())
+    bar = _ProgressBar(sys.stderr) if show else None
+    try:
+        results = replay_matrix(requests, shares, specs, progress=bar)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    print(
+        f"asyncoffload replay: {args.trace}: {summary.requests:,} requests, "
+        f"{summary.total_blocks:,} blocks, {summary.unique_blocks:,} unique "
+        f"(an infinite tier would hit {summary.reusable_fraction:.3f})\n"
+    )
+    print(f"prefix hit rate ({args.metric}s) / blocks written, by tier capacity:\n")
+    print(format_table(results, args.metric))
+    costs: dict[str, list[float]] = {}
+    for r in results:
+        if r.policy != BELADY:
+            costs.setdefault(r.label, []).append(r.us_per_block)
+    if "lru" in costs:
+        base = sum(costs["lru"]) / len(costs["lru"])
+        print("\nmanager time per block (mean over capacities), against lru:")
+        for label, values in costs.items():
+            mean = sum(values) / len(values)
+            print(f"  {label:<14} {mean:6.2f} us  x{mean / base:.2f}")
+    if args.json:
+        rows = [
+            {
+                **r.__dict__,
+                "label": r.label,
+                "block_hit_rate": r.block_hit_rate,
+                "token_hit_rate": r.token_hit_rate,
+            }
+            for r in results
+        ]
+        with open(args.json, "w") as fh:
+            json.dump({"trace": args.trace, "results": rows}, fh, indent=1)
+    if args.plot:
+        plot(results, args.plot, title=f"{args.trace.rsplit('/', 1)[-1]}: hit rate vs capacity")
+        print(f"\nplot: {args.plot}")
+    return 0
+
+
+#: The subcommands, in help order.
 COMMANDS: list[Command] = [
     Command(
         "demo",
@@ -253,6 +480,13 @@ COMMANDS: list[Command] = [
         "bytes, a report",
         _add_demo,
         _run_demo,
+    ),
+    Command(
+        "replay",
+        "replay a request trace through the CPU tier's manager: hit rate and blocks "
+        "written per policy and capacity, next to the offline optimum",
+        _add_replay,
+        _run_replay,
     ),
 ]
 

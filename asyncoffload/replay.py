@@ -1,0 +1,611 @@
+"""Replay a workload through the CPU tier's manager and measure what its policy keeps.
+
+:func:`replay` drives a real :class:`~asyncoffload.manager.CPUOffloadingManager` through
+the sequence a scheduler runs for every request, in arrival order:
+
+1. ``lookup_prefix`` of the prompt's blocks: the leading stored blocks are prefix hits;
+2. ``touch`` of all the prompt's blocks (the hits become the most recently used);
+3. ``prepare_load`` / ``complete_load`` of the hits;
+4. ``prepare_store`` / ``complete_store`` of the rest (stores complete at once: the
+   replay measures what the tier holds, not how fast it copies).
+
+It reports prefix hits in tokens and blocks, blocks written / evicted / held back by
+admission, and the bytes the copies would move. :func:`replay_engine` runs the same
+sequence through the full async engine on the CPU backend, with real bytes.
+
+:func:`belady` is the offline bound over the same access stream: Belady's MIN (evict the
+block whose next use is furthest away), which also declines to store a block that is
+never used again. It needs the future, so it is not a registered policy.
+
+:func:`replay_matrix` runs policies x capacities; :func:`format_table` and
+:func:`plot` present the results.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import math
+import time
+from collections.abc import Callable, Collection, Iterator, Sequence
+from dataclasses import dataclass, field
+
+from asyncoffload.keys import OffloadKey
+from asyncoffload.manager import CPUOffloadingManager
+from asyncoffload.manager.admission import AdmissionFilter
+from asyncoffload.manager.base import BlockStatus
+from asyncoffload.manager.policies import CachePolicy
+from asyncoffload.workloads import Request
+
+__all__ = [
+    "BELADY",
+    "LLAMA3_8B_BYTES_PER_TOKEN",
+    "BeladyPolicy",
+    "NeverAgainAdmission",
+    "ReplayResult",
+    "belady",
+    "capacity_blocks",
+    "format_table",
+    "parse_spec",
+    "plot",
+    "replay",
+    "replay_engine",
+    "replay_matrix",
+]
+
+#: Name under which :func:`replay_matrix` reports the offline bound.
+BELADY = "belady"
+#: KV bytes per token of a Llama-3-8B-like model (32 layers x K,V x 8 heads x 128 x bf16).
+LLAMA3_8B_BYTES_PER_TOKEN = 32 * 2 * 8 * 128 * 2
+
+Progress = Callable[[int, int], None]
+
+
+@dataclass(frozen=True)
+class ReplayResult:
+    """What one replay measured. Rates are over all requests' prompt blocks/tokens."""
+
+    policy: str
+    admission: str | None
+    #: Slots of the tier.
+    capacity: int
+    #: ``capacity`` as a share of the workload's unique blocks.
+    capacity_share: float
+    requests: int
+    blocks: int
+    hit_blocks: int
+    tokens: int
+    hit_tokens: int
+    #: Blocks written (stores that happened).
+    stored: int
+    #: Blocks read back (prefix hits).
+    loaded: int
+    evicted: int
+    #: Blocks offered but held back by admission.
+    skipped: int
+    #: Stores refused for lack of evictable room.
+    refused: int
+    #: Bytes the stores and loads would move.
+    bytes_stored: int
+    bytes_loaded: int
+    #: Seconds spent in manager calls.
+    manager_seconds: float
+    extra: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        """``policy`` or ``policy+admission``."""
+        return f"{self.policy}+{self.admission}" if self.admission else self.policy
+
+    @property
+    def block_hit_rate(self) -> float:
+        return self.hit_blocks / self.blocks if self.blocks else 0.0
+
+    @property
+    def token_hit_rate(self) -> float:
+        return self.hit_tokens / self.tokens if self.tokens else 0.0
+
+    @property
+    def us_per_block(self) -> float:
+        """Manager time per prompt block, microseconds."""
+        return self.manager_seconds * 1e6 / self.blocks if self.blocks else 0.0
+
+
+def capacity_blocks(share: float, unique_blocks: int) -> int:
+    """Slots for ``share`` (0 < share) of ``unique_blocks``, at least 1."""
+    if not share > 0 or not math.isfinite(share):
+        raise ValueError(f"capacity share must be a positive number, got {share!r}")
+    return max(1, round(share * unique_blocks))
+
+
+def _unique_blocks(requests: Sequence[Request]) -> int:
+    seen: set[OffloadKey] = set()
+    for req in requests:
+        seen.update(req.keys)
+    return len(seen)
+
+
+def _hit_tokens(req: Request, hits: int, block_size: int) -> int:
+    return min(hits * block_size, req.input_tokens)
+
+
+def _check_capacity(capacity: int) -> None:
+    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity <= 0:
+        raise ValueError(f"capacity must be a positive number of blocks, got {capacity!r}")
+
+
+def replay(
+    requests: Sequence[Request],
+    capacity: int,
+    *,
+    policy: str | CachePolicy = "lru",
+    admission: str | AdmissionFilter | None = None,
+    store_threshold: int = 0,
+    block_size: int | None = None,
+    bytes_per_token: int = LLAMA3_8B_BYTES_PER_TOKEN,
+    unique_blocks: int | None = None,
+    share: float | None = None,
+    progress: Progress | None = None,
+    before_request: Callable[[int], None] | None = None,
+) -> ReplayResult:
+    """Replay ``requests`` in order through a manager of ``capacity`` slots.
+
+    ``block_size`` (tokens per block) defaults to each request's own. ``share`` is the
+    capacity share to report (default: ``capacity`` over the unique blocks). ``progress`` is
+    called as ``progress(done, total)`` every few hundred requests; ``before_request(i)``
+    before request ``i`` (the offline bound uses it to advance its clock).
+    """
+    _check_capacity(capacity)
+    manager = CPUOffloadingManager(
+        capacity,
+        policy,
+        store_threshold,
+        enable_events=False,
+        admission=admission,
+    )
+    total = len(requests)
+    blocks = hit_blocks = tokens = hit_tokens = loaded = refused = 0
+    stored_tokens = loaded_tokens = 0
+    lookup, touch = manager.lookup_prefix, manager.touch
+    prepare_load, complete_load = manager.prepare_load, manager.complete_load
+    prepare_store, complete_store = manager.prepare_store, manager.complete_store
+    clock = time.perf_counter
+    spent = 0.0
+    every = max(1, total // 200)
+    for i, req in enumerate(requests):
+        if before_request is not None:
+            before_request(i)
+        keys = req.keys
+        bs = block_size if block_size is not None else req.block_size
+        t0 = clock()
+        n = lookup(keys)
+        touch(keys)
+        if n:
+            hits = keys[:n]
+            prepare_load(hits)
+            complete_load(hits)
+        out = prepare_store(keys[n:])
+        if out is None:
+            refused += 1
+        elif out.keys_to_store:
+            complete_store(out.keys_to_store)
+        spent += clock() - t0
+        blocks += len(keys)
+        hit_blocks += n
+        tokens += req.input_tokens
+        got = _hit_tokens(req, n, bs)
+        hit_tokens += got
+        loaded += n
+        loaded_tokens += got
+        if out is not None and out.keys_to_store:
+            stored_tokens += _stored_tokens(req, n, out.keys_to_store, bs)
+        if progress is not None and (i + 1) % every == 0:
+            progress(i + 1, total)
+    if progress is not None:
+        progress(total, total)
+    st = manager.stats()
+    unique = unique_blocks if unique_blocks is not None else _unique_blocks(requests)
+    return ReplayResult(
+        policy=manager.policy_name,
+        admission=manager.admission_name if store_threshold < 2 else f"threshold{store_threshold}",
+        capacity=capacity,
+        capacity_share=share if share is not None else (capacity / unique if unique else 0.0),
+        requests=total,
+        blocks=blocks,
+        hit_blocks=hit_blocks,
+        tokens=tokens,
+        hit_tokens=hit_tokens,
+        stored=st.stored,
+        loaded=loaded,
+        evicted=st.evicted,
+        skipped=st.store_skipped,
+        refused=refused,
+        bytes_stored=stored_tokens * bytes_per_token,
+        bytes_loaded=loaded_tokens * bytes_per_token,
+        manager_seconds=spent,
+    )
+
+
+def _stored_tokens(req: Request, n: int, stored: Sequence[OffloadKey], bs: int) -> int:
+    """Tokens in the blocks of ``req`` written by its store (keys after the ``n`` hits)."""
+    written = set(stored)
+    total = 0
+    for i in range(n, len(req.keys)):
+        if req.keys[i] in written:
+            total += max(0, min(bs, req.input_tokens - i * bs))
+    return total
+
+
+# --- the offline bound -----------------------------------------------------------------
+
+_NEVER = 1 << 62
+
+
+class _NextUses:
+    """For every request position, when each of its keys is used next."""
+
+    def __init__(self, requests: Sequence[Request]) -> None:
+        self.after: list[list[int]] = [[] for _ in requests]
+        upcoming: dict[OffloadKey, int] = {}
+        for i in range(len(requests) - 1, -1, -1):
+            keys = requests[i].keys
+            self.after[i] = [upcoming.get(key, _NEVER) for key in keys]
+            for key in keys:
+                upcoming[key] = i
+        self.requests = requests
+        #: The current request's keys: (next use, position in the prompt).
+        self.current: dict[OffloadKey, tuple[int, int]] = {}
+
+    def advance(self, i: int) -> None:
+        self.current = {
+            key: (nxt, pos)
+            for pos, (key, nxt) in enumerate(zip(self.requests[i].keys, self.after[i]))
+        }
+
+
+class BeladyPolicy(CachePolicy):
+    """Belady's MIN: evicts the block whose next use is furthest away (offline).
+
+    Fed by the replay with each request's next uses before it runs. Ties (blocks used
+    next by the same request) go to the deepest block, so a prefix is cut from its end.
+    Honours the manager's guarantees like any policy.
+    """
+
+    name = BELADY
+
+    def __init__(self, capacity: int, future: _NextUses) -> None:
+        super().__init__(capacity)
+        self._future = future
+        self.clear()
+
+    def clear(self) -> None:
+        self._blocks: dict[OffloadKey, BlockStatus] = {}
+        self._next: dict[OffloadKey, tuple[int, int]] = {}
+        self._heap: list[tuple[int, int, OffloadKey]] = []
+
+    def _set(self, key: OffloadKey) -> None:
+        nxt, depth = self._future.current.get(key, (_NEVER, 0))
+        self._next[key] = (nxt, depth)
+        heapq.heappush(self._heap, (-nxt, -depth, key))
+
+    def get(self, key: OffloadKey) -> BlockStatus | None:
+        return self._blocks.get(key)
+
+    def insert(self, key: OffloadKey, block: BlockStatus) -> None:
+        self._blocks[key] = block
+        self._set(key)
+
+    def remove(self, key: OffloadKey) -> None:
+        if self._blocks.pop(key, None) is not None:
+            del self._next[key]
+
+    def touch(self, keys: Sequence[OffloadKey]) -> None:
+        blocks = self._blocks
+        for key in keys:
+            if key in blocks:
+                self._set(key)
+
+    def evict(
+        self, n: int, protected: Collection[OffloadKey]
+    ) -> list[tuple[OffloadKey, BlockStatus]] | None:
+        if n <= 0:
+            return []
+        heap, nxt, blocks = self._heap, self._next, self._blocks
+        victims: list[tuple[OffloadKey, BlockStatus]] = []
+        kept: list[tuple[int, int, OffloadKey]] = []
+        while len(victims) < n and heap:
+            entry = heapq.heappop(heap)
+            key = entry[2]
+            if nxt.get(key) != (-entry[0], -entry[1]):
+                continue  # stale
+            block = blocks[key]
+            if block.ref_cnt != 0 or key in protected:
+                kept.append(entry)
+                continue
+            victims.append((key, block))
+            kept.append(entry)
+        if len(victims) < n:
+            for entry in kept:
+                heapq.heappush(heap, entry)
+            return None
+        chosen = {key for key, _ in victims}
+        for entry in kept:
+            if entry[2] not in chosen:
+                heapq.heappush(heap, entry)
+        for key, _ in victims:
+            del blocks[key]
+            del nxt[key]
+        if len(heap) > 4 * len(blocks) + 1024:
+            self._heap = [(-v[0], -v[1], k) for k, v in nxt.items()]
+            heapq.heapify(self._heap)
+        return victims
+
+    def items(self) -> Iterator[tuple[OffloadKey, BlockStatus]]:
+        return iter(self._blocks.items())
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+
+class NeverAgainAdmission(AdmissionFilter):
+    """Offline admission: does not store a block that is never used again."""
+
+    name = "never-again"
+
+    def __init__(self, capacity: int, future: _NextUses) -> None:
+        super().__init__(capacity)
+        self._future = future
+
+    def admissible(self, keys: Sequence[OffloadKey], full: bool) -> list[OffloadKey]:
+        current = self._future.current
+        return [key for key in keys if current.get(key, (_NEVER, 0))[0] != _NEVER]
+
+    def clear(self) -> None:
+        pass
+
+
+def belady(
+    requests: Sequence[Request],
+    capacity: int,
+    *,
+    block_size: int | None = None,
+    bytes_per_token: int = LLAMA3_8B_BYTES_PER_TOKEN,
+    unique_blocks: int | None = None,
+    share: float | None = None,
+    progress: Progress | None = None,
+) -> ReplayResult:
+    """The offline bound: :func:`replay` with Belady's MIN and never-again admission."""
+    _check_capacity(capacity)
+    future = _NextUses(requests)
+    result = replay(
+        requests,
+        capacity,
+        policy=BeladyPolicy(capacity, future),
+        admission=NeverAgainAdmission(capacity, future),
+        block_size=block_size,
+        bytes_per_token=bytes_per_token,
+        unique_blocks=unique_blocks,
+        share=share,
+        progress=progress,
+        before_request=future.advance,
+    )
+    return dataclasses.replace(result, admission=None)
+
+
+# --- the full engine -------------------------------------------------------------------
+
+
+async def replay_engine(
+    requests: Sequence[Request],
+    capacity: int,
+    *,
+    policy: str = "lru",
+    admission: str | None = None,
+    block_size: int | None = None,
+    progress: Progress | None = None,
+) -> tuple[ReplayResult, int]:
+    """:func:`replay` through the async engine with real bytes on the CPU backend.
+
+    A small simulated KV cache (1 layer, 16-token blocks of 1 x 8 bf16 heads, as many
+    blocks as the longest request) holds each block's deterministic content; hits are
+    loaded into it and checked bit for bit. Returns the result and the number of loaded
+    blocks whose bytes did not match (0 when all is well). Requests run one at a time,
+    so the hits equal :func:`replay`'s.
+    """
+    from asyncoffload.config import EngineConfig
+    from asyncoffload.demo import SimulatedKVCache
+    from asyncoffload.engine import AsyncOffloadEngine
+
+    _check_capacity(capacity)
+    width = max((len(req.keys) for req in requests), default=1) or 1
+    cache = SimulatedKVCache(1, width, 16, 1, 8)
+    config = EngineConfig(
+        cpu_blocks=capacity, policy=policy, admission=admission, touch_on_load=False
+    )
+    total = len(requests)
+    blocks = hit_blocks = tokens = hit_tokens = mismatches = refused = 0
+    spent = 0.0
+    every = max(1, total // 200)
+    clock = time.perf_counter
+    async with AsyncOffloadEngine(cache.kv_caches, config) as engine:
+        for i, req in enumerate(requests):
+            keys = list(req.keys)
+            bs = block_size if block_size is not None else req.block_size
+            ids = list(range(len(keys)))
+            t0 = clock()
+            n = engine.lookup(keys)
+            engine.touch(keys)
+            if n:
+                load = await engine.prepare_load(keys[:n], ids[:n])
+                await load
+                mismatches += cache.check(keys[:n], ids[:n])
+            cache.write(keys[n:], ids[n:])
+            handle = await engine.prepare_store(keys[n:], ids[n:])
+            if handle is None:
+                refused += 1
+            else:
+                await handle
+            spent += clock() - t0
+            blocks += len(keys)
+            hit_blocks += n
+            tokens += req.input_tokens
+            hit_tokens += _hit_tokens(req, n, bs)
+            if progress is not None and (i + 1) % every == 0:
+                progress(i + 1, total)
+        st = engine.manager.stats()
+        unique = _unique_blocks(requests)
+        result = ReplayResult(
+            policy=policy,
+            admission=admission,
+            capacity=capacity,
+            capacity_share=capacity / unique if unique else 0.0,
+            requests=total,
+            blocks=blocks,
+            hit_blocks=hit_blocks,
+            tokens=tokens,
+            hit_tokens=hit_tokens,
+            stored=st.stored,
+            loaded=st.loaded,
+            evicted=st.evicted,
+            skipped=st.store_skipped,
+            refused=refused,
+            bytes_stored=st.stored * cache.storage[:, :, :1].numel() * 2,
+            bytes_loaded=st.loaded * cache.storage[:, :, :1].numel() * 2,
+            manager_seconds=spent,
+        )
+    return result, mismatches
+
+
+# --- many runs, and their presentation ---------------------------------------------------
+
+
+def parse_spec(spec: str) -> tuple[str, str | None]:
+    """``"kv"`` -> ``("kv", None)``; ``"lru+ghost"`` -> ``("lru", "ghost")``; ``ValueError``
+    naming the unknown part otherwise (``"belady"`` is the offline bound)."""
+    from asyncoffload.manager.admission import get_admission_cls
+    from asyncoffload.manager.policies import get_policy_cls
+
+    name, plus, adm = spec.strip().partition("+")
+    if name == BELADY:
+        if plus:
+            raise ValueError(f"{spec!r}: the offline bound takes no admission filter")
+        return name, None
+    get_policy_cls(name)
+    if plus:
+        get_admission_cls(adm)
+        return name, adm
+    return name, None
+
+
+def replay_matrix(
+    requests: Sequence[Request],
+    shares: Sequence[float],
+    specs: Sequence[str],
+    *,
+    bytes_per_token: int = LLAMA3_8B_BYTES_PER_TOKEN,
+    progress: Callable[[str, int, int], None] | None = None,
+) -> list[ReplayResult]:
+    """Replay every ``policy[+admission]`` spec (or ``"belady"``) at every capacity share.
+
+    Specs are checked before anything runs."""
+    parsed = [parse_spec(spec) for spec in specs]
+    unique = _unique_blocks(requests)
+    runs = [(share, name, adm) for share in shares for name, adm in parsed]
+    caps = {share: capacity_blocks(share, unique) for share in shares}
+    results: list[ReplayResult] = []
+    total = len(runs) * len(requests)
+    for j, (share, name, adm) in enumerate(runs):
+        cap = caps[share]
+        label = f"{name}{'+' + adm if adm else ''} @ {_share_label(share)}"
+        base = j * len(requests)
+
+        def step(done: int, _total: int, base: int = base, label: str = label) -> None:
+            if progress is not None:
+                progress(label, base + done, total)
+
+        if name == BELADY:
+            res = belady(
+                requests,
+                cap,
+                bytes_per_token=bytes_per_token,
+                unique_blocks=unique,
+                share=share,
+                progress=step,
+            )
+        else:
+            res = replay(
+                requests,
+                cap,
+                policy=name,
+                admission=adm,
+                bytes_per_token=bytes_per_token,
+                unique_blocks=unique,
+                share=share,
+                progress=step,
+            )
+        results.append(res)
+    return results
+
+
+def _share_label(share: float) -> str:
+    pct = share * 100
+    return f"{pct:.0f}%" if abs(pct - round(pct)) < 0.05 else f"{pct:.1f}%"
+
+
+def format_table(results: Sequence[ReplayResult], metric: str = "block") -> str:
+    """A text table: one row per capacity, per policy the hit rate and blocks written."""
+    if metric not in ("block", "token"):
+        raise ValueError(f"metric must be 'block' or 'token', got {metric!r}")
+    policies: list[str] = []
+    for r in results:
+        if r.label not in policies:
+            policies.append(r.label)
+    shares = sorted({r.capacity_share for r in results})
+    by = {(r.label, r.capacity_share): r for r in results}
+    head = ["capacity"] + [f"{p} hit / written" for p in policies]
+    rows = [head]
+    slots = {r.capacity_share: r.capacity for r in results}
+    for share in shares:
+        row = [f"{_share_label(share)} ({slots[share]:,})"]
+        for p in policies:
+            found = by.get((p, share))
+            if found is None:
+                row.append("-")
+                continue
+            rate = found.block_hit_rate if metric == "block" else found.token_hit_rate
+            row.append(f"{rate:.3f} / {found.stored:,}")
+        rows.append(row)
+    widths = [max(len(row[c]) for row in rows) for c in range(len(head))]
+    lines = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def plot(results: Sequence[ReplayResult], path: str, title: str = "") -> None:
+    """A PNG of hit rate (blocks) against capacity, one line per policy (matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise RuntimeError("plotting needs matplotlib: pip install 'asyncoffload[replay]'") from exc
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
+    policies: list[str] = []
+    for r in results:
+        if r.label not in policies:
+            policies.append(r.label)
+    for p in policies:
+        pts = sorted((r.capacity_share, r.block_hit_rate) for r in results if r.label == p)
+        style = "--" if p == BELADY else "-"
+        ax.plot([x * 100 for x, _ in pts], [y for _, y in pts], style, marker="o", label=p)
+    ax.set_xscale("log")
+    ax.set_xlabel("capacity (% of the workload's unique blocks)")
+    ax.set_ylabel("prefix hit rate (blocks)")
+    if title:
+        ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

@@ -1,0 +1,374 @@
+"""The replay harness, the offline bound and the ``asyncoffload replay`` command."""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+
+from asyncoffload.cli import main
+from asyncoffload.keys import OffloadKey, make_offload_key
+from asyncoffload.manager import available_policies
+from asyncoffload.replay import (
+    BELADY,
+    belady,
+    capacity_blocks,
+    format_table,
+    parse_spec,
+    plot,
+    replay,
+    replay_engine,
+    replay_matrix,
+)
+from asyncoffload.workloads import Request, load_mooncake, summarize, synthetic_sessions
+
+TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "conversation_trace.jsonl"
+
+
+def key(i: int) -> OffloadKey:
+    return make_offload_key(i.to_bytes(8, "big"))
+
+
+def req(ids: Sequence[int], tokens: int | None = None, block_size: int = 4) -> Request:
+    return Request(
+        req_id=f"r{len(ids)}",
+        arrival_s=0.0,
+        keys=tuple(key(i) for i in ids),
+        input_tokens=tokens if tokens is not None else block_size * len(ids),
+        output_tokens=1,
+        block_size=block_size,
+    )
+
+
+def small_workload(seed: int = 0, n: int = 400) -> list[Request]:
+    return synthetic_sessions(
+        n, block_size=16, blocks_per_turn=3.0, system_prompt_blocks=2, think_time_s=5.0, seed=seed
+    )
+
+
+def lru_reference(requests: Sequence[Request], capacity: int) -> tuple[int, int, int]:
+    """Hits, blocks written and evicted by vLLM-style LRU in the replay's sequence, written
+    out by hand: touch moves the prompt's stored blocks to the front (first key most
+    recent), the missing rest is appended in order, evicting from the back."""
+    cache: OrderedDict[OffloadKey, None] = OrderedDict()
+    hits = written = evicted = 0
+    for r in requests:
+        n = 0
+        for k in r.keys:
+            if k not in cache:
+                break
+            n += 1
+        hits += n
+        for k in reversed(r.keys):
+            if k in cache:
+                cache.move_to_end(k)
+        new = [k for k in r.keys[n:] if k not in cache]
+        protected = set(r.keys[n:])
+        need = len(cache) + len(new) - capacity
+        victims = [k for k in cache if k not in protected][: max(0, need)]
+        if need > 0 and len(victims) < need:
+            continue  # refused
+        for k in victims:
+            del cache[k]
+        evicted += len(victims)
+        for k in new:
+            cache[k] = None
+        written += len(new)
+    return hits, written, evicted
+
+
+def test_hits_are_leading_stored_blocks_in_blocks_and_tokens() -> None:
+    reqs = [req([1, 2, 3], tokens=10), req([1, 2, 4], tokens=11), req([1, 2, 3, 5], tokens=15)]
+    res = replay(reqs, 100, policy="lru")
+    # second request hits 1,2; third hits 1,2,3 (the partial block 3 was stored by the first).
+    assert res.hit_blocks == 2 + 3
+    assert res.blocks == 10
+    assert res.hit_tokens == 8 + 12
+    assert res.tokens == 36
+    assert res.stored == 3 + 1 + 1
+    assert res.evicted == 0
+    assert res.block_hit_rate == pytest.approx(0.5)
+    assert res.token_hit_rate == pytest.approx(20 / 36)
+    assert res.capacity_share == pytest.approx(100 / 5)
+
+
+def test_bytes_count_the_tokens_of_the_blocks_moved() -> None:
+    reqs = [req([1, 2, 3], tokens=10), req([1, 2, 3, 4], tokens=14)]
+    res = replay(reqs, 100, bytes_per_token=2)
+    # 4 + 4 + 2 tokens, then block 4 with the 2 tokens past 12.
+    assert res.bytes_stored == (10 + 2) * 2
+    # The second request reads its first three blocks, 12 of its tokens.
+    assert res.hit_tokens == 12 and res.bytes_loaded == 12 * 2
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("capacity", [8, 40, 200])
+def test_lru_replay_matches_a_hand_written_lru(seed: int, capacity: int) -> None:
+    reqs = small_workload(seed)
+    res = replay(reqs, capacity, policy="lru")
+    assert (res.hit_blocks, res.stored, res.evicted) == lru_reference(reqs, capacity)
+
+
+@pytest.mark.parametrize("policy", sorted(set(available_policies())))
+def test_a_tier_holding_everything_hits_every_reuse(policy: str) -> None:
+    reqs = small_workload(3)
+    s = summarize(reqs)
+    res = replay(reqs, s.unique_blocks, policy=policy)
+    assert res.evicted == 0 and res.refused == 0
+    assert res.hit_blocks == s.total_blocks - s.unique_blocks
+    assert res.stored <= s.unique_blocks
+
+
+def test_belady_with_room_for_everything_stores_only_what_is_reused() -> None:
+    reqs = small_workload(4)
+    s = summarize(reqs)
+    res = belady(reqs, s.unique_blocks)
+    assert res.hit_blocks == s.total_blocks - s.unique_blocks
+    reused = {k for k, n in _counts(reqs).items() if n > 1}
+    assert res.stored == len(reused)
+    assert res.skipped == s.unique_blocks - len(reused)
+
+
+def _counts(reqs: Sequence[Request]) -> dict[OffloadKey, int]:
+    counts: dict[OffloadKey, int] = {}
+    for r in reqs:
+        for k in r.keys:
+            counts[k] = counts.get(k, 0) + 1
+    return counts
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_offline_bound_beats_every_online_policy(seed: int) -> None:
+    reqs = small_workload(seed, n=300)
+    unique = summarize(reqs).unique_blocks
+    for share in (0.02, 0.1, 0.3):
+        cap = capacity_blocks(share, unique)
+        bound = belady(reqs, cap).hit_blocks
+        for policy in available_policies():
+            assert replay(reqs, cap, policy=policy).hit_blocks <= bound, (policy, share)
+
+
+def test_results_do_not_depend_on_the_run() -> None:
+    reqs = small_workload(5)
+    for policy in available_policies():
+        a = replay(reqs, 50, policy=policy)
+        b = replay(reqs, 50, policy=policy)
+        assert (a.hit_blocks, a.stored, a.evicted) == (b.hit_blocks, b.stored, b.evicted)
+
+
+@pytest.mark.parametrize(("policy", "admission"), [("lru", None), ("kv", None), ("lru", "ghost")])
+async def test_the_engine_replay_moves_real_bytes_and_agrees(
+    policy: str, admission: str | None
+) -> None:
+    reqs = small_workload(6, n=150)
+    ref = replay(reqs, 60, policy=policy, admission=admission)
+    res, mismatches = await replay_engine(reqs, 60, policy=policy, admission=admission)
+    assert mismatches == 0
+    assert res.hit_blocks > 0
+    assert (res.hit_blocks, res.stored, res.evicted, res.skipped) == (
+        ref.hit_blocks,
+        ref.stored,
+        ref.evicted,
+        ref.skipped,
+    )
+
+
+def test_admission_holds_back_and_counts_what_it_skips() -> None:
+    reqs = [req([1, 2]), req([1, 2]), req([1, 2])]
+    res = replay(reqs, 10, admission="ghost")
+    # First offer held back; second offer stored; third request hits.
+    assert res.skipped == 2 and res.stored == 2 and res.hit_blocks == 2
+
+
+def test_bad_arguments_name_what_is_wrong() -> None:
+    reqs = [req([1])]
+    with pytest.raises(ValueError, match="capacity"):
+        replay(reqs, 0)
+    with pytest.raises(ValueError, match="unknown cache policy 'nope'"):
+        replay(reqs, 4, policy="nope")
+    with pytest.raises(ValueError, match="unknown admission filter 'nope'"):
+        replay(reqs, 4, admission="nope")
+    with pytest.raises(ValueError, match="capacity share"):
+        capacity_blocks(0.0, 10)
+    with pytest.raises(ValueError, match="unknown cache policy 'x'"):
+        parse_spec("x+ghost")
+    with pytest.raises(ValueError, match="offline bound"):
+        parse_spec("belady+ghost")
+    assert parse_spec("lru+ghost") == ("lru", "ghost")
+
+
+def test_matrix_table_and_plot(tmp_path: Path) -> None:
+    reqs = small_workload(7, n=200)
+    results = replay_matrix(reqs, [0.05, 0.2], ["lru", "kv+adaptive", BELADY])
+    assert [r.label for r in results] == ["lru", "kv+adaptive", BELADY] * 2
+    text = format_table(results)
+    assert "lru hit / written" in text and "kv+adaptive hit / written" in text
+    assert "5% (" in text and "20% (" in text
+    out = tmp_path / "p.png"
+    plot(results, str(out), title="t")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# --- the command -------------------------------------------------------------------------
+
+
+def write_trace(path: Path, rows: list[dict[str, object]]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def tiny_trace(tmp_path: Path) -> Path:
+    rows: list[dict[str, object]] = []
+    nxt = 100
+    for i in range(60):
+        conv = i % 6
+        ids = [0] + [10 * conv + j + 1 for j in range(1 + i // 6 % 4)] + [nxt]
+        nxt += 1
+        rows.append(
+            {
+                "timestamp": i * 10,
+                "input_length": 16 * len(ids) - 3,
+                "output_length": 5,
+                "hash_ids": ids,
+            }
+        )
+    return write_trace(tmp_path / "t.jsonl", rows)
+
+
+def test_command_prints_the_table_and_writes_plot_and_json(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = tiny_trace(tmp_path)
+    png, js = tmp_path / "o.png", tmp_path / "o.json"
+    rc = main(
+        [
+            "replay",
+            str(trace),
+            "--block-size",
+            "16",
+            "--capacity",
+            "10%",
+            "50%",
+            "--policy",
+            "lru,kv",
+            "lru+ghost",
+            "--plot",
+            str(png),
+            "--json",
+            str(js),
+            "--no-progress",
+        ]
+    )
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "60 requests" in out
+    for label in ("lru hit / written", "kv hit / written", "lru+ghost hit / written", BELADY):
+        assert label in out
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    data = json.loads(js.read_text())
+    labels = {r["label"] for r in data["results"]}
+    assert labels == {"lru", "kv", "lru+ghost", BELADY}
+    lru10 = next(r for r in data["results"] if r["label"] == "lru" and r["capacity_share"] < 0.2)
+    ref = replay(load_mooncake(trace, block_size=16), lru10["capacity"])
+    assert lru10["hit_blocks"] == ref.hit_blocks
+
+
+def test_command_progress_bar_goes_to_stderr(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = tiny_trace(tmp_path)
+    assert (
+        main(
+            [
+                "replay",
+                str(trace),
+                "--block-size",
+                "16",
+                "--capacity",
+                "50%",
+                "--policy",
+                "lru",
+                "--no-bound",
+                "--progress",
+            ]
+        )
+        == 0
+    )
+    err = capsys.readouterr().err
+    assert "100.0%" in err and "lru @ 50%" in err
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--capacity", "0%"], "--capacity"),
+        (["--capacity", "abc"], "--capacity"),
+        (["--capacity", "150%"], "--capacity"),
+        (["--policy", "nope"], "unknown cache policy 'nope'"),
+        (["--policy", "lru+nope"], "unknown admission filter 'nope'"),
+    ],
+)
+def test_command_rejects_bad_options(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], message: str
+) -> None:
+    trace = tiny_trace(tmp_path)
+    with pytest.raises(SystemExit) as exc:
+        main(["replay", str(trace), "--block-size", "16", *args])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_command_names_the_bad_line_of_a_trace(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = tmp_path / "bad.jsonl"
+    trace.write_text(
+        '{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [0]}\n'
+        '{"timestamp": 1, "input_length": 10, "output_length": 1, "hash_ids": "x"}\n'
+    )
+    with pytest.raises(SystemExit) as exc:
+        main(["replay", str(trace), "--capacity", "50%", "--policy", "lru"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "bad.jsonl:2" in err and "hash_ids" in err
+    with pytest.raises(SystemExit):
+        main(["replay", str(tmp_path / "missing.jsonl")])
+    assert "cannot read" in capsys.readouterr().err
+
+
+def test_command_runs_the_synthetic_workload(capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["replay", "synthetic:300", "--capacity", "10%", "--policy", "lru", "kv"])
+    assert rc == 0
+    assert "300 requests" in capsys.readouterr().out
+
+
+# --- the real trace ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def conversation() -> list[Request]:
+    if not TRACE.exists():
+        pytest.skip(f"the Mooncake trace is not at {TRACE}")
+    return load_mooncake(TRACE)
+
+
+def test_lru_and_the_bound_reproduce_the_published_figures(conversation: list[Request]) -> None:
+    unique = summarize(conversation).unique_blocks
+    cap = capacity_blocks(0.05, unique)
+    assert round(replay(conversation, cap, policy="lru").block_hit_rate, 3) == 0.196
+    assert round(belady(conversation, cap).block_hit_rate, 3) == 0.366
+
+
+def test_the_kv_policy_beats_lru_on_the_conversation_trace(conversation: list[Request]) -> None:
+    unique = summarize(conversation).unique_blocks
+    for share in (0.01, 0.05, 0.2):
+        cap = capacity_blocks(share, unique)
+        lru = replay(conversation, cap, policy="lru")
+        kv = replay(conversation, cap, policy="kv")
+        assert kv.block_hit_rate >= lru.block_hit_rate - 0.01, share
+        assert kv.stored <= lru.stored, share
+    cap = capacity_blocks(0.05, unique)
+    assert replay(conversation, cap, policy="kv").block_hit_rate >= 0.22
