@@ -595,12 +595,17 @@ def plot(results: Sequence[ReplayResult], path: str, title: str = "") -> None:
     for r in results:
         if r.label not in policies:
             policies.append(r.label)
-    for p in policies:
+    markers = "os^vDP*Xh<>"
+    for i, p in enumerate(policies):
         pts = sorted((r.capacity_share, r.block_hit_rate) for r in results if r.label == p)
-        style = "--" if p == BELADY else "-"
-        ax.plot([x * 100 for x, _ in pts], [y for _, y in pts], style, marker="o", label=p)
+        style = "k--" if p == BELADY else "-"
+        marker = "o" if p == BELADY else markers[i % len(markers)]
+        ax.plot([x * 100 for x, _ in pts], [y for _, y in pts], style, marker=marker, label=p)
     ax.set_xscale("log")
-    ax.set_xlabel("capacity (% of the workload's unique blocks)")
+    shares = sorted({r.capacity_share for r in results})
+    ax.set_xticks([x * 100 for x in shares], [_share_label(x) for x in shares])
+    ax.minorticks_off()
+    ax.set_xlabel("capacity (share of the workload's unique blocks)")
     ax.set_ylabel("prefix hit rate (blocks)")
     if title:
         ax.set_title(title)

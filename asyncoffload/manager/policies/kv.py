@@ -91,8 +91,23 @@ def class_of(uses: int, size: int, last: bool = False) -> int:
 class KVPolicy(CachePolicy):
     """Evicts the block least likely to be reused, by class and age, learned online."""
 
-    def __init__(self, capacity: int, *, ghost_factor: float = 4.0, half_life: float = 4.0) -> None:
+    def __init__(
+        self,
+        capacity: int,
+        *,
+        ghost_factor: float = 4.0,
+        half_life: float = 4.0,
+        size_classes: bool = True,
+        tail_classes: bool = True,
+        admission: bool = True,
+    ) -> None:
+        """``size_classes``, ``tail_classes`` and ``admission`` switch those parts off
+        (one request-length bucket; no last-block classes; admit every block): they
+        exist to measure what each part is worth (docs/policies.md)."""
         super().__init__(capacity)
+        self.size_classes = size_classes
+        self.tail_classes = tail_classes
+        self.admission = admission
         if not ghost_factor >= 0:
             raise ValueError(f"ghost_factor must be >= 0, got {ghost_factor}")
         if not half_life > 0:
@@ -199,11 +214,11 @@ class KVPolicy(CachePolicy):
             for key in fresh:
                 ghost[key] = None
             fresh.clear()
-        size = size_bucket(len(keys))
+        size = size_bucket(len(keys)) if self.size_classes else 0
         top = TAIL - SIZE_BUCKETS + size
         blocks, queues = self._blocks, self._queues
         entered, reused = self._entered, self._reused
-        first = TAIL + size  # the class of a first-seen last block
+        first = TAIL + size if self.tail_classes else size  # a first-seen last block
         for key in reversed(keys):
             meta = meta_of.get(key)
             if meta is None:
@@ -241,7 +256,7 @@ class KVPolicy(CachePolicy):
     def admissible(self, keys: Sequence[OffloadKey], full: bool) -> Sequence[OffloadKey]:
         """When storing would evict, decline blocks seen for the first time whose class
         is worth less at age 0 than the last block evicted was when it went."""
-        if not full or not self._blocks:
+        if not full or not self._blocks or not self.admission:
             return keys
         meta_of, table, floor = self._meta, self._table, self._last_victim
         out = []
