@@ -66,8 +66,15 @@ def fingerprint(m: ao.CPUOffloadingManager) -> tuple[object, ...]:
         list(m.resident_keys()),
         m.num_free,
         m.last_seq,
-        sorted((name, repr(_norm(v))) for name, v in vars(policy).items()),
+        _policy_state(policy),
     )
+
+
+def _policy_state(policy: object) -> object:
+    snapshot = getattr(policy, "snapshot", None)
+    if snapshot is not None:  # kv: its own full dump (its C core has no __dict__ to read)
+        return snapshot()
+    return sorted((name, repr(_norm(v))) for name, v in vars(policy).items())
 
 
 def eviction_order(m: ao.CPUOffloadingManager, n: int) -> list[OffloadKey]:

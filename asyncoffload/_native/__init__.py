@@ -9,16 +9,20 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import importlib.machinery
+import importlib.util
 import logging
 import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 import tempfile
 from functools import cache
 from pathlib import Path
+from types import ModuleType
 
-__all__ = ["load_copy_engine", "load_cuda_helpers", "native_disabled"]
+__all__ = ["load_copy_engine", "load_cuda_helpers", "load_kvcore", "native_disabled"]
 
 log = logging.getLogger("asyncoffload.native")
 
@@ -66,6 +70,37 @@ def _load(name: str, libs: tuple[str, ...] = ()) -> ctypes.CDLL | None:
         return ctypes.CDLL(str(lib_path))
     except (OSError, subprocess.SubprocessError) as exc:
         log.warning("native helper %s unavailable: %s", name, exc)
+        return None
+
+
+@cache
+def load_kvcore() -> ModuleType | None:
+    """The KV policy's C core (a CPython extension compiled on first use); ``None`` if it
+    cannot be built (no compiler or Python headers, or ``ASYNCOFFLOAD_NO_NATIVE=1``)."""
+    if native_disabled() or not sys.platform.startswith(("linux", "darwin", "freebsd")):
+        return None
+    source = _HERE / "kvcore.c"
+    include = sysconfig.get_paths()["include"]
+    suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
+    tag = (sys.platform + sys.version + include).encode()
+    digest = hashlib.sha256(source.read_bytes() + tag).hexdigest()[:16]
+    path = _cache_dir() / f"kvcore-{digest}{suffix}"
+    try:
+        if not path.exists():
+            if not (Path(include) / "Python.h").exists():
+                raise OSError(f"no Python.h under {include} (install the Python headers)")
+            flags = ["-I" + include, "-fno-strict-aliasing"]
+            if sys.platform == "darwin":
+                flags += ["-undefined", "dynamic_lookup"]
+            _compile(source, path, tuple(flags))
+        spec = importlib.util.spec_from_file_location("kvcore", path)
+        if spec is None or spec.loader is None:
+            raise OSError(f"cannot load {path}")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    except (OSError, ImportError, subprocess.SubprocessError) as exc:
+        log.warning("native KV policy core unavailable, using Python: %s", exc)
         return None
 
 

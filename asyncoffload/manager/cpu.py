@@ -330,13 +330,14 @@ class CPUOffloadingManager(OffloadingManager):
         return [key for key in keys if offers.get(key, 0) + 1 >= threshold]
 
     def _record_offers(self, offered: list[OffloadKey], admitted: list[OffloadKey]) -> None:
-        """Count this call's offers: admitted keys leave the tracker, the others go up by
-        one; or tell the admission filter."""
+        """Count this call's offers (held back: by the policy, the threshold or the
+        filter): admitted keys leave the tracker, the others go up by one; or tell the
+        admission filter."""
+        self._store_skipped += len(offered) - len(admitted)
         offers = self._offers
         if offers is None:
             if self._admission is not None and offered:
                 self._admission.record(offered, admitted)
-                self._store_skipped += len(offered) - len(admitted)
             return
         admitted_set = set(admitted)
         for key in offered:
@@ -345,7 +346,6 @@ class CPUOffloadingManager(OffloadingManager):
                 if len(offers) >= self.max_tracker_size:
                     offers.popitem(last=False)
                 offers[key] = count
-        self._store_skipped += len(offered) - len(admitted)
 
     def complete_store(
         self, keys: Sequence[OffloadKey], ctx: ReqContext | None = None, success: bool = True

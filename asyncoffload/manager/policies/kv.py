@@ -49,7 +49,9 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict
 from collections.abc import Collection, Iterable, Iterator, Sequence
+from typing import Any
 
+from asyncoffload._native import load_kvcore
 from asyncoffload.keys import OffloadKey
 from asyncoffload.manager.base import BlockStatus
 from asyncoffload.manager.policies.base import CachePolicy, register_policy
@@ -100,10 +102,12 @@ class KVPolicy(CachePolicy):
         size_classes: bool = True,
         tail_classes: bool = True,
         admission: bool = True,
+        native: bool | None = None,
     ) -> None:
         """``size_classes``, ``tail_classes`` and ``admission`` switch those parts off
         (one request-length bucket; no last-block classes; admit every block): they
-        exist to measure what each part is worth (docs/policies.md)."""
+        exist to measure what each part is worth (docs/policies.md). ``native`` picks
+        the C core (True: required, False: never, None: where it builds)."""
         super().__init__(capacity)
         self.size_classes = size_classes
         self.tail_classes = tail_classes
@@ -117,11 +121,41 @@ class KVPolicy(CachePolicy):
         self._ghost_cap = int(capacity * ghost_factor)
         self._rebuild_every = max(64, capacity // 8)
         self._decay = 0.5 ** (self._rebuild_every / (half_life * capacity))
+        self._core: Any = None
         self.clear()
+        kvcore = None if native is False else load_kvcore()
+        if native and kvcore is None:
+            raise RuntimeError("the native KV policy core is unavailable (see the log)")
+        if kvcore is not None:
+            core = kvcore.Core(
+                capacity,
+                self._ghost_cap,
+                self._rebuild_every,
+                self._decay,
+                size_classes,
+                tail_classes,
+                admission,
+            )
+            self._core = core
+            # The hot methods go straight to C.
+            self.get = core.get  # type: ignore[method-assign]
+            self.touch = core.touch  # type: ignore[method-assign]
+            self.insert_many = core.insert_many  # type: ignore[method-assign]
+            self.evict = core.evict  # type: ignore[method-assign]
+            self.admissible = core.admissible  # type: ignore[method-assign]
+            self.remove = core.remove  # type: ignore[method-assign]
+
+    @property
+    def native(self) -> bool:
+        """Whether the C core runs this policy."""
+        return self._core is not None
 
     # --- state ------------------------------------------------------------------------
 
     def clear(self) -> None:
+        if self._core is not None:
+            self._core.clear()
+            return
         self._blocks: dict[OffloadKey, BlockStatus] = {}
         #: Every block known: resident, fresh or ghost.
         self._meta: dict[OffloadKey, _Meta] = {}
@@ -147,28 +181,73 @@ class KVPolicy(CachePolicy):
 
     def items(self) -> Iterator[tuple[OffloadKey, BlockStatus]]:
         """Every block, class by class, least recently touched first within a class."""
+        if self._core is not None:
+            return iter(self._core.items())
         blocks = self._blocks
         return ((key, blocks[key]) for queue in self._queues for key in queue)
 
     def __len__(self) -> int:
+        if self._core is not None:
+            return len(self._core)
         return len(self._blocks)
+
+    def _now(self) -> int:
+        return int(self._core.state()[0]) if self._core is not None else self._tick
+
+    def _meta_of(self, key: OffloadKey) -> tuple[int, int, int] | None:
+        """``(uses, last touch, class)`` of a resident block."""
+        if self._core is not None:
+            found = self._core.meta(key)
+            if found is None or found[3] != 1:
+                return None
+            return found[0], found[1], found[2]
+        if key not in self._blocks:
+            return None
+        uses, last, cls = self._meta[key]
+        return uses, last, cls
 
     def value(self, key: OffloadKey) -> float | None:
         """The estimated reuse probability of a resident block now (for inspection)."""
-        if key not in self._blocks:
+        meta = self._meta_of(key)
+        if meta is None:
             return None
-        _, last, cls = self._meta[key]
-        return self._table[cls][(self._tick - last).bit_length()]
+        return self.reuse_table()[meta[2]][(self._now() - meta[1]).bit_length()]
 
     def class_and_age(self, key: OffloadKey) -> tuple[int, int] | None:
         """``(class, age in touches)`` of a resident block (for inspection and tests)."""
-        if key not in self._blocks:
+        meta = self._meta_of(key)
+        if meta is None:
             return None
-        _, last, cls = self._meta[key]
-        return cls, self._tick - last
+        return meta[2], self._now() - meta[1]
+
+    def snapshot(self) -> dict[str, Any]:
+        """Everything the policy holds (for tests: the C core and the Python path give
+        equal snapshots after equal calls). Lists of ``(key, uses, tick, class)``."""
+        if self._core is not None:
+            snap: dict[str, Any] = self._core.snapshot()
+            return snap
+        meta = self._meta
+
+        def rows(keys: Iterable[OffloadKey]) -> list[tuple[OffloadKey, int, int, int]]:
+            return [(k, meta[k][0], meta[k][1], meta[k][2]) for k in keys]
+
+        return {
+            "queues": [rows(q) for q in self._queues],
+            "fresh": rows(self._fresh),
+            "ghost": rows(self._ghost),
+            "tick": self._tick,
+            "inserts": self._inserts,
+            "last_victim": self._last_victim,
+            "entered": list(self._entered),
+            "reused": list(self._reused),
+            "table": self.reuse_table(),
+        }
 
     def reuse_table(self) -> list[list[float]]:
         """``P(reuse | class, age bin)`` as last rebuilt (a copy)."""
+        if self._core is not None:
+            table: list[list[float]] = self._core.table()
+            return table
         return [row[:] for row in self._table]
 
     # --- learning ---------------------------------------------------------------------
@@ -184,7 +263,9 @@ class KVPolicy(CachePolicy):
         for c in range(NUM_CLASSES):
             base = c * AGE_BINS
             alive = entered[c]
-            later = sum(reused[base : base + AGE_BINS])
+            later = 0.0  # summed in order, as the C core does
+            for b in range(base, base + AGE_BINS):
+                later += reused[b]
             row = table[c]
             prev = 1.0
             for b in range(base, base + AGE_BINS):
@@ -205,6 +286,9 @@ class KVPolicy(CachePolicy):
     # --- CachePolicy ------------------------------------------------------------------
 
     def touch(self, keys: Sequence[OffloadKey]) -> None:
+        for key in keys:
+            if not isinstance(key, bytes):
+                raise TypeError(f"keys must be bytes, got {type(key).__name__}")
         self._tick += 1
         tick = self._tick
         meta_of, ghost = self._meta, self._ghost
@@ -273,6 +357,11 @@ class KVPolicy(CachePolicy):
         """Insert a store's blocks, deepest first, so the deepest is evicted first."""
         batch = items if isinstance(items, list) else list(items)
         meta_of, blocks, queues = self._meta, self._blocks, self._queues
+        for key, _ in batch:
+            if not isinstance(key, bytes):
+                raise TypeError(f"keys must be bytes, got {type(key).__name__}")
+            if key in blocks:
+                raise ValueError("insert_many: key is already resident")
         fresh, ghost = self._fresh, self._ghost
         for key, block in reversed(batch):
             meta = fresh.pop(key, None)
