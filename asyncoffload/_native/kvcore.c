@@ -23,6 +23,16 @@
 #define SAMPLE_MASK 3
 #define NIL (-1)
 
+/* eviction ties: last-block classes first, then the others by index (fewer uses first) */
+static int CLASS_RANK[NUM_CLASSES], RANK_CLASS[NUM_CLASSES];
+
+static void init_ranks(void) {
+    for (int k = 0; k < NUM_CLASSES; k++) {
+        CLASS_RANK[k] = k < TAIL ? SIZE_BUCKETS + k : k - TAIL;
+        RANK_CLASS[CLASS_RANK[k]] = k;
+    }
+}
+
 enum { ST_FREE = 0, ST_RESIDENT = 1, ST_FRESH = 2, ST_GHOST = 3 };
 
 typedef struct {
@@ -399,6 +409,7 @@ static PyObject *Core_insert_many(Core *c, PyObject *items_arg) {
         Node *nd = &c->nodes[i];
         Py_INCREF(block);
         nd->block = block;
+        nd->tick = c->tick; /* a store is a use: age counts from it */
         nd->state = ST_RESIDENT;
         list_append(c, &c->queues[nd->cls], i);
         c->resident++;
@@ -479,7 +490,7 @@ static int32_t next_evictable(Core *c, int32_t i, PyObject *protected_, int is_s
     return NIL;
 }
 
-typedef struct { double v; int c; } Head;
+typedef struct { double v; int c; } Head; /* c: the class's rank */
 
 static void heap_push(Head *h, int *n, Head x) {
     int i = (*n)++;
@@ -525,7 +536,7 @@ static PyObject *Core_evict(Core *c, PyObject *args) {
         if (i == -2) return NULL;
         if (i != NIL) {
             pointed[k] = i;
-            Head h = {c->table[k][age_bin(tick - c->nodes[i].tick)], k};
+            Head h = {c->table[k][age_bin(tick - c->nodes[i].tick)], CLASS_RANK[k]};
             heap_push(heap, &nh, h);
         }
     }
@@ -539,10 +550,10 @@ static PyObject *Core_evict(Core *c, PyObject *args) {
             Py_RETURN_NONE;
         }
         Head h = heap_pop(heap, &nh);
-        int k = h.c;
+        int rank = h.c, k = RANK_CLASS[rank];
         value = h.v;
         double bar = nh ? heap[0].v : 3.0;
-        int bar_c = nh ? heap[0].c : NUM_CLASSES;
+        int bar_rank = nh ? heap[0].c : NUM_CLASSES;
         victims[got++] = pointed[k];
         int32_t i = c->nodes[pointed[k]].next;
         pointed[k] = NIL;
@@ -551,14 +562,14 @@ static PyObject *Core_evict(Core *c, PyObject *args) {
             if (i == -2) { PyMem_Free(victims); return NULL; }
             if (i == NIL) break;
             double v = c->table[k][age_bin(tick - c->nodes[i].tick)];
-            if (got < want && (v < bar || (v == bar && k < bar_c))) {
+            if (got < want && (v < bar || (v == bar && rank < bar_rank))) {
                 victims[got++] = i;
                 value = v;
                 i = c->nodes[i].next;
                 continue;
             }
             pointed[k] = i;
-            Head nhd = {v, k};
+            Head nhd = {v, rank};
             heap_push(heap, &nh, nhd);
             break;
         }
@@ -713,6 +724,7 @@ static struct PyModuleDef kvcore_module = {PyModuleDef_HEAD_INIT, "kvcore", NULL
 
 PyMODINIT_FUNC PyInit_kvcore(void) {
     if (PyType_Ready(&CoreType) < 0) return NULL;
+    init_ranks();
     s_ref_cnt = PyUnicode_InternFromString("ref_cnt");
     if (!s_ref_cnt) return NULL;
     PyObject *m = PyModule_Create(&kvcore_module);

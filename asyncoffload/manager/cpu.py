@@ -53,7 +53,8 @@ class ManagerStats(NamedTuple):
     loaded: int
     #: Blocks evicted.
     evicted: int
-    #: Keys held back by ``store_threshold``.
+    #: Keys offered and held back: by ``store_threshold``, the admission filter or the
+    #: policy's own admission.
     store_skipped: int
     #: ``lookup`` calls, and those that found the key (ready or pending).
     lookups: int
@@ -311,10 +312,10 @@ class CPUOffloadingManager(OffloadingManager):
             self._num_ready -= len(victims)
             self._evicted += len(victims)
             self._emit(evicted, removed=True)
-            if admission is not None:
-                admission.on_evict(evicted)
 
         self._record_offers(offered, to_store)
+        if admission is not None and evicted:
+            admission.on_evict(evicted)  # after record(): admitted keys leave the ghost first
         ids = self._allocate(len(to_store))
         self._policy.insert_many(
             [(key, BlockStatus(block_id)) for key, block_id in zip(to_store, ids)]

@@ -18,30 +18,37 @@ Classes. A block's class is what the policy can see when a request touches it:
 
 Within a class blocks are kept least recently touched first, one ordered dict per class.
 
-Learning. Time counts :meth:`touch` calls (one per request in the serving sequence).
-Per class the policy counts the blocks that entered it and, when a block is touched
-again, the age at which that happened (power-of-two age bins). From those counts it
-estimates ``P(reuse | class, survived to age a)``: the share of the class's blocks still
-unused at age ``a`` that were used again later. Evicted blocks are remembered for a while
-(a ghost list of ``ghost_factor`` times the capacity), so reuses that come too late to
-hit still teach it. One block in four (by a byte of its hash) feeds the counts, which
-decay with a half-life of ``half_life`` capacities of inserted blocks, so the estimate
-follows the workload; the table is rebuilt every eighth of a capacity of inserts. The
-table is made non-increasing in age and non-decreasing in uses, and a last block is
-never worth more than a block of the same request that is not last: a parent block is
-touched whenever its children are, so it keeps at least their value and a prefix is
-never cut before its tail. Nothing in it is fitted to one trace: the classes are what
-any scheduler sees, and the values are learned from the workload at hand.
+Learning. Time counts :meth:`touch` calls (one per request in the serving sequence); a
+block's age counts from its last use, the last touch of its key or its store. Per class
+the policy counts the blocks that entered it and, when a block is touched again, the
+age at which that happened (power-of-two age bins). From those counts it estimates
+``P(reuse | class, survived to age a)``: the share of the class's blocks still unused at
+age ``a`` that were used again later. Evicted blocks are remembered for a while (a ghost
+list of ``ghost_factor`` times the capacity), so reuses that come too late to hit still
+teach it. One block in four (by a byte of its hash) feeds the counts, which decay with
+a half-life of ``half_life`` capacities of inserted blocks, so the estimate follows the
+workload; the table is rebuilt every eighth of a capacity of inserts. The table is made
+non-increasing in age and non-decreasing in uses, and a last block is never worth more
+than a block of the same request that is not last: a parent block is touched whenever
+its children are, so it keeps at least their value. Nothing in it is fitted to one
+trace: the classes are what any scheduler sees, and the values are learned from the
+workload at hand.
 
-Eviction takes, among the evictable blocks, the one with the lowest value now; ties go
-to the lower class, then the less recently touched block. In a class the value only
-falls with age, so only the oldest evictable block of each class is a candidate. Blocks
-a store inserts together go in deepest first, so a just-stored prefix is cut from its
-end and what remains still hits.
+Eviction takes, among the evictable blocks, the one with the lowest value now. Ties go
+to last blocks first, then to fewer uses (lower class), then to the least recently used
+block; so a prefix is cut from its end even when its blocks are worth the same. Every
+class queue is in order of last use, and value only falls with age, so only the first
+evictable block of each class is a candidate. Blocks a store inserts together go in
+deepest first, so a just-stored prefix is cut from its end and what remains still hits.
 
-Admission. When a store would evict, a block seen for the first time is declined if
-its class is worth less, even at age 0, than the least valuable block now resident: it
-would be the next victim anyway, and declining it saves the copy.
+Admission. When a store would evict, a block that at most one request has used is
+declined if its class is worth less, even at age 0, than the last evicted block was
+when it went: it would be among the next victims anyway, and declining it saves the
+copy.
+
+A C core (``asyncoffload/_native/kvcore.c``, compiled on first use) runs the same
+algorithm with the same state, decision for decision (tests/test_kv_native.py); this
+module's Python code is the reference and the fallback where it cannot be built.
 """
 
 from __future__ import annotations
@@ -66,6 +73,10 @@ SIZE_BUCKETS = 3
 #: own per size bucket, after the use x size classes.
 TAIL = USE_BUCKETS * SIZE_BUCKETS
 NUM_CLASSES = TAIL + SIZE_BUCKETS
+#: Eviction breaks value ties by rank: last blocks first, then by uses (fewer first), so
+#: a prefix is cut from its end even when its blocks are worth the same.
+RANK = [SIZE_BUCKETS + c for c in range(TAIL)] + list(range(SIZE_BUCKETS))
+CLASS_AT_RANK = [RANK.index(r) for r in range(NUM_CLASSES)]
 #: Age bins: 0, 1, 2-3, 4-7, ... touches (``age.bit_length()``; 64 bins cover any age).
 AGE_BINS = 64
 #: Learn from the blocks whose hash byte ``key[-5]`` has these bits clear (one in four):
@@ -363,16 +374,18 @@ class KVPolicy(CachePolicy):
             if key in blocks:
                 raise ValueError("insert_many: key is already resident")
         fresh, ghost = self._fresh, self._ghost
+        tick = self._tick
         for key, block in reversed(batch):
             meta = fresh.pop(key, None)
             if meta is None:
                 meta = meta_of.get(key)
                 if meta is None:
-                    meta = meta_of[key] = [1, self._tick, 0]
+                    meta = meta_of[key] = [1, tick, 0]
                     if not key[-5] & _SAMPLE_MASK:
                         self._entered[0] += 1
                 else:
                     ghost.pop(key, None)
+            meta[1] = tick  # a store is a use: age counts from it (keeps queues in order)
             blocks[key] = block
             queues[meta[2]][key] = meta
         self._inserts += len(batch)
@@ -404,7 +417,7 @@ class KVPolicy(CachePolicy):
             cursor = iter(queue.items())
             for key, meta in cursor:
                 if blocks[key].ref_cnt == 0 and key not in protected:
-                    heads.append((table[c][(tick - meta[1]).bit_length()], c))
+                    heads.append((table[c][(tick - meta[1]).bit_length()], RANK[c]))
                     cursors[c] = cursor
                     pointed[c] = key
                     break
@@ -415,8 +428,9 @@ class KVPolicy(CachePolicy):
         while need:
             if not heads:
                 return None
-            value, c = heapq.heappop(heads)
-            bar, bar_c = heads[0] if heads else (3.0, NUM_CLASSES)
+            value, rank = heapq.heappop(heads)
+            c = CLASS_AT_RANK[rank]
+            bar, bar_rank = heads[0] if heads else (3.0, NUM_CLASSES)
             row = table[c]
             keys = [pointed.pop(c)]
             need -= 1
@@ -424,13 +438,13 @@ class KVPolicy(CachePolicy):
                 if blocks[key].ref_cnt != 0 or key in protected:
                     continue
                 v = row[(tick - meta[1]).bit_length()]
-                if need and (v < bar or (v == bar and c < bar_c)):
+                if need and (v < bar or (v == bar and rank < bar_rank)):
                     keys.append(key)
                     value = v
                     need -= 1
                     continue
                 pointed[c] = key
-                heapq.heappush(heads, (v, c))
+                heapq.heappush(heads, (v, rank))
                 break
             taken.append((c, keys))
         self._last_victim = value
