@@ -402,6 +402,8 @@ async def replay_engine(
     policy: str = "lru",
     admission: str | None = None,
     block_size: int | None = None,
+    unique_blocks: int | None = None,
+    share: float | None = None,
     progress: Progress | None = None,
 ) -> tuple[ReplayResult, int]:
     """:func:`replay` through the async engine with real bytes on the CPU backend.
@@ -452,13 +454,15 @@ async def replay_engine(
             hit_tokens += _hit_tokens(req, n, bs)
             if progress is not None and (i + 1) % every == 0:
                 progress(i + 1, total)
+        if progress is not None:
+            progress(total, total)
         st = engine.manager.stats()
-        unique = _unique_blocks(requests)
+        unique = unique_blocks if unique_blocks is not None else _unique_blocks(requests)
         result = ReplayResult(
             policy=policy,
             admission=admission,
             capacity=capacity,
-            capacity_share=capacity / unique if unique else 0.0,
+            capacity_share=share if share is not None else (capacity / unique if unique else 0.0),
             requests=total,
             blocks=blocks,
             hit_blocks=hit_blocks,
@@ -504,10 +508,15 @@ def replay_matrix(
     *,
     bytes_per_token: int = LLAMA3_8B_BYTES_PER_TOKEN,
     progress: Callable[[str, int, int], None] | None = None,
+    engine: bool = False,
 ) -> list[ReplayResult]:
     """Replay every ``policy[+admission]`` spec (or ``"belady"``) at every capacity share.
 
-    Specs are checked before anything runs."""
+    Specs are checked before anything runs. ``engine=True`` runs the online policies
+    through the async engine with real bytes (:func:`replay_engine`); each result's
+    ``extra["mismatches"]`` counts loaded blocks whose bytes were wrong."""
+    from asyncoffload.loops import run
+
     parsed = [parse_spec(spec) for spec in specs]
     unique = _unique_blocks(requests)
     runs = [(share, name, adm) for share in shares for name, adm in parsed]
@@ -532,6 +541,19 @@ def replay_matrix(
                 share=share,
                 progress=step,
             )
+        elif engine:
+            res, bad = run(
+                replay_engine(
+                    requests,
+                    cap,
+                    policy=name,
+                    admission=adm,
+                    unique_blocks=unique,
+                    share=share,
+                    progress=step,
+                )
+            )
+            res.extra["mismatches"] = float(bad)
         else:
             res = replay(
                 requests,

@@ -339,6 +339,26 @@ def test_command_names_the_bad_line_of_a_trace(
     assert "cannot read" in capsys.readouterr().err
 
 
+def test_command_through_the_engine_checks_bytes_and_agrees(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = tiny_trace(tmp_path)
+    js_engine, js_manager = tmp_path / "e.json", tmp_path / "m.json"
+    common = ["--block-size", "16", "--capacity", "20%", "--policy", "lru", "kv", "--no-bound"]
+    assert main(["replay", str(trace), *common, "--engine", "--json", str(js_engine)]) == 0
+    out = capsys.readouterr().out
+    assert "through the engine:" in out and "0 with wrong bytes" in out
+    assert "engine time per block" in out
+    assert main(["replay", str(trace), *common, "--json", str(js_manager)]) == 0
+    fields = ("label", "hit_blocks", "stored", "evicted", "loaded")
+    engine_rows = [{f: r[f] for f in fields} for r in json.loads(js_engine.read_text())["results"]]
+    manager_rows = [
+        {f: r[f] for f in fields} for r in json.loads(js_manager.read_text())["results"]
+    ]
+    assert engine_rows == manager_rows
+    assert all(r["hit_blocks"] > 0 for r in engine_rows)
+
+
 def test_command_runs_the_synthetic_workload(capsys: pytest.CaptureFixture[str]) -> None:
     rc = main(["replay", "synthetic:300", "--capacity", "10%", "--policy", "lru", "kv"])
     assert rc == 0
