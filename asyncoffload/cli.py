@@ -85,6 +85,25 @@ def _add_loop_option(parser: argparse._ActionsContainer) -> None:
     )
 
 
+def _add_progress_options(parser: argparse._ActionsContainer) -> None:
+    shown = parser.add_mutually_exclusive_group()
+    shown.add_argument(
+        "--no-progress",
+        dest="progress",
+        action="store_const",
+        const="never",
+        default="auto",
+        help="no progress bar (default: one on stderr when it is a terminal)",
+    )
+    shown.add_argument(
+        "--progress",
+        dest="progress",
+        action="store_const",
+        const="always",
+        help="a progress bar on stderr even when it is not a terminal",
+    )
+
+
 def _check_loop(args: argparse.Namespace, parser: argparse.ArgumentParser) -> bool:
     from asyncoffload.loops import uvloop_available
 
@@ -182,22 +201,7 @@ def _add_demo(parser: argparse.ArgumentParser) -> None:
 
     grp = parser.add_argument_group("run")
     _add_loop_option(grp)
-    shown = grp.add_mutually_exclusive_group()
-    shown.add_argument(
-        "--no-progress",
-        dest="progress",
-        action="store_const",
-        const="never",
-        default="auto",
-        help="no progress bar (default: one on stderr when it is a terminal)",
-    )
-    shown.add_argument(
-        "--progress",
-        dest="progress",
-        action="store_const",
-        const="always",
-        help="a progress bar on stderr even when it is not a terminal",
-    )
+    _add_progress_options(grp)
 
 
 def _run_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -325,22 +329,7 @@ def _add_replay(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", metavar="PNG", help="write a plot of hit rate vs capacity")
     parser.add_argument("--json", metavar="PATH", help="write every result as JSON")
     parser.add_argument("--seed", type=int, default=0, help="seed of 'synthetic' (%(default)s)")
-    shown = parser.add_mutually_exclusive_group()
-    shown.add_argument(
-        "--no-progress",
-        dest="progress",
-        action="store_const",
-        const="never",
-        default="auto",
-        help="no progress bar (default: one on stderr when it is a terminal)",
-    )
-    shown.add_argument(
-        "--progress",
-        dest="progress",
-        action="store_const",
-        const="always",
-        help="a progress bar on stderr even when it is not a terminal",
-    )
+    _add_progress_options(parser)
 
 
 ALL_SPECS_EXTRA = ("lru+ghost", "lru+adaptive", "kv+adaptive")

@@ -31,7 +31,7 @@ from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from asyncoffload.keys import OffloadKey
-from asyncoffload.manager import CPUOffloadingManager
+from asyncoffload.manager import CPUOffloadingManager, ManagerStats
 from asyncoffload.manager.admission import AdmissionFilter
 from asyncoffload.manager.base import BlockStatus
 from asyncoffload.manager.policies import CachePolicy
@@ -134,6 +134,75 @@ def _check_capacity(capacity: int) -> None:
         raise ValueError(f"capacity must be a positive number of blocks, got {capacity!r}")
 
 
+class _Tally:
+    """What a replay counts, request by request; shared by :func:`replay` and
+    :func:`replay_engine`."""
+
+    def __init__(self, total: int, block_size: int | None, progress: Progress | None) -> None:
+        self.total = total
+        self.block_size = block_size
+        self.progress = progress
+        self.every = max(1, total // 200)
+        self.done = self.blocks = self.hit_blocks = self.tokens = self.hit_tokens = 0
+        self.refused = self.stored_tokens = 0
+        self.seconds = 0.0
+
+    def add(self, req: Request, hits: int, stored: Sequence[OffloadKey] | None, dt: float) -> None:
+        """Request ``req`` hit ``hits`` blocks and wrote ``stored`` (``None``: refused)."""
+        bs = self.block_size if self.block_size is not None else req.block_size
+        self.blocks += len(req.keys)
+        self.hit_blocks += hits
+        self.tokens += req.input_tokens
+        self.hit_tokens += _hit_tokens(req, hits, bs)
+        if stored is None:
+            self.refused += 1
+        elif stored:
+            self.stored_tokens += _stored_tokens(req, hits, stored, bs)
+        self.seconds += dt
+        self.done += 1
+        if self.progress is not None and (self.done % self.every == 0 or self.done == self.total):
+            self.progress(self.done, self.total)
+
+    def result(
+        self,
+        policy: str,
+        admission: str | None,
+        capacity: int,
+        share: float,
+        stats: ManagerStats,
+        bytes_stored: int,
+        bytes_loaded: int,
+    ) -> ReplayResult:
+        return ReplayResult(
+            policy=policy,
+            admission=admission,
+            capacity=capacity,
+            capacity_share=share,
+            requests=self.done,
+            blocks=self.blocks,
+            hit_blocks=self.hit_blocks,
+            tokens=self.tokens,
+            hit_tokens=self.hit_tokens,
+            stored=stats.stored,
+            loaded=self.hit_blocks,
+            evicted=stats.evicted,
+            skipped=stats.store_skipped,
+            refused=self.refused,
+            bytes_stored=bytes_stored,
+            bytes_loaded=bytes_loaded,
+            manager_seconds=self.seconds,
+        )
+
+
+def _share(
+    share: float | None, capacity: int, requests: Sequence[Request], unique: int | None
+) -> float:
+    if share is not None:
+        return share
+    unique = unique if unique is not None else _unique_blocks(requests)
+    return capacity / unique if unique else 0.0
+
+
 def replay(
     requests: Sequence[Request],
     capacity: int,
@@ -163,20 +232,15 @@ def replay(
         enable_events=False,
         admission=admission,
     )
-    total = len(requests)
-    blocks = hit_blocks = tokens = hit_tokens = loaded = refused = 0
-    stored_tokens = loaded_tokens = 0
+    tally = _Tally(len(requests), block_size, progress)
     lookup, touch = manager.lookup_prefix, manager.touch
     prepare_load, complete_load = manager.prepare_load, manager.complete_load
     prepare_store, complete_store = manager.prepare_store, manager.complete_store
     clock = time.perf_counter
-    spent = 0.0
-    every = max(1, total // 200)
     for i, req in enumerate(requests):
         if before_request is not None:
             before_request(i)
         keys = req.keys
-        bs = block_size if block_size is not None else req.block_size
         t0 = clock()
         n = lookup(keys)
         touch(keys)
@@ -185,44 +249,17 @@ def replay(
             prepare_load(hits)
             complete_load(hits)
         out = prepare_store(keys[n:])
-        if out is None:
-            refused += 1
-        elif out.keys_to_store:
-            complete_store(out.keys_to_store)
-        spent += clock() - t0
-        blocks += len(keys)
-        hit_blocks += n
-        tokens += req.input_tokens
-        got = _hit_tokens(req, n, bs)
-        hit_tokens += got
-        loaded += n
-        loaded_tokens += got
         if out is not None and out.keys_to_store:
-            stored_tokens += _stored_tokens(req, n, out.keys_to_store, bs)
-        if progress is not None and (i + 1) % every == 0:
-            progress(i + 1, total)
-    if progress is not None:
-        progress(total, total)
-    st = manager.stats()
-    unique = unique_blocks if unique_blocks is not None else _unique_blocks(requests)
-    return ReplayResult(
-        policy=manager.policy_name,
-        admission=manager.admission_name if store_threshold < 2 else f"threshold{store_threshold}",
-        capacity=capacity,
-        capacity_share=share if share is not None else (capacity / unique if unique else 0.0),
-        requests=total,
-        blocks=blocks,
-        hit_blocks=hit_blocks,
-        tokens=tokens,
-        hit_tokens=hit_tokens,
-        stored=st.stored,
-        loaded=loaded,
-        evicted=st.evicted,
-        skipped=st.store_skipped,
-        refused=refused,
-        bytes_stored=stored_tokens * bytes_per_token,
-        bytes_loaded=loaded_tokens * bytes_per_token,
-        manager_seconds=spent,
+            complete_store(out.keys_to_store)
+        tally.add(req, n, None if out is None else out.keys_to_store, clock() - t0)
+    return tally.result(
+        manager.policy_name,
+        manager.admission_name if store_threshold < 2 else f"threshold{store_threshold}",
+        capacity,
+        _share(share, capacity, requests, unique_blocks),
+        manager.stats(),
+        tally.stored_tokens * bytes_per_token,
+        tally.hit_tokens * bytes_per_token,
     )
 
 
@@ -424,15 +461,12 @@ async def replay_engine(
     config = EngineConfig(
         cpu_blocks=capacity, policy=policy, admission=admission, touch_on_load=False
     )
-    total = len(requests)
-    blocks = hit_blocks = tokens = hit_tokens = mismatches = refused = 0
-    spent = 0.0
-    every = max(1, total // 200)
+    tally = _Tally(len(requests), block_size, progress)
+    mismatches = 0
     clock = time.perf_counter
     async with AsyncOffloadEngine(cache.kv_caches, config) as engine:
-        for i, req in enumerate(requests):
+        for req in requests:
             keys = list(req.keys)
-            bs = block_size if block_size is not None else req.block_size
             ids = list(range(len(keys)))
             t0 = clock()
             n = engine.lookup(keys)
@@ -443,39 +477,20 @@ async def replay_engine(
                 mismatches += cache.check(keys[:n], ids[:n])
             cache.write(keys[n:], ids[n:])
             handle = await engine.prepare_store(keys[n:], ids[n:])
-            if handle is None:
-                refused += 1
-            else:
+            if handle is not None:
                 await handle
-            spent += clock() - t0
-            blocks += len(keys)
-            hit_blocks += n
-            tokens += req.input_tokens
-            hit_tokens += _hit_tokens(req, n, bs)
-            if progress is not None and (i + 1) % every == 0:
-                progress(i + 1, total)
-        if progress is not None:
-            progress(total, total)
+            stored = None if handle is None else handle.keys_to_store
+            tally.add(req, n, stored, clock() - t0)
         st = engine.manager.stats()
-        unique = unique_blocks if unique_blocks is not None else _unique_blocks(requests)
-        result = ReplayResult(
-            policy=policy,
-            admission=admission,
-            capacity=capacity,
-            capacity_share=share if share is not None else (capacity / unique if unique else 0.0),
-            requests=total,
-            blocks=blocks,
-            hit_blocks=hit_blocks,
-            tokens=tokens,
-            hit_tokens=hit_tokens,
-            stored=st.stored,
-            loaded=st.loaded,
-            evicted=st.evicted,
-            skipped=st.store_skipped,
-            refused=refused,
-            bytes_stored=st.stored * cache.storage[:, :, :1].numel() * 2,
-            bytes_loaded=st.loaded * cache.storage[:, :, :1].numel() * 2,
-            manager_seconds=spent,
+        block_bytes = cache.storage[:, :, :1].numel() * cache.storage.element_size()
+        result = tally.result(
+            policy,
+            admission,
+            capacity,
+            _share(share, capacity, requests, unique_blocks),
+            st,
+            st.stored * block_bytes,
+            st.loaded * block_bytes,
         )
     return result, mismatches
 

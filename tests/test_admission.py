@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
 import asyncoffload as ao
+from asyncoffload._registry import Registry
 from asyncoffload.keys import OffloadKey
 from asyncoffload.manager import admission as admission_mod
 from asyncoffload.manager.admission import (
@@ -86,9 +87,9 @@ def test_unknown_filter_name_lists_the_known_ones() -> None:
 
 
 @pytest.fixture
-def registry(monkeypatch: pytest.MonkeyPatch) -> dict[str, type[AdmissionFilter]]:
+def registry(monkeypatch: pytest.MonkeyPatch) -> Registry[AdmissionFilter]:
     """A copy of the registry, restored after the test."""
-    copy = dict(admission_mod._REGISTRY)
+    copy = admission_mod._REGISTRY.copy()
     monkeypatch.setattr(admission_mod, "_REGISTRY", copy)
     return copy
 
@@ -104,7 +105,7 @@ class _Nothing(AdmissionFilter):
 
 
 def test_register_a_filter_and_use_it_by_name(
-    registry: dict[str, type[AdmissionFilter]],
+    registry: Registry[AdmissionFilter],
 ) -> None:
     cls = register_admission("nothing")(_Nothing)
     assert cls is _Nothing and _Nothing.name == "nothing"
@@ -119,9 +120,9 @@ def test_register_a_filter_and_use_it_by_name(
 
 
 def test_register_rejects_a_taken_name_and_non_filters(
-    registry: dict[str, type[AdmissionFilter]],
+    registry: Registry[AdmissionFilter],
 ) -> None:
-    before = dict(registry)
+    before = registry.as_dict()
 
     class Other(_Nothing):
         pass
@@ -130,7 +131,7 @@ def test_register_rejects_a_taken_name_and_non_filters(
         register_admission("ghost")(Other)
     with pytest.raises(TypeError, match="not an AdmissionFilter subclass"):
         register_admission("bad")(object)  # type: ignore[type-var]
-    assert registry == before
+    assert registry.as_dict() == before
     assert get_admission_cls("ghost") is GhostAdmission
 
 
@@ -183,9 +184,9 @@ def test_manager_rejects_what_is_not_a_filter() -> None:
 
 
 def test_rejected_construction_leaves_nothing_behind(
-    registry: dict[str, type[AdmissionFilter]],
+    registry: Registry[AdmissionFilter],
 ) -> None:
-    before = dict(registry)
+    before = registry.as_dict()
     policy = KVPolicy(4)
     adm = GhostAdmission(4)
     with pytest.raises(ValueError):
@@ -194,7 +195,7 @@ def test_rejected_construction_leaves_nothing_behind(
         ao.CPUOffloadingManager(4, policy, store_threshold=3, admission=adm)
     with pytest.raises(TypeError):
         ao.CPUOffloadingManager(4, policy, admission=3)  # type: ignore[arg-type]
-    assert registry == before
+    assert registry.as_dict() == before
     assert len(policy) == 0 and list(adm._ghost) == []
     # Both are as good as new: a manager built with them works as one built from names.
     m = ao.CPUOffloadingManager(4, policy, admission=adm)

@@ -713,7 +713,7 @@ def test_stats_count_blocks_and_operations(policy: str) -> None:
 
 
 def test_registered_policy_is_usable_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(policies_base, "_REGISTRY", dict(policies_base._REGISTRY))
+    monkeypatch.setattr(policies_base, "_REGISTRY", policies_base._REGISTRY.copy())
 
     @ao.register_policy("test-mru")
     class MRUPolicy(LRUPolicy):
@@ -742,7 +742,7 @@ def test_registered_policy_is_usable_by_name(monkeypatch: pytest.MonkeyPatch) ->
 
 
 def test_register_policy_rejects_a_taken_name(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(policies_base, "_REGISTRY", dict(policies_base._REGISTRY))
+    monkeypatch.setattr(policies_base, "_REGISTRY", policies_base._REGISTRY.copy())
     with pytest.raises(ValueError, match="already registered"):
 
         @ao.register_policy("lru")
@@ -751,7 +751,7 @@ def test_register_policy_rejects_a_taken_name(monkeypatch: pytest.MonkeyPatch) -
 
 
 def test_register_policy_rejects_a_non_policy(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(policies_base, "_REGISTRY", dict(policies_base._REGISTRY))
+    monkeypatch.setattr(policies_base, "_REGISTRY", policies_base._REGISTRY.copy())
     with pytest.raises(TypeError):
         ao.register_policy("bogus")(int)  # type: ignore[type-var]
     assert "bogus" not in ao.available_policies()

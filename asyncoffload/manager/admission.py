@@ -31,6 +31,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import ClassVar, TypeVar
 
+from asyncoffload._registry import Registry
 from asyncoffload.keys import OffloadKey
 
 __all__ = [
@@ -76,37 +77,25 @@ class AdmissionFilter(ABC):
         """Forget everything learned."""
 
 
+_REGISTRY: Registry[AdmissionFilter] = Registry(
+    AdmissionFilter, "admission filter", "filters", article="an"
+)
 _A = TypeVar("_A", bound=type[AdmissionFilter])
-_REGISTRY: dict[str, type[AdmissionFilter]] = {}
 
 
 def register_admission(name: str) -> Callable[[_A], _A]:
     """Class decorator: make an :class:`AdmissionFilter` available under ``name``."""
-
-    def deco(cls: _A) -> _A:
-        if not (isinstance(cls, type) and issubclass(cls, AdmissionFilter)):
-            raise TypeError(f"{cls!r} is not an AdmissionFilter subclass")
-        if name in _REGISTRY and _REGISTRY[name] is not cls:
-            raise ValueError(f"an admission filter named {name!r} is already registered")
-        cls.name = name
-        _REGISTRY[name] = cls
-        return cls
-
-    return deco
+    return _REGISTRY.register(name)
 
 
 def get_admission_cls(name: str) -> type[AdmissionFilter]:
     """The filter class registered as ``name``; ``ValueError`` naming the known ones if none."""
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        known = ", ".join(sorted(_REGISTRY))
-        raise ValueError(f"unknown admission filter {name!r}; known filters: {known}") from None
+    return _REGISTRY.get(name)
 
 
 def available_admissions() -> list[str]:
     """Names of the registered admission filters, sorted."""
-    return sorted(_REGISTRY)
+    return _REGISTRY.names()
 
 
 @register_admission("ghost")

@@ -15,6 +15,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from typing import ClassVar, TypeVar
 
+from asyncoffload._registry import Registry
 from asyncoffload.keys import OffloadKey
 from asyncoffload.manager.base import BlockStatus
 
@@ -84,34 +85,20 @@ class CachePolicy(ABC):
         return isinstance(key, bytes) and self.get(key) is not None  # type: ignore[arg-type]
 
 
+_REGISTRY: Registry[CachePolicy] = Registry(CachePolicy, "cache policy", "policies")
 _P = TypeVar("_P", bound=type[CachePolicy])
-_REGISTRY: dict[str, type[CachePolicy]] = {}
 
 
 def register_policy(name: str) -> Callable[[_P], _P]:
     """Class decorator: make a :class:`CachePolicy` available under ``name``."""
-
-    def deco(cls: _P) -> _P:
-        if not (isinstance(cls, type) and issubclass(cls, CachePolicy)):
-            raise TypeError(f"{cls!r} is not a CachePolicy subclass")
-        if name in _REGISTRY and _REGISTRY[name] is not cls:
-            raise ValueError(f"a cache policy named {name!r} is already registered")
-        cls.name = name
-        _REGISTRY[name] = cls
-        return cls
-
-    return deco
+    return _REGISTRY.register(name)
 
 
 def get_policy_cls(name: str) -> type[CachePolicy]:
     """The policy class registered as ``name``; ``ValueError`` naming the known ones if none."""
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        known = ", ".join(sorted(_REGISTRY))
-        raise ValueError(f"unknown cache policy {name!r}; known policies: {known}") from None
+    return _REGISTRY.get(name)
 
 
 def available_policies() -> list[str]:
     """Names of the registered policies, sorted."""
-    return sorted(_REGISTRY)
+    return _REGISTRY.names()
