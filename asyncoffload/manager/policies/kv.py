@@ -83,7 +83,7 @@ AGE_BINS = 64
 #: the estimates need far fewer samples than a tier has blocks.
 _SAMPLE_MASK = 3
 
-# What the policy knows of a block, resident or remembered: [uses, last touch, class].
+# What the policy knows of a block, resident or remembered: [uses, last use, class].
 _Meta = list[int]
 
 
