@@ -57,17 +57,26 @@ def _compile(source: Path, out: Path, libs: tuple[str, ...]) -> None:
             os.unlink(tmp)
 
 
+def _supported() -> bool:
+    return not native_disabled() and sys.platform.startswith(("linux", "darwin", "freebsd"))
+
+
+def _built(name: str, suffix: str, flags: tuple[str, ...], tag: bytes = b"") -> Path:
+    """``{name}.c`` compiled into the cache (once per source version and ``tag``)."""
+    source = _HERE / f"{name}.c"
+    digest = hashlib.sha256(source.read_bytes() + sys.platform.encode() + tag).hexdigest()[:16]
+    path = _cache_dir() / f"{name}-{digest}{suffix}"
+    if not path.exists():
+        _compile(source, path, flags)
+    return path
+
+
 def _load(name: str, libs: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     """Compile ``{name}.c`` (once per source version) and load it; ``None`` on failure."""
-    if native_disabled() or not sys.platform.startswith(("linux", "darwin", "freebsd")):
+    if not _supported():
         return None
-    source = _HERE / f"{name}.c"
-    digest = hashlib.sha256(source.read_bytes() + sys.platform.encode()).hexdigest()[:16]
-    lib_path = _cache_dir() / f"{name}-{digest}.so"
     try:
-        if not lib_path.exists():
-            _compile(source, lib_path, libs)
-        return ctypes.CDLL(str(lib_path))
+        return ctypes.CDLL(str(_built(name, ".so", libs)))
     except (OSError, subprocess.SubprocessError) as exc:
         log.warning("native helper %s unavailable: %s", name, exc)
         return None
@@ -77,22 +86,17 @@ def _load(name: str, libs: tuple[str, ...] = ()) -> ctypes.CDLL | None:
 def load_kvcore() -> ModuleType | None:
     """The KV policy's C core (a CPython extension compiled on first use); ``None`` if it
     cannot be built (no compiler or Python headers, or ``ASYNCOFFLOAD_NO_NATIVE=1``)."""
-    if native_disabled() or not sys.platform.startswith(("linux", "darwin", "freebsd")):
+    if not _supported():
         return None
-    source = _HERE / "kvcore.c"
     include = sysconfig.get_paths()["include"]
-    suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
-    tag = (sys.platform + sys.version + include).encode()
-    digest = hashlib.sha256(source.read_bytes() + tag).hexdigest()[:16]
-    path = _cache_dir() / f"kvcore-{digest}{suffix}"
+    flags = ["-I" + include, "-fno-strict-aliasing"]
+    if sys.platform == "darwin":
+        flags += ["-undefined", "dynamic_lookup"]
     try:
-        if not path.exists():
-            if not (Path(include) / "Python.h").exists():
-                raise OSError(f"no Python.h under {include} (install the Python headers)")
-            flags = ["-I" + include, "-fno-strict-aliasing"]
-            if sys.platform == "darwin":
-                flags += ["-undefined", "dynamic_lookup"]
-            _compile(source, path, tuple(flags))
+        if not (Path(include) / "Python.h").exists():
+            raise OSError(f"no Python.h under {include} (install the Python headers)")
+        suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
+        path = _built("kvcore", suffix, tuple(flags), (sys.version + include).encode())
         spec = importlib.util.spec_from_file_location("kvcore", path)
         if spec is None or spec.loader is None:
             raise OSError(f"cannot load {path}")
