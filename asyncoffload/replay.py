@@ -35,7 +35,7 @@ from asyncoffload.manager import CPUOffloadingManager, ManagerStats
 from asyncoffload.manager.admission import AdmissionFilter
 from asyncoffload.manager.base import BlockStatus
 from asyncoffload.manager.policies import CachePolicy
-from asyncoffload.workloads import Request
+from asyncoffload.workloads import Request, summarize
 
 __all__ = [
     "BELADY",
@@ -118,17 +118,6 @@ def capacity_blocks(share: float, unique_blocks: int) -> int:
     return max(1, round(share * unique_blocks))
 
 
-def _unique_blocks(requests: Sequence[Request]) -> int:
-    seen: set[OffloadKey] = set()
-    for req in requests:
-        seen.update(req.keys)
-    return len(seen)
-
-
-def _hit_tokens(req: Request, hits: int, block_size: int) -> int:
-    return min(hits * block_size, req.input_tokens)
-
-
 def _check_capacity(capacity: int) -> None:
     if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity <= 0:
         raise ValueError(f"capacity must be a positive number of blocks, got {capacity!r}")
@@ -138,9 +127,8 @@ class _Tally:
     """What a replay counts, request by request; shared by :func:`replay` and
     :func:`replay_engine`."""
 
-    def __init__(self, total: int, block_size: int | None, progress: Progress | None) -> None:
+    def __init__(self, total: int, progress: Progress | None) -> None:
         self.total = total
-        self.block_size = block_size
         self.progress = progress
         self.every = max(1, total // 200)
         self.done = self.blocks = self.hit_blocks = self.tokens = self.hit_tokens = 0
@@ -149,15 +137,18 @@ class _Tally:
 
     def add(self, req: Request, hits: int, stored: Sequence[OffloadKey] | None, dt: float) -> None:
         """Request ``req`` hit ``hits`` blocks and wrote ``stored`` (``None``: refused)."""
-        bs = self.block_size if self.block_size is not None else req.block_size
+        tokens = req.block_tokens()
         self.blocks += len(req.keys)
         self.hit_blocks += hits
         self.tokens += req.input_tokens
-        self.hit_tokens += _hit_tokens(req, hits, bs)
+        self.hit_tokens += sum(tokens[:hits])
         if stored is None:
             self.refused += 1
         elif stored:
-            self.stored_tokens += _stored_tokens(req, hits, stored, bs)
+            written = set(stored)
+            self.stored_tokens += sum(
+                t for key, t in zip(req.keys[hits:], tokens[hits:]) if key in written
+            )
         self.seconds += dt
         self.done += 1
         if self.progress is not None and (self.done % self.every == 0 or self.done == self.total):
@@ -199,7 +190,7 @@ def _share(
 ) -> float:
     if share is not None:
         return share
-    unique = unique if unique is not None else _unique_blocks(requests)
+    unique = unique if unique is not None else summarize(requests).unique_blocks
     return capacity / unique if unique else 0.0
 
 
@@ -210,7 +201,6 @@ def replay(
     policy: str | CachePolicy = "lru",
     admission: str | AdmissionFilter | None = None,
     store_threshold: int = 0,
-    block_size: int | None = None,
     bytes_per_token: int = LLAMA3_8B_BYTES_PER_TOKEN,
     unique_blocks: int | None = None,
     share: float | None = None,
@@ -219,7 +209,7 @@ def replay(
 ) -> ReplayResult:
     """Replay ``requests`` in order through a manager of ``capacity`` slots.
 
-    ``block_size`` (tokens per block) defaults to each request's own. ``share`` is the
+    Tokens per block are each request's own (``Request.block_tokens``). ``share`` is the
     capacity share to report (default: ``capacity`` over the unique blocks). ``progress`` is
     called as ``progress(done, total)`` every few hundred requests; ``before_request(i)``
     before request ``i`` (the offline bound uses it to advance its clock).
@@ -232,7 +222,7 @@ def replay(
         enable_events=False,
         admission=admission,
     )
-    tally = _Tally(len(requests), block_size, progress)
+    tally = _Tally(len(requests), progress)
     lookup, touch = manager.lookup_prefix, manager.touch
     prepare_load, complete_load = manager.prepare_load, manager.complete_load
     prepare_store, complete_store = manager.prepare_store, manager.complete_store
@@ -261,16 +251,6 @@ def replay(
         tally.stored_tokens * bytes_per_token,
         tally.hit_tokens * bytes_per_token,
     )
-
-
-def _stored_tokens(req: Request, n: int, stored: Sequence[OffloadKey], bs: int) -> int:
-    """Tokens in the blocks of ``req`` written by its store (keys after the ``n`` hits)."""
-    written = set(stored)
-    total = 0
-    for i in range(n, len(req.keys)):
-        if req.keys[i] in written:
-            total += max(0, min(bs, req.input_tokens - i * bs))
-    return total
 
 
 # --- the offline bound -----------------------------------------------------------------
@@ -405,7 +385,6 @@ def belady(
     requests: Sequence[Request],
     capacity: int,
     *,
-    block_size: int | None = None,
     bytes_per_token: int = LLAMA3_8B_BYTES_PER_TOKEN,
     unique_blocks: int | None = None,
     share: float | None = None,
@@ -419,7 +398,6 @@ def belady(
         capacity,
         policy=BeladyPolicy(capacity, future),
         admission=NeverAgainAdmission(capacity, future),
-        block_size=block_size,
         bytes_per_token=bytes_per_token,
         unique_blocks=unique_blocks,
         share=share,
@@ -438,7 +416,6 @@ async def replay_engine(
     *,
     policy: str = "lru",
     admission: str | None = None,
-    block_size: int | None = None,
     unique_blocks: int | None = None,
     share: float | None = None,
     progress: Progress | None = None,
@@ -461,7 +438,7 @@ async def replay_engine(
     config = EngineConfig(
         cpu_blocks=capacity, policy=policy, admission=admission, touch_on_load=False
     )
-    tally = _Tally(len(requests), block_size, progress)
+    tally = _Tally(len(requests), progress)
     mismatches = 0
     clock = time.perf_counter
     async with AsyncOffloadEngine(cache.kv_caches, config) as engine:
@@ -533,7 +510,7 @@ def replay_matrix(
     from asyncoffload.loops import run
 
     parsed = [parse_spec(spec) for spec in specs]
-    unique = _unique_blocks(requests)
+    unique = summarize(requests).unique_blocks
     runs = [(share, name, adm) for share in shares for name, adm in parsed]
     caps = {share: capacity_blocks(share, unique) for share in shares}
     results: list[ReplayResult] = []
