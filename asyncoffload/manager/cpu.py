@@ -286,7 +286,7 @@ class CPUOffloadingManager(OffloadingManager):
         admission = self._admission
         if offered:
             full = len(offered) > self.num_free
-            to_store = list(self._policy.admissible(offered, full))
+            to_store = self._policy.admissible(offered, full)
             if self._offers is not None:
                 to_store = self._admissible(to_store)
             elif admission is not None:

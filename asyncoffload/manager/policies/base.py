@@ -48,7 +48,7 @@ class CachePolicy(ABC):
         for key, block in items:
             self.insert(key, block)
 
-    def admissible(self, keys: Sequence[OffloadKey], full: bool) -> Sequence[OffloadKey]:
+    def admissible(self, keys: list[OffloadKey], full: bool) -> list[OffloadKey]:
         """Which of ``keys`` (offered to a store, not tracked) the policy would keep.
 
         ``full`` says whether storing them all would evict. The default keeps all; a

@@ -348,7 +348,7 @@ class KVPolicy(CachePolicy):
         if len(ghost) > self._ghost_cap:
             self._forget_ghosts()
 
-    def admissible(self, keys: Sequence[OffloadKey], full: bool) -> Sequence[OffloadKey]:
+    def admissible(self, keys: list[OffloadKey], full: bool) -> list[OffloadKey]:
         """When storing would evict, decline blocks seen for the first time whose class
         is worth less at age 0 than the last block evicted was when it went."""
         if not full or not self._blocks or not self.admission:
