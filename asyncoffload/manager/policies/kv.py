@@ -222,7 +222,9 @@ class KVPolicy(CachePolicy):
         meta = self._meta_of(key)
         if meta is None:
             return None
-        return self.reuse_table()[meta[2]][(self._now() - meta[1]).bit_length()]
+        table = self._core.table() if self._core is not None else self._table
+        value: float = table[meta[2]][(self._now() - meta[1]).bit_length()]
+        return value
 
     def class_and_age(self, key: OffloadKey) -> tuple[int, int] | None:
         """``(class, age in touches)`` of a resident block (for inspection and tests)."""
