@@ -23,8 +23,15 @@ from asyncoffload.errors import (
     LengthMismatchError,
     TransferError,
 )
-from asyncoffload.events import EventHub, EventSubscription
+from asyncoffload.events import EventHub, EventSubscription, SubscriptionStats
 from asyncoffload.handles import Transfer, TransferResult
+from asyncoffload.histogram import (
+    BYTES_PER_SECOND_BUCKETS,
+    LATENCY_BUCKETS_S,
+    TRANSFER_BUCKETS_S,
+    Histogram,
+    HistogramSnapshot,
+)
 from asyncoffload.keys import OffloadKey
 from asyncoffload.layout import KVLayout
 from asyncoffload.manager import CPUOffloadingManager, ManagerStats, OffloadingEvent, ReqContext
@@ -70,8 +77,20 @@ class EngineStats:
     callback_latency_p50_us: float
     callback_latency_p99_us: float
     events_published: int
+    #: Events lost by overflowing subscriptions, summed over subscriptions (ever).
+    events_dropped: int
     subscribers: int
     manager: ManagerStats
+    #: Seconds from submission to the end of each successful copy, per direction.
+    store_duration: HistogramSnapshot
+    load_duration: HistogramSnapshot
+    #: Bytes per second of each successful copy (its bytes over its duration).
+    store_throughput: HistogramSnapshot
+    load_throughput: HistogramSnapshot
+    #: Copy ended -> completion callback ran, seconds, every transfer since the start.
+    callback_latency: HistogramSnapshot
+    #: Each live event subscription: buffered events (its lag), drops, deliveries.
+    subscriptions: tuple[SubscriptionStats, ...]
 
 
 def _make_backend(
@@ -152,6 +171,10 @@ class AsyncOffloadEngine:
         self._lookups = self._lookup_keys = self._lookup_hits = 0
         self._bytes_stored = self._bytes_loaded = 0
         self._store_seconds = self._load_seconds = 0.0
+        self._store_hist = Histogram(TRANSFER_BUCKETS_S)
+        self._load_hist = Histogram(TRANSFER_BUCKETS_S)
+        self._store_rate = Histogram(BYTES_PER_SECOND_BUCKETS)
+        self._load_rate = Histogram(BYTES_PER_SECOND_BUCKETS)
 
     # --- properties ------------------------------------------------------------------
 
@@ -168,6 +191,11 @@ class AsyncOffloadEngine:
     @property
     def closed(self) -> bool:
         return self._closing
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        """The event loop the engine is bound to (None before its first use)."""
+        return self._bridge.loop if self._bridge is not None else None
 
     # --- lifecycle -------------------------------------------------------------------
 
@@ -413,6 +441,8 @@ class AsyncOffloadEngine:
         bridge = self._bridge
         p50 = bridge.latency.percentile_us(50) if bridge else math.nan
         p99 = bridge.latency.percentile_us(99) if bridge else math.nan
+        callbacks = bridge.latency.histogram if bridge else Histogram(LATENCY_BUCKETS_S)
+        subs = self._hub.subscribers
         m = self._manager.stats()
         return EngineStats(
             backend=self._backend.name,
@@ -436,8 +466,15 @@ class AsyncOffloadEngine:
             callback_latency_p50_us=p50,
             callback_latency_p99_us=p99,
             events_published=self._hub.published,
-            subscribers=len(self._hub.subscribers),
+            events_dropped=self._hub.dropped,
+            subscribers=len(subs),
             manager=m,
+            store_duration=self._store_hist.snapshot(),
+            load_duration=self._load_hist.snapshot(),
+            store_throughput=self._store_rate.snapshot(),
+            load_throughput=self._load_rate.snapshot(),
+            callback_latency=callbacks.snapshot(),
+            subscriptions=tuple(sub.statistics() for sub in subs),
         )
 
     def __repr__(self) -> str:
@@ -482,6 +519,7 @@ class AsyncOffloadEngine:
         if error is None:
             self._bytes_stored += job.nbytes
             self._store_seconds += job.duration_s
+            _observe(self._store_hist, self._store_rate, job)
         self._resolve(handle, job, error)
 
     def _load_done(
@@ -496,6 +534,7 @@ class AsyncOffloadEngine:
         if error is None:
             self._bytes_loaded += job.nbytes
             self._load_seconds += job.duration_s
+            _observe(self._load_hist, self._load_rate, job)
         self._resolve(handle, job, error)
 
     def _resolve(self, handle: Transfer, job: CopyJob, error: BaseException | None) -> None:
@@ -510,6 +549,13 @@ class AsyncOffloadEngine:
         err = TransferError(f"{handle.kind} of {job.num_blocks} blocks failed: {error!r}")
         err.__cause__ = error
         fut.set_exception(err)
+
+
+def _observe(durations: Histogram, rates: Histogram, job: CopyJob) -> None:
+    seconds = job.duration_s
+    durations.observe(seconds)
+    if seconds > 0:
+        rates.observe(job.nbytes / seconds)
 
 
 def _retrieve(fut: asyncio.Future[TransferResult]) -> None:

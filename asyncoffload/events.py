@@ -69,6 +69,7 @@ class EventSubscription:
             self._buffer.popleft()
             self._missed += 1
             self._dropped += 1
+            self._hub.dropped += 1
         self._buffer.append(event)
         self._wake()
 
@@ -169,7 +170,10 @@ class EventHub:
         # Weak: a subscription its reader has dropped stops costing anything.
         self._subs: weakref.WeakSet[EventSubscription] = weakref.WeakSet()
         self._closed = False
+        #: Events published, and events dropped from overflowing subscriptions (one
+        #: count per subscription that lost it).
         self.published = 0
+        self.dropped = 0
 
     def subscribe(
         self, max_buffer: int, initial: Iterable[OffloadingEvent] = ()

@@ -26,6 +26,7 @@ from array import array
 from collections import deque
 from collections.abc import Callable
 
+from asyncoffload.histogram import LATENCY_BUCKETS_S, Histogram
 from asyncoffload.transfer.base import CopyJob
 
 __all__ = ["CompletionBridge", "CopyLane", "LatencyWindow"]
@@ -52,16 +53,19 @@ class CopyLane:
 
 
 class LatencyWindow:
-    """The last ``size`` samples (integers, nanoseconds) and their percentiles."""
+    """The last ``size`` samples (integers, nanoseconds) and their percentiles, and a
+    histogram (in seconds) of every sample since the start."""
 
     def __init__(self, size: int = 65_536) -> None:
         self._buf = array("q", bytes(8 * size))
         self._size = size
         self._count = 0
+        self.histogram = Histogram(LATENCY_BUCKETS_S)
 
     def add(self, value_ns: int) -> None:
         self._buf[self._count % self._size] = value_ns
         self._count += 1
+        self.histogram.observe(value_ns * 1e-9)
 
     @property
     def count(self) -> int:
