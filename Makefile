@@ -20,8 +20,8 @@ demo: $(STAMP)
 	$(PY) -m asyncoffload demo $(ARGS)
 
 lint: $(STAMP)
-	$(PY) -m ruff check asyncoffload tests benchmarks
-	$(PY) -m ruff format --check asyncoffload tests benchmarks
+	$(PY) -m ruff check asyncoffload tests benchmarks examples
+	$(PY) -m ruff format --check asyncoffload tests benchmarks examples
 	$(PY) -m mypy
 
 unit: $(STAMP)

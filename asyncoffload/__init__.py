@@ -30,6 +30,7 @@ from asyncoffload.errors import (
 from asyncoffload.events import EventSubscription, Lagged
 from asyncoffload.handles import Transfer, TransferResult
 from asyncoffload.keys import (
+    BlockTokens,
     OffloadKey,
     get_offload_block_hash,
     get_offload_group_idx,
@@ -61,6 +62,7 @@ __all__ = [
     "AsyncOffloadEngine",
     "AsyncOffloadError",
     "BlockIdError",
+    "BlockTokens",
     "CPULoadStoreSpec",
     "CPUOffloadingManager",
     "CachePolicy",

@@ -7,6 +7,7 @@ and signal. See docs/architecture.md for the life of a store and of a load.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import warnings
@@ -32,7 +33,7 @@ from asyncoffload.histogram import (
     Histogram,
     HistogramSnapshot,
 )
-from asyncoffload.keys import OffloadKey
+from asyncoffload.keys import BlockTokens, OffloadKey
 from asyncoffload.layout import KVLayout
 from asyncoffload.manager import CPUOffloadingManager, ManagerStats, OffloadingEvent, ReqContext
 from asyncoffload.transfer import CompletionBridge, CopyJob, CpuCopyBackend, TransferBackend
@@ -366,8 +367,14 @@ class AsyncOffloadEngine:
         keys: Sequence[OffloadKey],
         gpu_blocks: Sequence[int] | torch.Tensor,
         ctx: ReqContext | None = None,
+        *,
+        tokens: BlockTokens | None = None,
     ) -> Transfer | None:
         """Start copying KV blocks ``gpu_blocks`` out under ``keys`` (same order).
+
+        ``tokens`` (or ``ctx.tokens``) describes what the blocks hold; the stored event
+        then carries it (see :class:`~asyncoffload.BlockTokens`). It must describe every
+        key (``ValueError`` otherwise).
 
         Keys already stored or in flight are skipped, and so are keys the admission
         filter holds back; ``handle.keys_to_store`` lists those actually written and
@@ -384,6 +391,14 @@ class AsyncOffloadEngine:
         keys = self._check_keys(keys, "prepare_store")
         ids = self._check_block_ids(gpu_blocks, len(keys), "prepare_store", unique=False)
         ctx = ctx if ctx is not None else _ANON
+        if tokens is not None:
+            if not isinstance(tokens, BlockTokens):
+                raise TypeError(
+                    f"prepare_store: tokens is a {type(tokens).__name__}, not BlockTokens"
+                )
+            ctx = dataclasses.replace(ctx, tokens=tokens)
+        if ctx.tokens is not None:
+            _check_described(keys, ctx.tokens)
         bridge = self._ensure_bridge()
         out = self._manager.prepare_store(keys, ctx)
         self._publish_events()
@@ -549,6 +564,15 @@ class AsyncOffloadEngine:
         err = TransferError(f"{handle.kind} of {job.num_blocks} blocks failed: {error!r}")
         err.__cause__ = error
         fut.set_exception(err)
+
+
+def _check_described(keys: Sequence[OffloadKey], tokens: BlockTokens) -> None:
+    for i, key in enumerate(keys):
+        if tokens.index(key) is None:
+            raise ValueError(
+                f"prepare_store: keys[{i}] is not one of the {len(tokens)} keys its "
+                "BlockTokens describes"
+            )
 
 
 def _observe(durations: Histogram, rates: Histogram, job: CopyJob) -> None:

@@ -19,6 +19,7 @@ from typing import NewType
 
 __all__ = [
     "GROUP_IDX_BYTES",
+    "BlockTokens",
     "OffloadKey",
     "get_offload_block_hash",
     "get_offload_group_idx",
@@ -104,3 +105,111 @@ def keys_for_tokens(
         make_offload_key(h, group_idx)
         for h in hash_token_blocks(token_ids, block_size, parent=parent, salt=salt)
     ]
+
+
+class BlockTokens:
+    """What a chain of blocks holds, so that stored events can describe it.
+
+    ``keys[i]`` holds ``token_ids[i * block_size:(i + 1) * block_size]``; the parent of
+    ``keys[0]`` is ``parent_block_hash`` (``None``: it starts the sequence) and the parent
+    of ``keys[i]`` is ``keys[i - 1]``. ``token_ids`` may run on into a trailing partial
+    block, which has no key and is ignored, so a request's whole prompt will do.
+
+    Put one on :class:`~asyncoffload.ReqContext` (``ctx.tokens``) for a request, or pass it
+    to ``AsyncOffloadEngine.prepare_store(..., tokens=)``: the stored events of those
+    keys then carry their token ids, parent hash, block size and LoRA (vLLM's
+    self-describing ``BlockStored``). Raises ``TypeError`` / ``ValueError`` naming what
+    does not fit.
+    """
+
+    __slots__ = (
+        "_index",
+        "block_size",
+        "keys",
+        "lora_id",
+        "lora_name",
+        "parent_block_hash",
+        "token_ids",
+    )
+
+    def __init__(
+        self,
+        keys: Sequence[OffloadKey],
+        token_ids: Sequence[int],
+        block_size: int,
+        parent_block_hash: bytes | None = None,
+        *,
+        lora_name: str | None = None,
+        lora_id: int | None = None,
+    ) -> None:
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
+            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        if isinstance(keys, (bytes, str)):
+            raise TypeError("keys must be a sequence of OffloadKey, not one key")
+        key_list = tuple(keys)
+        for i, key in enumerate(key_list):
+            if not isinstance(key, bytes) or len(key) <= GROUP_IDX_BYTES:
+                raise TypeError(f"keys[{i}] is not an OffloadKey (hash bytes + 4-byte group)")
+        index = {key: i for i, key in enumerate(key_list)}
+        if len(index) != len(key_list):
+            raise ValueError("keys holds the same key more than once")
+        tokens = tuple(token_ids)
+        need = block_size * len(key_list)
+        if not need <= len(tokens) < need + block_size:
+            raise ValueError(
+                f"{len(key_list)} keys of {block_size} tokens need {need} token ids "
+                f"(up to {need + block_size - 1} with a trailing partial block), "
+                f"got {len(tokens)}"
+            )
+        for i, t in enumerate(tokens):
+            if isinstance(t, bool) or not isinstance(t, int):
+                raise TypeError(f"token_ids[{i}] is a {type(t).__name__}, not an int")
+        if parent_block_hash is not None and not isinstance(parent_block_hash, bytes):
+            raise TypeError(
+                f"parent_block_hash must be bytes or None, got {type(parent_block_hash).__name__}"
+            )
+        if lora_name is not None and not isinstance(lora_name, str):
+            raise TypeError(f"lora_name must be a str or None, got {type(lora_name).__name__}")
+        if lora_id is not None and (isinstance(lora_id, bool) or not isinstance(lora_id, int)):
+            raise TypeError(f"lora_id must be an int or None, got {type(lora_id).__name__}")
+        self.keys = key_list
+        self.token_ids = tokens[:need]
+        self.block_size = block_size
+        self.parent_block_hash = parent_block_hash
+        self.lora_name = lora_name
+        self.lora_id = lora_id
+        self._index = index
+
+    @classmethod
+    def from_tokens(
+        cls,
+        token_ids: Sequence[int],
+        block_size: int,
+        group_idx: int = 0,
+        *,
+        parent: bytes | None = None,
+        salt: bytes | None = None,
+        lora_name: str | None = None,
+        lora_id: int | None = None,
+    ) -> BlockTokens:
+        """Hash ``token_ids`` (:func:`keys_for_tokens`) and describe the keys made."""
+        keys = keys_for_tokens(token_ids, block_size, group_idx, parent=parent, salt=salt)
+        return cls(keys, token_ids, block_size, parent, lora_name=lora_name, lora_id=lora_id)
+
+    def index(self, key: OffloadKey) -> int | None:
+        """The position of ``key`` in :attr:`keys`, or ``None``."""
+        return self._index.get(key)
+
+    def parent_of(self, i: int) -> bytes | None:
+        """The block hash of the parent of ``keys[i]``."""
+        return self.parent_block_hash if i == 0 else self.keys[i - 1][:-GROUP_IDX_BYTES]
+
+    def tokens_of(self, start: int, stop: int) -> tuple[int, ...]:
+        """The token ids of ``keys[start:stop]``."""
+        return self.token_ids[start * self.block_size : stop * self.block_size]
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def __repr__(self) -> str:
+        return f"<BlockTokens {len(self.keys)} blocks of {self.block_size} tokens>"

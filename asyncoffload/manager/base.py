@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from asyncoffload.keys import OffloadKey
+from asyncoffload.keys import BlockTokens, OffloadKey
 
 __all__ = [
     "BlockStatus",
@@ -57,13 +57,16 @@ class LookupResult(enum.Enum):
 class ReqContext:
     """Per-request context handed to every manager call.
 
-    ``kv_transfer_params`` carries connector parameters as vLLM does; ``extra`` is free
-    for policies and integrations (admission hints, token ids for self-describing events).
+    ``kv_transfer_params`` carries connector parameters as vLLM does; ``tokens``
+    describes the request's blocks (token ids, parent hash, block size) so that the
+    stored events of its keys describe them too; ``extra`` is free for policies and
+    integrations.
     """
 
     req_id: str
     kv_transfer_params: dict[str, Any] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    tokens: BlockTokens | None = None
 
 
 class BlockStatus:
@@ -110,7 +113,8 @@ class OffloadingEvent:
     ``seq`` grows by one per event published by a manager, so consumers can detect gaps;
     ``ts`` is ``time.time()`` when the event was made. Snapshot events (see
     ``AsyncOffloadEngine.events``) carry ``snapshot=True`` and the ``seq`` of the last
-    live event they include.
+    live event they include. A stored event carries the :class:`~asyncoffload.BlockTokens`
+    of the store's request context, when it had one (keys it does not describe have none).
     """
 
     keys: tuple[OffloadKey, ...]
@@ -119,6 +123,7 @@ class OffloadingEvent:
     seq: int
     ts: float
     snapshot: bool = False
+    tokens: BlockTokens | None = None
 
 
 class OffloadingManager(ABC):

@@ -13,7 +13,7 @@ from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 from asyncoffload.errors import DuplicateKeyError, KeyNotReadyError, UnknownKeyError
-from asyncoffload.keys import OffloadKey
+from asyncoffload.keys import BlockTokens, OffloadKey
 from asyncoffload.manager.admission import AdmissionFilter, get_admission_cls
 from asyncoffload.manager.base import (
     BlockStatus,
@@ -190,11 +190,15 @@ class CPUOffloadingManager(OffloadingManager):
             ids.append(free_list.pop())
         return ids
 
-    def _emit(self, keys: list[OffloadKey], removed: bool) -> None:
+    def _emit(
+        self, keys: list[OffloadKey], removed: bool, tokens: BlockTokens | None = None
+    ) -> None:
         if self._events is not None and keys:
             self._seq += 1
             self._events.append(
-                OffloadingEvent(tuple(keys), self.medium, removed, self._seq, time.time())
+                OffloadingEvent(
+                    tuple(keys), self.medium, removed, self._seq, time.time(), tokens=tokens
+                )
             )
 
     @property
@@ -371,7 +375,7 @@ class CPUOffloadingManager(OffloadingManager):
             self._num_ready += len(done)
             self._num_idle += len(done)
             self._stored += len(done)
-            self._emit(done, removed=False)
+            self._emit(done, removed=False, tokens=ctx.tokens if ctx is not None else None)
         else:
             self._store_failed += len(done)
 

@@ -1,0 +1,560 @@
+"""vLLM-compatible KV events over real ZMQ sockets on 127.0.0.1.
+
+The consumer is examples/kv_index.py: its msgspec classes mirror vLLM's wire classes
+independently of asyncoffload's, and its index must end equal to the engine's resident
+set, through evictions, disconnections (replay), overflows (resync) and restarts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import sys
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pydantic
+import pytest
+import zmq
+
+import asyncoffload as ao
+from asyncoffload.integrations.kv_events import (
+    END_SEQ,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    KVEventPublisher,
+    KVEventsConfig,
+    offset_endpoint,
+    wire_events,
+)
+from tests.helpers import make_engine, make_keys, state_of
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+import kv_index
+
+LOCAL = "tcp://127.0.0.1:*"
+
+
+@pytest.fixture
+def zctx() -> Iterator[zmq.Context[Any]]:
+    ctx: zmq.Context[Any] = zmq.Context()
+    yield ctx
+    ctx.destroy(linger=0)
+
+
+def config(**kw: Any) -> KVEventsConfig:
+    return KVEventsConfig.model_validate(
+        {"endpoint": LOCAL, "replay_endpoint": LOCAL, "topic": "kv@pod@model", **kw}
+    )
+
+
+def resident(engine: ao.AsyncOffloadEngine) -> set[tuple[bytes, int]]:
+    return {
+        (ao.get_offload_block_hash(k), ao.get_offload_group_idx(k))
+        for k in engine.manager.resident_keys()
+    }
+
+
+async def flushed(pub: KVEventPublisher) -> int:
+    """Let the publisher take and send everything the engine has published; its last seq."""
+    for _ in range(5):
+        await asyncio.sleep(0)
+    return pub.stats().last_seq
+
+
+async def catch_up(sub: kv_index.Subscriber, pub: KVEventPublisher, timeout: float = 10) -> None:
+    target = await flushed(pub)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while sub.last_seq < target:
+        assert loop.time() < deadline, f"subscriber at seq {sub.last_seq}, publisher at {target}"
+        await asyncio.to_thread(sub.poll, 50)
+
+
+async def connect(sub: kv_index.Subscriber) -> None:
+    await asyncio.to_thread(sub.connect)
+
+
+class Workload:
+    """Random conversations: prompts that extend earlier ones, in two KV groups, most
+    stores describing their blocks (BlockTokens), some not; loads of the hits."""
+
+    def __init__(self, engine: ao.AsyncOffloadEngine, seed: int, block_size: int = 4) -> None:
+        self.engine = engine
+        self.rng = random.Random(seed)
+        self.block_size = block_size
+        self.histories: list[list[int]] = [[] for _ in range(6)]
+        self.tokens: dict[tuple[bytes, int], list[int]] = {}
+        self.pending: list[ao.Transfer] = []
+
+    async def step(self) -> None:
+        rng, bs = self.rng, self.block_size
+        conv = rng.randrange(len(self.histories))
+        history = self.histories[conv]
+        history += [rng.randrange(50_000) for _ in range(bs * rng.randint(1, 5))]
+        del history[: max(0, len(history) - 12 * bs)]  # prompts of at most 12 blocks
+        group = conv % 2
+        bt = ao.BlockTokens.from_tokens(history, bs, group)
+        for i, key in enumerate(bt.keys):
+            self.tokens[ao.get_offload_block_hash(key), group] = list(bt.tokens_of(i, i + 1))
+        keys = list(bt.keys)
+        ids = list(range(len(keys)))
+        engine = self.engine
+        n = engine.lookup(keys)
+        if n:
+            await (await engine.prepare_load(keys[:n], ids[:n]))
+        if n < len(keys):
+            ctx = ao.ReqContext(f"r{conv}", tokens=bt if rng.random() < 0.7 else None)
+            handle = await engine.prepare_store(keys[n:], ids[n:], ctx)
+            if handle is not None:
+                if rng.random() < 0.5:
+                    await handle
+                else:
+                    self.pending.append(handle)
+
+    async def run(self, steps: int) -> None:
+        for _ in range(steps):
+            await self.step()
+        await self.finish()
+
+    async def finish(self) -> None:
+        for handle in self.pending:
+            await handle
+        self.pending.clear()
+
+
+def check_index(
+    sub: kv_index.Subscriber, engine: ao.AsyncOffloadEngine, workload: Workload
+) -> None:
+    expected = resident(engine)
+    assert expected, "the workload left nothing resident"
+    assert sub.index.tiers.get("CPU", set()) == expected
+    assert set(sub.index.tiers) <= {"CPU"}
+    described = sub.index.tokens
+    assert described, "no block was described by its tokens"
+    for block, tokens in described.items():
+        assert block in expected
+        assert tokens == workload.tokens[block]
+
+
+@pytest.fixture
+async def engine() -> AsyncIterator[ao.AsyncOffloadEngine]:
+    eng, _ = make_engine(cpu_blocks=24, gpu_blocks=32)
+    async with eng:
+        yield eng
+
+
+# --- the wire ------------------------------------------------------------------------
+
+
+def test_batches_are_vllm_positional_arrays_in_vllm_field_order() -> None:
+    keys = make_keys(3, group=7)
+    bt = ao.BlockTokens(keys, list(range(12)), 4, b"parent", lora_name="ad", lora_id=3)
+    stored = ao.OffloadingEvent(tuple(keys), ao.Medium.CPU, False, 1, 0.0, tokens=bt)
+    removed = ao.OffloadingEvent(tuple(keys[:1]), ao.Medium.CPU, True, 2, 0.0)
+    events = [*wire_events(stored), *wire_events(removed), AllBlocksCleared()]
+    payload = msgspec.msgpack.encode(KVEventBatch(1.5, events, 2))
+    raw = msgspec.msgpack.decode(payload)
+    hashes = [ao.get_offload_block_hash(k) for k in keys]
+    assert raw == [
+        1.5,
+        [
+            # tag, block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
+            # lora_name, extra_keys, group_idx, kv_cache_spec_kind,
+            # kv_cache_spec_sliding_window (msgspec writes every field of an array)
+            [
+                "BlockStored",
+                hashes,
+                b"parent",
+                list(range(12)),
+                4,
+                3,
+                "CPU",
+                "ad",
+                None,
+                7,
+                None,
+                None,
+            ],
+            ["BlockRemoved", hashes[:1], "CPU", 7],
+            ["AllBlocksCleared"],
+        ],
+        2,
+    ]
+    batch = msgspec.msgpack.Decoder(kv_index.KVEventBatch).decode(payload)
+    assert [type(e).__name__ for e in batch.events] == [
+        "BlockStored",
+        "BlockRemoved",
+        "AllBlocksCleared",
+    ]
+
+
+def test_stored_events_split_into_chains_of_one_group() -> None:
+    keys = make_keys(6)
+    other = make_keys(2, prefix=b"g", group=1)
+    bt = ao.BlockTokens(keys, list(range(24)), 4)
+    # Keys 0-1 and 3-5 of the chain (2 was stored before), then two undescribed keys of
+    # another group, in one event.
+    event_keys = (keys[0], keys[1], keys[3], keys[4], keys[5], *other)
+    event = ao.OffloadingEvent(event_keys, ao.Medium.CPU, False, 1, 0.0, tokens=bt)
+    out = wire_events(event, block_size=16)
+    assert all(isinstance(e, BlockStored) for e in out)
+    h = [ao.get_offload_block_hash(k) for k in keys]
+    first, second, third = out
+    assert isinstance(first, BlockStored)
+    assert isinstance(second, BlockStored)
+    assert isinstance(third, BlockStored)
+    assert (first.block_hashes, first.parent_block_hash, first.token_ids) == (
+        h[:2],
+        None,
+        list(range(8)),
+    )
+    assert (second.block_hashes, second.parent_block_hash, second.token_ids) == (
+        h[3:],
+        h[2],
+        list(range(12, 24)),
+    )
+    assert (second.block_size, second.group_idx) == (4, 0)
+    # vLLM's placeholders for blocks nothing describes.
+    assert third.block_hashes == [ao.get_offload_block_hash(k) for k in other]
+    assert (third.parent_block_hash, third.token_ids, third.block_size, third.group_idx) == (
+        None,
+        [],
+        16,
+        1,
+    )
+    removed = wire_events(ao.OffloadingEvent(event_keys, ao.Medium.CPU, True, 2, 0.0))
+    assert [(type(e), e.group_idx, len(e.block_hashes)) for e in removed] == [  # type: ignore[union-attr]
+        (BlockRemoved, 0, 5),
+        (BlockRemoved, 1, 2),
+    ]
+
+
+def test_snapshot_events_carry_placeholders() -> None:
+    keys = make_keys(2)
+    bt = ao.BlockTokens(keys, list(range(8)), 4)
+    event = ao.OffloadingEvent(tuple(keys), ao.Medium.CPU, False, 3, 0.0, True, bt)
+    (out,) = wire_events(event)
+    assert isinstance(out, BlockStored)
+    assert (out.token_ids, out.parent_block_hash) == ([], None)
+
+
+# --- publishing ------------------------------------------------------------------------
+
+
+async def test_the_index_follows_a_random_workload_with_evictions(
+    engine: ao.AsyncOffloadEngine, zctx: zmq.Context[Any]
+) -> None:
+    async with KVEventPublisher(engine, config()) as pub:
+        sub = kv_index.Subscriber(pub.endpoint, pub.replay_endpoint, "kv@pod@model", context=zctx)
+        await connect(sub)
+        work = Workload(engine, seed=1)
+        for _ in range(8):
+            await work.run(15)
+            await catch_up(sub, pub)
+            check_index(sub, engine, work)
+        stats = engine.stats()
+        assert stats.blocks_evicted > 50 and stats.blocks_loaded > 0
+        assert pub.stats().events_dropped == 0
+        sub.disconnect()
+
+
+async def test_a_subscriber_that_was_away_fills_the_gap_by_replay(
+    engine: ao.AsyncOffloadEngine, zctx: zmq.Context[Any]
+) -> None:
+    async with KVEventPublisher(engine, config()) as pub:
+        sub = kv_index.Subscriber(pub.endpoint, pub.replay_endpoint, "kv@pod@model", context=zctx)
+        await connect(sub)
+        work = Workload(engine, seed=2)
+        await work.run(20)
+        await catch_up(sub, pub)
+        check_index(sub, engine, work)
+        away_from = sub.last_seq
+
+        sub.disconnect()
+        await work.run(40)  # published while nobody listens
+        assert await flushed(pub) > away_from + 1
+        assert sub.index.tiers["CPU"] != resident(engine)
+
+        await connect(sub)  # asks the ROUTER socket for everything after away_from
+        assert sub.replayed >= pub.stats().last_seq - away_from
+        await catch_up(sub, pub)
+        check_index(sub, engine, work)
+        assert sub.lost == 0
+        assert pub.stats().batches_replayed >= sub.replayed
+        # A gap noticed on a live batch is filled the same way.
+        sub.disconnect()
+        await work.run(10)
+        await flushed(pub)
+        sub.sub = zctx.socket(zmq.SUB)
+        sub.sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.sub.connect(pub.endpoint)
+        await asyncio.sleep(0.2)  # the subscription reaches the publisher
+        replayed = sub.replayed
+        await work.run(5)
+        await catch_up(sub, pub)
+        assert sub.replayed > replayed
+        check_index(sub, engine, work)
+        sub.disconnect()
+
+
+async def test_a_late_subscriber_rebuilds_everything_from_sequence_zero(
+    engine: ao.AsyncOffloadEngine, zctx: zmq.Context[Any]
+) -> None:
+    work = Workload(engine, seed=3)
+    await work.run(30)  # before the publisher exists
+    async with KVEventPublisher(engine, config()) as pub:
+        await work.run(10)
+        await flushed(pub)
+        sub = kv_index.Subscriber(pub.endpoint, pub.replay_endpoint, "", context=zctx)
+        await connect(sub)  # replays from 0: AllBlocksCleared + snapshot, then live
+        await catch_up(sub, pub)
+        check_index(sub, engine, work)
+        sub.disconnect()
+
+
+async def test_an_overflowing_subscription_resyncs_with_a_snapshot(
+    zctx: zmq.Context[Any],
+) -> None:
+    eng, _ = make_engine(cpu_blocks=24, gpu_blocks=16)
+    async with eng, KVEventPublisher(eng, config(subscription_buffer=2)) as pub:
+        sub = kv_index.Subscriber(pub.endpoint, pub.replay_endpoint, "", context=zctx)
+        await connect(sub)
+        keys = make_keys(40)
+        # Stores that each evict, with no await that yields between them: the engine
+        # publishes a removed event per call, the publisher's buffer of 2 overflows.
+        for i in range(0, 40, 4):
+            handle = await eng.prepare_store(keys[i : i + 4], [0, 1, 2, 3])
+            assert handle is not None
+            await handle
+        burst = []
+        for i in range(0, 24, 4):
+            handle = await eng.prepare_store(make_keys(4, prefix=bytes([i])), [0, 1, 2, 3])
+            assert handle is not None
+            burst.append(handle)
+        for handle in burst:
+            await handle
+        await catch_up(sub, pub)
+        stats = pub.stats()
+        assert stats.resyncs >= 1 and stats.events_dropped >= 1
+        assert sub.index.tiers["CPU"] == resident(eng)
+        assert sub.lost == 0
+        sub.disconnect()
+
+
+async def test_malformed_replay_requests_get_an_error_and_the_publisher_goes_on(
+    engine: ao.AsyncOffloadEngine, zctx: zmq.Context[Any]
+) -> None:
+    async with KVEventPublisher(engine, config()) as pub:
+        work = Workload(engine, seed=4)
+        await work.run(5)
+        await flushed(pub)
+        assert pub.replay_endpoint is not None
+        dealer = zctx.socket(zmq.DEALER)
+        dealer.connect(pub.replay_endpoint)
+
+        async def ask(*frames: bytes) -> list[list[bytes]]:
+            dealer.send_multipart(list(frames))
+            replies = []
+            while True:
+                ready = await asyncio.to_thread(dealer.poll, 2000)
+                assert ready, "no reply"
+                reply = dealer.recv_multipart()
+                replies.append(reply)
+                if reply[-2] == END_SEQ:
+                    return replies
+
+        for bad in ([b"", b"abc"], [b"", b"x" * 9], [b"", b"\0" * 8, b"extra"], [b""], [b"", b""]):
+            (reply,) = await ask(*bad)
+            assert reply[-2] == END_SEQ and reply[-1].startswith(b"error: ")
+        # A DEALER without the empty delimiter frame is answered too.
+        (reply,) = await ask(b"short")
+        assert reply[-1].startswith(b"error: the start sequence must be 8 bytes")
+        assert pub.stats().replay_errors == 6
+
+        good = await ask(b"", (0).to_bytes(8, "big"))
+        seqs = [int.from_bytes(r[1], "big") for r in good[:-1]]
+        assert seqs == list(range(pub.stats().last_seq + 1))
+        assert good[-1] == [b"", END_SEQ, b""]
+        # Still publishing.
+        before = pub.stats().batches_published
+        await work.run(3)
+        await flushed(pub)
+        assert pub.stats().batches_published > before
+        dealer.close(linger=0)
+
+
+# vLLM's map format (since vllm-project/vllm#42892): events as maps tagged under "type".
+
+
+class MapEvent(msgspec.Struct, tag=True, omit_defaults=True):
+    pass
+
+
+class MapStored(MapEvent, tag="BlockStored"):
+    block_hashes: list[bytes]
+    parent_block_hash: bytes | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = None
+
+
+class MapCleared(MapEvent, tag="AllBlocksCleared"):
+    pass
+
+
+class MapBatch(msgspec.Struct, array_like=True):
+    ts: float
+    events: list[MapStored | MapCleared]
+    data_parallel_rank: int | None = None
+
+
+async def test_map_format_tags_each_event_under_type(
+    engine: ao.AsyncOffloadEngine, zctx: zmq.Context[Any]
+) -> None:
+    async with KVEventPublisher(engine, config(wire_format="map", replay_endpoint=None)) as pub:
+        sub = zctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(pub.endpoint)
+        await asyncio.sleep(0.2)
+        keys = make_keys(2)
+        bt = ao.BlockTokens(keys, list(range(8)), 4)
+        handle = await engine.prepare_store(keys, [0, 1], tokens=bt)
+        assert handle is not None
+        await handle
+        await flushed(pub)
+        assert await asyncio.to_thread(sub.poll, 2000)
+        frames = sub.recv_multipart()
+        batch = msgspec.msgpack.Decoder(MapBatch).decode(frames[2])
+        raw = msgspec.msgpack.decode(frames[2])
+        assert raw[1][-1]["type"] == "BlockStored"
+        (event,) = [e for e in batch.events if isinstance(e, MapStored)]
+        assert (event.token_ids, event.block_size, event.group_idx) == (list(range(8)), 4, 0)
+        sub.close(linger=0)
+
+
+@pytest.mark.parametrize(("max_batch_blocks", "removed_per_batch"), [(8192, [2]), (3, [1, 1])])
+async def test_one_batch_per_loop_iteration_and_dp_rank_on_every_batch(
+    zctx: zmq.Context[Any], max_batch_blocks: int, removed_per_batch: list[int]
+) -> None:
+    eng, _ = make_engine(cpu_blocks=8, gpu_blocks=16)
+    cfg = config(data_parallel_rank=3, max_batch_blocks=max_batch_blocks)
+    async with eng, KVEventPublisher(eng, cfg) as pub:
+        sub = kv_index.Subscriber(pub.endpoint, pub.replay_endpoint, "", context=zctx)
+        await connect(sub)
+        handle = await eng.prepare_store(make_keys(8), list(range(8)))
+        assert handle is not None
+        await handle
+        start = await flushed(pub)
+        # Two stores that each evict 4 blocks, with no await that yields between them:
+        # their removed events are published in one loop iteration, so they go out in
+        # one batch, unless max_batch_blocks closes it after the first.
+        burst = [
+            await eng.prepare_store(make_keys(4, prefix=bytes([i])), [0, 1, 2, 3]) for i in range(2)
+        ]
+        await flushed(pub)
+        batches = [msgspec.msgpack.decode(p) for seq, p in pub._buffer if seq > start]
+        removed = [sum(e[0] == "BlockRemoved" for e in b[1]) for b in batches]
+        assert [n for n in removed if n] == removed_per_batch
+        for handle in burst:
+            assert handle is not None
+            await handle
+        await catch_up(sub, pub)
+        raw = [msgspec.msgpack.decode(payload) for _, payload in pub._buffer]
+        assert all(batch[2] == 3 for batch in raw)
+        assert sub.index.tiers["CPU"] == resident(eng)
+        sub.disconnect()
+
+
+async def test_the_last_events_go_out_when_the_engine_closes_and_replay_still_answers(
+    zctx: zmq.Context[Any],
+) -> None:
+    eng, _ = make_engine(cpu_blocks=8, gpu_blocks=16)
+    pub = KVEventPublisher(eng, config())
+    async with eng:
+        await pub.start()
+        handle = await eng.prepare_store(make_keys(4), [0, 1, 2, 3])
+        assert handle is not None
+        await handle
+    # The engine is closed; the stored event was published; replay still works.
+    await flushed(pub)
+    sub = kv_index.Subscriber(pub.endpoint, pub.replay_endpoint, "", context=zctx)
+    await connect(sub)
+    assert sub.index.tiers["CPU"] == {(ao.get_offload_block_hash(k), 0) for k in make_keys(4)}
+    sub.disconnect()
+    await pub.aclose()
+    await pub.aclose()  # idempotent
+    assert "closed" in repr(pub)
+
+
+# --- configuration and errors ----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("endpoint", "http://x:1", "must be 'tcp://host:port'"),
+        ("replay_endpoint", "5558", "must be 'tcp://host:port'"),
+        ("buffer_steps", 0, "buffer_steps"),
+        ("wire_format", "json", "wire_format"),
+        ("data_parallel_rank", -1, "data_parallel_rank"),
+        ("bogus", 1, "bogus"),
+    ],
+)
+def test_bad_settings_name_the_field(field: str, value: object, message: str) -> None:
+    with pytest.raises(pydantic.ValidationError, match=message):
+        KVEventsConfig.model_validate({field: value})
+
+
+def test_data_parallel_ranks_offset_the_endpoints_as_vllm_does() -> None:
+    assert offset_endpoint("tcp://*:5557", 0) == "tcp://*:5557"
+    assert offset_endpoint("tcp://*:5557", 2) == "tcp://*:5559"
+    assert offset_endpoint("tcp://127.0.0.1:*", 2) == "tcp://127.0.0.1:*"
+    assert offset_endpoint("inproc://kv", 1) == "inproc://kv_dp1"
+    pub = KVEventPublisher(
+        make_engine()[0],
+        KVEventsConfig(
+            endpoint="tcp://*:6000", replay_endpoint="tcp://*:6001", data_parallel_rank=4
+        ),
+    )
+    assert (pub.endpoint, pub.replay_endpoint) == ("tcp://*:6004", "tcp://*:6005")
+
+
+async def test_a_failed_bind_names_the_endpoint_and_leaves_the_engine_alone(
+    engine: ao.AsyncOffloadEngine,
+) -> None:
+    async with KVEventPublisher(engine, config(replay_endpoint=None)) as first:
+        before = state_of(engine), engine.stats().subscribers
+        taken = KVEventPublisher(engine, config(endpoint=first.endpoint, replay_endpoint=None))
+        with pytest.raises(OSError, match=f"cannot bind the endpoint '{first.endpoint}'"):
+            await taken.start()
+        assert (state_of(engine), engine.stats().subscribers) == before
+        with pytest.raises(RuntimeError, match="already started"):
+            await taken.start()
+        await taken.aclose()
+
+
+def test_the_publisher_needs_an_engine() -> None:
+    with pytest.raises(TypeError, match="AsyncOffloadEngine"):
+        KVEventPublisher(object())  # type: ignore[arg-type]
+
+
+async def test_tokens_must_describe_every_stored_key(engine: ao.AsyncOffloadEngine) -> None:
+    keys = make_keys(3)
+    bt = ao.BlockTokens(keys[:2], list(range(8)), 4)
+    before = state_of(engine)
+    with pytest.raises(ValueError, match=r"keys\[2\] is not one of the 2 keys"):
+        await engine.prepare_store(keys, [0, 1, 2], tokens=bt)
+    with pytest.raises(TypeError, match="not BlockTokens"):
+        await engine.prepare_store(keys, [0, 1, 2], tokens=[1, 2])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"keys\[2\]"):
+        await engine.prepare_store(keys, [0, 1, 2], ao.ReqContext("r", tokens=bt))
+    assert state_of(engine) == before
