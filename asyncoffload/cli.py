@@ -199,6 +199,27 @@ def _add_demo(parser: argparse.ArgumentParser) -> None:
         help="wall seconds per workload second; 0 runs as fast as possible (%(default)s)",
     )
 
+    out = parser.add_argument_group("integrations")
+    out.add_argument(
+        "--publish",
+        metavar="ENDPOINT",
+        help="publish vLLM-compatible KV events on this ZMQ endpoint, e.g. "
+        "tcp://127.0.0.1:5557 (needs asyncoffload[events])",
+    )
+    out.add_argument(
+        "--publish-replay",
+        metavar="ENDPOINT",
+        help="replay (ROUTER) endpoint (default: the --publish port + 1)",
+    )
+    out.add_argument("--publish-topic", default="", help="topic of the published batches")
+    out.add_argument(
+        "--metrics-port",
+        type=non_negative_int,
+        metavar="PORT",
+        help="serve Prometheus metrics on 127.0.0.1:PORT (0: any free port; needs "
+        "asyncoffload[prometheus])",
+    )
+
     grp = parser.add_argument_group("run")
     _add_loop_option(grp)
     _add_progress_options(grp)
@@ -226,6 +247,10 @@ def _run_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             concurrency=args.concurrency,
             layers=args.layers,
             time_scale=args.time_scale,
+            publish=args.publish,
+            publish_replay=args.publish_replay,
+            publish_topic=args.publish_topic,
+            metrics_port=args.metrics_port,
         )
     except ValidationError as exc:
         parser.error("; ".join(str(e["msg"]) for e in exc.errors()))

@@ -23,7 +23,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal, TextIO
+from typing import TYPE_CHECKING, Literal, TextIO
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -32,9 +32,13 @@ from asyncoffload.config import EngineConfig
 from asyncoffload.engine import AsyncOffloadEngine, EngineStats
 from asyncoffload.errors import TransferError
 from asyncoffload.events import EventSubscription, Lagged
+from asyncoffload.integrations import check_endpoint
 from asyncoffload.keys import OffloadKey
 from asyncoffload.manager import ReqContext, available_policies
 from asyncoffload.workloads import Request, summarize, synthetic_chat
+
+if TYPE_CHECKING:
+    from asyncoffload.integrations.kv_events import KVEventPublisher, PublisherStats
 
 __all__ = [
     "BlockAllocator",
@@ -102,6 +106,25 @@ class DemoConfig(BaseModel):
     )
     prefill_us_per_token: float = Field(20.0, ge=0, description="Compute per prompt token.")
     decode_us_per_token: float = Field(50.0, ge=0, description="Compute per output token.")
+    # Integrations.
+    publish: str | None = Field(
+        None,
+        description="Publish vLLM-compatible KV events on this ZMQ endpoint while the "
+        "demo runs (needs asyncoffload[events]).",
+    )
+    publish_replay: str | None = Field(
+        None,
+        description="The replay (ROUTER) endpoint; default: the publish port + 1 for a "
+        "tcp endpoint, none otherwise.",
+    )
+    publish_topic: str = Field("", description="Topic frame of the published batches.")
+    metrics_port: int | None = Field(
+        None,
+        ge=0,
+        le=65535,
+        description="Serve Prometheus metrics on 127.0.0.1:PORT while the demo runs "
+        "(0: any free port; needs asyncoffload[prometheus]).",
+    )
 
     @field_validator("policy")
     @classmethod
@@ -111,6 +134,11 @@ class DemoConfig(BaseModel):
             raise ValueError(f"unknown cache policy {value!r}; known: {', '.join(known)}")
         return value
 
+    @field_validator("publish", "publish_replay")
+    @classmethod
+    def _zmq_endpoint(cls, value: str | None) -> str | None:
+        return None if value is None else check_endpoint(value)
+
     @model_validator(mode="after")
     def _whole_words(self) -> DemoConfig:
         if (self.block_size * self.kv_heads * self.head_dim * 2) % 8:
@@ -119,6 +147,18 @@ class DemoConfig(BaseModel):
                 "(a block fragment is checked as int64 words)"
             )
         return self
+
+    @property
+    def replay_endpoint(self) -> str | None:
+        """Where the publisher answers replay requests (None: no replay socket)."""
+        if self.publish is None:
+            return None
+        if self.publish_replay is not None:
+            return self.publish_replay
+        base, _, port = self.publish.rpartition(":")
+        if self.publish.startswith("tcp://") and port.isdigit():
+            return f"{base}:{int(port) + 1}"
+        return None
 
     @property
     def block_bytes(self) -> int:
@@ -305,6 +345,11 @@ class DemoReport:
     request_latency_p99_ms: float
     events: EventCounts
     stats: EngineStats
+    #: What the KV-event publisher did (``config.publish``), and where.
+    publisher: PublisherStats | None = None
+    publish_endpoints: tuple[str, str | None] | None = None
+    #: Where the Prometheus metrics were served (``config.metrics_port``).
+    metrics_url: str | None = None
 
     @property
     def hit_rate(self) -> float:
@@ -376,6 +421,7 @@ class DemoReport:
                 f"stored: {ev.stored_keys:,} keys, {ev.removed_events:,} removed: "
                 f"{ev.removed_keys:,} keys{lagged})",
             ),
+            *self._integration_rows(),
             ("wall time", f"{self.wall_s:.2f} s"),
             ("loop / completion / backend", f"{self.loop} / {s.completion} / {s.backend}"),
             (
@@ -389,6 +435,23 @@ class DemoReport:
                 f"{self.mismatches} mismatches",
             ),
         ]
+
+    def _integration_rows(self) -> list[tuple[str, str]]:
+        rows = []
+        pub = self.publisher
+        if pub is not None and self.publish_endpoints is not None:
+            endpoint, replay = self.publish_endpoints
+            rows.append(
+                (
+                    "KV events (vLLM format)",
+                    f"{pub.batches_published:,} batches, {pub.events_published:,} events on "
+                    f"{endpoint} (replay {replay or 'off'}), last seq {pub.last_seq}, "
+                    f"{pub.events_dropped} dropped, {pub.replay_requests} replay requests",
+                )
+            )
+        if self.metrics_url is not None:
+            rows.append(("Prometheus metrics", f"served on {self.metrics_url} while it ran"))
+        return rows
 
     def format_table(self) -> str:
         rows = self.rows()
@@ -597,23 +660,28 @@ async def _run(cfg: DemoConfig, progress_stream: TextIO | None) -> DemoReport:
     finished = asyncio.Event()
     loop = asyncio.get_running_loop()
     bar: asyncio.Task[None] | None = None
-    async with engine:
-        # Subscribed before the first request: the subscriber sees every event. The
-        # subscription ends when the engine closes, after its buffered events.
-        counter = asyncio.create_task(_count_events(engine.events(), counts))
-        if progress_stream is not None:
-            bar = asyncio.create_task(
-                _show_progress(state, len(requests), progress_stream, finished)
-            )
-        t0 = time.perf_counter()
-        try:
-            await _Server(cfg, engine, kv, state).run(requests)
-        finally:
-            finished.set()
-            if bar is not None:
-                await bar
-    # aclose waited for every copy.
-    wall = time.perf_counter() - t0
+    integrations = _Integrations(cfg, engine)
+    async with contextlib.AsyncExitStack() as stack:
+        # Started before the first request, closed after the engine: the publisher sends
+        # every event, the last ones included.
+        await integrations.start(stack)
+        async with engine:
+            # Subscribed before the first request: the subscriber sees every event. The
+            # subscription ends when the engine closes, after its buffered events.
+            counter = asyncio.create_task(_count_events(engine.events(), counts))
+            if progress_stream is not None:
+                bar = asyncio.create_task(
+                    _show_progress(state, len(requests), progress_stream, finished)
+                )
+            t0 = time.perf_counter()
+            try:
+                await _Server(cfg, engine, kv, state).run(requests)
+            finally:
+                finished.set()
+                if bar is not None:
+                    await bar
+        # aclose waited for every copy.
+        wall = time.perf_counter() - t0
     await counter
     stats = engine.stats()
     lat = sorted(state.latencies_s)
@@ -636,4 +704,59 @@ async def _run(cfg: DemoConfig, progress_stream: TextIO | None) -> DemoReport:
         request_latency_p99_ms=_percentile(lat, 99) * 1e3,
         events=counts,
         stats=stats,
+        publisher=integrations.publisher.stats() if integrations.publisher else None,
+        publish_endpoints=integrations.endpoints,
+        metrics_url=integrations.metrics_url,
     )
+
+
+class _Integrations:
+    """The demo's optional KV-event publisher and Prometheus endpoint."""
+
+    def __init__(self, cfg: DemoConfig, engine: AsyncOffloadEngine) -> None:
+        self.cfg = cfg
+        self.engine = engine
+        self.publisher: KVEventPublisher | None = None
+        self.endpoints: tuple[str, str | None] | None = None
+        self.metrics_url: str | None = None
+
+    async def start(self, stack: contextlib.AsyncExitStack) -> None:
+        cfg = self.cfg
+        if cfg.publish is not None:
+            try:
+                from asyncoffload.integrations.kv_events import KVEventPublisher, KVEventsConfig
+            except ImportError as exc:
+                raise DemoConfigError(
+                    f"--publish needs pyzmq and msgspec ({exc}): pip install 'asyncoffload[events]'"
+                ) from None
+            pub_cfg = KVEventsConfig(
+                endpoint=cfg.publish, replay_endpoint=cfg.replay_endpoint, topic=cfg.publish_topic
+            )
+            try:
+                pub = KVEventPublisher(self.engine, pub_cfg)
+                await pub.start()
+            except OSError as exc:
+                raise DemoConfigError(str(exc)) from None
+            stack.push_async_callback(pub.aclose)
+            self.publisher = pub
+            self.endpoints = (pub.endpoint, pub.replay_endpoint)
+        if cfg.metrics_port is not None:
+            try:
+                from asyncoffload.integrations.prometheus import EngineMetrics
+            except ImportError as exc:
+                raise DemoConfigError(
+                    f"--metrics-port needs prometheus_client ({exc}): "
+                    "pip install 'asyncoffload[prometheus]'"
+                ) from None
+            metrics = EngineMetrics(
+                self.engine, publishers=[self.publisher] if self.publisher else ()
+            )
+            try:
+                port = metrics.serve(cfg.metrics_port)
+            except OSError as exc:
+                metrics.close()
+                raise DemoConfigError(
+                    f"cannot serve metrics on port {cfg.metrics_port}: {exc}"
+                ) from None
+            stack.callback(metrics.close)
+            self.metrics_url = f"http://127.0.0.1:{port}/metrics"

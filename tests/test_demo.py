@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import io
+import socket
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import zmq
 
 from asyncoffload import AsyncOffloadEngine, Transfer, cli
 from asyncoffload.demo import (
@@ -21,6 +25,9 @@ from asyncoffload.demo import (
 )
 from asyncoffload.keys import make_offload_key
 from asyncoffload.workloads import summarize
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+import kv_index
 
 # Small enough for well under a second a run; capacity far below the working set.
 TINY: dict[str, Any] = dict(
@@ -322,3 +329,71 @@ def test_cli_help_lists_demo(capsys: pytest.CaptureFixture[str]) -> None:
         cli.main(["--help"])
     assert info.value.code == 0
     assert "demo" in capsys.readouterr().out
+
+
+# --- integrations: --publish, --metrics-port ---------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def test_a_consumer_indexes_what_the_demo_publishes() -> None:
+    port = _free_port()
+    cfg = tiny(
+        requests=200, time_scale=0.5, publish=f"tcp://127.0.0.1:{port}", publish_topic="kv@demo"
+    )
+    assert cfg.replay_endpoint == f"tcp://127.0.0.1:{port + 1}"
+    ctx: zmq.Context[Any] = zmq.Context()
+    sub = kv_index.Subscriber(
+        cfg.publish or "", cfg.replay_endpoint, "kv@demo", context=ctx, replay_timeout_ms=200
+    )
+    demo = asyncio.create_task(run_demo(cfg, progress=False))
+    try:
+        while True:  # the publisher binds once the demo has started
+            try:
+                await asyncio.to_thread(sub.connect)
+                break
+            except TimeoutError:
+                sub.disconnect()
+                assert not demo.done(), "the demo ended before its publisher answered"
+        while not demo.done():
+            await asyncio.to_thread(sub.poll, 20)
+        report = demo.result()
+        await asyncio.to_thread(sub.poll, 200)
+    finally:
+        sub.disconnect()
+        ctx.destroy(linger=0)
+    assert_consistent(report, cfg)
+    pub = report.publisher
+    assert pub is not None and pub.events_dropped == 0
+    assert sub.last_seq == pub.last_seq and sub.lost == 0
+    assert report.stats.blocks_evicted > 0
+    assert len(sub.index.tiers["CPU"]) == report.stats.manager.ready
+    table = report.format_table()
+    assert f"on tcp://127.0.0.1:{port} (replay tcp://127.0.0.1:{port + 1})" in table
+
+
+async def test_metrics_are_served_while_the_demo_runs() -> None:
+    report = await run_demo(tiny(metrics_port=0, publish="tcp://127.0.0.1:*"), progress=False)
+    assert report.metrics_url is not None and report.metrics_url.startswith("http://127.0.0.1:")
+    assert report.publish_endpoints is not None
+    assert report.publish_endpoints[1] is None  # no replay port to derive from '*'
+    assert "Prometheus metrics" in report.format_table()
+
+
+def test_cli_publish_rows_and_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main([*CLI_TINY, "--loop=asyncio", "--publish", "tcp://127.0.0.1:*"]) == 0
+    assert "KV events (vLLM format)" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        cli.main([*CLI_TINY, "--publish", "127.0.0.1:5557"])
+    assert "must be 'tcp://host:port'" in capsys.readouterr().err
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(SystemExit):
+            cli.main([*CLI_TINY, "--publish", f"tcp://127.0.0.1:{port}"])
+    assert f"cannot bind the endpoint 'tcp://127.0.0.1:{port}'" in capsys.readouterr().err

@@ -7,3 +7,20 @@
 
 Each imports its third-party dependency only when imported itself.
 """
+
+from __future__ import annotations
+
+import re
+
+__all__ = ["check_endpoint"]
+
+_ENDPOINT = re.compile(r"^(tcp|ipc|inproc)://.+")
+
+
+def check_endpoint(value: str) -> str:
+    """``value`` if it names a ZMQ endpoint we bind to, else ``ValueError`` saying so."""
+    if not _ENDPOINT.match(value):
+        raise ValueError(
+            f"endpoint {value!r} must be 'tcp://host:port', 'ipc://path' or 'inproc://name'"
+        )
+    return value

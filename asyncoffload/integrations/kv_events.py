@@ -51,7 +51,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import re
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
@@ -66,6 +65,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from asyncoffload.engine import AsyncOffloadEngine
 from asyncoffload.errors import EngineClosedError
 from asyncoffload.events import EventSubscription, Lagged
+from asyncoffload.integrations import check_endpoint
 from asyncoffload.keys import GROUP_IDX_BYTES, BlockTokens, OffloadKey
 from asyncoffload.manager import OffloadingEvent
 
@@ -150,8 +150,6 @@ def decode_batch(payload: bytes) -> KVEventBatch:
 
 # --- configuration ----------------------------------------------------------------------
 
-_ENDPOINT = re.compile(r"^(tcp|ipc|inproc)://.+")
-
 
 class KVEventsConfig(BaseModel):
     """Settings of a :class:`KVEventPublisher` (names follow vLLM's ``KVEventsConfig``)."""
@@ -197,11 +195,7 @@ class KVEventsConfig(BaseModel):
     @field_validator("endpoint", "replay_endpoint")
     @classmethod
     def _known_transport(cls, value: str | None) -> str | None:
-        if value is not None and not _ENDPOINT.match(value):
-            raise ValueError(
-                f"endpoint {value!r} must be 'tcp://host:port', 'ipc://path' or 'inproc://name'"
-            )
-        return value
+        return None if value is None else check_endpoint(value)
 
 
 def offset_endpoint(endpoint: str, rank: int) -> str:
