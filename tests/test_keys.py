@@ -1,8 +1,16 @@
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 import asyncoffload as ao
+from asyncoffload import (
+    BlockTokens,
+    get_offload_block_hash,
+    keys_for_tokens,
+    make_offload_key,
+)
 
 
 def test_offload_key_is_hash_plus_big_endian_group() -> None:
@@ -54,3 +62,49 @@ def test_keys_for_tokens_packs_group() -> None:
     assert [ao.get_offload_block_hash(k) for k in keys] == ao.hash_token_blocks(list(range(32)), 16)
     with pytest.raises(ValueError, match="block_size"):
         ao.hash_token_blocks([1, 2], 0)
+
+
+# --- BlockTokens -----------------------------------------------------------------------
+
+
+def test_block_tokens_describe_a_chain() -> None:
+    tokens = list(range(10))
+    bt = BlockTokens.from_tokens(tokens, 4, 3, parent=b"p" * 32, lora_name="a", lora_id=2)
+    assert bt.keys == tuple(keys_for_tokens(tokens, 4, 3, parent=b"p" * 32))
+    assert len(bt) == 2 and bt.token_ids == tuple(range(8))  # the partial block is dropped
+    assert bt.index(bt.keys[1]) == 1 and bt.index(make_offload_key(b"x")) is None
+    assert bt.parent_of(0) == b"p" * 32
+    assert bt.parent_of(1) == get_offload_block_hash(bt.keys[0])
+    assert bt.tokens_of(1, 2) == (4, 5, 6, 7)
+    assert (bt.lora_name, bt.lora_id, bt.block_size) == ("a", 2, 4)
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "error", "message"),
+    [
+        ((2, list(range(7)), 4), {}, ValueError, "need 8 token ids"),
+        ((2, list(range(12)), 4), {}, ValueError, "up to 11"),
+        ((1, [1, 2, "3", 4], 4), {}, TypeError, r"token_ids\[2\] is a str"),
+        ((1, [1, 2, 3, 4], 0), {}, ValueError, "block_size must be a positive int"),
+        ((1, [1, 2, 3, 4], 4, "parent"), {}, TypeError, "parent_block_hash must be bytes"),
+        ((1, [1, 2, 3, 4], 4), {"lora_id": "x"}, TypeError, "lora_id"),
+        ((1, [1, 2, 3, 4], 4), {"lora_name": 3}, TypeError, "lora_name"),
+    ],
+)
+def test_block_tokens_reject_what_does_not_fit(
+    args: tuple[Any, ...], kwargs: dict[str, Any], error: type[Exception], message: str
+) -> None:
+    n, *rest = args
+    keys = [make_offload_key(bytes([i + 1]) * 8) for i in range(n)]
+    with pytest.raises(error, match=message):
+        BlockTokens(keys, *rest, **kwargs)
+
+
+def test_block_tokens_reject_bad_keys() -> None:
+    key = make_offload_key(b"k" * 8)
+    with pytest.raises(ValueError, match="more than once"):
+        BlockTokens([key, key], list(range(8)), 4)
+    with pytest.raises(TypeError, match=r"keys\[0\] is not an OffloadKey"):
+        BlockTokens([b"ab"], list(range(4)), 4)  # type: ignore[list-item]
+    with pytest.raises(TypeError, match="not one key"):
+        BlockTokens(key, list(range(4)), 4)  # type: ignore[arg-type]

@@ -558,3 +558,20 @@ async def test_tokens_must_describe_every_stored_key(engine: ao.AsyncOffloadEngi
     with pytest.raises(ValueError, match=r"keys\[2\]"):
         await engine.prepare_store(keys, [0, 1, 2], ao.ReqContext("r", tokens=bt))
     assert state_of(engine) == before
+
+
+async def test_batch_interval_gathers_events_of_several_iterations(
+    engine: ao.AsyncOffloadEngine, zctx: zmq.Context[Any]
+) -> None:
+    async with KVEventPublisher(engine, config(batch_interval_ms=200)) as pub:
+        start = pub.stats().last_seq
+        assert start == 0  # the start-up batch (AllBlocksCleared + snapshot) went out at once
+        for i in range(3):  # each store completes in an iteration of its own
+            handle = await engine.prepare_store(make_keys(2, prefix=bytes([i])), [0, 1])
+            assert handle is not None
+            await handle
+        await asyncio.sleep(0.3)
+        assert pub.stats().last_seq == start + 1
+        (_, payload) = pub._buffer[-1]
+        batch = msgspec.msgpack.decode(payload)
+        assert [e[0] for e in batch[1]] == ["BlockStored"] * 3

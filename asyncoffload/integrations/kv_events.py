@@ -391,8 +391,10 @@ class KVEventPublisher:
             self._closed = True
             raise
         self._started = True
-        if cfg.snapshot_on_start:
+        if cfg.snapshot_on_start:  # the first batch: AllBlocksCleared and the snapshot
             self._add(AllBlocksCleared())
+            self._drain()
+            self._flush()
         self._tasks.append(asyncio.create_task(self._pump(), name="kv-events-publish"))
         if self._router is not None:
             self._tasks.append(asyncio.create_task(self._serve_replay(), name="kv-events-replay"))
