@@ -171,7 +171,6 @@ class AsyncOffloadEngine:
         self._stores = self._loads = self._stores_rejected = self._failed = 0
         self._lookups = self._lookup_keys = self._lookup_hits = 0
         self._bytes_stored = self._bytes_loaded = 0
-        self._store_seconds = self._load_seconds = 0.0
         self._store_hist = Histogram(TRANSFER_BUCKETS_S)
         self._load_hist = Histogram(TRANSFER_BUCKETS_S)
         self._store_rate = Histogram(BYTES_PER_SECOND_BUCKETS)
@@ -458,6 +457,8 @@ class AsyncOffloadEngine:
         p99 = bridge.latency.percentile_us(99) if bridge else math.nan
         callbacks = bridge.latency.histogram if bridge else Histogram(LATENCY_BUCKETS_S)
         subs = self._hub.subscribers
+        store_duration = self._store_hist.snapshot()
+        load_duration = self._load_hist.snapshot()
         m = self._manager.stats()
         return EngineStats(
             backend=self._backend.name,
@@ -475,8 +476,8 @@ class AsyncOffloadEngine:
             blocks_evicted=m.evicted,
             bytes_stored=self._bytes_stored,
             bytes_loaded=self._bytes_loaded,
-            store_seconds=self._store_seconds,
-            load_seconds=self._load_seconds,
+            store_seconds=store_duration.total,
+            load_seconds=load_duration.total,
             in_flight=len(self._inflight),
             callback_latency_p50_us=p50,
             callback_latency_p99_us=p99,
@@ -484,8 +485,8 @@ class AsyncOffloadEngine:
             events_dropped=self._hub.dropped,
             subscribers=len(subs),
             manager=m,
-            store_duration=self._store_hist.snapshot(),
-            load_duration=self._load_hist.snapshot(),
+            store_duration=store_duration,
+            load_duration=load_duration,
             store_throughput=self._store_rate.snapshot(),
             load_throughput=self._load_rate.snapshot(),
             callback_latency=callbacks.snapshot(),
@@ -533,7 +534,6 @@ class AsyncOffloadEngine:
             error = error or exc
         if error is None:
             self._bytes_stored += job.nbytes
-            self._store_seconds += job.duration_s
             _observe(self._store_hist, self._store_rate, job)
         self._resolve(handle, job, error)
 
@@ -548,7 +548,6 @@ class AsyncOffloadEngine:
             error = error or exc
         if error is None:
             self._bytes_loaded += job.nbytes
-            self._load_seconds += job.duration_s
             _observe(self._load_hist, self._load_rate, job)
         self._resolve(handle, job, error)
 
