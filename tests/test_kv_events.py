@@ -70,9 +70,13 @@ async def catch_up(sub: kv_index.Subscriber, pub: KVEventPublisher, timeout: flo
     target = await flushed(pub)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
+    quiet = 0
     while sub.last_seq < target:
         assert loop.time() < deadline, f"subscriber at seq {sub.last_seq}, publisher at {target}"
-        await asyncio.to_thread(sub.poll, 50)
+        got = await asyncio.to_thread(sub.poll, 50)
+        quiet = 0 if got else quiet + 1
+        if quiet == 20:  # a SUB that was still joining missed the last batches: ask
+            await asyncio.to_thread(sub.replay, sub.last_seq + 1)
 
 
 async def connect(sub: kv_index.Subscriber) -> None:
@@ -424,14 +428,18 @@ async def test_map_format_tags_each_event_under_type(
         sub = zctx.socket(zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         sub.connect(pub.endpoint)
-        await asyncio.sleep(0.2)
-        keys = make_keys(2)
-        bt = ao.BlockTokens(keys, list(range(8)), 4)
-        handle = await engine.prepare_store(keys, [0, 1], tokens=bt)
-        assert handle is not None
-        await handle
-        await flushed(pub)
-        assert await asyncio.to_thread(sub.poll, 2000)
+        # A SUB socket joins asynchronously: store until one of its batches arrives.
+        for i in range(50):
+            keys = make_keys(2, prefix=bytes([i]))
+            bt = ao.BlockTokens(keys, list(range(8)), 4)
+            handle = await engine.prepare_store(keys, [0, 1], tokens=bt)
+            assert handle is not None
+            await handle
+            await flushed(pub)
+            if await asyncio.to_thread(sub.poll, 100):
+                break
+        else:
+            pytest.fail("no batch reached the SUB socket")
         frames = sub.recv_multipart()
         batch = msgspec.msgpack.Decoder(MapBatch).decode(frames[2])
         raw = msgspec.msgpack.decode(frames[2])
