@@ -202,7 +202,7 @@ class BlockTokens:
 
     def parent_of(self, i: int) -> bytes | None:
         """The block hash of the parent of ``keys[i]``."""
-        return self.parent_block_hash if i == 0 else self.keys[i - 1][:-GROUP_IDX_BYTES]
+        return self.parent_block_hash if i == 0 else get_offload_block_hash(self.keys[i - 1])
 
     def tokens_of(self, start: int, stop: int) -> tuple[int, ...]:
         """The token ids of ``keys[start:stop]``."""

@@ -66,7 +66,12 @@ from asyncoffload.engine import AsyncOffloadEngine
 from asyncoffload.errors import EngineClosedError
 from asyncoffload.events import EventSubscription, Lagged
 from asyncoffload.integrations import check_endpoint
-from asyncoffload.keys import GROUP_IDX_BYTES, BlockTokens, OffloadKey
+from asyncoffload.keys import (
+    BlockTokens,
+    OffloadKey,
+    get_offload_block_hash,
+    get_offload_group_idx,
+)
 from asyncoffload.manager import OffloadingEvent
 
 __all__ = [
@@ -212,19 +217,11 @@ def offset_endpoint(endpoint: str, rank: int) -> str:
 # --- events -> wire ---------------------------------------------------------------------
 
 
-def _hash(key: OffloadKey) -> bytes:
-    return key[:-GROUP_IDX_BYTES]
-
-
-def _group(key: OffloadKey) -> int:
-    return int.from_bytes(key[-GROUP_IDX_BYTES:], "big")
-
-
 def _runs(keys: Sequence[OffloadKey], tokens: BlockTokens | None) -> Iterator[tuple[int, int, int]]:
     """Split ``keys`` into runs ``(start, stop, position in tokens of keys[start] or -1)``
     of one group each, either not described by ``tokens`` or consecutive blocks of its
     chain (so each run is a chain: every block the child of the one before)."""
-    groups = [_group(k) for k in keys]
+    groups = [get_offload_group_idx(k) for k in keys]
     where = [-1] * len(keys)
     if tokens is not None:
         for i, key in enumerate(keys):
@@ -251,13 +248,14 @@ def wire_events(event: OffloadingEvent, block_size: int = 0) -> list[WireEvent]:
     if event.removed:
         for start, stop, _ in _runs(keys, None):
             run = keys[start:stop]
-            out.append(BlockRemoved([_hash(k) for k in run], medium, _group(run[0])))
+            hashes: list[bytes | int] = [get_offload_block_hash(k) for k in run]
+            out.append(BlockRemoved(hashes, medium, get_offload_group_idx(run[0])))
         return out
     tokens = None if event.snapshot else event.tokens
     for start, stop, first in _runs(keys, tokens):
         run = keys[start:stop]
-        hashes: list[bytes | int] = [_hash(k) for k in run]
-        group = _group(run[0])
+        hashes = [get_offload_block_hash(k) for k in run]
+        group = get_offload_group_idx(run[0])
         if first < 0 or tokens is None:
             out.append(BlockStored(hashes, None, [], block_size, None, medium, None, None, group))
             continue
