@@ -32,7 +32,7 @@ from asyncoffload.config import EngineConfig
 from asyncoffload.engine import AsyncOffloadEngine, EngineStats
 from asyncoffload.errors import TransferError
 from asyncoffload.events import EventSubscription, Lagged
-from asyncoffload.integrations import check_endpoint
+from asyncoffload.integrations import check_endpoint, shift_tcp_port
 from asyncoffload.keys import OffloadKey
 from asyncoffload.manager import ReqContext, available_policies
 from asyncoffload.workloads import Request, summarize, synthetic_chat
@@ -155,10 +155,7 @@ class DemoConfig(BaseModel):
             return None
         if self.publish_replay is not None:
             return self.publish_replay
-        base, _, port = self.publish.rpartition(":")
-        if self.publish.startswith("tcp://") and port.isdigit():
-            return f"{base}:{int(port) + 1}"
-        return None
+        return shift_tcp_port(self.publish, 1)
 
     @property
     def block_bytes(self) -> int:

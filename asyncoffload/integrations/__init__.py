@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["check_endpoint"]
+__all__ = ["check_endpoint", "shift_tcp_port"]
 
 _ENDPOINT = re.compile(r"^(tcp|ipc|inproc)://.+")
 
@@ -24,3 +24,12 @@ def check_endpoint(value: str) -> str:
             f"endpoint {value!r} must be 'tcp://host:port', 'ipc://path' or 'inproc://name'"
         )
     return value
+
+
+def shift_tcp_port(endpoint: str, by: int) -> str | None:
+    """``endpoint`` with its port moved up by ``by``; ``None`` unless it is a tcp
+    endpoint with a numeric port."""
+    base, _, port = endpoint.rpartition(":")
+    if endpoint.startswith("tcp://") and port.isdigit():
+        return f"{base}:{int(port) + by}"
+    return None

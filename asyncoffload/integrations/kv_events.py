@@ -65,7 +65,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from asyncoffload.engine import AsyncOffloadEngine
 from asyncoffload.errors import EngineClosedError
 from asyncoffload.events import EventSubscription, Lagged
-from asyncoffload.integrations import check_endpoint
+from asyncoffload.integrations import check_endpoint, shift_tcp_port
 from asyncoffload.keys import (
     BlockTokens,
     OffloadKey,
@@ -209,8 +209,7 @@ def offset_endpoint(endpoint: str, rank: int) -> str:
     if rank == 0:
         return endpoint
     if endpoint.startswith("tcp://"):
-        base, _, port = endpoint.rpartition(":")
-        return f"{base}:{int(port) + rank}" if port.isdigit() else endpoint
+        return shift_tcp_port(endpoint, rank) or endpoint
     return f"{endpoint}_dp{rank}"
 
 
