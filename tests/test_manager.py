@@ -74,7 +74,8 @@ def _policy_state(policy: object) -> object:
     snapshot = getattr(policy, "snapshot", None)
     if snapshot is not None:  # kv: its own full dump (its C core has no __dict__ to read)
         return snapshot()
-    return sorted((name, repr(_norm(v))) for name, v in vars(policy).items())
+    # Bound methods a policy keeps as attributes (its fast ``get``) are not state.
+    return sorted((name, repr(_norm(v))) for name, v in vars(policy).items() if not callable(v))
 
 
 def eviction_order(m: ao.CPUOffloadingManager, n: int) -> list[OffloadKey]:

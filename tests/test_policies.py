@@ -1241,7 +1241,8 @@ def _policy_snapshot(policy: CachePolicy) -> tuple[object, ...]:
     return (
         [(key, block.block_id, block.ref_cnt) for key, block in policy.items()],
         len(policy),
-        sorted((name, repr(_norm(v))) for name, v in vars(policy).items()),
+        # Bound methods a policy keeps as attributes (its fast ``get``) are not state.
+        sorted((name, repr(_norm(v))) for name, v in vars(policy).items() if not callable(v)),
     )
 
 

@@ -3,17 +3,25 @@
 Slot allocation is deterministic: never-used slots in ascending order first, then freed
 slots, the most recently freed first. Every method validates its whole input before it
 changes anything, so a rejected call leaves the manager as it was.
+
+Two call patterns feed the policy its recency. The engine's: ``touch`` a request's keys,
+then load and store. vLLM's connector (0.32 and later), which never calls ``touch``:
+with ``request_scoped=True`` the manager remembers what each request (by
+``ctx.req_id``) loaded and stored, and tells the policy when ``on_request_finished``
+comes, as vLLM's own manager does (see :mod:`asyncoffload.manager.policies.base`).
 """
 
 from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
-from typing import NamedTuple
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from itertools import compress, repeat
+from operator import attrgetter, is_, itemgetter
+from typing import NamedTuple, cast
 
 from asyncoffload.errors import DuplicateKeyError, KeyNotReadyError, UnknownKeyError
-from asyncoffload.keys import BlockTokens, OffloadKey
+from asyncoffload.keys import GROUP_IDX_BYTES, BlockTokens, OffloadKey
 from asyncoffload.manager.admission import AdmissionFilter, get_admission_cls
 from asyncoffload.manager.base import (
     BlockStatus,
@@ -30,6 +38,11 @@ from asyncoffload.manager.policies import CachePolicy, get_policy_cls
 __all__ = ["CPUOffloadingManager", "ManagerStats"]
 
 _EMPTY_SPEC = CPULoadStoreSpec(())
+_ref_cnt = attrgetter("ref_cnt")
+_block_id = attrgetter("block_id")
+
+#: Called with (keys, removed) for each event, instead of keeping OffloadingEvents.
+EventSink = Callable[[list[OffloadKey], bool], None]
 
 
 class ManagerStats(NamedTuple):
@@ -59,6 +72,51 @@ class ManagerStats(NamedTuple):
     #: ``lookup`` calls, and those that found the key (ready or pending).
     lookups: int
     hits: int
+
+
+class _RequestLog:
+    """What one request did, for request-scoped recency: per prepare call the keys it
+    used (in the order given), the ready keys among them it used again, and the keys
+    it inserted. Folded into sets only when the request ends."""
+
+    __slots__ = ("calls", "missed", "touched")
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[Sequence[OffloadKey], Sequence[OffloadKey], Sequence[OffloadKey]]]
+        self.calls = []
+        #: Keys already reported to the policy as store misses.
+        self.missed: set[OffloadKey] | None = None
+        #: Whether a ``touch_before_store`` policy has been touched for this request.
+        self.touched = False
+
+
+_group_of = itemgetter(slice(-GROUP_IDX_BYTES, None))
+
+
+def _group_keys(
+    keys: list[OffloadKey], positions: Mapping[OffloadKey, int] | None
+) -> list[list[OffloadKey]]:
+    """``keys`` split by KV-cache group (ascending group index), each group in first-use
+    order, or by end token where ``positions`` knows all of the group's keys."""
+    tails = list(map(_group_of, keys))
+    groups: dict[bytes, list[OffloadKey]]
+    if tails.count(tails[0]) == len(tails):
+        groups = {tails[0]: keys}
+    else:
+        groups = {}
+        for key, tail in zip(keys, tails):
+            groups.setdefault(tail, []).append(key)
+    out: list[list[OffloadKey]] = []
+    for tail in sorted(groups):
+        group = groups[tail]
+        if positions is not None:
+            ends = list(map(positions.get, group))
+            if None not in ends:
+                known = cast(list[int], ends)
+                if known != sorted(known):
+                    group = [group[i] for i in sorted(range(len(group)), key=known.__getitem__)]
+        out.append(group)
+    return out
 
 
 def _reject_duplicates(keys: Sequence[OffloadKey], what: str) -> None:
@@ -93,6 +151,8 @@ class CPUOffloadingManager(OffloadingManager):
         *,
         max_tracker_size: int = 64_000,
         admission: str | AdmissionFilter | None = None,
+        request_scoped: bool = False,
+        event_sink: EventSink | None = None,
     ) -> None:
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
             raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
@@ -126,7 +186,11 @@ class CPUOffloadingManager(OffloadingManager):
             OrderedDict() if store_threshold >= 2 else None
         )
         self._events: list[OffloadingEvent] | None = [] if enable_events else None
+        self._event_sink = event_sink if enable_events else None
         self._seq = 0
+        self._requests: dict[str, _RequestLog] | None = {} if request_scoped else None
+        self._touch_before_store = self._policy.touch_before_store
+        self._observe_misses = self._policy.observes_store_misses
         self._reset_slots()
         self._stored = self._store_failed = self._loaded = self._evicted = 0
         self._store_skipped = self._lookups = self._hits = 0
@@ -185,14 +249,20 @@ class CPUOffloadingManager(OffloadingManager):
         fresh = min(n, self.num_blocks - self._num_allocated)
         ids = list(range(self._num_allocated, self._num_allocated + fresh))
         self._num_allocated += fresh
-        free_list = self._free_list
-        for _ in range(n - fresh):
-            ids.append(free_list.pop())
+        reused = n - fresh
+        if reused:
+            free_list = self._free_list
+            ids += reversed(free_list[-reused:])  # popped one by one: last freed first
+            del free_list[-reused:]
         return ids
 
     def _emit(
         self, keys: list[OffloadKey], removed: bool, tokens: BlockTokens | None = None
     ) -> None:
+        if self._event_sink is not None:
+            if keys:
+                self._event_sink(keys, removed)
+            return
         if self._events is not None and keys:
             self._seq += 1
             self._events.append(
@@ -236,21 +306,25 @@ class CPUOffloadingManager(OffloadingManager):
         :class:`DuplicateKeyError` and pins nothing if any key cannot be loaded.
         """
         _reject_duplicates(keys, "prepare_load")
-        get = self._policy.get
-        blocks: list[BlockStatus] = []
-        for key in keys:
-            block = get(key)
-            if block is None:
-                raise UnknownKeyError(f"prepare_load: key {key.hex()} is not stored")
-            if block.ref_cnt < 0:
-                raise KeyNotReadyError(f"prepare_load: key {key.hex()} is still being stored")
-            blocks.append(block)
+        found = list(map(self._policy.get, keys))
+        if None in found or (found and min(map(_ref_cnt, found)) < 0):
+            for key, block in zip(keys, found):
+                if block is None:
+                    raise UnknownKeyError(f"prepare_load: key {key.hex()} is not stored")
+                if block.ref_cnt < 0:
+                    raise KeyNotReadyError(f"prepare_load: key {key.hex()} is still being stored")
+        blocks = cast(list[BlockStatus], found)
+        idle = 0
         for block in blocks:
-            if block.ref_cnt == 0:
-                self._num_idle -= 1
+            if not block.ref_cnt:
+                idle += 1
             block.ref_cnt += 1
+        self._num_idle -= idle
         self._loaded += len(blocks)
-        return CPULoadStoreSpec(tuple(block.block_id for block in blocks))
+        if self._requests is not None and ctx is not None and keys:
+            loaded = tuple(keys)
+            self._request(ctx.req_id).calls.append((loaded, loaded, ()))
+        return CPULoadStoreSpec(tuple(map(_block_id, blocks)))
 
     def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext | None = None) -> None:
         self._policy.touch(keys)
@@ -259,17 +333,32 @@ class CPUOffloadingManager(OffloadingManager):
 
     def complete_load(self, keys: Sequence[OffloadKey], ctx: ReqContext | None = None) -> None:
         """Unpin blocks pinned by ``prepare_load``. ``ValueError`` if one is not pinned."""
+        found = list(map(self._policy.get, keys))
+        if len(set(keys)) == len(keys) and None not in found:
+            blocks = cast(list[BlockStatus], found)
+            if blocks and min(map(_ref_cnt, blocks)) < 1:
+                for key, block in zip(keys, blocks):
+                    if block.ref_cnt < 1:
+                        raise ValueError(f"complete_load: key {key.hex()} is not being loaded")
+            idle = 0
+            for block in blocks:
+                block.ref_cnt -= 1
+                if not block.ref_cnt:
+                    idle += 1
+            self._num_idle += idle
+            return
+        # Keys listed more than once, or unknown ones: count, then check.
         need: dict[OffloadKey, int] = {}
         for key in keys:
             need[key] = need.get(key, 0) + 1
         get = self._policy.get
-        blocks: list[BlockStatus] = []
+        pinned: list[BlockStatus] = []
         for key, count in need.items():
-            block = get(key)
-            if block is None or block.ref_cnt < count:
+            maybe = get(key)
+            if maybe is None or maybe.ref_cnt < count:
                 raise ValueError(f"complete_load: key {key.hex()} is not being loaded")
-            blocks.append(block)
-        for block, count in zip(blocks, need.values()):
+            pinned.append(maybe)
+        for block, count in zip(pinned, need.values()):
             block.ref_cnt -= count
             if block.ref_cnt == 0:
                 self._num_idle += 1
@@ -281,11 +370,20 @@ class CPUOffloadingManager(OffloadingManager):
 
         Keys already present (ready or in flight) are skipped without an event. Every key
         of ``keys`` is protected from eviction in this call. Evicted blocks are reported
-        in one removed event.
+        in one removed event. A refused call (``None``) changes no slot; a
+        request-scoped manager still records the request's offer (as vLLM's does).
         """
         _reject_duplicates(keys, "prepare_store")
         get = self._policy.get
-        offered = [key for key in keys if get(key) is None]
+        requests = self._requests
+        log: _RequestLog | None = None
+        if requests is None or ctx is None:
+            offered = list(compress(keys, map(is_, map(get, keys), repeat(None))))
+            ready: list[OffloadKey] = []
+            pending = False
+        else:
+            log = self._request(ctx.req_id)
+            offered, ready, pending = self._partition(keys)
         to_store = offered
         admission = self._admission
         if offered:
@@ -295,6 +393,8 @@ class CPUOffloadingManager(OffloadingManager):
                 to_store = self._admissible(to_store)
             elif admission is not None:
                 to_store = admission.admissible(to_store, full)
+        if log is not None:
+            self._log_store(log, keys, offered, to_store, ready, pending)
         if not to_store:
             self._record_offers(offered, to_store)
             return PrepareStoreOutput([], _EMPTY_SPEC, [])
@@ -302,7 +402,7 @@ class CPUOffloadingManager(OffloadingManager):
         evicted: list[OffloadKey] = []
         shortfall = len(to_store) - self.num_free
         if shortfall > 0:
-            # A refused call (``None``) changes nothing, offer counts included.
+            # A refused call (``None``) changes no slot, offer counts included.
             if shortfall > self._num_idle:
                 return None
             victims = self._policy.evict(shortfall, set(keys))
@@ -321,11 +421,60 @@ class CPUOffloadingManager(OffloadingManager):
         if admission is not None and evicted:
             admission.on_evict(evicted)  # after record(): admitted keys leave the ghost first
         ids = self._allocate(len(to_store))
-        self._policy.insert_many(
-            [(key, BlockStatus(block_id)) for key, block_id in zip(to_store, ids)]
-        )
+        self._policy.insert_many(list(zip(to_store, map(BlockStatus, ids))))
         self._num_pending += len(to_store)
+        if log is not None:
+            calls = log.calls
+            seen, reused, _ = calls[-1]
+            calls[-1] = (seen, reused, to_store)
         return PrepareStoreOutput(to_store, CPULoadStoreSpec(tuple(ids)), evicted)
+
+    def _partition(
+        self, keys: Sequence[OffloadKey]
+    ) -> tuple[list[OffloadKey], list[OffloadKey], bool]:
+        """The absent keys, the ready ones, and whether any is being stored."""
+        blocks = list(map(self._policy.get, keys))
+        absent = blocks.count(None)
+        if absent == len(blocks):
+            return list(keys), [], False
+        offered = list(compress(keys, map(is_, blocks, repeat(None))))
+        ready: list[OffloadKey] = []
+        for key, block in zip(keys, blocks):
+            if block is not None and block.ref_cnt >= 0:
+                ready.append(key)
+        return offered, ready, absent + len(ready) != len(keys)
+
+    def _log_store(
+        self,
+        log: _RequestLog,
+        keys: Sequence[OffloadKey],
+        offered: list[OffloadKey],
+        to_store: list[OffloadKey],
+        ready: list[OffloadKey],
+        pending: bool,
+    ) -> None:
+        """Record a request's offer: new store misses go to the policy, a
+        ``touch_before_store`` policy gets the request's touch, and the keys used (the
+        ones to store and the ready ones, in the order offered) join the request's log."""
+        if self._observe_misses and to_store:
+            missed = log.missed
+            if missed is None:
+                missed = log.missed = set()
+            new = [key for key in to_store if key not in missed]
+            if new:
+                self._policy.on_store_miss(new)
+                missed.update(new)
+        if self._touch_before_store and not log.touched:
+            log.touched = True
+            loaded = [key for seen, reused, _ in log.calls for key in reused]
+            self._policy.touch(loaded + list(keys) if loaded else keys)
+        if pending or len(to_store) != len(offered):
+            used = set(to_store)
+            used.update(ready)
+            seen = tuple(key for key in keys if key in used)
+        else:
+            seen = tuple(keys)
+        log.calls.append((seen, ready, ()))
 
     def _admissible(self, keys: list[OffloadKey]) -> list[OffloadKey]:
         """The ``keys`` whose offer in this call reaches ``store_threshold``; changes nothing."""
@@ -358,18 +507,33 @@ class CPUOffloadingManager(OffloadingManager):
         """Finish stores: on success the blocks become loadable and one stored event goes
         out; on failure their slots are freed and nothing is published. Keys that are not
         pending (already ready, or unknown) are ignored."""
-        get = self._policy.get
-        done: list[OffloadKey] = []
-        for key in keys:
-            block = get(key)
-            if block is None or block.ref_cnt >= 0:
-                continue
-            if success:
+        found = list(map(self._policy.get, keys))
+        blocks: list[BlockStatus]
+        if (
+            None in found
+            or (found and max(map(_ref_cnt, found)) >= 0)
+            or len(set(keys)) != len(keys)
+        ):
+            # Some keys are not pending (unknown, already ready, listed twice): one by one.
+            done = []
+            blocks = []
+            taken: set[OffloadKey] = set()
+            for key, block in zip(keys, found):
+                if block is not None and block.ref_cnt < 0 and key not in taken:
+                    taken.add(key)
+                    done.append(key)
+                    blocks.append(block)
+        else:
+            done = keys if isinstance(keys, list) else list(keys)
+            blocks = cast(list[BlockStatus], found)
+        if success:
+            for block in blocks:
                 block.ref_cnt = 0
-            else:
-                self._policy.remove(key)
-                self._free_list.append(block.block_id)
-            done.append(key)
+        else:
+            remove, free_list = self._policy.remove, self._free_list
+            for key, block in zip(done, blocks):
+                remove(key)
+                free_list.append(block.block_id)
         self._num_pending -= len(done)
         if success:
             self._num_ready += len(done)
@@ -379,22 +543,78 @@ class CPUOffloadingManager(OffloadingManager):
         else:
             self._store_failed += len(done)
 
+    # --- requests (request_scoped) --------------------------------------------------------
+
+    def _request(self, req_id: str) -> _RequestLog:
+        requests = self._requests
+        assert requests is not None
+        log = requests.get(req_id)
+        if log is None:
+            log = requests[req_id] = _RequestLog()
+        return log
+
+    def on_new_request(self, ctx: ReqContext) -> None:
+        """A request starts (request-scoped managers; otherwise nothing to do)."""
+        if self._requests is not None:
+            self._requests[ctx.req_id] = _RequestLog()
+
+    def on_request_finished(
+        self, ctx: ReqContext, positions: Mapping[OffloadKey, int] | None = None
+    ) -> None:
+        """A request ended: the policy learns which blocks it used (request-scoped
+        managers; otherwise nothing to do). ``positions`` maps keys to their end token
+        in the request, where known, to order its blocks as vLLM does. Completions of
+        its transfers may still follow. Unknown or already finished requests are
+        ignored."""
+        requests = self._requests
+        if requests is None:
+            return
+        log = requests.pop(ctx.req_id, None)
+        if log is None or not log.calls:
+            return
+        policy = self._policy
+        if self._touch_before_store:
+            if not log.touched:
+                policy.touch([key for seen, _, _ in log.calls for key in seen])
+            return
+        seen_order: dict[OffloadKey, None] = {}
+        inserted: set[OffloadKey] = set()
+        reused: set[OffloadKey] = set()
+        for seen, ready, stored in log.calls:
+            seen_order.update(dict.fromkeys(seen))
+            if ready:
+                if inserted:
+                    reused.update(key for key in ready if key not in inserted)
+                else:
+                    reused.update(ready)
+            if stored:
+                inserted.update(stored)
+        if not seen_order:
+            return
+        key_groups = _group_keys(list(seen_order), positions)
+        policy.on_request_finished(
+            key_groups, inserted - reused if reused else inserted, reused, positions
+        )
+
     def take_events(self) -> list[OffloadingEvent]:
         if not self._events:
             return []
         events, self._events = self._events, []
         return events
 
-    def reset_cache(self) -> None:
+    def reset_cache(self, force: bool = False) -> None:
         """Drop every block; ready blocks are reported in one removed event.
 
         Refused (``RuntimeError``, nothing changed) while a store or a load is in flight:
         a later ``complete_store`` could not tell the old store from a new one of the same
         key, and a load would read a slot that may be handed out again. Wait for the
-        transfers first. Counters (:meth:`stats`) are kept.
+        transfers first, or pass ``force=True`` when the caller guarantees that no
+        completion of an earlier transfer will reach this manager and that its copies
+        are fenced before the slots are written again (vLLM's scheduler does both).
+        Counters (:meth:`stats`) are kept; requests in progress start afresh.
         """
         pinned = self._num_ready - self._num_idle
-        if self._num_pending or pinned:
+        if (self._num_pending or pinned) and not force:
             raise RuntimeError(
                 f"reset_cache with transfers in flight ({self._num_pending} blocks being "
                 f"stored, {pinned} being loaded): wait for them first"
@@ -405,5 +625,7 @@ class CPUOffloadingManager(OffloadingManager):
             self._offers.clear()
         if self._admission is not None:
             self._admission.clear()
+        if self._requests is not None:
+            self._requests.clear()
         self._reset_slots()
         self._emit(removed, removed=True)

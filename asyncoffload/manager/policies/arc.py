@@ -1,26 +1,34 @@
-"""Adaptive Replacement Cache (Megiddo & Modha), with vLLM's touch-driven adaptation.
+"""Adaptive Replacement Cache (Megiddo & Modha), as vLLM's ARC decides.
 
 T1 holds blocks used once since they were stored, T2 blocks used again; B1 / B2 remember
-keys recently evicted from each (ghosts, no data). A touch of a ghost shifts the target
-size of T1 towards the list that would have kept it. Eviction takes from T1 while it is
-at or above its target, else from T2, falling back to the other list when the preferred
-one has no idle block, so it fails only when the tier has too few idle blocks.
+keys recently evicted from each (ghosts, no data). A use of a ghost (a touch, or under
+vLLM's call pattern an offer to a store) shifts the target size of T1 towards the list
+that would have kept it. Eviction takes from T1 while it is at or above its target, else
+from T2, falling back to the other list when the preferred one has no idle block, so it
+fails only when the tier has too few idle blocks.
+
+Under a request-scoped manager (vLLM's call pattern), a request that ends moves the
+ready blocks it reused from T1 to T2 (or to T2's recent end), and the blocks it only
+stored to the recent end of their list: a store is not a second use.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Collection, Iterator, Sequence
+from collections import OrderedDict, deque
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
+from itertools import repeat
 
 from asyncoffload.keys import OffloadKey
 from asyncoffload.manager.base import BlockStatus
-from asyncoffload.manager.policies.base import CachePolicy, register_policy
+from asyncoffload.manager.policies.base import CachePolicy, order_request_keys, register_policy
 
 __all__ = ["ARCPolicy"]
 
 
 @register_policy("arc")
 class ARCPolicy(CachePolicy):
+    observes_store_misses = True
+
     def __init__(self, capacity: int) -> None:
         super().__init__(capacity)
         self.target_t1: float = 0.0
@@ -30,6 +38,7 @@ class ARCPolicy(CachePolicy):
         self.b2: OrderedDict[OffloadKey, None] = OrderedDict()
         #: T1 and T2 together, for one-lookup ``get`` (the manager's hottest call).
         self._blocks: dict[OffloadKey, BlockStatus] = {}
+        self.get = self._blocks.get  # type: ignore[method-assign,assignment]
 
     def get(self, key: OffloadKey) -> BlockStatus | None:
         return self._blocks.get(key)
@@ -39,6 +48,14 @@ class ARCPolicy(CachePolicy):
         self._blocks[key] = block
         self.b1.pop(key, None)
         self.b2.pop(key, None)
+
+    def insert_many(self, items: Iterable[tuple[OffloadKey, BlockStatus]]) -> None:
+        batch = items if isinstance(items, list) else list(items)
+        self.t1.update(batch)
+        self._blocks.update(batch)
+        for ghosts in (self.b1, self.b2):
+            if ghosts:
+                deque(map(ghosts.pop, [key for key, _ in batch], repeat(None)), 0)
 
     def remove(self, key: OffloadKey) -> None:
         if self._blocks.pop(key, None) is None:
@@ -60,16 +77,99 @@ class ARCPolicy(CachePolicy):
                         t1.move_to_end(key)
                 else:
                     t2.move_to_end(key)
-            elif not b1 and not b2:
-                continue
-            elif key in b1:
-                step = max(1.0, len(self.b2) / len(self.b1))
-                self.target_t1 = min(self.target_t1 + step, float(self.capacity))
-                self.b1.move_to_end(key)
-            elif key in self.b2:
-                step = max(1.0, len(self.b1) / len(self.b2))
-                self.target_t1 = max(self.target_t1 - step, 0.0)
-                self.b2.move_to_end(key)
+            elif b1 or b2:
+                self._ghost_hit(key)
+
+    def _ghost_hit(self, key: OffloadKey) -> None:
+        """Shift T1's target towards the list whose ghost ``key`` is."""
+        b1, b2 = self.b1, self.b2
+        if key in b1:
+            step = max(1.0, len(b2) / len(b1))
+            self.target_t1 = min(self.target_t1 + step, float(self.capacity))
+            b1.move_to_end(key)
+        elif key in b2:
+            step = max(1.0, len(b1) / len(b2))
+            self.target_t1 = max(self.target_t1 - step, 0.0)
+            b2.move_to_end(key)
+
+    def on_store_miss(self, keys: Sequence[OffloadKey]) -> None:
+        b1, b2 = self.b1, self.b2
+        if not b1 and not b2:
+            return
+        in_b1 = list(filter(b1.__contains__, reversed(keys)))
+        in_b2 = list(filter(b2.__contains__, reversed(keys)))
+        if in_b1 and in_b2:  # interleaved: one key at a time, tail first
+            for key in reversed(keys):
+                self._ghost_hit(key)
+            return
+        # One list only: its size, and so the step, stay fixed; adding the step once per
+        # hit keeps the float arithmetic of the key-by-key loop.
+        if in_b1:
+            step = max(1.0, len(b2) / len(b1))
+            target, cap = self.target_t1, float(self.capacity)
+            for _ in in_b1:
+                target = min(target + step, cap)
+            self.target_t1 = target
+            deque(map(b1.move_to_end, in_b1), 0)
+        elif in_b2:
+            step = max(1.0, len(b1) / len(b2))
+            target = self.target_t1
+            for _ in in_b2:
+                target = max(target - step, 0.0)
+            self.target_t1 = target
+            deque(map(b2.move_to_end, in_b2), 0)
+
+    def on_request_finished(
+        self,
+        key_groups: Sequence[Sequence[OffloadKey]],
+        insertion_only: Collection[OffloadKey],
+        reused: Collection[OffloadKey],
+        positions: Mapping[OffloadKey, int] | None = None,
+    ) -> None:
+        """Tail to head: a block only stored moves to the recent end of its list; a
+        ready block reused moves to T2's recent end."""
+        order = order_request_keys(key_groups, positions)
+        order.reverse()
+        # A request reuses a prefix and stores what follows: tail to head, its
+        # insertion-only keys come first, then the rest. Handle those two runs a list
+        # at a time; any other mix, key by key.
+        is_inserted = list(map(insertion_only.__contains__, order))
+        split = is_inserted.index(False) if False in is_inserted else len(order)
+        if True in is_inserted[split:]:
+            self._finish_by_key(order, insertion_only, reused)
+            return
+        t1, t2 = self.t1, self.t2
+        if split:
+            stored = order[:split]
+            deque(map(t1.move_to_end, filter(t1.__contains__, stored)), 0)
+            deque(map(t2.move_to_end, filter(t2.__contains__, stored)), 0)
+        if split < len(order) and reused:
+            used = list(filter(reused.__contains__, order[split:]))
+            promoted = list(filter(t1.__contains__, used))
+            if promoted:
+                t2.update(zip(promoted, map(t1.pop, promoted)))
+            # Each reused block joins T2's recent end in this order, from T1 or within T2.
+            deque(map(t2.move_to_end, filter(t2.__contains__, used)), 0)
+
+    def _finish_by_key(
+        self,
+        order: list[OffloadKey],
+        insertion_only: Collection[OffloadKey],
+        reused: Collection[OffloadKey],
+    ) -> None:
+        t1, t2 = self.t1, self.t2
+        for key in order:
+            if key in insertion_only:
+                if key in t1:
+                    t1.move_to_end(key)
+                elif key in t2:
+                    t2.move_to_end(key)
+            elif key in reused:
+                block = t1.pop(key, None)
+                if block is not None:
+                    t2[key] = block
+                elif key in t2:
+                    t2.move_to_end(key)
 
     def evict(
         self, n: int, protected: Collection[OffloadKey]

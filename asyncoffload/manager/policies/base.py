@@ -7,25 +7,47 @@ reference counts and slots; a policy must honour two guarantees:
   key in ``protected``;
 - eviction is all or nothing: ``evict(n, ...)`` either removes exactly ``n`` blocks or
   returns ``None`` and changes nothing.
+
+Recency comes from one of two call patterns. The engine and the replay call
+:meth:`~CachePolicy.touch` with a request's blocks before it loads and stores them.
+vLLM's connector (0.32 and later) never calls ``touch``: a manager that tracks requests
+(``CPUOffloadingManager(request_scoped=True)``) reports what a request did instead,
+through :meth:`~CachePolicy.on_store_miss` while it stores and
+:meth:`~CachePolicy.on_request_finished` when it ends. A policy whose learning needs a
+request's touch before its stores (``touch_before_store``) gets that touch at the
+request's first store.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from typing import ClassVar, TypeVar
 
 from asyncoffload._registry import Registry
 from asyncoffload.keys import OffloadKey
 from asyncoffload.manager.base import BlockStatus
 
-__all__ = ["CachePolicy", "available_policies", "get_policy_cls", "register_policy"]
+__all__ = [
+    "CachePolicy",
+    "available_policies",
+    "get_policy_cls",
+    "order_request_keys",
+    "register_policy",
+]
 
 
 class CachePolicy(ABC):
     """Block ordering and victim selection for one tier of ``capacity`` slots."""
 
     name: ClassVar[str] = ""
+    #: Under a request-scoped manager, touch a request's blocks (those it loaded and
+    #: those it offers) at its first store, as the engine's call pattern does, instead
+    #: of reporting the request when it ends.
+    touch_before_store: ClassVar[bool] = False
+    #: Whether :meth:`on_store_miss` can change anything; when not, a request-scoped
+    #: manager skips finding a request's new store misses.
+    observes_store_misses: ClassVar[bool] = False
 
     def __init__(self, capacity: int) -> None:
         if capacity <= 0:
@@ -63,6 +85,28 @@ class CachePolicy(ABC):
     @abstractmethod
     def touch(self, keys: Sequence[OffloadKey]) -> None:
         """Mark ``keys`` used; ``keys[0]`` ends up the most recently used."""
+
+    def on_store_miss(self, keys: Sequence[OffloadKey]) -> None:
+        """A request offers ``keys`` (not tracked) to a store, before they are inserted;
+        each key is reported once per request. The default does nothing."""
+        return None
+
+    def on_request_finished(
+        self,
+        key_groups: Sequence[Sequence[OffloadKey]],
+        insertion_only: Collection[OffloadKey],
+        reused: Collection[OffloadKey],
+        positions: Mapping[OffloadKey, int] | None = None,
+    ) -> None:
+        """A request ended. ``key_groups`` holds, per KV-cache group, the blocks it
+        loaded or stored, head to tail; ``insertion_only`` those it only stored,
+        ``reused`` the ready blocks it used again; ``positions`` the end token of each
+        key, where known. The default touches each group (vLLM's default for policies
+        that do not distinguish); a ``touch_before_store`` policy has had its touch."""
+        if self.touch_before_store:
+            return
+        for keys in key_groups:
+            self.touch(keys)
 
     @abstractmethod
     def evict(
@@ -102,3 +146,16 @@ def get_policy_cls(name: str) -> type[CachePolicy]:
 def available_policies() -> list[str]:
     """Names of the registered policies, sorted."""
     return _REGISTRY.names()
+
+
+def order_request_keys(
+    key_groups: Sequence[Sequence[OffloadKey]], positions: Mapping[OffloadKey, int] | None
+) -> list[OffloadKey]:
+    """A request's keys across groups, head to tail: the groups one after the other, then
+    sorted by end token when ``positions`` knows every key (as vLLM orders them)."""
+    keys = [key for group in key_groups for key in group]
+    if positions is not None and len(key_groups) > 1:
+        get = positions.get
+        if all(get(key) is not None for key in keys):
+            keys.sort(key=positions.__getitem__)
+    return keys

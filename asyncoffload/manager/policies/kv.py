@@ -104,6 +104,8 @@ def class_of(uses: int, size: int, last: bool = False) -> int:
 class KVPolicy(CachePolicy):
     """Evicts the block least likely to be reused, by class and age, learned online."""
 
+    touch_before_store = True
+
     def __init__(
         self,
         capacity: int,
@@ -168,6 +170,7 @@ class KVPolicy(CachePolicy):
             self._core.clear()
             return
         self._blocks: dict[OffloadKey, BlockStatus] = {}
+        self.get = self._blocks.get  # type: ignore[method-assign,assignment]
         #: Every block known: resident, fresh or ghost.
         self._meta: dict[OffloadKey, _Meta] = {}
         #: Resident blocks by class, least recently touched first.

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Collection, Iterator, Sequence
+from collections import OrderedDict, deque
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 
 from asyncoffload.keys import OffloadKey
 from asyncoffload.manager.base import BlockStatus
-from asyncoffload.manager.policies.base import CachePolicy, register_policy
+from asyncoffload.manager.policies.base import CachePolicy, order_request_keys, register_policy
 
 __all__ = ["LRUPolicy"]
 
@@ -19,6 +19,8 @@ class LRUPolicy(CachePolicy):
     def __init__(self, capacity: int) -> None:
         super().__init__(capacity)
         self._blocks: OrderedDict[OffloadKey, BlockStatus] = OrderedDict()
+        # The manager's hottest call, straight to the dict.
+        self.get = self._blocks.get  # type: ignore[method-assign,assignment]
 
     def get(self, key: OffloadKey) -> BlockStatus | None:
         return self._blocks.get(key)
@@ -26,14 +28,27 @@ class LRUPolicy(CachePolicy):
     def insert(self, key: OffloadKey, block: BlockStatus) -> None:
         self._blocks[key] = block
 
+    def insert_many(self, items: Iterable[tuple[OffloadKey, BlockStatus]]) -> None:
+        self._blocks.update(items)
+
     def remove(self, key: OffloadKey) -> None:
         self._blocks.pop(key, None)
 
     def touch(self, keys: Sequence[OffloadKey]) -> None:
         blocks = self._blocks
-        for key in reversed(keys):
-            if key in blocks:
-                blocks.move_to_end(key)
+        # for key in reversed(keys): if key in blocks: blocks.move_to_end(key), in C.
+        deque(map(blocks.move_to_end, filter(blocks.__contains__, reversed(keys))), 0)
+
+    def on_request_finished(
+        self,
+        key_groups: Sequence[Sequence[OffloadKey]],
+        insertion_only: Collection[OffloadKey],
+        reused: Collection[OffloadKey],
+        positions: Mapping[OffloadKey, int] | None = None,
+    ) -> None:
+        """Every block the request used becomes recent, its head the most recent, as
+        vLLM's LRU does when a request ends."""
+        self.touch(order_request_keys(key_groups, positions))
 
     def evict(
         self, n: int, protected: Collection[OffloadKey]

@@ -55,6 +55,8 @@ class S3FIFOPolicy(CachePolicy):
     a deque, S first, where blocks in flight usually are.
     """
 
+    touch_before_store = True
+
     def __init__(self, capacity: int) -> None:
         super().__init__(capacity)
         self.small_capacity = max(1, capacity // 10)
@@ -63,6 +65,7 @@ class S3FIFOPolicy(CachePolicy):
         self.main: deque[OffloadKey] = deque()
         self.ghost: OrderedDict[OffloadKey, None] = OrderedDict()
         self.blocks: dict[OffloadKey, BlockStatus] = {}
+        self.get = self.blocks.get  # type: ignore[method-assign,assignment]
         #: Access counts; a tracked key absent here counts 0.
         self.freq: dict[OffloadKey, int] = {}
 

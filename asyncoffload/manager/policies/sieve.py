@@ -43,6 +43,8 @@ class SIEVEPolicy(CachePolicy):
     every tracked key to its block. ``remove`` (a failed store) scans a deque.
     """
 
+    touch_before_store = True
+
     def __init__(self, capacity: int) -> None:
         super().__init__(capacity)
         #: Passed by the hand in this sweep, oldest first.
@@ -50,6 +52,7 @@ class SIEVEPolicy(CachePolicy):
         #: From the hand's block to the newest; empty only when ``behind`` is too.
         self.ahead: deque[OffloadKey] = deque()
         self.blocks: dict[OffloadKey, BlockStatus] = {}
+        self.get = self.blocks.get  # type: ignore[method-assign,assignment]
         #: Keys of the tracked blocks whose visited bit is set.
         self.visited: set[OffloadKey] = set()
 
