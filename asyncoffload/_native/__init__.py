@@ -138,6 +138,12 @@ def load_copy_engine() -> ctypes.CDLL | None:
     lib.ao_lane_submit.restype = ctypes.c_int
     lib.ao_status_load.argtypes = [ctypes.c_void_p]
     lib.ao_status_load.restype = ctypes.c_int64
+    # handle, n, srcs, dsts, sizes, status (three int64 words)
+    lib.ao_lane_submit_copies.argtypes = [ptr, i64, ptr, ptr, ptr, ptr]
+    lib.ao_lane_submit_copies.restype = ctypes.c_int
+    # handle, status, timeout in ns (< 0: none) -> the job's state, 0 if the time ran out
+    lib.ao_lane_wait.argtypes = [ptr, ptr, i64]
+    lib.ao_lane_wait.restype = ctypes.c_int64
     lib.ao_lane_destroy.argtypes = [ctypes.c_void_p]
     lib.ao_lane_destroy.restype = None
     return lib
@@ -146,8 +152,9 @@ def load_copy_engine() -> ctypes.CDLL | None:
 @cache
 def load_cuda_helpers() -> tuple[ctypes.CDLL, int] | None:
     """The CUDA helper library and its feature bits (1: host-function wake-ups, 2: batched
-    memcpy, 4: driver-API host registration, 8: the completion spinner), or ``None``
-    where it can't be built or libcuda is missing."""
+    memcpy, 4: driver-API host registration, 8: the completion spinner, 16: one
+    ``cuMemcpyAsync`` per descriptor), or ``None`` where it can't be built or libcuda is
+    missing."""
     lib = _load("cuda_helpers", ("-ldl",))
     if lib is None:
         return None
@@ -169,6 +176,15 @@ def load_cuda_helpers() -> tuple[ctypes.CDLL, int] | None:
         ctypes.c_uint,
     ]
     lib.ao_cuda_memcpy_batch.restype = ctypes.c_int
+    # stream, dsts, srcs, sizes, count
+    lib.ao_cuda_memcpy_each.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+    ]
+    lib.ao_cuda_memcpy_each.restype = ctypes.c_int
     lib.ao_cuda_host_register.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
     lib.ao_cuda_host_register.restype = ctypes.c_int
     lib.ao_cuda_host_unregister.argtypes = [ctypes.c_void_p]

@@ -10,6 +10,13 @@
  * Jobs of one lane run in submission order. A job's status is two int64 words: [done
  * flag, CLOCK_MONOTONIC nanoseconds at the end of the copy], kept alive by the Python
  * side until it has seen the done flag.
+ *
+ * A second kind of job (ao_lane_submit_copies) is a plain list of n (src, dst, size)
+ * descriptors, copied into the job at submission. Its status is three words: [state,
+ * end ns, start ns], state 1 when done, a negative errno when the job was refused at run
+ * time (a null address or a negative size: then nothing of it is copied). A thread may
+ * block in ao_lane_wait until a job's state is set, on a condition variable, so a
+ * caller that releases the GIL (ctypes does) neither spins nor holds up Python.
  */
 #include <pthread.h>
 #include <stdint.h>
@@ -21,6 +28,7 @@
 typedef struct ao_job {
     struct ao_job *next;
     int64_t *status;
+    int kind;      /* 0: whole blocks (ao_lane_submit), 1: descriptors (ao_lane_submit_copies) */
     int direction; /* 0: KV -> host (store), 1: host -> KV (load) */
     int64_t n;
     int64_t nfrag;
@@ -29,8 +37,22 @@ typedef struct ao_job {
     int64_t host_base;
     int64_t block_bytes;
     int64_t frag_bytes;
-    int64_t ids[]; /* n KV block ids, then n host block ids */
+    int64_t ids[]; /* kind 0: n KV block ids, then n host block ids; kind 1: n sources,
+                      n destinations, n sizes */
 } ao_job;
+
+/* Kind 1: check every descriptor, then copy; returns 1 or -EINVAL (nothing copied). */
+static int64_t ao_run_copies(const ao_job *job) {
+    const int64_t *src = job->ids;
+    const int64_t *dst = job->ids + job->n;
+    const int64_t *size = job->ids + 2 * job->n;
+    for (int64_t i = 0; i < job->n; i++) {
+        if (size[i] < 0 || (size[i] > 0 && (src[i] == 0 || dst[i] == 0))) return -22;
+    }
+    for (int64_t i = 0; i < job->n; i++)
+        memcpy((char *)(intptr_t)dst[i], (const char *)(intptr_t)src[i], (size_t)size[i]);
+    return 1;
+}
 
 static void ao_run(const ao_job *job) {
     const int64_t *kv_ids = job->ids;
@@ -53,6 +75,7 @@ typedef struct {
     pthread_t thread;
     pthread_mutex_t mutex;
     pthread_cond_t cond;
+    pthread_cond_t done; /* broadcast after every job: ao_lane_wait */
     ao_job *head;
     ao_job *tail;
     int stopping;
@@ -65,6 +88,20 @@ static void ao_wake(int fd) {
     /* A full pipe or counter already wakes the reader: ignore EAGAIN. */
     ssize_t r = write(fd, &one, sizeof one);
     (void)r;
+}
+
+/* The clock of the lane's `done` condition variable (timed waits): monotonic where
+ * pthread_condattr_setclock exists. */
+#if defined(__APPLE__)
+#define AO_WAIT_CLOCK CLOCK_REALTIME
+#else
+#define AO_WAIT_CLOCK CLOCK_MONOTONIC
+#endif
+
+static int64_t ao_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
 }
 
 static void *ao_lane_main(void *arg) {
@@ -83,12 +120,21 @@ static void *ao_lane_main(void *arg) {
         int fd = lane->wake_fd;
         pthread_mutex_unlock(&lane->mutex);
 
-        ao_run(job);
-        struct timespec ts;
-        clock_gettime(CLOCK_MONOTONIC, &ts);
-        job->status[1] = (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
-        __atomic_store_n(&job->status[0], 1, __ATOMIC_RELEASE);
+        int64_t state = 1;
+        if (job->kind == 1) {
+            job->status[2] = ao_now();
+            state = ao_run_copies(job);
+        } else {
+            ao_run(job);
+        }
+        job->status[1] = ao_now();
+        __atomic_store_n(&job->status[0], state, __ATOMIC_RELEASE);
         free(job);
+        /* Under the mutex: a waiter checks the state and sleeps while holding it, so
+         * it cannot miss this broadcast. */
+        pthread_mutex_lock(&lane->mutex);
+        pthread_cond_broadcast(&lane->done);
+        pthread_mutex_unlock(&lane->mutex);
         ao_wake(fd);
     }
 }
@@ -99,9 +145,17 @@ void *ao_lane_create(int wake_fd) {
     lane->wake_fd = wake_fd;
     pthread_mutex_init(&lane->mutex, NULL);
     pthread_cond_init(&lane->cond, NULL);
+    pthread_condattr_t attr;
+    pthread_condattr_init(&attr);
+#if !defined(__APPLE__)
+    pthread_condattr_setclock(&attr, AO_WAIT_CLOCK);
+#endif
+    pthread_cond_init(&lane->done, &attr);
+    pthread_condattr_destroy(&attr);
     if (pthread_create(&lane->thread, NULL, ao_lane_main, lane) != 0) {
         pthread_mutex_destroy(&lane->mutex);
         pthread_cond_destroy(&lane->cond);
+        pthread_cond_destroy(&lane->done);
         free(lane);
         return NULL;
     }
@@ -115,25 +169,7 @@ void ao_lane_set_wake_fd(void *handle, int wake_fd) {
     pthread_mutex_unlock(&lane->mutex);
 }
 
-int ao_lane_submit(void *handle, int direction, int64_t n, const int64_t *kv_ids,
-                   const int64_t *host_ids, int64_t nfrag, const int64_t *kv_base,
-                   const int64_t *kv_stride, int64_t host_base, int64_t block_bytes,
-                   int64_t frag_bytes, int64_t *status) {
-    ao_lane *lane = (ao_lane *)handle;
-    ao_job *job = (ao_job *)malloc(sizeof *job + 2 * (size_t)n * sizeof(int64_t));
-    if (job == NULL) return -1;
-    job->next = NULL;
-    job->status = status;
-    job->direction = direction;
-    job->n = n;
-    job->nfrag = nfrag;
-    job->kv_base = kv_base;
-    job->kv_stride = kv_stride;
-    job->host_base = host_base;
-    job->block_bytes = block_bytes;
-    job->frag_bytes = frag_bytes;
-    memcpy(job->ids, kv_ids, (size_t)n * sizeof(int64_t));
-    memcpy(job->ids + n, host_ids, (size_t)n * sizeof(int64_t));
+static int ao_enqueue(ao_lane *lane, ao_job *job) {
     pthread_mutex_lock(&lane->mutex);
     if (lane->stopping) {
         pthread_mutex_unlock(&lane->mutex);
@@ -145,6 +181,81 @@ int ao_lane_submit(void *handle, int direction, int64_t n, const int64_t *kv_ids
     pthread_cond_signal(&lane->cond);
     pthread_mutex_unlock(&lane->mutex);
     return 0;
+}
+
+int ao_lane_submit(void *handle, int direction, int64_t n, const int64_t *kv_ids,
+                   const int64_t *host_ids, int64_t nfrag, const int64_t *kv_base,
+                   const int64_t *kv_stride, int64_t host_base, int64_t block_bytes,
+                   int64_t frag_bytes, int64_t *status) {
+    ao_lane *lane = (ao_lane *)handle;
+    ao_job *job = (ao_job *)malloc(sizeof *job + 2 * (size_t)n * sizeof(int64_t));
+    if (job == NULL) return -1;
+    job->next = NULL;
+    job->status = status;
+    job->kind = 0;
+    job->direction = direction;
+    job->n = n;
+    job->nfrag = nfrag;
+    job->kv_base = kv_base;
+    job->kv_stride = kv_stride;
+    job->host_base = host_base;
+    job->block_bytes = block_bytes;
+    job->frag_bytes = frag_bytes;
+    memcpy(job->ids, kv_ids, (size_t)n * sizeof(int64_t));
+    memcpy(job->ids + n, host_ids, (size_t)n * sizeof(int64_t));
+    return ao_enqueue(lane, job);
+}
+
+/*
+ * Queue a job copying size[i] bytes from src[i] to dst[i] for i < n (the arrays are
+ * copied now; the memory they point to must stay valid until the job is done).
+ * status: three int64 words (see the top of this file), zeroed by the caller.
+ * Returns 0, -1 when out of memory, -2 when the lane is stopping.
+ */
+int ao_lane_submit_copies(void *handle, int64_t n, const int64_t *src, const int64_t *dst,
+                          const int64_t *size, int64_t *status) {
+    ao_lane *lane = (ao_lane *)handle;
+    if (n < 0) return -3;
+    ao_job *job = (ao_job *)malloc(sizeof *job + 3 * (size_t)n * sizeof(int64_t));
+    if (job == NULL) return -1;
+    memset(job, 0, sizeof *job);
+    job->status = status;
+    job->kind = 1;
+    job->n = n;
+    if (n > 0) {
+        memcpy(job->ids, src, (size_t)n * sizeof(int64_t));
+        memcpy(job->ids + n, dst, (size_t)n * sizeof(int64_t));
+        memcpy(job->ids + 2 * n, size, (size_t)n * sizeof(int64_t));
+    }
+    return ao_enqueue(lane, job);
+}
+
+/*
+ * Block until the job owning `status` has a state, or timeout_ns passes (< 0: no
+ * limit). Returns the state: 0 if the time ran out first.
+ */
+int64_t ao_lane_wait(void *handle, const int64_t *status, int64_t timeout_ns) {
+    ao_lane *lane = (ao_lane *)handle;
+    int64_t state = __atomic_load_n(&status[0], __ATOMIC_ACQUIRE);
+    if (state != 0) return state;
+    struct timespec until = {0, 0};
+    if (timeout_ns >= 0) {
+        clock_gettime(AO_WAIT_CLOCK, &until);
+        int64_t end = (int64_t)until.tv_sec * 1000000000LL + until.tv_nsec + timeout_ns;
+        until.tv_sec = end / 1000000000LL;
+        until.tv_nsec = end % 1000000000LL;
+    }
+    pthread_mutex_lock(&lane->mutex);
+    while ((state = __atomic_load_n(&status[0], __ATOMIC_ACQUIRE)) == 0) {
+        if (timeout_ns < 0) {
+            pthread_cond_wait(&lane->done, &lane->mutex);
+        } else if (pthread_cond_timedwait(&lane->done, &lane->mutex, &until) != 0) {
+            state = __atomic_load_n(&status[0], __ATOMIC_ACQUIRE);
+            break;
+        }
+    }
+    pthread_mutex_unlock(&lane->mutex);
+    return state;
 }
 
 int64_t ao_status_load(const int64_t *status) {
@@ -161,5 +272,6 @@ void ao_lane_destroy(void *handle) {
     pthread_join(lane->thread, NULL);
     pthread_mutex_destroy(&lane->mutex);
     pthread_cond_destroy(&lane->cond);
+    pthread_cond_destroy(&lane->done);
     free(lane);
 }

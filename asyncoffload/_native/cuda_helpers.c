@@ -7,6 +7,8 @@
  *   eventfd. It never touches Python or the GIL, so a busy event loop cannot delay it.
  * - ao_cuda_memcpy_batch: cuMemcpyBatchAsync (driver 12.8+) over arrays of descriptors,
  *   one call per transfer instead of one cudaMemcpyAsync per fragment.
+ * - ao_cuda_memcpy_each: the same descriptors, one cuMemcpyAsync each (any driver): the
+ *   slower path a failed batch is retried on.
  */
 #include <dlfcn.h>
 #include <stddef.h>
@@ -35,18 +37,21 @@ typedef CUresult (*memcpy_batch_t)(CUdeviceptr *, CUdeviceptr *, size_t *, size_
                                    ao_CUmemcpyAttributes *, size_t *, size_t, size_t *,
                                    CUstream);
 
+typedef CUresult (*memcpy_async_t)(CUdeviceptr, CUdeviceptr, size_t, CUstream);
 typedef CUresult (*host_register_t)(void *, size_t, unsigned int);
 typedef CUresult (*host_unregister_t)(void *);
 typedef CUresult (*host_get_device_pointer_t)(CUdeviceptr *, void *, unsigned int);
 
 static launch_host_func_t p_launch_host_func;
 static memcpy_batch_t p_memcpy_batch;
+static memcpy_async_t p_memcpy_async;
 static host_register_t p_host_register;
 static host_unregister_t p_host_unregister;
 static host_get_device_pointer_t p_host_get_device_pointer;
 
 /* Bit 0: host functions; bit 1: batched memcpy; bit 2: host registration through the
- * driver API (its errors, unlike the runtime's, do not linger). -1: no libcuda. */
+ * driver API (its errors, unlike the runtime's, do not linger); bit 4: one cuMemcpyAsync
+ * per descriptor (bit 3 is the spinner's, set by ao_cuda_spinner_init). -1: no libcuda. */
 int ao_cuda_init(void) {
     void *lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
     if (lib == NULL) lib = dlopen("libcuda.so", RTLD_NOW | RTLD_LOCAL);
@@ -59,6 +64,9 @@ int ao_cuda_init(void) {
     p_host_get_device_pointer =
         (host_get_device_pointer_t)dlsym(lib, "cuMemHostGetDevicePointer_v2");
     if (p_host_register && p_host_unregister && p_host_get_device_pointer) features |= 4;
+    /* The unsuffixed name is the legacy-default-stream ABI, the one for explicit streams. */
+    p_memcpy_async = (memcpy_async_t)dlsym(lib, "cuMemcpyAsync");
+    if (p_memcpy_async) features |= 16;
     get_proc_address_t gpa = (get_proc_address_t)dlsym(lib, "cuGetProcAddress_v2");
     if (gpa) {
         void *fn = NULL;
@@ -132,6 +140,23 @@ int ao_cuda_memcpy_batch(void *stream, uint64_t *dsts, uint64_t *srcs, uint64_t 
     size_t fail_idx = 0;
     return p_memcpy_batch((CUdeviceptr *)dsts, (CUdeviceptr *)srcs, (size_t *)sizes, count,
                           &attr, &attr_idx, 1, &fail_idx, (CUstream)stream);
+}
+
+/*
+ * One cuMemcpyAsync of sizes[i] bytes from srcs[i] to dsts[i] per descriptor, on `stream`
+ * (unified addressing tells host from device memory). Stops at the first failure and
+ * returns its CUresult; the copies queued before it stay queued.
+ */
+int ao_cuda_memcpy_each(void *stream, uint64_t *dsts, uint64_t *srcs, uint64_t *sizes,
+                        size_t count) {
+    if (p_memcpy_async == NULL) return -1;
+    for (size_t i = 0; i < count; i++) {
+        if (sizes[i] == 0) continue;
+        CUresult r = p_memcpy_async((CUdeviceptr)dsts[i], (CUdeviceptr)srcs[i],
+                                    (size_t)sizes[i], (CUstream)stream);
+        if (r != 0) return r;
+    }
+    return 0;
 }
 
 /* Pin (portable, device-mapped) host memory; returns a CUresult. */

@@ -1,0 +1,537 @@
+"""PagedTransferWorker: loop-free copies between paged KV caches and host slots.
+
+This is the transfer layer a serving engine's worker process drives from its own thread,
+with no event loop: vLLM's ``OffloadingWorker`` (``asyncoffload.integrations.vllm`` wraps
+it, converting vLLM's specs to plain ids). It imports nothing from vLLM.
+
+Life of a job::
+
+    worker.submit_store(7, gpu_ids, group_sizes, block_indices, slot_ids)  # queued
+    ...                                                # the model keeps running
+    for job in worker.get_finished():                  # once per step, never blocks
+        ...                                            # job.job_id, job.nbytes, job.seconds
+    worker.wait({8})                                   # or block until job 8 is done
+
+**Guarantees.**
+
+- A submission only queues the copy (the CPU ``threads``/torch engine excepted: it copies
+  on the calling thread) and returns; invalid input raises ``TypeError`` /
+  ``ValueError`` / ``IndexError`` and nothing is queued.
+- Jobs of one direction complete, and are reported, in submission order. A store reads
+  the KV blocks only after the work queued so far on the caller's current CUDA stream (a
+  load likewise writes them after it).
+- A job is reported by :meth:`~PagedTransferWorker.get_finished` only once all its bytes
+  have landed. A copy that fails is retried once on a slower, independent copy path
+  (``stats()`` counts it); if that fails too, :class:`PagedTransferError` is raised,
+  naming the job, its direction, its blocks and both errors. Success is never reported
+  for bytes that did not land.
+- Until a store is reported (or waited for), the caller must not overwrite its KV blocks,
+  and until a load is, it must not use its KV blocks or reuse its slots.
+
+**Threads.** No Python thread is involved. CPU tensors are copied by the native copy
+lanes (one native thread per direction, no GIL) where the C helper builds, else by torch
+on the calling thread; CUDA tensors by the copy engines on one CUDA stream per direction,
+their completion seen by polling CUDA events. A worker is not thread-safe: call it from
+one thread at a time (vLLM calls it from its model-runner thread).
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import operator
+import time
+from collections import deque
+from collections.abc import Iterable, Sequence
+from typing import NamedTuple, NoReturn
+
+import torch
+
+from asyncoffload.errors import TransferError
+from asyncoffload.transfer.base import CopyJob
+from asyncoffload.transfer.paged import CopyPlan, IdsLike, PageLayout
+from asyncoffload.transfer.paged_engines import (
+    LOAD,
+    STORE,
+    CpuCopyEngine,
+    CpuPagedEngine,
+    CudaPagedEngine,
+    PagedEngine,
+)
+
+__all__ = [
+    "CpuCopyEngine",
+    "CpuPagedEngine",
+    "CudaPagedEngine",
+    "DirectionStats",
+    "FinishedJob",
+    "PagedEngine",
+    "PagedTransferError",
+    "PagedTransferWorker",
+    "PagedWorkerStats",
+]
+
+log = logging.getLogger("asyncoffload.transfer")
+
+_DIRECTIONS = ("store", "load")
+
+
+class FinishedJob(NamedTuple):
+    """A job whose bytes have all landed."""
+
+    job_id: int
+    #: Bytes copied (the sum of every ref's ``nbytes`` over the job's blocks).
+    nbytes: int
+    #: How long the copy ran: device time between the start and end of the copy on its
+    #: stream (CUDA), or the copy lane's run time (CPU). For a retried job, the time from
+    #: the first submission to the end of the retry.
+    seconds: float
+
+
+class DirectionStats(NamedTuple):
+    """Counters of one direction since the worker was made."""
+
+    #: Jobs completed successfully (retried ones included).
+    jobs: int
+    #: Their bytes.
+    bytes: int
+    #: Jobs whose first copy failed and that were retried on the fallback path.
+    retries: int
+    #: Jobs that failed on both paths (each raised :class:`PagedTransferError`).
+    failures: int
+    #: Jobs submitted and not yet reported by ``get_finished``.
+    in_flight: int
+
+
+class PagedWorkerStats(NamedTuple):
+    store: DirectionStats
+    load: DirectionStats
+    #: The primary copy path, e.g. ``cpu-native``, ``cuda-batch``.
+    engine: str
+    #: The path a failed copy is retried on, e.g. ``cpu-torch``, ``cuda-each``.
+    fallback: str
+
+
+class PagedTransferError(TransferError):
+    """A job's copy failed on the primary path and again on the fallback path.
+
+    ``job_id``, ``direction`` (``"store"`` / ``"load"``), ``gpu_ids`` and ``slot_ids``
+    (lists) say which; ``primary_error`` and ``fallback_error`` say why."""
+
+    def __init__(
+        self,
+        job_id: int,
+        direction: str,
+        plan: CopyPlan,
+        paths: tuple[str, str],
+        primary_error: BaseException,
+        fallback_error: BaseException,
+    ) -> None:
+        self.job_id = job_id
+        self.direction = direction
+        self.gpu_ids: list[int] = plan.gpu_ids.tolist()
+        self.slot_ids: list[int] = plan.slot_ids.tolist()
+        self.primary_error = primary_error
+        self.fallback_error = fallback_error
+        super().__init__(
+            f"{direction} job {job_id} failed ({len(self.gpu_ids)} GPU blocks "
+            f"{_head(self.gpu_ids)}, host slots {_head(self.slot_ids)}, {plan.nbytes} B): "
+            f"{paths[0]} copy: {_describe(primary_error)}; retry on {paths[1]}: "
+            f"{_describe(fallback_error)}"
+        )
+
+
+def _head(ids: list[int], n: int = 8) -> str:
+    return str(ids) if len(ids) <= n else f"[{', '.join(map(str, ids[:n]))}, ...]"
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+class _Transfer:
+    """One submitted job, from submission until ``get_finished`` reports it."""
+
+    __slots__ = (
+        "direction",
+        "end_ns",
+        "job",
+        "job_id",
+        "ok",
+        "plan",
+        "primary_error",
+        "seconds",
+        "submitted_ns",
+    )
+
+    def __init__(self, job_id: int, direction: int, plan: CopyPlan, job: CopyJob) -> None:
+        self.job_id = job_id
+        self.direction = direction
+        self.plan = plan
+        self.job = job
+        self.submitted_ns = time.perf_counter_ns()
+        #: Whether every byte landed (after a retry, maybe); then end_ns and seconds hold.
+        self.ok = False
+        self.end_ns = 0
+        self.seconds = 0.0
+        #: Set once the primary path failed: ``job`` is then the fallback attempt.
+        self.primary_error: BaseException | None = None
+
+
+class _Counters:
+    __slots__ = ("bytes", "failures", "jobs", "retries")
+
+    def __init__(self) -> None:
+        self.jobs = self.bytes = self.retries = self.failures = 0
+
+
+class PagedTransferWorker:
+    """Moves KV blocks between paged KV tensors and ``num_slots`` host slots.
+
+    ``tensors``, ``page_bytes``, ``group_refs`` and ``blocks_per_chunk`` describe the KV
+    cache as :class:`~asyncoffload.transfer.paged.PageLayout` does (its docstring gives
+    the host layout and the meaning of a transfer's ids). The tensors' device picks the
+    engine: CPU tensors use :class:`CpuPagedEngine` (``copy_engine``), CUDA tensors
+    :class:`CudaPagedEngine` (``pin``, ``chunk_bytes``). The worker keeps the tensors
+    until :meth:`shutdown`.
+
+    Job ids are ints chosen by the caller; an id may be used again once its job has been
+    reported by :meth:`get_finished`. See the module docstring for ordering, failure and
+    thread guarantees.
+    """
+
+    def __init__(
+        self,
+        tensors: Sequence[torch.Tensor],
+        page_bytes: Sequence[int],
+        group_refs: Sequence[Sequence[tuple[int, int]]],
+        blocks_per_chunk: int,
+        num_slots: int,
+        *,
+        copy_engine: CpuCopyEngine = "auto",
+        pin: bool = True,
+        chunk_bytes: int = 1 << 30,
+    ) -> None:
+        self.layout = PageLayout(tensors, page_bytes, group_refs, blocks_per_chunk)
+        if isinstance(num_slots, bool) or not isinstance(num_slots, int):
+            raise TypeError(f"num_slots must be an int, got {num_slots!r}")
+        if num_slots <= 0:
+            raise ValueError(f"num_slots must be positive, got {num_slots}")
+        self.num_slots = num_slots
+        device = self.layout.device
+        self._engine: PagedEngine
+        if device.type == "cpu":
+            self._engine = CpuPagedEngine(self.layout, num_slots, copy_engine)
+        elif device.type == "cuda":
+            if chunk_bytes <= 0:
+                raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
+            self._engine = CudaPagedEngine(self.layout, num_slots, pin=pin, chunk_bytes=chunk_bytes)
+        else:
+            raise ValueError(f"no copy engine for KV tensors on {device} (want cpu or cuda)")
+        self._lanes: tuple[deque[_Transfer], deque[_Transfer]] = (deque(), deque())
+        self._jobs: dict[int, _Transfer] = {}
+        self._ready: list[FinishedJob] = []
+        self._counters = (_Counters(), _Counters())
+        self._closed = False
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of one host slot (one chunk of ``blocks_per_chunk`` blocks of a group)."""
+        return self.layout.slot_bytes
+
+    @property
+    def engine(self) -> PagedEngine:
+        return self._engine
+
+    def __repr__(self) -> str:
+        state = "shut down" if self._closed else self._engine.primary_name
+        return (
+            f"<PagedTransferWorker {state} [store: {len(self._lanes[STORE])} in flight | "
+            f"load: {len(self._lanes[LOAD])} in flight] {self.num_slots} slots of "
+            f"{self.slot_bytes} B>"
+        )
+
+    def __enter__(self) -> PagedTransferWorker:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # --- submission ------------------------------------------------------------------------
+
+    def submit_store(
+        self,
+        job_id: int,
+        gpu_ids: IdsLike,
+        group_sizes: IdsLike,
+        block_indices: IdsLike,
+        slot_ids: IdsLike,
+    ) -> None:
+        """Queue copying KV blocks ``gpu_ids`` into host slots ``slot_ids``; returns once
+        queued. The KV blocks are read after the work queued so far on the caller's
+        current CUDA stream. Raises ``ValueError`` for an id already in flight, the
+        errors of :meth:`PageLayout.plan` for bad ids (nothing queued then), and
+        :class:`PagedTransferError` if both copy paths refuse the job."""
+        self._submit(STORE, job_id, gpu_ids, group_sizes, block_indices, slot_ids)
+
+    def submit_load(
+        self,
+        job_id: int,
+        slot_ids: IdsLike,
+        gpu_ids: IdsLike,
+        group_sizes: IdsLike,
+        block_indices: IdsLike,
+    ) -> None:
+        """Queue copying host slots ``slot_ids`` into KV blocks ``gpu_ids``; returns once
+        queued. The blocks are written after the work queued so far on the caller's
+        current CUDA stream. Errors as for :meth:`submit_store`."""
+        self._submit(LOAD, job_id, gpu_ids, group_sizes, block_indices, slot_ids)
+
+    def _submit(
+        self,
+        direction: int,
+        job_id: int,
+        gpu_ids: IdsLike,
+        group_sizes: IdsLike,
+        block_indices: IdsLike,
+        slot_ids: IdsLike,
+    ) -> None:
+        self._check_open()
+        if isinstance(job_id, bool):
+            raise TypeError(f"job_id must be an int, got {job_id!r}")
+        try:
+            job_id = operator.index(job_id)  # numpy integers too
+        except TypeError:
+            raise TypeError(f"job_id must be an int, got {job_id!r}") from None
+        if job_id in self._jobs:
+            raise ValueError(
+                f"job id {job_id} is already in flight "
+                f"({_DIRECTIONS[self._jobs[job_id].direction]}): ids may be reused only "
+                "once get_finished has reported them"
+            )
+        plan = self.layout.plan(
+            gpu_ids,
+            group_sizes,
+            block_indices,
+            slot_ids,
+            num_slots=self.num_slots,
+            store=direction == STORE,
+        )
+        engine = self._engine
+        primary: Exception | None = None
+        try:
+            job = engine.submit_primary(direction, plan)
+        except Exception as exc:
+            primary = exc
+            self._counters[direction].retries += 1
+            log.warning(
+                "%s job %d: %s copy failed at submission (%s); running it on %s",
+                _DIRECTIONS[direction],
+                job_id,
+                engine.primary_name,
+                _describe(exc),
+                engine.fallback_name,
+            )
+            try:
+                job = engine.submit_fallback(direction, plan)
+            except Exception as fallback:
+                self._counters[direction].failures += 1
+                raise PagedTransferError(
+                    job_id,
+                    _DIRECTIONS[direction],
+                    plan,
+                    (engine.primary_name, engine.fallback_name),
+                    exc,
+                    fallback,
+                ) from fallback
+        record = _Transfer(job_id, direction, plan, job)
+        record.primary_error = primary
+        self._lanes[direction].append(record)
+        self._jobs[job_id] = record
+
+    # --- completion ------------------------------------------------------------------------
+
+    def get_finished(self) -> list[FinishedJob]:
+        """The jobs whose bytes have all landed since the last call; never blocks on a
+        copy (a job found failed is retried first, synchronously).
+
+        Each direction's jobs come in submission order (which is their completion
+        order); the two directions' lists are merged by completion time. A job that
+        failed on both paths raises :class:`PagedTransferError` after the others found
+        so far are set aside for the next call; it is not reported again.
+        """
+        self._check_open()
+        found, self._ready = self._ready, []
+        per_direction: list[list[tuple[int, FinishedJob]]] = [[], []]
+        try:
+            for direction, lane in enumerate(self._lanes):
+                out = per_direction[direction]
+                while lane:
+                    record = lane[0]
+                    if not record.ok:
+                        if not record.job.query():
+                            break
+                        self._settle(record)
+                    lane.popleft()
+                    del self._jobs[record.job_id]
+                    out.append((record.end_ns, _finished(record)))
+        except BaseException:
+            self._ready = found + [f for _, f in heapq.merge(*per_direction, key=_end)]
+            raise
+        found += [f for _, f in heapq.merge(*per_direction, key=_end)]
+        return found
+
+    def wait(self, job_ids: Iterable[int]) -> None:
+        """Block until the bytes of every job in ``job_ids`` (and of the jobs submitted
+        before them in the same direction) have landed, retrying failed copies. Ids not
+        in flight (unknown, or already reported) are ignored. The jobs are still
+        reported by the next :meth:`get_finished`. Raises :class:`PagedTransferError`
+        for a job that failed on both paths (it is then forgotten)."""
+        self._check_open()
+        for job_id in job_ids:
+            record = self._jobs.get(job_id)
+            if record is not None and not record.ok:
+                self._settle_through(record)
+
+    def _settle_through(self, target: _Transfer) -> None:
+        for record in list(self._lanes[target.direction]):
+            if not record.ok:
+                self._engine.wait(record.job)
+                self._settle(record)
+            if record is target:
+                return
+
+    def _settle(self, record: _Transfer) -> None:
+        """``record``'s job has ended: mark it done, or retry it on the fallback path
+        (waiting for the retry). Raises PagedTransferError, after forgetting the job, if
+        the fallback attempt fails too."""
+        job = record.job
+        primary = record.primary_error
+        if job.error is None:
+            if primary is None:
+                self._mark_ok(record, job.finished_ns, job.duration_s)
+            else:
+                end = job.finished_ns or time.perf_counter_ns()
+                self._mark_ok(record, end, (end - record.submitted_ns) / 1e9)
+            return
+        if primary is not None:  # this was the retry
+            self._fail(record, primary, job.error)
+        direction = record.direction
+        engine = self._engine
+        record.primary_error = job.error
+        self._counters[direction].retries += 1
+        log.warning(
+            "%s job %d: %s copy failed (%s); retrying on %s",
+            _DIRECTIONS[direction],
+            record.job_id,
+            engine.primary_name,
+            _describe(job.error),
+            engine.fallback_name,
+        )
+        try:
+            engine.quiesce(direction)  # the failed attempt must not touch the slots again
+            record.job = engine.submit_fallback(direction, record.plan)
+            engine.wait(record.job)
+        except Exception as fallback:
+            self._fail(record, job.error, fallback)
+        self._settle(record)
+
+    def _mark_ok(self, record: _Transfer, end_ns: int, seconds: float) -> None:
+        record.ok = True
+        record.end_ns = end_ns
+        record.seconds = seconds
+        record.job = _DONE  # drop the engine's job (its buffers, events) now
+        counters = self._counters[record.direction]
+        counters.jobs += 1
+        counters.bytes += record.plan.nbytes
+
+    def _fail(self, record: _Transfer, primary: BaseException, fallback: BaseException) -> NoReturn:
+        self._counters[record.direction].failures += 1
+        lane = self._lanes[record.direction]
+        if record in lane:
+            lane.remove(record)
+        self._jobs.pop(record.job_id, None)
+        engine = self._engine
+        raise PagedTransferError(
+            record.job_id,
+            _DIRECTIONS[record.direction],
+            record.plan,
+            (engine.primary_name, engine.fallback_name),
+            primary,
+            fallback,
+        ) from fallback
+
+    # --- inspection and shutdown -----------------------------------------------------------
+
+    def read_slot(self, slot_id: int) -> bytes:
+        """The bytes of host slot ``slot_id`` (tests, lower tiers). Read a slot only while
+        no copy into it is in flight."""
+        self._check_open()
+        if isinstance(slot_id, bool) or not isinstance(slot_id, int):
+            raise TypeError(f"slot_id must be an int, got {slot_id!r}")
+        if not 0 <= slot_id < self.num_slots:
+            raise IndexError(
+                f"slot_id {slot_id} is out of range: slots are 0 to {self.num_slots - 1}"
+            )
+        return self._engine.read_slot(slot_id)
+
+    def stats(self) -> PagedWorkerStats:
+        """Counters per direction (also after :meth:`shutdown`)."""
+
+        def direction(d: int) -> DirectionStats:
+            c = self._counters[d]
+            return DirectionStats(c.jobs, c.bytes, c.retries, c.failures, len(self._lanes[d]))
+
+        return PagedWorkerStats(
+            direction(STORE),
+            direction(LOAD),
+            self._engine.primary_name,
+            self._engine.fallback_name,
+        )
+
+    def shutdown(self) -> None:
+        """Finish every queued copy (retrying failed ones), then release the host memory
+        and the engine's threads and streams. Jobs not yet reported are dropped. Safe to
+        call twice; every other method but :meth:`stats` then raises ``RuntimeError``.
+        If a job failed on both paths, resources are released all the same and the first
+        such :class:`PagedTransferError` is raised at the end."""
+        if self._closed:
+            return
+        self._closed = True
+        error: PagedTransferError | None = None
+        for lane in self._lanes:
+            while lane:
+                record = lane[-1]
+                try:
+                    self._settle_through(record)
+                except PagedTransferError as exc:
+                    error = error or exc
+                    continue
+                break
+        for lane in self._lanes:
+            lane.clear()
+        self._jobs.clear()
+        self._ready.clear()
+        try:
+            self._engine.close()
+        finally:
+            self.layout.tensors.clear()
+            self.layout.byte_views.clear()
+        if error is not None:
+            raise error
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("PagedTransferWorker is shut down")
+
+
+_DONE = CopyJob(0, 0)
+_DONE.finish()
+
+
+def _end(item: tuple[int, FinishedJob]) -> int:
+    return item[0]
+
+
+def _finished(record: _Transfer) -> FinishedJob:
+    return FinishedJob(record.job_id, record.plan.nbytes, record.seconds)

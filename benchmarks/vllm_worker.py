@@ -1,0 +1,248 @@
+"""Copy throughput of PagedTransferWorker (the layer vLLM's offloading worker drives), per
+direction, next to a ceiling measured in the same run.
+
+Layout: a Llama-3-8B-like KV cache in vLLM's canonical form: ``--layers`` layers split
+into K and V tensors (64 tensors for 32 layers), pages of ``block_size x heads x head_dim``
+fp16 (16 x 8 x 128 x 2 B = 32 KiB), one KV-cache group, ``blocks_per_chunk`` 1 and 4.
+
+A run submits ``--jobs`` jobs of ``--blocks`` random GPU blocks each (stores, then loads of
+the same slots into other blocks) and stops the clock when the last job has *completed*
+(``wait``), not when it was submitted. The ceiling moves the same number of bytes as one
+contiguous copy: on CPU one ``memmove`` (single-threaded, like a copy lane) and one torch
+``copy_``; on CUDA one pinned host <-> device ``copy_`` per direction. The submit column is
+the mean time ``submit_*`` takes on the calling thread (plan building and queueing).
+
+    python benchmarks/vllm_worker.py                 # CPU here, small sizes
+    python benchmarks/vllm_worker.py --device cuda   # on the GPU machine
+    python benchmarks/vllm_worker.py --blocks 256 --jobs 8 --num-blocks 4096
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import functools
+import json
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from asyncoffload.transfer.paged_worker import PagedTransferWorker
+
+
+def gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_seconds(fn: Callable[[], None], reps: int, device: torch.device) -> float:
+    times = []
+    for _ in range(reps):
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def make_kv(
+    layers: int, num_blocks: int, page_shape: tuple[int, int, int], device: torch.device
+) -> tuple[list[torch.Tensor], list[torch.Tensor], int]:
+    """Per layer one ``[2, num_blocks, *page_shape]`` fp16 cache (FlashAttention-like), and
+    its canonical int8 views: K and V ``(num_blocks, page_bytes)``."""
+    raws: list[torch.Tensor] = []
+    tensors: list[torch.Tensor] = []
+    page = 0
+    for _ in range(layers):
+        raw = torch.empty((2, num_blocks, *page_shape), dtype=torch.float16, device=device)
+        raw.view(torch.int16).random_(-(2**15), 2**15 - 1)
+        page = raw[0, 0].numel() * raw.element_size()
+        pages = raw.view(torch.int8).view(2, num_blocks, page)
+        raws.append(raw)
+        tensors += [pages[0], pages[1]]
+    return raws, tensors, page
+
+
+def ceilings(nbytes: int, device: torch.device, reps: int) -> dict[str, float]:
+    """GB/s of one contiguous copy of ``nbytes`` per direction."""
+    if device.type == "cuda":
+        dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+
+        def d2h() -> None:
+            with torch.cuda.stream(stream):
+                host.copy_(dev, non_blocking=True)
+            stream.synchronize()
+
+        def h2d() -> None:
+            with torch.cuda.stream(stream):
+                dev.copy_(host, non_blocking=True)
+            stream.synchronize()
+
+        d2h()
+        h2d()
+        return {
+            "store": gbps(nbytes, median_seconds(d2h, reps, device)),
+            "load": gbps(nbytes, median_seconds(h2d, reps, device)),
+        }
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.zeros(nbytes, dtype=torch.uint8)
+
+    def memmove() -> None:
+        ctypes.memmove(dst.data_ptr(), src.data_ptr(), nbytes)
+
+    def torch_copy() -> None:
+        dst.copy_(src)
+
+    memmove()
+    torch_copy()
+    rate = gbps(nbytes, median_seconds(memmove, reps, device))
+    return {
+        "store": rate,
+        "load": rate,
+        "torch_copy": gbps(nbytes, median_seconds(torch_copy, reps, device)),
+    }
+
+
+def run_case(
+    tensors: list[torch.Tensor],
+    page: int,
+    bpc: int,
+    args: argparse.Namespace,
+    device: torch.device,
+    engine: str,
+) -> dict[str, Any]:
+    refs = [[(t, page) for t in range(len(tensors))]]
+    n = args.blocks
+    slots_per_job = -(-n // bpc)
+    num_slots = args.jobs * slots_per_job
+    gen = torch.Generator().manual_seed(0)
+    worker = PagedTransferWorker(
+        tensors,
+        [page] * len(tensors),
+        refs,
+        bpc,
+        num_slots,
+        copy_engine=engine,  # type: ignore[arg-type]
+    )
+    jobs = []
+    for j in range(args.jobs):
+        gpu = torch.randperm(args.num_blocks, generator=gen)[:n]
+        dst = torch.randperm(args.num_blocks, generator=gen)[:n]
+        slots = torch.arange(j * slots_per_job, (j + 1) * slots_per_job)
+        jobs.append((gpu, dst, slots))
+    nbytes = args.jobs * n * page * len(tensors)
+    next_id = 0
+    submit_s: dict[str, list[float]] = {"store": [], "load": []}
+
+    def run(direction: str) -> None:
+        nonlocal next_id
+        ids = []
+        for gpu, dst, slots in jobs:
+            t0 = time.perf_counter()
+            if direction == "store":
+                worker.submit_store(next_id, gpu, [n], [0], slots)
+            else:
+                worker.submit_load(next_id, slots, dst, [n], [0])
+            submit_s[direction].append(time.perf_counter() - t0)
+            ids.append(next_id)
+            next_id += 1
+        worker.wait(ids)
+        done = worker.get_finished()
+        assert len(done) == len(ids), (len(done), len(ids))
+
+    try:
+        run("store")  # warm-up: first touch of the host pages, plan caches
+        run("load")
+        for v in submit_s.values():
+            v.clear()
+        out: dict[str, Any] = {"bpc": bpc, "engine": worker.stats().engine}
+        for direction in ("store", "load"):
+            timed = functools.partial(run, direction)
+            out[direction] = gbps(nbytes, median_seconds(timed, args.reps, device))
+            out[f"{direction}_submit_us"] = statistics.mean(submit_s[direction]) * 1e6
+        stats = worker.stats()
+        out["retries"] = stats.store.retries + stats.load.retries
+    finally:
+        worker.shutdown()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--block-size", type=int, default=16, help="tokens per block")
+    ap.add_argument("--heads", type=int, default=8, help="KV heads")
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--num-blocks", type=int, default=None, help="GPU blocks (CPU 64, CUDA 2048)")
+    ap.add_argument("--blocks", type=int, default=None, help="blocks per job (CPU 16, CUDA 256)")
+    ap.add_argument("--jobs", type=int, default=None, help="jobs per measurement (CPU 2, CUDA 4)")
+    ap.add_argument("--bpc", default="1,4", help="blocks_per_chunk values")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument(
+        "--copy-engines", default="native", help="CPU: native,threads (threads: torch copies)"
+    )
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    args = ap.parse_args()
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    cpu = device.type == "cpu"
+    args.num_blocks = args.num_blocks or (64 if cpu else 2048)
+    args.blocks = min(args.blocks or (16 if cpu else 256), args.num_blocks)
+    args.jobs = args.jobs or (2 if cpu else 4)
+    engines = args.copy_engines.split(",") if cpu else ["auto"]
+
+    page_shape = (args.block_size, args.heads, args.head_dim)
+    raws, tensors, page = make_kv(args.layers, args.num_blocks, page_shape, device)
+    nbytes = args.jobs * args.blocks * page * len(tensors)
+    ceiling = ceilings(nbytes, device, args.reps)
+    results = []
+    for engine in engines:
+        for bpc in (int(b) for b in args.bpc.split(",")):
+            results.append(run_case(tensors, page, bpc, args, device, engine))
+    del raws
+    report = {
+        "device": torch.cuda.get_device_name(device) if not cpu else "cpu",
+        "tensors": len(tensors),
+        "page_bytes": page,
+        "blocks_per_job": args.blocks,
+        "jobs": args.jobs,
+        "bytes_per_measurement": nbytes,
+        "ceiling_gbps": ceiling,
+        "results": results,
+    }
+    if args.json:
+        print(json.dumps(report))
+        return
+    print(
+        f"{report['device']}: {len(tensors)} tensors of {page >> 10} KiB pages, "
+        f"{args.jobs} jobs x {args.blocks} blocks = {nbytes / 2**20:.0f} MiB per direction"
+    )
+    extra = f", torch copy_ {ceiling['torch_copy']:.1f}" if "torch_copy" in ceiling else ""
+    print(
+        f"ceiling (one contiguous copy): store {ceiling['store']:.1f} GB/s, "
+        f"load {ceiling['load']:.1f} GB/s{extra}"
+    )
+    print(f"{'engine':<12} {'bpc':>3} {'dir':<5} {'GB/s':>7} {'ratio':>6} {'submit':>10}")
+    for r in results:
+        for direction in ("store", "load"):
+            rate = r[direction]
+            print(
+                f"{r['engine']:<12} {r['bpc']:>3} {direction:<5} {rate:>7.2f} "
+                f"{rate / ceiling[direction]:>6.2f} {r[f'{direction}_submit_us']:>8.0f}us"
+            )
+
+
+if __name__ == "__main__":
+    main()
