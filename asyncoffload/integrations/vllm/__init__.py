@@ -1,0 +1,36 @@
+"""asyncoffload inside vLLM: an out-of-tree ``OffloadingSpec`` for vLLM's OffloadingConnector.
+
+Turn it on with::
+
+    --kv-transfer-config '{"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+      "kv_connector_extra_config": {"spec_name": "AsyncOffloadSpec",
+                                    "spec_module_path": "asyncoffload.integrations.vllm",
+                                    "cpu_bytes_to_use": 8589934592, "policy": "kv"}}'
+
+The classes below import vLLM (0.32 or 0.33; ``pip install 'asyncoffload[vllm]'``) when
+first used; :mod:`~asyncoffload.integrations.vllm.settings` does not. docs/vllm.md
+lists the settings and what differs from vLLM's own CPU spec.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from asyncoffload.integrations.vllm.manager import AsyncOffloadManager
+    from asyncoffload.integrations.vllm.settings import VllmOffloadSettings
+
+__all__ = ["AsyncOffloadManager", "VllmOffloadSettings"]
+
+_WHERE = {
+    "AsyncOffloadManager": "manager",
+    "VllmOffloadSettings": "settings",
+}
+
+
+def __getattr__(name: str) -> Any:
+    where = _WHERE.get(name)
+    if where is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{where}"), name)

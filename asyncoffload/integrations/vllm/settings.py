@@ -1,0 +1,148 @@
+"""Settings of :class:`~asyncoffload.integrations.vllm.AsyncOffloadSpec`, read from vLLM's
+``kv_connector_extra_config`` and validated once, when the spec is built.
+
+This module does not import vLLM: the settings can be checked (and documented) anywhere.
+Every key vLLM itself reads from that mapping is accepted too; any other key is an
+error naming it, so a misspelt setting never passes silently.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from asyncoffload.manager.admission import available_admissions
+from asyncoffload.manager.policies import available_policies
+
+__all__ = ["VLLM_KEYS", "VllmOffloadSettings"]
+
+#: Keys of ``kv_connector_extra_config`` that vLLM reads itself (the spec factory, the
+#: offloading config and the spec base class), accepted and passed through.
+VLLM_KEYS = frozenset(
+    {
+        "spec_name",
+        "spec_module_path",
+        "block_size",
+        "blocks_per_chunk",
+        "offload_prompt_only",
+        "self_describing_kv_events",
+        "canonical_layout",
+    }
+)
+
+
+class VllmOffloadSettings(BaseModel):
+    """What ``kv_connector_extra_config`` may set for asyncoffload inside vLLM.
+
+    Build it with :meth:`from_extra_config`, which names the offending key in its
+    errors.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    cpu_bytes_to_use: int = Field(
+        gt=0,
+        description="Host memory for offloaded KV across all workers of this engine, as "
+        "vLLM's CPU spec: each worker holds num_chunks slots of its share of a chunk.",
+    )
+    policy: str = Field("lru", description="Cache policy: lru, arc, kv, s3fifo or sieve.")
+    eviction_policy: str | None = Field(
+        None, description="vLLM's CPU spec name for `policy`; accepted when they agree."
+    )
+    admission: str | None = Field(
+        None, description="Admission filter ('ghost', 'adaptive') or None."
+    )
+    store_threshold: int = Field(
+        0, ge=0, description="Store a chunk only from its n-th offer (0 or 1: always)."
+    )
+    max_tracker_size: int = Field(
+        64_000, gt=0, description="Chunks whose offers store_threshold remembers."
+    )
+    copy_engine: Literal["auto", "native", "threads"] = Field(
+        "auto",
+        description="CPU platform: 'native' copy lanes (compiled on first use, never take "
+        "the GIL), 'threads' (torch copies), 'auto' (native where it builds).",
+    )
+    pin_memory: bool = Field(True, description="CUDA: pin the host pool.")
+    host_chunk_bytes: int = Field(
+        1 << 30, gt=0, description="CUDA: the host pool is pinned in chunks of this."
+    )
+    # vLLM's own keys, accepted so that strictness stays useful.
+    spec_name: str | None = None
+    spec_module_path: str | None = None
+    block_size: int | None = None
+    blocks_per_chunk: int | None = None
+    offload_prompt_only: bool = True
+    self_describing_kv_events: bool = False
+    canonical_layout: bool = Field(
+        False,
+        description="vLLM's parallelism-free host layout; asyncoffload keeps a per-worker "
+        "layout, so True is refused.",
+    )
+
+    @field_validator("policy", "eviction_policy")
+    @classmethod
+    def _known_policy(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        known = available_policies()
+        if value not in known:
+            raise ValueError(f"unknown cache policy {value!r}; known: {', '.join(known)}")
+        return value
+
+    @field_validator("admission", mode="before")
+    @classmethod
+    def _known_admission(cls, value: object) -> object:
+        if value is None or (isinstance(value, str) and value.lower() in ("", "none")):
+            return None
+        if isinstance(value, str) and value not in available_admissions():
+            known = ", ".join(available_admissions())
+            raise ValueError(f"unknown admission filter {value!r}; known: {known}")
+        return value
+
+    @field_validator("canonical_layout")
+    @classmethod
+    def _no_canonical(cls, value: bool) -> bool:
+        if value:
+            raise ValueError(
+                "asyncoffload keeps each worker's own page layout; canonical_layout=True "
+                "is not supported"
+            )
+        return value
+
+    @property
+    def cache_policy(self) -> str:
+        """The policy in effect (``policy``, or ``eviction_policy`` when only it is set)."""
+        return self.eviction_policy or self.policy
+
+    @classmethod
+    def from_extra_config(cls, extra_config: Mapping[str, Any]) -> VllmOffloadSettings:
+        """Validate ``kv_connector_extra_config``; ``ValueError`` naming each bad key."""
+        values = dict(extra_config)
+        problems: list[str] = []
+        try:
+            settings = cls.model_validate(values)
+        except ValidationError as exc:
+            for error in exc.errors():
+                key = ".".join(str(part) for part in error["loc"]) or "?"
+                msg = str(error["msg"]).removeprefix("Value error, ")
+                if error["type"] == "extra_forbidden":
+                    msg = "unknown key (a typo?)"
+                problems.append(f"kv_connector_extra_config[{key!r}]: {msg}")
+            raise ValueError("; ".join(problems)) from None
+        if (
+            settings.eviction_policy is not None
+            and "policy" in values
+            and settings.eviction_policy != settings.policy
+        ):
+            raise ValueError(
+                "kv_connector_extra_config['eviction_policy'] "
+                f"({settings.eviction_policy!r}) contradicts ['policy'] ({settings.policy!r})"
+            )
+        if settings.admission is not None and settings.store_threshold >= 2:
+            raise ValueError(
+                "kv_connector_extra_config: set either 'store_threshold' or 'admission', not both"
+            )
+        return settings
