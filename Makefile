@@ -45,8 +45,8 @@ $(VLLM_STAMP): pyproject.toml
 
 test-vllm: $(VLLM_STAMP)
 	# mypy of the modules that import vLLM (make lint checks everything else).
-	$(VLLM_PY) -m mypy --follow-imports=silent asyncoffload/integrations/vllm tests/vllm \
-		$(wildcard benchmarks/vllm_*.py)
+	$(VLLM_PY) -m mypy --follow-imports=silent $(wildcard asyncoffload/integrations/vllm/*.py) \
+		$(wildcard tests/vllm/*.py) $(wildcard benchmarks/vllm_*.py)
 	$(VLLM_PY) -m pytest -q tests/vllm $(ARGS)
 
 test: lint unit

@@ -189,6 +189,8 @@ class CPUOffloadingManager(OffloadingManager):
         self._event_sink = event_sink if enable_events else None
         self._seq = 0
         self._requests: dict[str, _RequestLog] | None = {} if request_scoped else None
+        #: Slots the last ``prepare_store`` asked for, whether it got them or not.
+        self.last_store_size = 0
         self._touch_before_store = self._policy.touch_before_store
         self._observe_misses = self._policy.observes_store_misses
         self._reset_slots()
@@ -395,6 +397,7 @@ class CPUOffloadingManager(OffloadingManager):
                 to_store = admission.admissible(to_store, full)
         if log is not None:
             self._log_store(log, keys, offered, to_store, ready, pending)
+        self.last_store_size = len(to_store)
         if not to_store:
             self._record_offers(offered, to_store)
             return PrepareStoreOutput([], _EMPTY_SPEC, [])

@@ -20,11 +20,15 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from asyncoffload.integrations.vllm.manager import AsyncOffloadManager
     from asyncoffload.integrations.vllm.settings import VllmOffloadSettings
+    from asyncoffload.integrations.vllm.spec import AsyncOffloadSpec
+    from asyncoffload.integrations.vllm.worker import AsyncOffloadWorker
 
-__all__ = ["AsyncOffloadManager", "VllmOffloadSettings"]
+__all__ = ["AsyncOffloadManager", "AsyncOffloadSpec", "AsyncOffloadWorker", "VllmOffloadSettings"]
 
 _WHERE = {
     "AsyncOffloadManager": "manager",
+    "AsyncOffloadSpec": "spec",
+    "AsyncOffloadWorker": "worker",
     "VllmOffloadSettings": "settings",
 }
 

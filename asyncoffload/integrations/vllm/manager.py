@@ -92,7 +92,8 @@ def metric_definitions(store_threshold: int = 0) -> dict[str, OffloadingMetricMe
             "Fraction of the CPU tier's slots pinned by loads in flight."
         ),
         CPU_ALLOCATION_SIZE: OffloadingHistogramMetadata(
-            "Slots allocated by each prepare_store that allocated any.",
+            "Slots asked for by each prepare_store that had blocks to store (granted or "
+            "not), as in vLLM's CPU spec.",
             buckets=(1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144),
         ),
         BLOCKS_STORED: OffloadingCounterMetadata("Blocks made loadable by stores."),
@@ -190,11 +191,12 @@ class AsyncOffloadManager(OffloadingManager):
     def prepare_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext
     ) -> PrepareStoreOutput | None:
-        out = self._manager.prepare_store(_seq(keys), _ours(req_context))
+        m = self._manager
+        out = m.prepare_store(_seq(keys), _ours(req_context))
+        if m.last_store_size:  # as vLLM's: every allocation asked for, refused or not
+            self._allocation_sizes.append(m.last_store_size)
         if out is None:
             return None
-        if out.keys_to_store:
-            self._allocation_sizes.append(len(out.keys_to_store))
         return PrepareStoreOutput(
             keys_to_store=cast(list[OffloadKey], out.keys_to_store),
             store_spec=CPULoadStoreSpec(list(out.store_spec.block_ids)),

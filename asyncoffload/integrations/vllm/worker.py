@@ -1,0 +1,122 @@
+"""The worker side: vLLM's ``OffloadingWorker`` over asyncoffload's loop-free transfers.
+
+vLLM calls it from each worker's model-runner thread: ``submit_store`` / ``submit_load``
+queue a copy and return, ``get_finished`` is polled once per step, ``wait`` fences. The
+copies are :class:`~asyncoffload.transfer.paged_worker.PagedTransferWorker`'s: native
+copy lanes on CPU tensors (vLLM's CPU platform), batched DMA from a pinned host pool on
+CUDA ones. This class only translates vLLM's specs into ids.
+
+vLLM treats any failed transfer as fatal (it asserts success), so a copy that fails is
+retried once on a slower path, and if that fails too
+:class:`~asyncoffload.transfer.paged_worker.PagedTransferError` says which job, which
+blocks and why; success is never reported for bytes that did not land.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from vllm.v1.kv_offload.base import (
+    BlockIDsLoadStoreSpec,
+    CanonicalKVCaches,
+    GPULoadStoreSpec,
+    LoadStoreSpec,
+    OffloadingWorker,
+    TransferResult,
+)
+
+from asyncoffload.integrations.vllm.settings import VllmOffloadSettings
+from asyncoffload.transfer.paged_worker import PagedTransferWorker, PagedWorkerStats
+
+__all__ = ["AsyncOffloadWorker"]
+
+log = logging.getLogger("asyncoffload.vllm")
+
+
+class AsyncOffloadWorker(OffloadingWorker):
+    """Copies between vLLM's canonical KV caches and ``num_chunks`` host slots of this
+    worker (block-major: a slot holds a chunk's pages of every tensor, contiguous)."""
+
+    def __init__(
+        self,
+        kv_caches: CanonicalKVCaches,
+        blocks_per_chunk: int,
+        num_chunks: int,
+        settings: VllmOffloadSettings,
+    ) -> None:
+        if not kv_caches.tensors:
+            raise ValueError("vLLM registered no KV cache tensors to offload")
+        tensors = [t.tensor for t in kv_caches.tensors]
+        page_bytes = [t.page_size_bytes for t in kv_caches.tensors]
+        group_refs = [
+            [(ref.tensor_idx, ref.page_size_bytes) for ref in refs]
+            for refs in kv_caches.group_data_refs
+        ]
+        self._transfers = PagedTransferWorker(
+            tensors,
+            page_bytes,
+            group_refs,
+            blocks_per_chunk,
+            num_chunks,
+            copy_engine=settings.copy_engine,
+            pin=settings.pin_memory,
+            chunk_bytes=settings.host_chunk_bytes,
+        )
+        log.info(
+            "asyncoffload worker: %d host slots of %d B on %s (%s)",
+            num_chunks,
+            self._transfers.slot_bytes,
+            tensors[0].device,
+            self._transfers.stats().engine,
+        )
+
+    @property
+    def transfers(self) -> PagedTransferWorker:
+        return self._transfers
+
+    @property
+    def slot_bytes(self) -> int:
+        return self._transfers.slot_bytes
+
+    def submit_store(
+        self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec
+    ) -> bool:
+        self._transfers.submit_store(
+            job_id,
+            src_spec.block_ids,
+            list(src_spec.group_sizes),
+            list(src_spec.block_indices),
+            _slots(dst_spec),
+        )
+        return True
+
+    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
+        self._transfers.submit_load(
+            job_id,
+            _slots(src_spec),
+            dst_spec.block_ids,
+            list(dst_spec.group_sizes),
+            list(dst_spec.block_indices),
+        )
+        return True
+
+    def get_finished(self) -> list[TransferResult]:
+        return [
+            TransferResult(job.job_id, True, job.nbytes, job.seconds)
+            for job in self._transfers.get_finished()
+        ]
+
+    def wait(self, job_ids: set[int]) -> None:
+        self._transfers.wait(job_ids)
+
+    def stats(self) -> PagedWorkerStats:
+        return self._transfers.stats()
+
+    def shutdown(self) -> None:
+        self._transfers.shutdown()
+
+
+def _slots(spec: LoadStoreSpec) -> object:
+    if not isinstance(spec, BlockIDsLoadStoreSpec):
+        raise TypeError(f"expected a spec of CPU slot ids, got {type(spec).__name__}")
+    return spec.block_ids

@@ -1,0 +1,1 @@
+"""End-to-end tests that run real vLLM (CPU build) in subprocesses: ``make test-vllm``."""

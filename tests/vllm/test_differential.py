@@ -1,0 +1,127 @@
+"""Through vLLM, ``lru`` and ``arc`` decide exactly as vLLM's own manager does.
+
+The installed vLLM's ``CPUOffloadingManager`` and ours are driven in lockstep the way
+vLLM 0.32's OffloadingConnector calls them (connector_replay); every lookup, load and
+store slot, evicted key and event must be equal, call for call.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import cast
+
+import pytest
+from vllm.v1.kv_offload.base import OffloadKey
+from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
+from vllm.v1.kv_offload.cpu.policies.arc import ARCCachePolicy
+
+from asyncoffload.integrations.vllm import AsyncOffloadManager
+from asyncoffload.integrations.vllm.connector_replay import (
+    ManagerMismatch,
+    record_calls,
+    replay_like_connector,
+)
+from asyncoffload.keys import make_offload_key
+from asyncoffload.manager.policies.arc import ARCPolicy
+from asyncoffload.replay import capacity_blocks
+from asyncoffload.workloads import load_mooncake
+
+TRACE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "conversation_trace.jsonl"
+
+
+def _key(name: str, group: int = 0) -> OffloadKey:
+    return cast(OffloadKey, make_offload_key(name.encode() * 8, group))
+
+
+def _pair(capacity: int, policy: str) -> list[CPUOffloadingManager | AsyncOffloadManager]:
+    return [
+        CPUOffloadingManager(capacity, policy, enable_events=True),
+        AsyncOffloadManager(capacity, policy, enable_events=True),
+    ]
+
+
+@pytest.fixture(scope="module")
+def conversation() -> list[list[OffloadKey]]:
+    """The Mooncake conversation trace: each request's keys of full 512-token blocks."""
+    assert TRACE.exists(), f"the conversation trace is missing: {TRACE}"
+    return [
+        cast(list[OffloadKey], list(r.keys[: r.input_tokens // r.block_size]))
+        for r in load_mooncake(TRACE)
+    ]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("share", [0.01, 0.05, 0.10])
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_conversation_trace_decisions_equal_vllms(
+    policy: str, share: float, conversation: list[list[OffloadKey]]
+) -> None:
+    unique = len({key for keys in conversation for key in keys})
+    capacity = capacity_blocks(share, unique)
+    stats = replay_like_connector(conversation, _pair(capacity, policy))
+    # The replay exercised what matters: hits, evictions, deferrals behind pending stores.
+    assert stats.requests == len(conversation)
+    assert stats.hit_blocks > 0
+    assert stats.evicted_blocks > 0
+    assert stats.events > 0
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_random_workloads_with_two_groups_decide_as_vllm(policy: str) -> None:
+    """Short random request streams over few keys (so pending stores, pinned blocks,
+    refused stores and ghost hits all happen), keys of two KV-cache groups per request
+    (group 0's chunks, then group 1's, as the connector offers them), with varied
+    transfer and request durations."""
+    rng = random.Random(7)
+    names = "abcdefghij"
+    for _ in range(400):
+        requests = []
+        for _ in range(rng.randint(2, 10)):
+            chosen = rng.sample(names, rng.randint(1, 5))
+            groups = rng.choice([(0,), (0, 1)])
+            requests.append([_key(name, g) for g in groups for name in chosen])
+        replay_like_connector(
+            requests,
+            _pair(rng.randint(1, 8), policy),
+            load_steps=rng.randint(1, 3),
+            store_steps=rng.randint(1, 4),
+            decode_steps=rng.randint(1, 4),
+        )
+
+
+def test_arc_adapts_to_ghost_hits_offered_to_stores() -> None:
+    """vLLM's ARC moves its T1 target when a store is offered a key it evicted
+    recently (a store miss in B1 / B2), before inserting it. A small case where that
+    changes the victim: both managers must evict the same keys and end with the same
+    target."""
+    requests = [[_key(c) for c in r] for r in ("bc", "b", "a", "acd", "cb")]
+    vllm = CPUOffloadingManager(2, "arc", enable_events=True)
+    ours = AsyncOffloadManager(2, "arc", enable_events=True)
+    replay_like_connector(requests, [vllm, ours], load_steps=1, store_steps=1, decode_steps=1)
+    theirs, mine = vllm._policy, ours.manager.policy
+    assert isinstance(theirs, ARCCachePolicy) and isinstance(mine, ARCPolicy)
+    assert mine.target_t1 == theirs.target_t1_size > 0
+
+
+def test_arc_without_store_miss_adaptation_would_differ(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same case with the store-miss hook disabled (as our ARC was before): the
+    lockstep check catches the difference and names the call and both answers."""
+    monkeypatch.setattr(ARCPolicy, "on_store_miss", lambda self, keys: None)
+    requests = [[_key(c) for c in r] for r in ("bc", "b", "a", "acd", "cb")]
+    with pytest.raises(ManagerMismatch, match=r"step \d+: prepare_store\(.*answered"):
+        replay_like_connector(
+            requests, _pair(2, "arc"), load_steps=1, store_steps=1, decode_steps=1
+        )
+
+
+def test_record_calls_keeps_every_call_in_order() -> None:
+    requests = [[_key(c) for c in r] for r in ("ab", "ab", "c")]
+    calls, stats = record_calls(requests, AsyncOffloadManager(4, "lru", enable_events=True))
+    methods = [method for method, _ in calls]
+    assert methods[0] == "on_new_request"
+    assert methods.count("on_new_request") == methods.count("on_request_finished") == 3
+    assert methods.count("prepare_load") == 1  # the second "ab" hits both
+    assert stats.hit_blocks == 2
+    assert stats.stored_blocks == 3
