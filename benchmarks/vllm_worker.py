@@ -10,7 +10,10 @@ the same slots into other blocks) and stops the clock when the last job has *com
 (``wait``), not when it was submitted. The ceiling moves the same number of bytes as one
 contiguous copy: on CPU one ``memmove`` (single-threaded, like a copy lane) and one torch
 ``copy_``; on CUDA one pinned host <-> device ``copy_`` per direction. The submit column is
-the mean time ``submit_*`` takes on the calling thread (plan building and queueing).
+the median time ``submit_*`` takes on the calling thread (plan building and queueing).
+On CUDA each copy method (``--methods``) is forced in turn on one worker per bpc, so the
+methods are compared on the same memory in the same run; ``used`` names the methods the
+jobs ran (``auto`` picks per job).
 
     python benchmarks/vllm_worker.py                 # CPU here, small sizes
     python benchmarks/vllm_worker.py --device cuda   # on the GPU machine
@@ -26,7 +29,7 @@ import json
 import statistics
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -120,7 +123,10 @@ def run_case(
     args: argparse.Namespace,
     device: torch.device,
     engine: str,
-) -> dict[str, Any]:
+    methods: list[str],
+) -> list[dict[str, Any]]:
+    """One worker; per copy method (CUDA: forced on the engine, side by side on the same
+    worker and memory; CPU: ``auto``) a row of store and load GB/s and submit times."""
     refs = [[(t, page) for t in range(len(tensors))]]
     n = args.blocks
     slots_per_job = -(-n // bpc)
@@ -134,6 +140,8 @@ def run_case(
         num_slots,
         copy_engine=engine,  # type: ignore[arg-type]
     )
+    if args.staging_mib and hasattr(worker.engine, "staging_bytes"):
+        worker.engine.staging_bytes = args.staging_mib << 20  # before the first staged job
     jobs = []
     for j in range(args.jobs):
         gpu = torch.randperm(args.num_blocks, generator=gen)[:n]
@@ -160,21 +168,34 @@ def run_case(
         done = worker.get_finished()
         assert len(done) == len(ids), (len(done), len(ids))
 
+    results = []
     try:
-        run("store")  # warm-up: first touch of the host pages, plan caches
-        run("load")
-        for v in submit_s.values():
-            v.clear()
-        out: dict[str, Any] = {"bpc": bpc, "engine": worker.stats().engine}
-        for direction in ("store", "load"):
-            timed = functools.partial(run, direction)
-            out[direction] = gbps(nbytes, median_seconds(timed, args.reps, device))
-            out[f"{direction}_submit_us"] = statistics.mean(submit_s[direction]) * 1e6
-        stats = worker.stats()
-        out["retries"] = stats.store.retries + stats.load.retries
+        for method in methods:
+            cuda_engine = getattr(worker.engine, "jobs_by_method", None) is not None
+            if cuda_engine and method != "default":
+                try:
+                    cast(Any, worker.engine).primary_method = method
+                except ValueError:
+                    continue
+            by_method = dict(getattr(worker.engine, "jobs_by_method", {}))
+            run("store")  # warm-up: first touch of the host pages, staging, plan caches
+            run("load")
+            for v in submit_s.values():
+                v.clear()
+            out: dict[str, Any] = {"bpc": bpc, "engine": worker.stats().engine}
+            for direction in ("store", "load"):
+                timed = functools.partial(run, direction)
+                out[direction] = gbps(nbytes, median_seconds(timed, args.reps, device))
+                out[f"{direction}_submit_us"] = statistics.median(submit_s[direction]) * 1e6
+            after = getattr(worker.engine, "jobs_by_method", {})
+            used = sorted(m for m, c in after.items() if c > by_method.get(m, 0))
+            out["used"] = "+".join(used)
+            stats = worker.stats()
+            out["retries"] = stats.store.retries + stats.load.retries
+            results.append(out)
     finally:
         worker.shutdown()
-    return out
+    return results
 
 
 def main() -> None:
@@ -192,6 +213,14 @@ def main() -> None:
     ap.add_argument(
         "--copy-engines", default="native", help="CPU: native,threads (threads: torch copies)"
     )
+    ap.add_argument(
+        "--methods",
+        default="staged,kernel,batch,auto",
+        help="CUDA: copy methods to force, side by side (staged, kernel, batch, each, auto)",
+    )
+    ap.add_argument(
+        "--staging-mib", type=int, default=0, help="CUDA: staging MiB per direction (0: default)"
+    )
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args()
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -202,6 +231,7 @@ def main() -> None:
     args.blocks = min(args.blocks or (16 if cpu else 256), args.num_blocks)
     args.jobs = args.jobs or (2 if cpu else 4)
     engines = args.copy_engines.split(",") if cpu else ["auto"]
+    methods = ["default"] if cpu else args.methods.split(",")
 
     page_shape = (args.block_size, args.heads, args.head_dim)
     raws, tensors, page = make_kv(args.layers, args.num_blocks, page_shape, device)
@@ -210,7 +240,7 @@ def main() -> None:
     results = []
     for engine in engines:
         for bpc in (int(b) for b in args.bpc.split(",")):
-            results.append(run_case(tensors, page, bpc, args, device, engine))
+            results += run_case(tensors, page, bpc, args, device, engine, methods)
     del raws
     report = {
         "device": torch.cuda.get_device_name(device) if not cpu else "cpu",
@@ -234,13 +264,16 @@ def main() -> None:
         f"ceiling (one contiguous copy): store {ceiling['store']:.1f} GB/s, "
         f"load {ceiling['load']:.1f} GB/s{extra}"
     )
-    print(f"{'engine':<12} {'bpc':>3} {'dir':<5} {'GB/s':>7} {'ratio':>6} {'submit':>10}")
+    print(
+        f"{'engine':<12} {'used':<10} {'bpc':>3} {'dir':<5} {'GB/s':>7} {'ratio':>6} "
+        f"{'submit (median)':>16}"
+    )
     for r in results:
         for direction in ("store", "load"):
             rate = r[direction]
             print(
-                f"{r['engine']:<12} {r['bpc']:>3} {direction:<5} {rate:>7.2f} "
-                f"{rate / ceiling[direction]:>6.2f} {r[f'{direction}_submit_us']:>8.0f}us"
+                f"{r['engine']:<12} {r['used']:<10} {r['bpc']:>3} {direction:<5} {rate:>7.2f} "
+                f"{rate / ceiling[direction]:>6.2f} {r[f'{direction}_submit_us']:>14.0f}us"
             )
 
 

@@ -38,7 +38,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["CopyPlan", "IdsLike", "PageLayout", "Segment"]
+__all__ = ["CopyPlan", "GroupSpan", "IdsLike", "PageLayout", "Segment"]
 
 #: Block or slot ids: a list of ints, a 1-D integer numpy array, or a 1-D integer tensor.
 IdsLike = Any
@@ -56,30 +56,81 @@ class Segment(NamedTuple):
     group: int
 
 
-class CopyPlan(NamedTuple):
+class GroupSpan(NamedTuple):
+    """The blocks of one group of a transfer that move bytes (a group with blocks and
+    refs): ``gpu_ids[gpu_lo : gpu_lo + n]`` and ``slot_ids[slot_lo : slot_lo + num_slots]``
+    of the plan; logical block ``j`` is in slot position ``slot_lo + (skip + j) // bpc``,
+    sub-page ``(skip + j) % bpc``."""
+
+    group: int
+    gpu_lo: int
+    n: int
+    slot_lo: int
+    num_slots: int
+    skip: int
+
+
+class CopyPlan:
     """The copies of one transfer: descriptor ``i`` moves ``size[i]`` bytes between the KV
     address ``kv_addr[i]`` (row ``kv_block[i]`` of a tensor) and byte ``host_offset[i]``
     of host slot ``host_slot[i]``. All int64 CPU tensors of one length, contiguous.
 
     Descriptors come group by group and, within a group, ref by ref (``segments``), each
     ref's blocks in the group's order. No two descriptors write the same bytes.
+
+    The descriptor columns are computed on first use: engines that copy from the per-group
+    ``spans`` (the CUDA kernels) never build them.
     """
 
-    kv_addr: torch.Tensor
-    kv_block: torch.Tensor
-    host_slot: torch.Tensor
-    host_offset: torch.Tensor
-    size: torch.Tensor
-    segments: tuple[Segment, ...]
-    #: The transfer's GPU block ids and slot ids (int64 CPU tensors), as given.
-    gpu_ids: torch.Tensor
-    slot_ids: torch.Tensor
-    #: Bytes the plan moves: the sum of ``size``.
-    nbytes: int
+    __slots__ = ("_cols", "gpu_ids", "layout", "nbytes", "num_copies", "slot_ids", "spans")
+
+    def __init__(
+        self,
+        layout: PageLayout,
+        gpu_ids: torch.Tensor,
+        slot_ids: torch.Tensor,
+        spans: tuple[GroupSpan, ...],
+    ) -> None:
+        self.layout = layout
+        #: The transfer's GPU block ids and slot ids (int64 CPU tensors), as given.
+        self.gpu_ids = gpu_ids
+        self.slot_ids = slot_ids
+        #: The groups that move bytes, in group order.
+        self.spans = spans
+        #: Bytes the plan moves: the sum of ``size``.
+        self.nbytes: int = sum(s.n * layout.group_block_bytes[s.group] for s in spans)
+        #: Descriptors: one per (block, ref).
+        self.num_copies: int = sum(s.n * len(layout.group_refs[s.group]) for s in spans)
+        self._cols: tuple[tuple[torch.Tensor, ...], tuple[Segment, ...]] | None = None
+
+    def _columns(self) -> tuple[tuple[torch.Tensor, ...], tuple[Segment, ...]]:
+        if self._cols is None:
+            self._cols = self.layout._descriptors(self)
+        return self._cols
 
     @property
-    def num_copies(self) -> int:
-        return int(self.size.numel())
+    def kv_addr(self) -> torch.Tensor:
+        return self._columns()[0][0]
+
+    @property
+    def kv_block(self) -> torch.Tensor:
+        return self._columns()[0][1]
+
+    @property
+    def host_slot(self) -> torch.Tensor:
+        return self._columns()[0][2]
+
+    @property
+    def host_offset(self) -> torch.Tensor:
+        return self._columns()[0][3]
+
+    @property
+    def size(self) -> torch.Tensor:
+        return self._columns()[0][4]
+
+    @property
+    def segments(self) -> tuple[Segment, ...]:
+        return self._columns()[1]
 
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
@@ -247,7 +298,7 @@ class PageLayout:
         num_slots: int,
         store: bool,
     ) -> CopyPlan:
-        """Check a transfer and compute its copies; ``store`` says which side is written
+        """Check a transfer and return its plan; ``store`` says which side is written
         (the host slots for a store, the KV blocks for a load), for the repeat checks.
 
         Raises, naming the argument: ``TypeError`` (not integers, not 1-D),
@@ -298,19 +349,27 @@ class PageLayout:
         else:
             self._check_load_targets(gpu, sizes)
 
-        parts: list[list[torch.Tensor]] = [[], [], [], [], []]
-        segments: list[Segment] = []
-        nbytes = 0
-        glo = slo = pos = 0
+        spans: list[GroupSpan] = []
+        glo = slo = 0
         for g in range(groups):
-            n, skip, nchunks = sizes[g], skips[g], chunks[g]
-            refs = self.group_refs[g]
-            gid = gpu[glo : glo + n]
-            sl = slots[slo : slo + nchunks]
+            n, nchunks = sizes[g], chunks[g]
+            if n and self.group_refs[g]:
+                spans.append(GroupSpan(g, glo, n, slo, nchunks, skips[g]))
             glo += n
             slo += nchunks
-            if not n or not refs:
-                continue
+        return CopyPlan(self, gpu, slots, tuple(spans))
+
+    def _descriptors(self, plan: CopyPlan) -> tuple[tuple[torch.Tensor, ...], tuple[Segment, ...]]:
+        """A plan's descriptor columns (kv_addr, kv_block, host_slot, host_offset, size)
+        and segments: vectorised per group."""
+        bpc = self.blocks_per_chunk
+        parts: list[list[torch.Tensor]] = [[], [], [], [], []]
+        segments: list[Segment] = []
+        pos = 0
+        for g, glo, n, slo, nchunks, skip in plan.spans:
+            refs = self.group_refs[g]
+            gid = plan.gpu_ids[glo : glo + n]
+            sl = plan.slot_ids[slo : slo + nchunks]
             base, stride, toff, page, size = self._ref_cols[g]
             if bpc == 1:
                 slot_of = sl.view(1, -1)
@@ -328,19 +387,7 @@ class PageLayout:
             for t_idx, nb in refs:
                 segments.append(Segment(t_idx, nb, pos, pos + n, g))
                 pos += n
-            nbytes += n * self.group_block_bytes[g]
-        cols = [_cat(p) for p in parts]
-        return CopyPlan(
-            kv_addr=cols[0],
-            kv_block=cols[1],
-            host_slot=cols[2],
-            host_offset=cols[3],
-            size=cols[4],
-            segments=tuple(segments),
-            gpu_ids=gpu,
-            slot_ids=slots,
-            nbytes=nbytes,
-        )
+        return tuple(_cat(p) for p in parts), tuple(segments)
 
     def _check_load_targets(self, gpu: torch.Tensor, sizes: list[int]) -> None:
         """A load writes (tensor, block) pairs: ids must not repeat within groups that

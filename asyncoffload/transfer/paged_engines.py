@@ -6,8 +6,10 @@ independent fallback path that a failed copy is retried on.
   per direction runs ``memcpy`` over the descriptors, never taking the GIL). Fallback:
   torch index copies on the calling thread.
 - :class:`CudaPagedEngine`: CUDA tensors, pinned host slots, one copy stream per
-  direction. Primary: one ``cuMemcpyBatchAsync`` per transfer. Fallback: one
-  ``cuMemcpyAsync`` per descriptor, or torch copies where the native helper is missing.
+  direction. Primary: chosen per job among a Triton gather into device staging plus one
+  DMA per slot (``staged``), a Triton kernel through UVA (``kernel``) and one
+  ``cuMemcpyBatchAsync`` (``batch``, small jobs). Fallback: one ``cuMemcpyAsync`` per
+  descriptor, or torch copies where the native helper is missing.
 
 Jobs are :class:`~asyncoffload.transfer.base.CopyJob` objects: ``query()`` polls,
 ``engine.wait(job)`` blocks without spinning in Python.
@@ -19,13 +21,13 @@ import ctypes
 import logging
 import mmap
 from collections.abc import Sequence
-from typing import Literal, Protocol
+from typing import Literal, NamedTuple, Protocol
 
 import torch
 
 from asyncoffload._native import load_copy_engine, load_cuda_helpers
 from asyncoffload.transfer.base import CopyJob, host_bytes
-from asyncoffload.transfer.paged import CopyPlan, PageLayout
+from asyncoffload.transfer.paged import CopyPlan, GroupSpan, PageLayout, _cat
 
 __all__ = ["LOAD", "STORE", "CpuCopyEngine", "CpuPagedEngine", "CudaPagedEngine", "PagedEngine"]
 
@@ -300,26 +302,81 @@ class CpuPagedEngine:
         self._map = None
 
 
+class _RefSet(NamedTuple):
+    """Refs of one group that one kernel launch moves: a device table ``[5, k]``
+    (kv_base, kv_stride, host_off, page, nbytes) and what the launch needs to know."""
+
+    table: torch.Tensor
+    #: Every address and size of these refs is 8-byte aligned (host rows permitting).
+    aligned: bool
+    #: The largest ``nbytes`` of the refs.
+    max_bytes: int
+
+
+class _GroupRuns(NamedTuple):
+    """A group's host bytes per slot, for the staged DMAs: refs moving whole pages
+    (``full_*``, by tensor offset) and refs moving part of a page (``part_*``)."""
+
+    #: The whole-page refs tile every slot: a full slot is one run of slot_bytes.
+    dense: bool
+    full_off: torch.Tensor  # [1, F] tensor offsets in the slot
+    full_page: torch.Tensor  # [1, F]
+    part_off: torch.Tensor  # [P, 1]
+    part_page: torch.Tensor  # [P, 1]
+    part_bytes: torch.Tensor  # [P, 1]
+
+
 class CudaPagedEngine:
     """Copies between KV tensors on one CUDA device and pinned host slots.
 
     Host slots live in a :class:`~asyncoffload.transfer.cuda.PinnedHostPool` (chunks of
     about ``chunk_bytes``, page-aligned, pinned; pageable if pinning fails, logged). Each
-    direction has one copy stream; a transfer first waits for the caller's current
-    stream. Paths, per transfer:
+    direction has one copy stream (and a kernel stream for the staged method); a transfer
+    first waits for the caller's current stream. Methods, per transfer:
 
-    - ``cuda-batch`` (primary where the driver has it, CUDA 12.8+): one
-      ``cuMemcpyBatchAsync`` over every descriptor of the plan;
-    - ``cuda-each``: one ``cuMemcpyAsync`` per descriptor (primary without the batch
-      call, else the fallback);
-    - ``cuda-torch``: torch gathers on the device and index copies on the host,
-      synchronous (where the native CUDA helper cannot be built).
+    - ``staged``: a Triton kernel gathers the job's pages into rows of device staging
+      memory laid out like host slots (device memory only: fast), and the copy engines
+      move each slot's bytes (one DMA descriptor per run of written bytes: one per slot,
+      or per run of consecutive slots, for a group that fills its slots), double-buffered
+      across the kernel and copy streams when the job is larger than the staging buffer;
+      a load is the mirror (DMA into staging, then a scatter kernel). Only the bytes the
+      job moves are copied: a store leaves the rest of its slots alone, a load writes only
+      the job's KV pages. Staging (``staging_bytes`` per direction, two buffers) is
+      allocated on first use;
+    - ``kernel``: the Triton kernel copies every page through UVA straight between the
+      KV tensors and the pinned slots (best for small pages);
+    - ``batch``: one ``cuMemcpyBatchAsync`` over one descriptor per (block, ref) (CUDA
+      12.8+): fine for a few descriptors, CPU-bound for many;
+    - ``each``: one ``cuMemcpyAsync`` per descriptor: the fallback path;
+    - ``torch``: torch gathers on the device and index copies on the host, synchronous
+      (where the native CUDA helper cannot be built).
+
+    ``auto`` (the primary path where Triton is installed and the pool is pinned) chooses
+    per job (:meth:`choose_method`): ``batch`` under ``small_copies`` descriptors, else
+    ``kernel`` if the mean page moved is at most ``kernel_max_fragment_bytes``, else
+    ``staged``. The kernels and the staged path send the job's ids to the device (two
+    small arrays), never one descriptor per (block, ref), so submitting costs about the
+    same for any job size.
     """
 
     def __init__(
-        self, layout: PageLayout, num_slots: int, *, pin: bool = True, chunk_bytes: int = 1 << 30
+        self,
+        layout: PageLayout,
+        num_slots: int,
+        *,
+        pin: bool = True,
+        chunk_bytes: int = 1 << 30,
+        staging_bytes: int = 256 << 20,
+        kernel_max_fragment_bytes: int = 16 << 10,
+        small_copies: int = 64,
+        kernel_programs: int | None = None,
     ) -> None:
-        from asyncoffload.transfer.cuda import PinnedHostPool, _new_stream
+        from asyncoffload.transfer.cuda import (
+            PinnedHostPool,
+            _new_stream,
+            _PinnedRing,
+            _triton_available,
+        )
 
         if layout.device.type != "cuda":
             raise ValueError(f"CudaPagedEngine needs CUDA tensors, got {layout.device}")
@@ -332,20 +389,65 @@ class CudaPagedEngine:
         with torch.cuda.device(device):
             self.pool = PinnedHostPool(num_slots, layout.slot_bytes, chunk_bytes, pin)
             self.streams = (_new_stream(device), _new_stream(device))
+            self.kernel_streams = (_new_stream(device), _new_stream(device))
         helpers = load_cuda_helpers()
         self._lib = helpers[0] if helpers else None
         features = helpers[1] if helpers else 0
         self.has_batch = bool(features & 2)
         self.has_each = bool(features & 16)
-        methods = [m for m, ok in (("batch", self.has_batch), ("each", self.has_each)) if ok]
-        methods.append("torch")
-        self.primary_method = methods[0]
-        self.fallback_method = methods[1] if len(methods) > 1 else "torch"
-        self.primary_name = f"cuda-{self.primary_method}"
-        self.fallback_name = f"cuda-{self.fallback_method}"
+        #: Bytes of device staging memory per direction (two buffers), allocated on the
+        #: first staged job of the direction; change it before then.
+        self.staging_bytes = staging_bytes
+        #: ``auto`` uses the kernel for jobs whose mean page is at most this many bytes.
+        self.kernel_max_fragment_bytes = kernel_max_fragment_bytes
+        #: ``auto`` uses ``batch`` for jobs of fewer descriptors.
+        self.small_copies = small_copies
+        if kernel_programs is None:
+            sms = torch.cuda.get_device_properties(device).multi_processor_count
+            kernel_programs = 2 * sms
+        #: Programs per kernel launch (kernel, staged).
+        self.kernel_programs = kernel_programs
+        triton_ok = _triton_available() and self.pool.pinned
+        self.has_kernel = triton_ok
+        self.has_staged = triton_ok and (self.has_batch or self.has_each)
+        base = [m for m, ok in (("batch", self.has_batch), ("each", self.has_each)) if ok]
+        base.append("torch")
+        #: The method of small jobs under ``auto`` (and the primary path without Triton).
+        self.base_method = base[0]
+        fallback = "each" if self.has_each else "torch"
+        if fallback == self.base_method and not (self.has_kernel or self.has_staged):
+            fallback = base[1] if len(base) > 1 else "torch"
+        self.fallback_method = fallback
+        self.fallback_name = f"cuda-{fallback}"
+        self.primary_name = ""
+        self.primary_method = "auto" if (self.has_kernel or self.has_staged) else base[0]
+        #: Jobs submitted per method (primary and fallback attempts).
+        self.jobs_by_method: dict[str, int] = dict.fromkeys(
+            ("staged", "kernel", "batch", "each", "torch"), 0
+        )
         #: cuMemcpyBatchAsync (source access order, flags) per direction: stores read KV
         #: in stream order; loads read slots nothing writes meanwhile, in any order.
         self.batch_attributes: tuple[tuple[int, int], tuple[int, int]] = ((1, 0), (3, 0))
+        self._rings = (_PinnedRing(1 << 16), _PinnedRing(1 << 16))
+        # Staging per direction: two [rows, row_stride] buffers, the next one to fill,
+        # and for each the event after which it may be refilled.
+        self.row_stride = -(-layout.slot_bytes // 256) * 256
+        self._staging: list[list[torch.Tensor] | None] = [None, None]
+        self._next_buffer = [0, 0]
+        # Per direction and buffer: the events after its fill and after its last reader,
+        # and whether they were recorded yet.
+        self._staging_events: list[tuple[list[torch.cuda.Event], list[torch.cuda.Event]]] = []
+        self._staging_used = [[False, False], [False, False]]
+        self._ref_sets: list[list[_RefSet]] = []
+        self._group_runs: list[_GroupRuns] = []
+        self._slots_aligned = layout.slot_bytes % 8 == 0
+        if triton_ok:
+            try:
+                self._prepare_kernels()
+            except Exception as exc:  # a Triton that cannot compile here: DMA paths only
+                log.warning("paged CUDA engine: copy kernels unavailable (%s)", exc)
+                self.has_kernel = self.has_staged = False
+                self.primary_method = self.base_method
         if not self.pool.pinned:
             log.warning(
                 "paged CUDA engine: %d of %d host chunks are pageable; copies from them are "
@@ -354,8 +456,146 @@ class CudaPagedEngine:
                 len(self.pool.chunks),
             )
 
+    @property
+    def primary_method(self) -> str:
+        return self._primary_method
+
+    @primary_method.setter
+    def primary_method(self, method: str) -> None:
+        ok = {
+            "auto": self.has_kernel or self.has_staged,
+            "staged": self.has_staged,
+            "kernel": self.has_kernel,
+            "batch": self.has_batch,
+            "each": self.has_each,
+            "torch": True,
+        }
+        if not ok.get(method, False):
+            raise ValueError(f"copy method {method!r} is unknown or unavailable here")
+        self._primary_method = method
+        self.primary_name = f"cuda-{method}"
+
+    # --- tables ---------------------------------------------------------------------------
+
+    def _prepare_kernels(self) -> None:
+        """Per group: the kernel's ref tables (refs with 8-byte aligned addresses and
+        sizes apart from the others) and the run templates of the staged DMAs; then
+        compile the kernel variants the layout needs (a first submission would otherwise
+        stall for it)."""
+        layout = self.layout
+        for refs in layout.group_refs:
+            rows: list[tuple[list[int], bool]] = []
+            for t, nb in refs:
+                tensor = layout.tensors[t]
+                row = [
+                    tensor.data_ptr(),
+                    tensor.stride(0),
+                    layout.tensor_offset[t],
+                    layout.page_bytes[t],
+                    nb,
+                ]
+                rows.append((row, all(v % 8 == 0 for v in row)))
+            sets: list[_RefSet] = []
+            for aligned in (True, False):
+                cols = [r for r, a in rows if a == aligned]
+                if cols:
+                    table = torch.tensor(cols, dtype=torch.int64).t().contiguous()
+                    sets.append(_RefSet(table.to(self.device), aligned, max(c[4] for c in cols)))
+            self._ref_sets.append(sets)
+            full = sorted(
+                (layout.tensor_offset[t], layout.page_bytes[t])
+                for t, nb in refs
+                if nb == layout.page_bytes[t]
+            )
+            part = [
+                (layout.tensor_offset[t], layout.page_bytes[t], nb)
+                for t, nb in refs
+                if nb != layout.page_bytes[t]
+            ]
+            bpc = layout.blocks_per_chunk
+            covered = sum(bpc * p for _, p in full)
+            dense = (
+                not part
+                and covered == layout.slot_bytes
+                and all(
+                    off == (full[i - 1][0] + bpc * full[i - 1][1] if i else 0)
+                    for i, (off, _) in enumerate(full)
+                )
+            )
+
+            def col(v: list[int], shape: tuple[int, int]) -> torch.Tensor:
+                return torch.tensor(v, dtype=torch.int64).view(shape)
+
+            self._group_runs.append(
+                _GroupRuns(
+                    dense,
+                    col([o for o, _ in full], (1, -1)),
+                    col([p for _, p in full], (1, -1)),
+                    col([o for o, _, _ in part], (-1, 1)),
+                    col([p for _, p, _ in part], (-1, 1)),
+                    col([n for _, _, n in part], (-1, 1)),
+                )
+            )
+        self._host_table = self.pool.device_block_address.to(self.device)
+        self._warm_up()
+
+    def _warm_up(self) -> None:
+        from asyncoffload.transfer._triton_paged import launch_copy_pages  # needs Triton
+
+        dummy = torch.zeros(1, dtype=torch.int64, device=self.device)
+        with torch.cuda.device(self.device):
+            seen: set[tuple[bool, bool, bool, int]] = set()
+            for sets in self._ref_sets:
+                for refs in sets:
+                    for store in (True, False):
+                        for use_table in (True, False):
+                            wide = refs.aligned and (self._slots_aligned or not use_table)
+                            elems = refs.max_bytes // 8 if wide else refs.max_bytes
+                            key = (store, use_table, wide, elems)
+                            if key in seen:
+                                continue
+                            seen.add(key)
+                            launch_copy_pages(
+                                dummy,
+                                refs.table,
+                                self._host_table,
+                                n_blocks=0,
+                                j0=0,
+                                g_off=0,
+                                s_off=0,
+                                skip=0,
+                                bpc=1,
+                                max_elems=elems,
+                                row_base=1 << 40,
+                                row_stride=self.row_stride,
+                                row_lo=0,
+                                store=store,
+                                use_table=use_table,
+                                wide=wide,
+                                programs=1,
+                            )
+            torch.cuda.synchronize(self.device)
+
+    # --- submission -----------------------------------------------------------------------
+
+    def choose_method(self, plan: CopyPlan) -> str:
+        """The method ``auto`` uses for ``plan``: ``batch`` (or the base method) for
+        fewer than ``small_copies`` descriptors, ``kernel`` for small pages, else
+        ``staged``."""
+        copies = plan.num_copies
+        if copies < self.small_copies or not (self.has_kernel or self.has_staged):
+            return self.base_method
+        if self.has_kernel and plan.nbytes <= copies * self.kernel_max_fragment_bytes:
+            return "kernel"
+        if self.has_staged and self.row_stride <= self.staging_bytes // 2:
+            return "staged"
+        return "kernel" if self.has_kernel else self.base_method
+
     def submit_primary(self, direction: int, plan: CopyPlan) -> CopyJob:
-        return self._submit(direction, plan, self.primary_method)
+        method = self._primary_method
+        if method == "auto":
+            method = self.choose_method(plan)
+        return self._submit(direction, plan, method)
 
     def submit_fallback(self, direction: int, plan: CopyPlan) -> CopyJob:
         return self._submit(direction, plan, self.fallback_method)
@@ -367,36 +607,71 @@ class CudaPagedEngine:
         job = CudaJob(plan.num_copies, plan.nbytes, method)
         # A store reads finished KV; a load overwrites blocks only after the work queued
         # before it (the zeroing of fresh blocks, earlier reads) has run.
-        stream.wait_stream(torch.cuda.current_stream(self.device))
+        current = torch.cuda.current_stream(self.device)
+        stream.wait_stream(current)
         with torch.cuda.device(self.device), torch.cuda.stream(stream):
             start_timing(job, stream)
             try:
                 if plan.num_copies:
-                    job._keep = self._enqueue(method, direction, plan, stream)
+                    job._keep = self._enqueue(method, direction, plan, stream, current)
             except BaseException:
                 # Part of it may be queued: let it end before anyone retries over it.
+                self.kernel_streams[direction].synchronize()
                 stream.synchronize()
                 raise
             mark_completion(job, stream, None, None)
+        assert job._event is not None
+        for item in job._keep:
+            if isinstance(item, torch.Tensor) and item.is_pinned():
+                self._rings[direction].release(item, job._event)
+        self.jobs_by_method[method] += 1
         return job
 
     def _enqueue(
-        self, method: str, direction: int, plan: CopyPlan, stream: torch.cuda.Stream
+        self,
+        method: str,
+        direction: int,
+        plan: CopyPlan,
+        stream: torch.cuda.Stream,
+        caller: torch.cuda.Stream,
     ) -> list[torch.Tensor]:
+        if method == "staged":
+            return self._enqueue_staged(direction, plan, stream, caller)
+        if method == "kernel":
+            ids, ids_dev = self._upload_ids(direction, plan)
+            for span in plan.spans:
+                self._launch(span, ids_dev, plan, direction, None, 0, span.n, 0)
+            return [ids, ids_dev]
         if method == "torch":
             self._torch_copy(direction, plan)
             return []
         assert self._lib is not None
         host = self.pool.block_address[plan.host_slot] + plan.host_offset
         src, dst = (plan.kv_addr, host) if direction == STORE else (host, plan.kv_addr)
-        size = plan.size
+        self._memcpy(method, stream, direction, src, dst, plan.size)
+        # The driver reads the descriptor arrays during the call; they are kept until the
+        # job ends all the same (cheap insurance).
+        return [src, dst, plan.size]
+
+    def _memcpy(
+        self,
+        method: str,
+        stream: torch.cuda.Stream,
+        direction: int,
+        src: torch.Tensor,
+        dst: torch.Tensor,
+        size: torch.Tensor,
+    ) -> None:
+        """Copies ``size[i]`` bytes from ``src[i]`` to ``dst[i]`` (int64 CPU tensors) on
+        ``stream``: one ``cuMemcpyBatchAsync`` (``batch``) or ``cuMemcpyAsync`` each."""
+        assert self._lib is not None
         if method == "batch":
             rc = self._lib.ao_cuda_memcpy_batch(
                 stream.cuda_stream,
                 dst.data_ptr(),
                 src.data_ptr(),
                 size.data_ptr(),
-                plan.num_copies,
+                src.numel(),
                 direction,
                 self.device.index,
                 *self.batch_attributes[direction],
@@ -405,15 +680,236 @@ class CudaPagedEngine:
                 raise RuntimeError(f"cuMemcpyBatchAsync failed: CUresult {rc}")
         elif method == "each":
             rc = self._lib.ao_cuda_memcpy_each(
-                stream.cuda_stream, dst.data_ptr(), src.data_ptr(), size.data_ptr(), plan.num_copies
+                stream.cuda_stream, dst.data_ptr(), src.data_ptr(), size.data_ptr(), src.numel()
             )
             if rc != 0:
                 raise RuntimeError(f"cuMemcpyAsync failed: CUresult {rc}")
         else:
             raise ValueError(f"unknown copy method {method!r}")
-        # The driver reads the descriptor arrays during the call; they are kept until the
-        # job ends all the same (cheap insurance).
-        return [src, dst, size]
+
+    def _upload_ids(self, direction: int, plan: CopyPlan) -> tuple[torch.Tensor, torch.Tensor]:
+        """The plan's gpu ids then slot ids, on the device (copied on the current stream
+        from a pinned ring region that is reused once the job has ended)."""
+        n, m = plan.gpu_ids.numel(), plan.slot_ids.numel()
+        ids = self._rings[direction].take(n + m)
+        ids[:n] = plan.gpu_ids
+        ids[n:] = plan.slot_ids
+        return ids, ids.to(self.device, non_blocking=True)
+
+    def _launch(
+        self,
+        span: GroupSpan,
+        ids_dev: torch.Tensor,
+        plan: CopyPlan,
+        direction: int,
+        staging: torch.Tensor | None,
+        j0: int,
+        j1: int,
+        row_lo: int,
+    ) -> None:
+        """The kernel over blocks ``j0 .. j1 - 1`` of ``span``, one launch per ref set:
+        to or from the host slots (``staging`` None), else staging rows (row 0 holds the
+        span's slot position ``row_lo``, relative to ``span.slot_lo``)."""
+        from asyncoffload.transfer._triton_paged import launch_copy_pages  # needs Triton
+
+        use_table = staging is None
+        row_base = 1 << 40 if staging is None else staging.data_ptr()
+        for refs in self._ref_sets[span.group]:
+            wide = refs.aligned and (self._slots_aligned or not use_table)
+            launch_copy_pages(
+                ids_dev,
+                refs.table,
+                self._host_table,
+                n_blocks=j1 - j0,
+                j0=j0,
+                g_off=span.gpu_lo,
+                s_off=plan.gpu_ids.numel() + span.slot_lo,
+                skip=span.skip,
+                bpc=self.layout.blocks_per_chunk,
+                max_elems=refs.max_bytes // 8 if wide else refs.max_bytes,
+                row_base=row_base,
+                row_stride=self.row_stride,
+                row_lo=row_lo,
+                store=direction == STORE,
+                use_table=use_table,
+                wide=wide,
+                programs=self.kernel_programs,
+            )
+
+    def _staged_kernels(
+        self,
+        plan: CopyPlan,
+        ids_dev: torch.Tensor,
+        direction: int,
+        staging: torch.Tensor,
+        lo: int,
+        hi: int,
+    ) -> None:
+        """Gather (store) or scatter (load) the blocks whose slots are the job's slot
+        positions ``lo .. hi - 1``, to or from staging rows ``0 .. hi - lo - 1``."""
+        bpc = self.layout.blocks_per_chunk
+        for span in plan.spans:
+            a = max(lo, span.slot_lo) - span.slot_lo
+            b = min(hi, span.slot_lo + span.num_slots) - span.slot_lo
+            if a >= b:
+                continue
+            j0 = max(0, a * bpc - span.skip)
+            j1 = min(span.n, b * bpc - span.skip)
+            if j0 < j1:
+                self._launch(span, ids_dev, plan, direction, staging, j0, j1, lo - span.slot_lo)
+
+    def _staging_buffers(self, direction: int) -> list[torch.Tensor]:
+        buffers = self._staging[direction]
+        if buffers is None:
+            rows = max(1, min(self.staging_bytes // 2 // self.row_stride, self.num_slots))
+            buffers = [
+                torch.empty((rows, self.row_stride), dtype=torch.uint8, device=self.device)
+                for _ in range(2)
+            ]
+            self._staging[direction] = buffers
+            while len(self._staging_events) < 2:
+                self._staging_events.append(
+                    (
+                        [torch.cuda.Event() for _ in range(2)],  # type: ignore[no-untyped-call]
+                        [torch.cuda.Event() for _ in range(2)],  # type: ignore[no-untyped-call]
+                    )
+                )
+        return buffers
+
+    def staged_runs(self, plan: CopyPlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The host bytes a staged job moves, as runs ``(slot position, offset in the
+        slot, bytes)`` (int64 CPU tensors), by slot position within each group."""
+        bpc = self.layout.blocks_per_chunk
+        slot_bytes = self.layout.slot_bytes
+        pos_parts: list[torch.Tensor] = []
+        off_parts: list[torch.Tensor] = []
+        size_parts: list[torch.Tensor] = []
+
+        def slot_runs(k: torch.Tensor, s0: torch.Tensor, s1: torch.Tensor, r: _GroupRuns) -> None:
+            # Per slot k (relative), sub-pages s0 .. s1 - 1 of every whole-page ref.
+            nf = r.full_off.shape[1]
+            if not nf or not k.numel():
+                return
+            pos_parts.append((k + lo).view(-1, 1).expand(-1, nf).reshape(-1))
+            off_parts.append((r.full_off + s0.view(-1, 1) * r.full_page).view(-1))
+            size_parts.append(((s1 - s0).view(-1, 1) * r.full_page).view(-1))
+
+        for g, _, n, lo, nslots, skip in plan.spans:
+            r = self._group_runs[g]
+            end = skip + n  # sub-pages in use: skip .. end - 1 over the group's slots
+            if r.dense:
+                first_partial = skip != 0 or end < bpc
+                last_partial = end % bpc != 0
+                a = 1 if first_partial else 0
+                b = nslots - 1 if last_partial and nslots - 1 >= a else nslots
+                if first_partial:
+                    one = torch.tensor([0], dtype=torch.int64)
+                    slot_runs(one, one * 0 + skip, one * 0 + min(end, bpc), r)
+                if b > a:
+                    pos_parts.append(torch.arange(lo + a, lo + b, dtype=torch.int64))
+                    off_parts.append(torch.zeros(b - a, dtype=torch.int64))
+                    size_parts.append(torch.full((b - a,), slot_bytes, dtype=torch.int64))
+                if last_partial and b < nslots and (nslots - 1 != 0 or not first_partial):
+                    last = torch.tensor([nslots - 1], dtype=torch.int64)
+                    slot_runs(last, last * 0, last * 0 + end - (nslots - 1) * bpc, r)
+                continue
+            k = torch.arange(nslots, dtype=torch.int64)
+            s0 = torch.zeros(nslots, dtype=torch.int64)
+            s0[0] = skip
+            s1 = torch.clamp(end - k * bpc, max=bpc)
+            slot_runs(k, s0, s1, r)
+            if r.part_off.numel():
+                p = torch.arange(skip, end, dtype=torch.int64).view(1, -1)
+                np_ = r.part_off.shape[0]
+                pos_parts.append((lo + p // bpc).expand(np_, -1).reshape(-1))
+                off_parts.append((r.part_off + (p % bpc) * r.part_page).reshape(-1))
+                size_parts.append(r.part_bytes.expand(-1, n).reshape(-1))
+        return _cat(pos_parts), _cat(off_parts), _cat(size_parts)
+
+    def _enqueue_staged(
+        self,
+        direction: int,
+        plan: CopyPlan,
+        stream: torch.cuda.Stream,
+        caller: torch.cuda.Stream,
+    ) -> list[torch.Tensor]:
+        """See the class docstring. The kernel stream starts after the caller's queued
+        work; staging buffer ``b`` is refilled only after the work that last read it (the
+        DMA of a store, the scatter of a load), across jobs too. Everything ends on the
+        copy stream, where the job's completion marker is recorded."""
+        kstream = self.kernel_streams[direction]
+        kstream.wait_stream(caller)
+        buffers = self._staging_buffers(direction)
+        ready_events, done_events = self._staging_events[direction]
+        used = self._staging_used[direction]
+        rows = buffers[0].shape[0]
+        store = direction == STORE
+        total = plan.slot_ids.numel()
+        first = self._next_buffer[direction]
+        src, dst, size, counts = self._staged_dmas(plan, rows, buffers, first, store)
+        dma = "batch" if self.has_batch else "each"
+        # Kernels go to the kernel stream (current here), DMAs and events name their
+        # stream. Buffer b's events are re-recorded at each use: a wait takes the most
+        # recent record, which is the work that last read the buffer.
+        with torch.cuda.stream(kstream):
+            ids, ids_dev = self._upload_ids(direction, plan)
+            at = 0
+            for k, lo in enumerate(range(0, total, rows)):
+                hi = min(total, lo + rows)
+                buf = (first + k) % 2
+                self._next_buffer[direction] = buf ^ 1
+                staging, ready, done = buffers[buf], ready_events[buf], done_events[buf]
+                # The chunk's DMA descriptors (contiguous slices: their data_ptr is read).
+                end = at + counts[k]
+                c_src, c_dst, c_size = src[at:end], dst[at:end], size[at:end]
+                at = end
+                if store:
+                    if used[buf]:
+                        kstream.wait_event(done)  # the DMA that last read this buffer
+                    self._staged_kernels(plan, ids_dev, direction, staging, lo, hi)
+                    ready.record(kstream)
+                    stream.wait_event(ready)
+                    if c_size.numel():
+                        self._memcpy(dma, stream, direction, c_src, c_dst, c_size)
+                    done.record(stream)
+                else:
+                    if used[buf]:
+                        stream.wait_event(done)  # the scatter that last read this buffer
+                    if c_size.numel():
+                        self._memcpy(dma, stream, direction, c_src, c_dst, c_size)
+                    ready.record(stream)
+                    kstream.wait_event(ready)
+                    self._staged_kernels(plan, ids_dev, direction, staging, lo, hi)
+                    done.record(kstream)
+                used[buf] = True
+        # The job ends on the copy stream, after the kernel stream's last work.
+        stream.wait_stream(kstream)
+        return [ids, ids_dev, src, dst, size]
+
+    def _staged_dmas(
+        self, plan: CopyPlan, rows: int, buffers: list[torch.Tensor], first: int, store: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+        """The DMA descriptors (src, dst, size) of a staged job, chunk after chunk (chunk
+        ``k``: slot positions ``k * rows ..``, in buffer ``(first + k) % 2``), and how
+        many each chunk has. Runs contiguous in staging and in one host chunk merge."""
+        pos, off, size = self.staged_runs(plan)
+        nchunks = -(-plan.slot_ids.numel() // rows)
+        chunk = pos // rows
+        if nchunks > 1 and bool((chunk[1:] < chunk[:-1]).any()):
+            order = torch.argsort(chunk, stable=True)
+            pos, off, size, chunk = pos[order], off[order], size[order], chunk[order]
+        slot = plan.slot_ids[pos]
+        bases = torch.tensor([buffers[0].data_ptr(), buffers[1].data_ptr()], dtype=torch.int64)
+        base = bases[(chunk + first) % 2] if nchunks > 1 else bases[first]
+        dev = base + (pos - chunk * rows) * self.row_stride + off
+        host = self.pool.block_address[slot] + off
+        # A merged run stays in one chunk: host chunks and staging chunks both break it.
+        key = (slot // self.pool.rows_per_chunk) * (nchunks + 1) + chunk
+        src, dst, size, key = _merge_runs(dev, host, size, key, store=store)
+        if nchunks == 1:
+            return src, dst, size, [size.numel()]
+        counts = torch.bincount(key % (nchunks + 1), minlength=nchunks).tolist()
+        return src, dst, size, counts
 
     def _torch_copy(self, direction: int, plan: CopyPlan) -> None:
         """Synchronous torch copies on the current (copy) stream: per ref, a device
@@ -451,12 +947,38 @@ class CudaPagedEngine:
         job.query()
 
     def quiesce(self, direction: int) -> None:
+        self.kernel_streams[direction].synchronize()
         self.streams[direction].synchronize()
 
     def read_slot(self, slot_id: int) -> bytes:
         return host_bytes(self.pool.block(slot_id))
 
     def close(self) -> None:
-        for stream in self.streams:
+        for stream in (*self.kernel_streams, *self.streams):
             stream.synchronize()
+        self._staging = [None, None]
         self.pool.close()
+
+
+def _merge_runs(
+    dev: torch.Tensor, host: torch.Tensor, size: torch.Tensor, key: torch.Tensor, *, store: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(src, dst, size, key) DMA descriptors for runs between device addresses ``dev``
+    and host addresses ``host``: neighbours contiguous on both sides and of one ``key``
+    (host chunk, one registration; staging chunk) become one descriptor."""
+    n = size.numel()
+    if n > 1:
+        dev_end = dev + size
+        cont = (
+            (dev[1:] == dev_end[:-1]) & (host[1:] == host[:-1] + size[:-1]) & (key[1:] == key[:-1])
+        )
+        if bool(cont.any()):
+            first = torch.ones(n, dtype=torch.bool)
+            first[1:] = ~cont
+            starts = torch.nonzero(first).view(-1)
+            ends = torch.empty_like(starts)
+            ends[:-1] = starts[1:] - 1
+            ends[-1] = n - 1
+            size = dev_end[ends] - dev[starts]
+            dev, host, key = dev[starts], host[starts], key[starts]
+    return (dev, host, size, key) if store else (host, dev, size, key)

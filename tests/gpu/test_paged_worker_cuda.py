@@ -23,7 +23,8 @@ NUM_BLOCKS = 32
 NUM_SLOTS = 24
 BLOCK_SIZE, HEADS, HEAD_DIM = 16, 2, 64
 PAGE = BLOCK_SIZE * HEADS * HEAD_DIM * 2  # bf16 K (or V) of one block of one layer: 4 KiB
-STATE = 1000  # a Mamba-like state page: not a multiple of 8
+STATE = 1000  # a Mamba-like state page
+ODD, ODD_ROW, ODD_MOVED = 1008, 1016, 1001  # strided rows; refs move an unaligned size
 
 Transfer = tuple[list[int], list[int], list[int], list[int]]
 
@@ -33,7 +34,8 @@ class CanonicalKV:
 
     Layers 0 and 1 are ``[2, num_blocks, block_size, heads, head_dim]`` (K then V, each
     contiguous); layers 2 and 3 are ``[num_blocks, 2, ...]`` (K and V interleaved per
-    block: rows 2 pages apart). Tensors: L0K L0V L1K L1V L2K L2V L3K L3V, state.
+    block: rows 2 pages apart). Tensors: L0K L0V L1K L1V L2K L2V L3K L3V, state, and an
+    odd tensor (pages of ODD bytes, rows ODD_ROW apart, ODD_MOVED bytes moved).
     """
 
     def __init__(self, seed: int) -> None:
@@ -61,6 +63,9 @@ class CanonicalKV:
         state = torch.empty((NUM_BLOCKS, STATE), dtype=torch.int8, device="cuda")
         self.raws.append(state)
         self.tensors.append(state)
+        odd = torch.empty((NUM_BLOCKS, ODD_ROW), dtype=torch.int8, device="cuda")
+        self.raws.append(odd)
+        self.tensors.append(odd[:, :ODD])
         self.scramble(seed)
 
     def scramble(self, seed: int) -> None:
@@ -76,17 +81,18 @@ class CanonicalKV:
 
     def locate(self, t: int, block: int) -> tuple[int, int]:
         """(raw index, byte offset in it) of row ``block`` of tensor ``t``."""
-        r = t // 2 if t < 8 else 4
+        r = t // 2 if t < 8 else t - 4
         tensor = self.tensors[t]
         return r, tensor.data_ptr() - self.raws[r].data_ptr() + block * tensor.stride(0)
 
 
-PAGES = [PAGE] * 8 + [STATE]
+PAGES = [PAGE] * 8 + [STATE, ODD]
 # Group 0: layers 0 and 2 in full; group 1: layers 1 and 3 moving 3 KiB of their 4 KiB
-# pages (un-padded size), and the state; group 2 shares layer 0's tensors with group 0.
+# pages (un-padded size), the state and the odd tensor; group 2 shares layer 0's tensors
+# with group 0.
 REFS = [
     [(0, PAGE), (1, PAGE), (4, PAGE), (5, PAGE)],
-    [(2, 3072), (3, 3072), (6, 3072), (7, 3072), (8, STATE)],
+    [(2, 3072), (3, 3072), (6, 3072), (7, 3072), (8, STATE), (9, ODD_MOVED)],
     [(0, PAGE), (1, PAGE)],
 ]
 
@@ -158,6 +164,10 @@ def force_method(worker: PagedTransferWorker, method: str) -> None:
         pytest.skip("cuMemcpyBatchAsync unavailable (driver 12.8+ and the native helper)")
     if method == "each" and not engine.has_each:
         pytest.skip("the native CUDA helper (cuMemcpyAsync) is unavailable")
+    if method in ("kernel", "staged", "auto") and not engine.has_kernel:
+        pytest.skip("the Triton copy kernels are unavailable (Triton, pinned pool)")
+    if method == "staged" and not engine.has_staged:
+        pytest.skip("the staged method is unavailable (Triton and the native helper)")
     engine.primary_method = method
 
 
@@ -196,15 +206,134 @@ def test_round_trip_is_byte_exact(bpc: int, sizes: list[int], starts: list[int])
         round_trip(worker, kv, bpc, make_transfer(sizes, starts, bpc, seed=2))
 
 
-@pytest.mark.parametrize("method", ["batch", "each", "torch"])
+METHODS = ["staged", "kernel", "auto", "batch", "each", "torch"]
+
+
+@pytest.mark.parametrize("method", METHODS)
 def test_every_copy_method_is_byte_exact(method: str) -> None:
     kv = CanonicalKV(seed=3)
     with make_worker(kv, 4) as worker:
         force_method(worker, method)
         round_trip(worker, kv, 4, make_transfer([5, 3, 2], [1, 6, 3], 4, seed=4))
+        assert cuda_engine(worker).jobs_by_method.get(method, 2) == 2
 
 
-@pytest.mark.parametrize("method", ["batch", "each", "torch"])
+KERNEL_SHAPES = [
+    (1, [5, 3, 2], [0, 7, 3]),
+    (1, [0, 6, 0], [0, 2, 0]),
+    (3, [5, 3, 2], [1, 5, 2]),
+    (3, [7, 0, 4], [2, 0, 4]),
+    (3, [1, 1, 1], [2, 1, 0]),
+]
+
+
+@pytest.mark.parametrize("method", ["staged", "kernel"])
+@pytest.mark.parametrize(("bpc", "sizes", "starts"), KERNEL_SHAPES)
+def test_kernel_methods_are_byte_exact_for_every_shape(
+    method: str, bpc: int, sizes: list[int], starts: list[int]
+) -> None:
+    """Pages of several sizes (an unaligned ref among them), strided rows, groups sharing
+    tensors, empty groups, chunks entered at unaligned block_indices."""
+    kv = CanonicalKV(seed=30 + bpc)
+    with make_worker(kv, bpc) as worker:
+        force_method(worker, method)
+        round_trip(worker, kv, bpc, make_transfer(sizes, starts, bpc, seed=31 + sum(sizes)))
+
+
+@pytest.mark.parametrize("bpc", [1, 3])
+def test_a_job_larger_than_staging_is_double_buffered(bpc: int) -> None:
+    """Staging of two rows per buffer: a job of many slots goes through it in pieces,
+    and jobs queued back to back reuse the buffers only once the last user is done."""
+    kv = CanonicalKV(seed=40)
+    with make_worker(kv, bpc) as worker:
+        engine = cuda_engine(worker)
+        force_method(worker, "staged")
+        engine.staging_bytes = 4 * engine.row_stride + 1  # 2 rows a buffer
+        model = HostModel(bpc)
+        sizes, starts = [3, 2, 2], [1, 2, 0]
+        jobs = []
+        used: set[int] = set()
+        for seed in range(3):
+            gpu, _, _, slots = make_transfer(sizes, starts, bpc, seed=41 + seed)
+            gen = torch.Generator().manual_seed(seed)
+            free = [s for s in torch.randperm(NUM_SLOTS, generator=gen).tolist() if s not in used]
+            slots = free[: len(slots)]
+            used.update(slots)
+            jobs.append((gpu, sizes, starts, slots))
+        gpu_sleep(0.05)  # everything below queues behind this
+        for job_id, transfer in enumerate(jobs):
+            worker.submit_store(job_id, *transfer)
+        worker.wait({2})
+        for transfer in jobs:
+            model.store(kv, transfer)
+        for slot in range(NUM_SLOTS):
+            assert worker.read_slot(slot) == bytes(model.slots[slot]), f"slot {slot}"
+        assert engine._staging[0] is not None and engine._staging[0][0].shape[0] == 2
+        kv.scramble(seed=43)
+        expected = kv.snapshot()
+        targets = []
+        gen = torch.Generator().manual_seed(44)
+        perm = torch.randperm(NUM_BLOCKS, generator=gen).tolist()
+        n = sum(sizes)
+        for i, (_, _, _, slots) in enumerate(jobs[:2]):  # 2 x 7 blocks: distinct targets
+            targets.append((perm[i * n : (i + 1) * n], sizes, starts, slots))
+        gpu_sleep(0.05)
+        for i, (gpu, _, _, slots) in enumerate(targets):
+            worker.submit_load(10 + i, slots, gpu, sizes, starts)
+        worker.wait({11})
+        for transfer in targets:
+            expected = model.loaded(kv, expected, transfer)
+        assert kv.snapshot() == expected
+        assert [j.job_id for j in worker.get_finished()] == [0, 1, 2, 10, 11]
+        assert engine.jobs_by_method["staged"] == 5
+
+
+def test_auto_chooses_by_descriptor_count_and_page_size() -> None:
+    kv = CanonicalKV(seed=50)
+    with make_worker(kv, 1) as worker:
+        engine = cuda_engine(worker)
+        if not engine.has_staged:
+            pytest.skip("the Triton copy kernels are unavailable")
+        layout = worker.layout
+        tiny = layout.plan([1], [1, 0, 0], [0, 0, 0], [0], num_slots=NUM_SLOTS, store=True)
+        big = layout.plan(list(range(20)), [20, 0, 0], [0, 0, 0], list(range(20)),
+                          num_slots=NUM_SLOTS, store=True)  # fmt: skip
+        assert engine.choose_method(tiny) == engine.base_method
+        assert engine.choose_method(big) == "kernel"  # 4 KiB pages
+        engine.kernel_max_fragment_bytes = 1024
+        assert engine.choose_method(big) == "staged"
+
+
+def test_unaligned_slots_use_the_byte_kernels() -> None:
+    """Slots of an odd size (no 8-byte alignment through UVA) and a 13-byte page."""
+    gen = torch.Generator().manual_seed(60)
+    raw = torch.randint(0, 256, (NUM_BLOCKS, 64 + 16), generator=gen, dtype=torch.uint8)
+    raw = raw.to("cuda")
+    tensors = [raw[:, :64], raw[:, 64:77]]
+    for method in ("kernel", "staged"):
+        with PagedTransferWorker(tensors, [64, 13], [[(0, 64), (1, 13)]], 3, 8) as worker:
+            force_method(worker, method)
+            gpu = [3, 9, 1, 4, 20]
+            worker.submit_store(1, gpu, [5], [1], [6, 2])
+            worker.wait({1})
+            host = raw.cpu()
+            for j, block in enumerate(gpu):
+                slot, sub = [6, 2][(1 + j) // 3], (1 + j) % 3
+                data = worker.read_slot(slot)
+                assert data[sub * 64 : sub * 64 + 64] == _bytes(host[block, :64])
+                at = 3 * 64 + sub * 13
+                assert data[at : at + 13] == _bytes(host[block, 64:77])
+            assert worker.read_slot(6)[:64] == bytes(64)  # sub-page 0 of slot 6: untouched
+            before = raw.clone()
+            worker.submit_load(2, [6, 2], [30, 31, 5, 6, 7], [5], [1])
+            worker.wait({2})
+            for src, dst in zip(gpu, [30, 31, 5, 6, 7]):
+                before[dst, :77] = before[src, :77]
+            assert torch.equal(raw, before)
+            worker.get_finished()
+
+
+@pytest.mark.parametrize("method", ["batch", "each", "torch", "kernel", "staged"])
 def test_slots_spread_over_host_chunks(method: str) -> None:
     kv = CanonicalKV(seed=5)
     slot_bytes = 4 * sum(PAGES)
@@ -221,9 +350,11 @@ def test_a_pageable_host_pool_still_copies_exactly() -> None:
         round_trip(worker, kv, 4, make_transfer([5, 3, 2], [1, 6, 3], 4, seed=8))
 
 
-def test_a_store_reads_what_the_current_stream_wrote_before_it() -> None:
+@pytest.mark.parametrize("method", ["auto", "staged", "kernel"])
+def test_a_store_reads_what_the_current_stream_wrote_before_it(method: str) -> None:
     kv = CanonicalKV(seed=9)
     with make_worker(kv, 1) as worker:
+        force_method(worker, method)
         transfer: Transfer = ([3], [1, 0, 0], [0, 0, 0], [0])
         gpu_sleep(0.05)  # the fill below runs late on the current stream
         for t in (0, 1, 4, 5):
@@ -236,9 +367,11 @@ def test_a_store_reads_what_the_current_stream_wrote_before_it() -> None:
             assert slot[offset : offset + PAGE] == bytes([7]) * PAGE, t
 
 
-def test_a_load_writes_after_the_current_streams_earlier_work() -> None:
+@pytest.mark.parametrize("method", ["auto", "staged", "kernel"])
+def test_a_load_writes_after_the_current_streams_earlier_work(method: str) -> None:
     kv = CanonicalKV(seed=10)
     with make_worker(kv, 1) as worker:
+        force_method(worker, method)
         worker.submit_store(1, [5], [1, 0, 0], [0, 0, 0], [0])
         worker.wait({1})
         expected = _bytes(kv.tensors[0][5].cpu())
@@ -312,6 +445,36 @@ def test_a_batch_the_driver_refuses_is_retried_one_copy_at_a_time() -> None:
         round_trip(worker, kv, 4, make_transfer([5, 3, 2], [1, 6, 3], 4, seed=16))
         stats = worker.stats()
         assert (stats.store.retries, stats.load.retries) == (1, 1)
+
+
+@pytest.mark.parametrize("method", ["staged", "kernel"])
+def test_a_kernel_job_that_fails_is_retried_on_the_fallback(
+    method: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The staged DMA refused by the driver (invalid attributes, after the gather kernel
+    was queued), or the kernel launch failing: the job runs again, one cuMemcpyAsync per
+    descriptor, byte-exact."""
+    from asyncoffload.transfer import _triton_paged
+
+    kv = CanonicalKV(seed=18)
+    with make_worker(kv, 4) as worker:
+        engine = cuda_engine(worker)
+        force_method(worker, method)
+        if not (engine.has_each and engine.has_batch):
+            pytest.skip("no cuMemcpyBatchAsync or no cuMemcpyAsync fallback")
+        assert engine.fallback_name == "cuda-each"
+        if method == "staged":
+            engine.batch_attributes = ((99, 0), (99, 0))
+        else:
+
+            def refuse(*args: Any, **kwargs: Any) -> None:
+                raise RuntimeError("injected launch failure")
+
+            monkeypatch.setattr(_triton_paged, "launch_copy_pages", refuse)
+        round_trip(worker, kv, 4, make_transfer([5, 3, 2], [1, 6, 3], 4, seed=19))
+        stats = worker.stats()
+        assert (stats.store.retries, stats.load.retries) == (1, 1)
+        assert engine.jobs_by_method["each"] == 2
 
 
 def test_shutdown_finishes_queued_copies_and_unpins() -> None:
