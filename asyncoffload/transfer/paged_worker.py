@@ -192,7 +192,8 @@ class PagedTransferWorker:
     cache as :class:`~asyncoffload.transfer.paged.PageLayout` does (its docstring gives
     the host layout and the meaning of a transfer's ids). The tensors' device picks the
     engine: CPU tensors use :class:`CpuPagedEngine` (``copy_engine``), CUDA tensors
-    :class:`CudaPagedEngine` (``pin``, ``chunk_bytes``). The worker keeps the tensors
+    :class:`CudaPagedEngine` (``pin``, ``chunk_bytes``, ``staging_bytes``: device
+    memory per direction for its staged copies, allocated on first use). The worker keeps the tensors
     until :meth:`shutdown`.
 
     Job ids are ints chosen by the caller; an id may be used again once its job has been
@@ -211,6 +212,7 @@ class PagedTransferWorker:
         copy_engine: CpuCopyEngine = "auto",
         pin: bool = True,
         chunk_bytes: int = 1 << 30,
+        staging_bytes: int = 256 << 20,
     ) -> None:
         self.layout = PageLayout(tensors, page_bytes, group_refs, blocks_per_chunk)
         if isinstance(num_slots, bool) or not isinstance(num_slots, int):
@@ -225,7 +227,15 @@ class PagedTransferWorker:
         elif device.type == "cuda":
             if chunk_bytes <= 0:
                 raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
-            self._engine = CudaPagedEngine(self.layout, num_slots, pin=pin, chunk_bytes=chunk_bytes)
+            if staging_bytes <= 0:
+                raise ValueError(f"staging_bytes must be positive, got {staging_bytes}")
+            self._engine = CudaPagedEngine(
+                self.layout,
+                num_slots,
+                pin=pin,
+                chunk_bytes=chunk_bytes,
+                staging_bytes=staging_bytes,
+            )
         else:
             raise ValueError(f"no copy engine for KV tensors on {device} (want cpu or cuda)")
         self._lanes: tuple[deque[_Transfer], deque[_Transfer]] = (deque(), deque())

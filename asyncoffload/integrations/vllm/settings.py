@@ -69,6 +69,12 @@ class VllmOffloadSettings(BaseModel):
     host_chunk_bytes: int = Field(
         1 << 30, gt=0, description="CUDA: the host pool is pinned in chunks of this."
     )
+    staging_bytes: int = Field(
+        256 << 20,
+        gt=0,
+        description="CUDA: device memory per direction for staged copies (a Triton gather "
+        "into rows laid out like host slots, then one DMA per run), allocated on first use.",
+    )
     # vLLM's own keys, accepted so that strictness stays useful.
     spec_name: str | None = None
     spec_module_path: str | None = None

@@ -61,6 +61,7 @@ class AsyncOffloadWorker(OffloadingWorker):
             copy_engine=settings.copy_engine,
             pin=settings.pin_memory,
             chunk_bytes=settings.host_chunk_bytes,
+            staging_bytes=settings.staging_bytes,
         )
         log.info(
             "asyncoffload worker: %d host slots of %d B on %s (%s)",
