@@ -22,7 +22,13 @@ from functools import cache
 from pathlib import Path
 from types import ModuleType
 
-__all__ = ["load_copy_engine", "load_cuda_helpers", "load_kvcore", "native_disabled"]
+__all__ = [
+    "load_copy_engine",
+    "load_cuda_helpers",
+    "load_kvcore",
+    "load_mgrcore",
+    "native_disabled",
+]
 
 log = logging.getLogger("asyncoffload.native")
 
@@ -82,10 +88,9 @@ def _load(name: str, libs: tuple[str, ...] = ()) -> ctypes.CDLL | None:
         return None
 
 
-@cache
-def load_kvcore() -> ModuleType | None:
-    """The KV policy's C core (a CPython extension compiled on first use); ``None`` if it
-    cannot be built (no compiler or Python headers, or ``ASYNCOFFLOAD_NO_NATIVE=1``)."""
+def _load_extension(name: str, what: str) -> ModuleType | None:
+    """``{name}.c`` built as a CPython extension (once per source, Python and headers) and
+    imported; ``None`` (logged) where it cannot be."""
     if not _supported():
         return None
     include = sysconfig.get_paths()["include"]
@@ -96,16 +101,30 @@ def load_kvcore() -> ModuleType | None:
         if not (Path(include) / "Python.h").exists():
             raise OSError(f"no Python.h under {include} (install the Python headers)")
         suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
-        path = _built("kvcore", suffix, tuple(flags), (sys.version + include).encode())
-        spec = importlib.util.spec_from_file_location("kvcore", path)
+        path = _built(name, suffix, tuple(flags), (sys.version + include).encode())
+        spec = importlib.util.spec_from_file_location(name, path)
         if spec is None or spec.loader is None:
             raise OSError(f"cannot load {path}")
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         return module
     except (OSError, ImportError, subprocess.SubprocessError) as exc:
-        log.warning("native KV policy core unavailable, using Python: %s", exc)
+        log.warning("%s unavailable, using Python: %s", what, exc)
         return None
+
+
+@cache
+def load_kvcore() -> ModuleType | None:
+    """The KV policy's C core (a CPython extension compiled on first use); ``None`` if it
+    cannot be built (no compiler or Python headers, or ``ASYNCOFFLOAD_NO_NATIVE=1``)."""
+    return _load_extension("kvcore", "native KV policy core")
+
+
+@cache
+def load_mgrcore() -> ModuleType | None:
+    """The request-scoped manager's C core (asyncoffload.manager.native), compiled on first
+    use like :func:`load_kvcore`; ``None`` where it cannot be built."""
+    return _load_extension("mgrcore", "native manager core")
 
 
 @cache

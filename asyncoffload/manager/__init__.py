@@ -13,6 +13,7 @@ from asyncoffload.manager.base import (
     ReqContext,
 )
 from asyncoffload.manager.cpu import CPUOffloadingManager, ManagerStats
+from asyncoffload.manager.native import NativeManager
 from asyncoffload.manager.policies import (
     CachePolicy,
     available_policies,
@@ -28,6 +29,7 @@ __all__ = [
     "LookupResult",
     "ManagerStats",
     "Medium",
+    "NativeManager",
     "OffloadingEvent",
     "OffloadingManager",
     "PrepareStoreOutput",

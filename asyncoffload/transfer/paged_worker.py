@@ -193,8 +193,8 @@ class PagedTransferWorker:
     the host layout and the meaning of a transfer's ids). The tensors' device picks the
     engine: CPU tensors use :class:`CpuPagedEngine` (``copy_engine``), CUDA tensors
     :class:`CudaPagedEngine` (``pin``, ``chunk_bytes``, ``staging_bytes``: device
-    memory per direction for its staged copies, allocated on first use). The worker keeps the tensors
-    until :meth:`shutdown`.
+    memory per direction for its staged copies, allocated on first use). The worker keeps
+    the tensors until :meth:`shutdown`.
 
     Job ids are ints chosen by the caller; an id may be used again once its job has been
     reported by :meth:`get_finished`. See the module docstring for ordering, failure and

@@ -2,7 +2,8 @@
 
 The installed vLLM's ``CPUOffloadingManager`` and ours are driven in lockstep the way
 vLLM 0.32's OffloadingConnector calls them (connector_replay); every lookup, load and
-store slot, evicted key and event must be equal, call for call.
+store slot, evicted key and event must be equal, call for call. Ours runs on the Python
+manager and on the C core (``native``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from asyncoffload.integrations.vllm.connector_replay import (
     replay_like_connector,
 )
 from asyncoffload.keys import make_offload_key
+from asyncoffload.manager.native import NativeManager, native_manager_available
 from asyncoffload.manager.policies.arc import ARCPolicy
 from asyncoffload.replay import capacity_blocks
 from asyncoffload.workloads import load_mooncake
@@ -34,11 +36,39 @@ def _key(name: str, group: int = 0) -> OffloadKey:
     return cast(OffloadKey, make_offload_key(name.encode() * 8, group))
 
 
-def _pair(capacity: int, policy: str) -> list[CPUOffloadingManager | AsyncOffloadManager]:
+def _pair(
+    capacity: int, policy: str, native: bool = False
+) -> list[CPUOffloadingManager | AsyncOffloadManager]:
     return [
         CPUOffloadingManager(capacity, policy, enable_events=True),
-        AsyncOffloadManager(capacity, policy, enable_events=True),
+        AsyncOffloadManager(capacity, policy, enable_events=True, native=native),
     ]
+
+
+def _target_t1(manager: AsyncOffloadManager) -> float:
+    """ARC's target size of T1, from either implementation."""
+    ours = manager.manager
+    if isinstance(ours, NativeManager):
+        return ours.target_t1
+    policy = ours.policy
+    assert isinstance(policy, ARCPolicy)
+    return policy.target_t1
+
+
+#: Ours on the Python manager and on the C core.
+NATIVE = pytest.mark.parametrize(
+    "native",
+    [
+        pytest.param(False, id="python"),
+        pytest.param(
+            True,
+            id="native",
+            marks=pytest.mark.skipif(
+                not native_manager_available(), reason="the native core cannot be built here"
+            ),
+        ),
+    ],
+)
 
 
 @pytest.fixture(scope="module")
@@ -52,14 +82,15 @@ def conversation() -> list[list[OffloadKey]]:
 
 
 @pytest.mark.timeout(300)
+@NATIVE
 @pytest.mark.parametrize("share", [0.01, 0.05, 0.10])
 @pytest.mark.parametrize("policy", ["lru", "arc"])
 def test_conversation_trace_decisions_equal_vllms(
-    policy: str, share: float, conversation: list[list[OffloadKey]]
+    policy: str, share: float, native: bool, conversation: list[list[OffloadKey]]
 ) -> None:
     unique = len({key for keys in conversation for key in keys})
     capacity = capacity_blocks(share, unique)
-    stats = replay_like_connector(conversation, _pair(capacity, policy))
+    stats = replay_like_connector(conversation, _pair(capacity, policy, native))
     # The replay exercised what matters: hits, evictions, deferrals behind pending stores.
     assert stats.requests == len(conversation)
     assert stats.hit_blocks > 0
@@ -68,8 +99,9 @@ def test_conversation_trace_decisions_equal_vllms(
 
 
 @pytest.mark.timeout(300)
+@NATIVE
 @pytest.mark.parametrize("policy", ["lru", "arc"])
-def test_random_workloads_with_two_groups_decide_as_vllm(policy: str) -> None:
+def test_random_workloads_with_two_groups_decide_as_vllm(policy: str, native: bool) -> None:
     """Short random request streams over few keys (so pending stores, pinned blocks,
     refused stores and ghost hits all happen), keys of two KV-cache groups per request
     (group 0's chunks, then group 1's, as the connector offers them), with varied
@@ -84,25 +116,26 @@ def test_random_workloads_with_two_groups_decide_as_vllm(policy: str) -> None:
             requests.append([_key(name, g) for g in groups for name in chosen])
         replay_like_connector(
             requests,
-            _pair(rng.randint(1, 8), policy),
+            _pair(rng.randint(1, 8), policy, native),
             load_steps=rng.randint(1, 3),
             store_steps=rng.randint(1, 4),
             decode_steps=rng.randint(1, 4),
         )
 
 
-def test_arc_adapts_to_ghost_hits_offered_to_stores() -> None:
+@NATIVE
+def test_arc_adapts_to_ghost_hits_offered_to_stores(native: bool) -> None:
     """vLLM's ARC moves its T1 target when a store is offered a key it evicted
     recently (a store miss in B1 / B2), before inserting it. A small case where that
     changes the victim: both managers must evict the same keys and end with the same
     target."""
     requests = [[_key(c) for c in r] for r in ("bc", "b", "a", "acd", "cb")]
     vllm = CPUOffloadingManager(2, "arc", enable_events=True)
-    ours = AsyncOffloadManager(2, "arc", enable_events=True)
+    ours = AsyncOffloadManager(2, "arc", enable_events=True, native=native)
     replay_like_connector(requests, [vllm, ours], load_steps=1, store_steps=1, decode_steps=1)
-    theirs, mine = vllm._policy, ours.manager.policy
-    assert isinstance(theirs, ARCCachePolicy) and isinstance(mine, ARCPolicy)
-    assert mine.target_t1 == theirs.target_t1_size > 0
+    theirs = vllm._policy
+    assert isinstance(theirs, ARCCachePolicy)
+    assert _target_t1(ours) == theirs.target_t1_size > 0
 
 
 def test_arc_without_store_miss_adaptation_would_differ(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -35,6 +35,7 @@ from vllm.v1.kv_offload.config import (
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
+import asyncoffload.integrations.vllm.manager as manager_module
 from asyncoffload.errors import UnknownKeyError
 from asyncoffload.integrations.vllm import (
     AsyncOffloadManager,
@@ -42,6 +43,7 @@ from asyncoffload.integrations.vllm import (
     AsyncOffloadWorker,
     VllmOffloadSettings,
 )
+from asyncoffload.manager.native import native_manager_available
 from asyncoffload.transfer.paged_worker import PagedTransferError
 
 PAGE = 2048  # bytes of one block of one layer (K or V) in the canonical tensors
@@ -292,6 +294,43 @@ def test_reset_cache_drops_blocks_even_with_transfers_in_flight() -> None:
     manager.reset_cache()
     assert manager.lookup(_keys("a")[0], ctx) is LookupResult.MISS
     assert manager.manager.stats().free == manager.manager.num_blocks  # type: ignore[attr-defined]
+
+
+def test_manager_runs_on_the_c_core_where_it_can() -> None:
+    available = native_manager_available()
+    assert AsyncOffloadManager(4, "lru").native is available
+    assert AsyncOffloadManager(4, "sieve", store_threshold=1).native is available
+    assert not AsyncOffloadManager(4, "lru", native=False).native
+    for python_only in (
+        AsyncOffloadManager(4, "kv"),
+        AsyncOffloadManager(4, "arc", store_threshold=2),
+        AsyncOffloadManager(4, "lru", admission="ghost"),
+    ):
+        assert not python_only.native
+    with pytest.raises(ValueError, match="'kv' is not one of the native core's"):
+        AsyncOffloadManager(4, "kv", native=True)
+    with pytest.raises(ValueError, match="store_threshold"):
+        AsyncOffloadManager(4, "lru", store_threshold=2, native=True)
+
+
+def test_native_manager_required_where_it_cannot_be_built(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(manager_module, "native_manager_available", lambda: False)
+    with pytest.raises(RuntimeError, match="native manager core is unavailable"):
+        AsyncOffloadManager(4, "lru", native=True)
+    assert not AsyncOffloadManager(4, "lru").native
+
+
+def test_native_manager_takes_vllms_keyword_names() -> None:
+    manager = AsyncOffloadManager(4, "lru", native=None)
+    ctx = ReqContext(req_id="r")
+    a, b = _keys("a", "b")
+    manager.prepare_store([a, b], req_context=ctx)
+    manager.complete_store({a, b}, req_context=ctx, success=True)  # a set, as vLLM may pass
+    manager.prepare_load([a], req_context=ctx)
+    manager.complete_load({a}, req_context=ctx)
+    assert manager.lookup(key=a, req_context=ctx) is LookupResult.HIT
 
 
 # --- worker ---------------------------------------------------------------------------

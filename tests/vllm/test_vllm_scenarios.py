@@ -7,8 +7,10 @@ does, ours that :class:`AsyncOffloadManager` does the same. Where ours deliberat
 differs, the test asserts each manager's own behaviour and says why.
 
 Policy-independent scenarios (lookup states, pinning, events, failures, reset, stats)
-also run on our policies vLLM lacks (``kv``, ``s3fifo``, ``sieve``). vLLM 0.32's connector
-never calls ``touch``, but both managers honour it, and vLLM's scenarios use it.
+also run on our policies vLLM lacks (``kv``, ``s3fifo``, ``sieve``). Ours runs on the
+Python manager and, for the configurations it runs, on the C core (``native``). vLLM
+0.32's connector never calls ``touch``, but both managers honour it, and vLLM's scenarios
+use it.
 """
 
 from __future__ import annotations
@@ -35,6 +37,12 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from asyncoffload.errors import DuplicateKeyError
 from asyncoffload.integrations.vllm.manager import AsyncOffloadManager
+from asyncoffload.manager.native import (
+    NATIVE_POLICIES,
+    NativeManager,
+    native_manager_available,
+    native_unsupported,
+)
 from asyncoffload.manager.policies.arc import ARCPolicy
 
 # --- the two managers ------------------------------------------------------------------
@@ -83,7 +91,29 @@ def our_manager(
         enable_events=enable_events,
         store_threshold=store_threshold,
         max_tracker_size=max_tracker_size,
+        native=False,
     )
+    return manager
+
+
+def our_native_manager(
+    num_chunks: int = 4,
+    policy: str = "lru",
+    *,
+    enable_events: bool = False,
+    store_threshold: int = 0,
+    max_tracker_size: int = 64_000,
+) -> OffloadingManager:
+    assert native_unsupported(policy, store_threshold) is None
+    manager = AsyncOffloadManager(
+        num_chunks,
+        policy,
+        enable_events=enable_events,
+        store_threshold=store_threshold,
+        max_tracker_size=max_tracker_size,
+        native=True,
+    )
+    assert manager.native
     return manager
 
 
@@ -91,15 +121,29 @@ def is_ours(manager: OffloadingManager) -> bool:
     return isinstance(manager, AsyncOffloadManager)
 
 
-BOTH = pytest.mark.parametrize("make", [vllm_manager, our_manager], ids=["vllm", "asyncoffload"])
+_NEEDS_CORE = pytest.mark.skipif(
+    not native_manager_available(), reason="the native manager core cannot be built here"
+)
+_NATIVE = pytest.param(our_native_manager, id="asyncoffload-native", marks=_NEEDS_CORE)
+BOTH = pytest.mark.parametrize(
+    "make", [vllm_manager, our_manager, _NATIVE], ids=["vllm", "asyncoffload", None]
+)
+#: For store_threshold, which only the Python manager has.
+VLLM_AND_PYTHON = pytest.mark.parametrize(
+    "make", [vllm_manager, our_manager], ids=["vllm", "asyncoffload"]
+)
 LRU_ARC = pytest.mark.parametrize("policy", ["lru", "arc"])
-#: vLLM's manager with its policies, ours with all of ours.
+#: vLLM's manager with its policies, ours with all of ours (in C where the core has them).
 ANY_POLICY = pytest.mark.parametrize(
     ("make", "policy"),
     [pytest.param(vllm_manager, p, id=f"vllm-{p}") for p in ("lru", "arc")]
     + [
         pytest.param(our_manager, p, id=f"asyncoffload-{p}")
         for p in ("lru", "arc", "kv", "s3fifo", "sieve")
+    ]
+    + [
+        pytest.param(our_native_manager, p, id=f"asyncoffload-native-{p}", marks=_NEEDS_CORE)
+        for p in NATIVE_POLICIES
     ],
 )
 
@@ -187,7 +231,12 @@ class ArcLists(NamedTuple):
 def arc_lists(manager: OffloadingManager) -> ArcLists:
     """ARC's lists, least recent first, and T1's target size, from either manager."""
     if isinstance(manager, AsyncOffloadManager):
-        ours = manager.manager.policy
+        mine = manager.manager
+        if isinstance(mine, NativeManager):
+            state = mine.snapshot()
+            t1, t2, b1, b2 = state["lists"]
+            return ArcLists([e[0] for e in t1], [e[0] for e in t2], b1, b2, state["target_t1"])
+        ours = mine.policy
         assert isinstance(ours, ARCPolicy)
         return ArcLists(
             [OffloadKey(k) for k in ours.t1],
@@ -455,7 +504,7 @@ def test_allocation_size_histogram_observes_a_refused_store(make: MakeManager, p
     assert (values.get(f"{name}_count"), values.get(f"{name}_sum")) == (1, 1)
 
 
-@BOTH
+@VLLM_AND_PYTHON
 def test_stores_skipped_counter_reports_threshold_skips_once(make: MakeManager) -> None:
     manager = make(4, store_threshold=2)
     assert prepare(manager, keys(1, 2, 3), req("r")) == Store([], [], [])
@@ -463,7 +512,7 @@ def test_stores_skipped_counter_reports_threshold_skips_once(make: MakeManager) 
     assert reduced(manager)[CPUOffloadingMetrics.STORES_SKIPPED] == 0
 
 
-@BOTH
+@VLLM_AND_PYTHON
 def test_stats_report_vllms_cpu_metrics(make: MakeManager) -> None:
     manager = make(4, store_threshold=2)
     store(manager, keys(1), req("r"))
@@ -484,7 +533,7 @@ def test_stats_report_vllms_cpu_metrics(make: MakeManager) -> None:
 
 @BOTH
 def test_zero_capacity(make: MakeManager) -> None:
-    if make is our_manager:
+    if make is not vllm_manager:
         # Ours refuses a tier without a slot (AsyncOffloadSpec refuses num_chunks <= 0 too).
         with pytest.raises(ValueError, match="num_blocks"):
             make(0)
@@ -1060,21 +1109,21 @@ def test_arc_full_walkthrough_keeps_t2_blocks(make: MakeManager) -> None:
 # --- store_threshold -----------------------------------------------------------------------
 
 
-@BOTH
+@VLLM_AND_PYTHON
 def test_store_threshold_stores_a_key_at_its_nth_offer(make: MakeManager) -> None:
     manager = make(4, store_threshold=2)
     assert prepare(manager, keys(1, 2), req("a")).keys_to_store == []
     assert prepare(manager, keys(1, 2), req("b")).keys_to_store == keys(1, 2)
 
 
-@BOTH
+@VLLM_AND_PYTHON
 def test_store_threshold_ignores_lookups(make: MakeManager) -> None:
     manager = make(4, store_threshold=2)
     assert lookups(manager, [1, 1]) == [LookupResult.MISS] * 2
     assert prepare(manager, keys(1), req("a")).keys_to_store == []
 
 
-@BOTH
+@VLLM_AND_PYTHON
 def test_store_threshold_tracker_forgets_its_oldest_key(make: MakeManager) -> None:
     manager = make(4, store_threshold=2, max_tracker_size=2)
     for i in (1, 2, 3):  # 3 pushes 1 out of the tracker
@@ -1083,7 +1132,7 @@ def test_store_threshold_tracker_forgets_its_oldest_key(make: MakeManager) -> No
     assert prepare(manager, keys(1), req("c")).keys_to_store == keys(1)
 
 
-@BOTH
+@VLLM_AND_PYTHON
 def test_store_threshold_offer_larger_than_the_tracker_makes_progress(make: MakeManager) -> None:
     manager = make(4, store_threshold=2, max_tracker_size=3)
     wanted = keys(1, 2, 3, 4)
@@ -1093,7 +1142,7 @@ def test_store_threshold_offer_larger_than_the_tracker_makes_progress(make: Make
     assert sorted(stored) == sorted(wanted)
 
 
-@BOTH
+@VLLM_AND_PYTHON
 def test_store_threshold_does_not_hide_reuse_of_a_ready_block(make: MakeManager) -> None:
     manager = make(2, store_threshold=2, max_tracker_size=2)
     head, tail, noise_1, noise_2, replacement = keys(0, 1, 2, 3, 4)
@@ -1113,7 +1162,7 @@ def test_store_threshold_does_not_hide_reuse_of_a_ready_block(make: MakeManager)
     assert prepare(manager, [replacement], other).evicted == [head]
 
 
-@BOTH
+@VLLM_AND_PYTHON
 def test_store_threshold_after_eviction(make: MakeManager) -> None:
     manager = make(1, store_threshold=2)
     for i in (1, 2):
@@ -1129,7 +1178,7 @@ def test_store_threshold_after_eviction(make: MakeManager) -> None:
         assert again == Store(keys(1), [0], keys(2))
 
 
-@BOTH
+@VLLM_AND_PYTHON
 def test_store_threshold_counts_offers_of_stored_keys(make: MakeManager) -> None:
     manager = make(4, store_threshold=2, max_tracker_size=2)
     assert prepare(manager, keys(1), req("a")).keys_to_store == []
@@ -1146,7 +1195,7 @@ def test_store_threshold_counts_offers_of_stored_keys(make: MakeManager) -> None
         assert second == []
 
 
-@BOTH
+@VLLM_AND_PYTHON
 def test_store_threshold_and_the_offers_of_a_refused_store(make: MakeManager) -> None:
     manager = make(1, store_threshold=2)
     assert prepare(manager, keys(1), req("a")).keys_to_store == []
@@ -1163,7 +1212,7 @@ def test_store_threshold_and_the_offers_of_a_refused_store(make: MakeManager) ->
     assert prepare(manager, keys(3), req("e")).keys_to_store == expected
 
 
-@BOTH
+@VLLM_AND_PYTHON
 def test_stores_skipped_counter_and_a_refused_store(make: MakeManager) -> None:
     manager = make(1, store_threshold=2)
     assert prepare(manager, keys(1), req("a")).keys_to_store == []

@@ -6,12 +6,18 @@ blocks and never touches a device. Decisions are those of
 connector never calls ``touch``, so each request's loads and stores are remembered and
 reported to the policy when the request ends (``lru`` and ``arc`` then decide exactly as
 vLLM's own manager does; see docs/vllm.md for what differs and why).
+
+Where it builds, the C core (:class:`~asyncoffload.manager.native.NativeManager`: the
+same decisions, call for call) runs ``lru``, ``arc``, ``s3fifo`` and ``sieve`` without an
+admission filter or ``store_threshold``; everything else runs on the Python manager. Both
+answer in raw form (slot ids, ``(keys, removed)`` events) and the adapter builds vLLM's
+objects from that.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable
-from typing import Any, cast
+from collections.abc import Collection, Iterable, Mapping
+from typing import Any, Protocol, cast
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     OffloadingConnectorStats,
@@ -38,6 +44,13 @@ from asyncoffload.keys import OffloadKey as OurOffloadKey
 from asyncoffload.manager import CPUOffloadingManager, ManagerStats
 from asyncoffload.manager import LookupResult as OurLookupResult
 from asyncoffload.manager import ReqContext as OurReqContext
+from asyncoffload.manager.native import (
+    NativeManager,
+    RawEvent,
+    RawStore,
+    native_manager_available,
+    native_unsupported,
+)
 
 __all__ = ["AsyncOffloadManager", "metric_definitions"]
 
@@ -76,6 +89,7 @@ _LOOKUP = {
     OurLookupResult.HIT_PENDING: LookupResult.HIT_PENDING,
     OurLookupResult.HIT: LookupResult.HIT,
 }
+_VLLM_RESULTS = (LookupResult.MISS, LookupResult.HIT, LookupResult.HIT_PENDING)
 
 
 def metric_definitions(store_threshold: int = 0) -> dict[str, OffloadingMetricMetadata]:
@@ -116,6 +130,93 @@ def metric_definitions(store_threshold: int = 0) -> dict[str, OffloadingMetricMe
     return definitions
 
 
+class _Calls(Protocol):
+    """The raw calls of a request-scoped manager: the C core's methods, or
+    :class:`_PythonCalls` over the Python manager. Keys are passed as vLLM gives them."""
+
+    @property
+    def last_store_size(self) -> int: ...
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult: ...
+
+    def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> list[int]: ...
+
+    def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None: ...
+
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None: ...
+
+    def prepare_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext
+    ) -> RawStore | None: ...
+
+    def complete_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
+    ) -> None: ...
+
+    def on_new_request(self, req_context: ReqContext) -> None: ...
+
+    def on_request_finished(
+        self, req_context: ReqContext, positions: Mapping[OffloadKey, int] | None
+    ) -> None: ...
+
+    def take_events(self) -> list[RawEvent]: ...
+
+    def reset_cache(self, force: bool) -> None: ...
+
+
+class _PythonCalls:
+    """:class:`_Calls` over the Python manager (events through its sink)."""
+
+    def __init__(self, manager: CPUOffloadingManager, events: list[RawEvent]) -> None:
+        self._m = manager
+        self._events = events
+
+    @property
+    def last_store_size(self) -> int:
+        return self._m.last_store_size
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        return _LOOKUP[self._m.lookup(cast(OurOffloadKey, key))]
+
+    def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> list[int]:
+        return list(self._m.prepare_load(_seq(keys), _ours(req_context)).block_ids)
+
+    def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        self._m.complete_load(_seq(keys))
+
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        self._m.touch(_seq(keys), _ours(req_context))
+
+    def prepare_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext
+    ) -> RawStore | None:
+        out = self._m.prepare_store(_seq(keys), _ours(req_context))
+        if out is None:
+            return None
+        return out.keys_to_store, list(out.store_spec.block_ids), out.evicted_keys
+
+    def complete_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
+    ) -> None:
+        self._m.complete_store(_seq(keys), None, success=success)
+
+    def on_new_request(self, req_context: ReqContext) -> None:
+        self._m.on_new_request(_ours(req_context))
+
+    def on_request_finished(
+        self, req_context: ReqContext, positions: Mapping[OffloadKey, int] | None
+    ) -> None:
+        self._m.on_request_finished(_ours(req_context), cast(Any, positions))
+
+    def take_events(self) -> list[RawEvent]:
+        events = self._events[:]
+        self._events.clear()
+        return events
+
+    def reset_cache(self, force: bool) -> None:
+        self._m.reset_cache(force=force)
+
+
 class AsyncOffloadManager(OffloadingManager):
     """vLLM's ``OffloadingManager`` over asyncoffload's CPU-tier manager.
 
@@ -125,6 +226,11 @@ class AsyncOffloadManager(OffloadingManager):
     :meth:`take_events` only when ``enable_events`` (vLLM drains them only when its KV
     events are on). Bad calls raise what the manager raises
     (:class:`~asyncoffload.UnknownKeyError`, ...) and change nothing.
+
+    ``native`` picks the C core (:class:`~asyncoffload.manager.native.NativeManager`):
+    ``True`` requires it (``ValueError`` for a configuration it does not run,
+    ``RuntimeError`` where it cannot be built), ``False`` never uses it, ``None`` uses it
+    where it can. The decisions are the same either way.
     """
 
     def __init__(
@@ -136,24 +242,53 @@ class AsyncOffloadManager(OffloadingManager):
         store_threshold: int = 0,
         max_tracker_size: int = 64_000,
         admission: str | None = None,
+        native: bool | None = None,
     ) -> None:
         self.medium = Medium.CPU
-        self._manager = CPUOffloadingManager(
-            num_chunks,
-            policy,
-            store_threshold,
-            enable_events=enable_events,
-            max_tracker_size=max_tracker_size,
-            admission=admission,
-            request_scoped=True,
-        )
+        self.store_threshold = store_threshold
+        why_not = native_unsupported(policy, store_threshold, admission)
+        if native and why_not is not None:
+            raise ValueError(why_not)
+        if native and not native_manager_available():
+            raise RuntimeError("the native manager core is unavailable (see the log)")
+        self._manager: CPUOffloadingManager | NativeManager
+        calls: _Calls
+        if native is not False and why_not is None and native_manager_available():
+            self._manager = NativeManager(
+                num_chunks, policy, enable_events=enable_events, lookup_results=_VLLM_RESULTS
+            )
+            calls = self._manager.core
+        else:
+            events: list[RawEvent] = []
+            self._manager = CPUOffloadingManager(
+                num_chunks,
+                policy,
+                store_threshold,
+                enable_events=enable_events,
+                max_tracker_size=max_tracker_size,
+                admission=admission,
+                request_scoped=True,
+                event_sink=lambda keys, removed: events.append((list(keys), removed)),
+            )
+            calls = _PythonCalls(self._manager, events)
+        self._calls = calls
+        # vLLM's hottest calls (lookup: once per key) go straight to the implementation.
+        self.lookup = calls.lookup  # type: ignore[method-assign]
+        self.touch = calls.touch  # type: ignore[method-assign]
+        self.complete_load = calls.complete_load  # type: ignore[method-assign]
+        self.complete_store = calls.complete_store  # type: ignore[method-assign]
         self._allocation_sizes: list[int] = []
         self._reported = self._manager.stats()
 
     @property
-    def manager(self) -> CPUOffloadingManager:
+    def manager(self) -> CPUOffloadingManager | NativeManager:
         """The asyncoffload manager behind the adapter (inspect, do not mutate)."""
         return self._manager
+
+    @property
+    def native(self) -> bool:
+        """Whether the C core runs this manager."""
+        return isinstance(self._manager, NativeManager)
 
     def __repr__(self) -> str:
         return f"<AsyncOffloadManager {self._manager!r}>"
@@ -161,72 +296,68 @@ class AsyncOffloadManager(OffloadingManager):
     # --- requests ------------------------------------------------------------------
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
-        self._manager.on_new_request(_ours(req_context))
+        self._calls.on_new_request(req_context)
         return RequestOffloadingContext()
 
     def on_request_finished(self, req_context: ReqContext) -> None:
         positions = getattr(req_context, "_offload_key_positions", None)
-        self._manager.on_request_finished(_ours(req_context), positions or None)
+        self._calls.on_request_finished(req_context, positions or None)
 
     # --- lookups and loads ---------------------------------------------------------
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        return _LOOKUP[self._manager.lookup(cast(OurOffloadKey, key))]
+        return self._calls.lookup(key, req_context)
 
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
         return CacheHitSource.HOST
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
-        spec = self._manager.prepare_load(_seq(keys), _ours(req_context))
-        return CPULoadStoreSpec(list(spec.block_ids))
+        return CPULoadStoreSpec(self._calls.prepare_load(keys, req_context))
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
-        self._manager.touch(_seq(keys), _ours(req_context))
+        self._calls.touch(keys, req_context)
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
-        self._manager.complete_load(_seq(keys))
+        self._calls.complete_load(keys, req_context)
 
     # --- stores --------------------------------------------------------------------
 
     def prepare_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext
     ) -> PrepareStoreOutput | None:
-        m = self._manager
-        out = m.prepare_store(_seq(keys), _ours(req_context))
-        if m.last_store_size:  # as vLLM's: every allocation asked for, refused or not
-            self._allocation_sizes.append(m.last_store_size)
+        calls = self._calls
+        out = calls.prepare_store(keys, req_context)
+        size = calls.last_store_size
+        if size:  # as vLLM's: every allocation asked for, refused or not
+            self._allocation_sizes.append(size)
         if out is None:
             return None
+        to_store, slots, evicted = out
         return PrepareStoreOutput(
-            keys_to_store=cast(list[OffloadKey], out.keys_to_store),
-            store_spec=CPULoadStoreSpec(list(out.store_spec.block_ids)),
-            evicted_keys=cast(list[OffloadKey], out.evicted_keys),
+            keys_to_store=cast(list[OffloadKey], to_store),
+            store_spec=CPULoadStoreSpec(slots),
+            evicted_keys=cast(list[OffloadKey], evicted),
         )
 
     def complete_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
     ) -> None:
-        self._manager.complete_store(_seq(keys), None, success=success)
+        self._calls.complete_store(keys, req_context, success)
 
     # --- events, stats, lifecycle --------------------------------------------------
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         return [
-            OffloadingEvent(
-                keys=cast(list[OffloadKey], list(event.keys)),
-                medium=Medium.CPU,
-                removed=event.removed,
-            )
-            for event in self._manager.take_events()
+            OffloadingEvent(keys=cast(list[OffloadKey], keys), medium=Medium.CPU, removed=removed)
+            for keys, removed in self._calls.take_events()
         ]
 
     def reset_cache(self) -> None:
         # vLLM's scheduler fences every in-flight job and drops their completions.
-        self._manager.reset_cache(force=True)
+        self._calls.reset_cache(True)
 
     def get_stats(self) -> OffloadingConnectorStats:
-        m = self._manager
-        now = m.stats()
+        now = self._manager.stats()
         stats = OffloadingConnectorStats()
         num = now.num_blocks
         write = now.write_pending / num
@@ -244,7 +375,7 @@ class AsyncOffloadManager(OffloadingManager):
             delta = getattr(now, field) - getattr(before, field)
             if delta:
                 stats.increase_counter(name, delta)
-        if m.store_threshold >= 2:
+        if self.store_threshold >= 2:
             stats.increase_counter(STORES_SKIPPED, now.store_skipped - before.store_skipped)
         self._reported = now
         return stats
@@ -259,6 +390,6 @@ def _ours(req_context: ReqContext) -> OurReqContext:
 
 
 def _seq(keys: Collection[OffloadKey]) -> Any:
-    """vLLM passes lists, and sets where order does not matter; the manager takes
-    sequences."""
+    """vLLM passes lists, and sets where order does not matter; the Python manager takes
+    sequences (the C core takes any iterable)."""
     return keys if isinstance(keys, (list, tuple)) else list(keys)

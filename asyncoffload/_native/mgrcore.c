@@ -1,0 +1,1910 @@
+/* The request-scoped CPU-tier manager, as a CPython extension.
+ *
+ * A port of asyncoffload/manager/cpu.py (CPUOffloadingManager with request_scoped=True,
+ * no admission filter, store_threshold < 2) together with the policies lru, arc, s3fifo
+ * and sieve (asyncoffload/manager/policies/). The Python code is the reference: every
+ * decision (slot ids, victims, events, lookups, errors, counters, request folding) is
+ * the same, call for call (tests/test_mgrcore.py drives both in lockstep). Compiled on
+ * first use by asyncoffload._native.load_mgrcore. Everything runs under the GIL.
+ *
+ * State. Every key the manager knows (resident: being stored or ready; or a policy's
+ * ghost) has a node in one growable array; an open-addressing table maps keys to node
+ * indices. A node is on exactly one intrusive doubly linked list: lists 0 and 1 hold
+ * resident nodes, 2 and 3 ghosts; what each list means is the policy's (a small vtable).
+ *
+ * Keys are exact bytes (vLLM's and asyncoffload's OffloadKey). Bytes cannot take part
+ * in reference cycles, so the GC is shown only the containers the core holds.
+ *
+ * Failure. A call validates all its input and allocates what it may need before it
+ * changes anything, so a rejected call (bad key, duplicate, unknown key, no memory)
+ * changes nothing; only appending an event can still fail afterwards (MemoryError with
+ * the state consistent and that event lost).
+ *
+ * Reentrancy. Python code can run inside a call (a context's req_id property, a
+ * finalizer run by the collector, a mapping's get): a call that changes the manager is
+ * refused (RuntimeError) while another is in progress, so node indices resolved at the
+ * start of a call stay valid to its end. Lookups and reads are allowed.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define NIL (-1)
+#define NO_LIST 255
+#define MAX_NUM_BLOCKS (1 << 28)
+#define S3FIFO_MAX_FREQ 3
+
+/* request-log flags of a key */
+#define F_INSERTED 1
+#define F_REUSED 2
+#define F_MISSED 4
+
+/* --- the key table ------------------------------------------------------------------ */
+
+typedef struct {
+    Py_hash_t hash;
+    PyObject *key; /* borrowed: the node or log entry it indexes owns it */
+    int32_t idx;   /* NIL: empty */
+} TabSlot;
+
+typedef struct {
+    TabSlot *slots;
+    size_t mask;
+    Py_ssize_t used;
+} Tab;
+
+static inline int keys_equal(PyObject *a, PyObject *b) {
+    if (a == b) return 1;
+    Py_ssize_t n = PyBytes_GET_SIZE(a);
+    return n == PyBytes_GET_SIZE(b) && memcmp(PyBytes_AS_STRING(a), PyBytes_AS_STRING(b), (size_t)n) == 0;
+}
+
+static void tab_free(Tab *t) {
+    PyMem_Free(t->slots);
+    t->slots = NULL;
+    t->mask = 0;
+    t->used = 0;
+}
+
+static int tab_alloc(Tab *t, size_t size) {
+    TabSlot *slots = PyMem_Malloc(size * sizeof(TabSlot));
+    if (!slots) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (size_t i = 0; i < size; i++) slots[i].idx = NIL;
+    t->slots = slots;
+    t->mask = size - 1;
+    t->used = 0;
+    return 0;
+}
+
+static int32_t tab_find(const Tab *t, PyObject *key, Py_hash_t h) {
+    if (!t->slots) return NIL;
+    size_t i = (size_t)h & t->mask;
+    for (;;) {
+        const TabSlot *s = &t->slots[i];
+        if (s->idx == NIL) return NIL;
+        if (s->hash == h && keys_equal(s->key, key)) return s->idx;
+        i = (i + 1) & t->mask;
+    }
+}
+
+/* insert a key known to be absent; the table must have room (tab_reserve) */
+static void tab_put(Tab *t, PyObject *key, Py_hash_t h, int32_t idx) {
+    size_t i = (size_t)h & t->mask;
+    while (t->slots[i].idx != NIL) i = (i + 1) & t->mask;
+    t->slots[i].hash = h;
+    t->slots[i].key = key;
+    t->slots[i].idx = idx;
+    t->used++;
+}
+
+/* room for `total` keys at a load factor of at most one half */
+static int tab_reserve(Tab *t, Py_ssize_t total) {
+    size_t size = t->slots ? t->mask + 1 : 0;
+    if (size && (size_t)total * 2 <= size) return 0;
+    size_t want = 16;
+    while (want < (size_t)total * 2) want <<= 1;
+    Tab fresh = {NULL, 0, 0};
+    if (tab_alloc(&fresh, want) < 0) return -1;
+    for (size_t i = 0; i < size; i++)
+        if (t->slots[i].idx != NIL) tab_put(&fresh, t->slots[i].key, t->slots[i].hash, t->slots[i].idx);
+    PyMem_Free(t->slots);
+    *t = fresh;
+    return 0;
+}
+
+/* remove a present key, shifting the entries after it back (no tombstones) */
+static void tab_del(Tab *t, PyObject *key, Py_hash_t h) {
+    size_t mask = t->mask, i = (size_t)h & mask;
+    while (!(t->slots[i].hash == h && keys_equal(t->slots[i].key, key))) i = (i + 1) & mask;
+    for (;;) {
+        size_t j = i;
+        for (;;) {
+            j = (j + 1) & mask;
+            if (t->slots[j].idx == NIL) {
+                t->slots[i].idx = NIL;
+                t->used--;
+                return;
+            }
+            size_t k = (size_t)t->slots[j].hash & mask;
+            /* the entry at j may fill i unless its home k lies cyclically in (i, j] */
+            if (i <= j ? (k <= i || k > j) : (k <= i && k > j)) break;
+        }
+        t->slots[i] = t->slots[j];
+        i = j;
+    }
+}
+
+static void tab_clear(Tab *t) {
+    if (!t->slots) return;
+    for (size_t i = 0; i <= t->mask; i++) t->slots[i].idx = NIL;
+    t->used = 0;
+}
+
+/* --- nodes, lists and the core ------------------------------------------------------ */
+
+typedef struct {
+    PyObject *key; /* owned while live; NULL when free */
+    Py_hash_t hash;
+    int32_t prev, next;
+    int32_t slot;   /* the block id (resident nodes) */
+    int32_t ref;    /* -1 being stored, 0 ready and idle, n > 0 pinned by n loads */
+    uint32_t mark;  /* == Core.epoch: listed by the current call (and so protected) */
+    int32_t count;  /* complete_load: times listed by the current call */
+    uint8_t list;   /* the list holding it; NO_LIST for a free node or a dropped victim */
+    uint8_t freq;   /* s3fifo: access count; sieve: visited bit */
+} Node;
+
+typedef struct {
+    int32_t head, tail;
+    Py_ssize_t len;
+} List;
+
+typedef struct Core Core;
+
+/* A cache policy over the core's lists. Node arguments are live nodes or NIL. */
+typedef struct {
+    const char *name;
+    /* touch a request's keys at its first store instead of folding it at its end */
+    int touch_before_store;
+    /* a new resident node (its store in flight); ghost: the ghost list it left, or -1 */
+    void (*insert)(Core *, int32_t i, int ghost);
+    /* a failed store: unlink the node (the caller frees it) */
+    void (*remove)(Core *, int32_t i);
+    void (*touch)(Core *, const int32_t *nodes, Py_ssize_t n);
+    /* choose and unlink n idle unprotected resident nodes, or return -1 changing nothing;
+     * a victim ends on a ghost list or with list NO_LIST (the caller frees it) */
+    int (*evict)(Core *, Py_ssize_t n, int32_t *victims);
+    /* after the caller took the victims' keys: forget ghosts over their budget */
+    void (*trim)(Core *);
+    /* keys offered to a store, new this request (may be NULL: no hook) */
+    void (*store_miss)(Core *, const int32_t *nodes, Py_ssize_t n);
+    /* a request ended: its keys head to tail with their log flags (fold policies) */
+    void (*finish)(Core *, const int32_t *nodes, const uint8_t *flags, Py_ssize_t n);
+    /* the resident lists in the policy's order (items()); returns how many */
+    int (*order)(Core *, int *lists);
+} Policy;
+
+typedef struct {
+    Py_hash_t hash;
+    PyObject *key; /* borrowed */
+    uint32_t stamp;
+} SeenSlot;
+
+struct Core {
+    PyObject_HEAD
+    const Policy *policy;
+    Py_ssize_t num_blocks;
+    /* nodes */
+    Node *nodes;
+    int32_t n_nodes, cap_nodes, free_node;
+    Py_ssize_t n_free_nodes, live;
+    Tab index;
+    List lists[4];
+    /* slots */
+    Py_ssize_t num_allocated;
+    int32_t *free_slots;
+    Py_ssize_t n_free_slots;
+    PyObject **slot_ints; /* cached ints of the slot ids handed out */
+    Py_ssize_t num_ready, num_idle, num_pending;
+    Py_ssize_t last_store_size;
+    long long stored, store_failed, loaded, evicted, store_skipped, lookups, hits;
+    PyObject *events;   /* list of (keys, removed); NULL when events are off */
+    PyObject *requests; /* dict: req_id -> capsule of a Request */
+    PyObject *results;  /* (MISS, HIT, HIT_PENDING) as lookup returns them */
+    uint32_t epoch;
+    int busy; /* a call that changes the manager is in progress */
+    /* policy state */
+    double target_t1;                          /* arc */
+    Py_ssize_t small_capacity, ghost_capacity; /* s3fifo */
+    int ahead;                                 /* sieve: lists[ahead] starts at the hand */
+    /* scratch */
+    int32_t *buf[3];
+    Py_ssize_t buf_cap[3];
+    uint8_t *bytes;
+    Py_ssize_t bytes_cap;
+    SeenSlot *seen;
+    size_t seen_mask;
+    uint32_t seen_stamp;
+};
+
+static PyObject *UnknownKeyError, *KeyNotReadyError, *DuplicateKeyError;
+static PyObject *s_req_id, *s_get, *s_hex;
+
+static inline int resident(const Node *nd) { return nd->list < 2; }
+
+static inline void list_init(List *l) {
+    l->head = l->tail = NIL;
+    l->len = 0;
+}
+
+static inline void list_append(Core *c, int l, int32_t i) {
+    Node *n = &c->nodes[i];
+    List *L = &c->lists[l];
+    n->list = (uint8_t)l;
+    n->prev = L->tail;
+    n->next = NIL;
+    if (L->tail != NIL) c->nodes[L->tail].next = i;
+    else L->head = i;
+    L->tail = i;
+    L->len++;
+}
+
+static inline void list_unlink(Core *c, int32_t i) {
+    Node *n = &c->nodes[i];
+    List *L = &c->lists[n->list];
+    if (n->prev != NIL) c->nodes[n->prev].next = n->next;
+    else L->head = n->next;
+    if (n->next != NIL) c->nodes[n->next].prev = n->prev;
+    else L->tail = n->prev;
+    n->prev = n->next = NIL;
+    n->list = NO_LIST;
+    L->len--;
+}
+
+static inline void list_move_to_end(Core *c, int32_t i) {
+    int l = c->nodes[i].list;
+    if (c->lists[l].tail == i) return;
+    list_unlink(c, i);
+    list_append(c, l, i);
+}
+
+static inline int32_t list_pop_head(Core *c, int l) {
+    int32_t i = c->lists[l].head;
+    list_unlink(c, i);
+    return i;
+}
+
+/* room for `extra` new nodes: neither node_new nor the index can fail afterwards */
+static int nodes_reserve(Core *c, Py_ssize_t extra) {
+    Py_ssize_t avail = c->n_free_nodes + (c->cap_nodes - c->n_nodes);
+    if (avail < extra) {
+        Py_ssize_t cap = c->cap_nodes ? c->cap_nodes : 64;
+        while (c->n_free_nodes + (cap - c->n_nodes) < extra) cap *= 2;
+        if (cap > INT32_MAX) {
+            PyErr_SetString(PyExc_OverflowError, "too many keys for the native manager");
+            return -1;
+        }
+        Node *nodes = PyMem_Realloc(c->nodes, (size_t)cap * sizeof(Node));
+        if (!nodes) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        c->nodes = nodes;
+        c->cap_nodes = (int32_t)cap;
+    }
+    return tab_reserve(&c->index, c->live + extra);
+}
+
+static int32_t node_new(Core *c, PyObject *key, Py_hash_t h) {
+    int32_t i;
+    if (c->free_node != NIL) {
+        i = c->free_node;
+        c->free_node = c->nodes[i].next;
+        c->n_free_nodes--;
+    } else {
+        i = c->n_nodes++;
+    }
+    Node *n = &c->nodes[i];
+    Py_INCREF(key);
+    n->key = key;
+    n->hash = h;
+    n->prev = n->next = NIL;
+    n->slot = -1;
+    n->ref = -1;
+    n->mark = 0;
+    n->count = 0;
+    n->list = NO_LIST;
+    n->freq = 0;
+    tab_put(&c->index, key, h, i);
+    c->live++;
+    return i;
+}
+
+/* forget a node that is on no list */
+static void node_forget(Core *c, int32_t i) {
+    Node *n = &c->nodes[i];
+    tab_del(&c->index, n->key, n->hash);
+    PyObject *key = n->key;
+    n->key = NULL;
+    n->list = NO_LIST;
+    n->next = c->free_node;
+    c->free_node = i;
+    c->n_free_nodes++;
+    c->live--;
+    Py_DECREF(key);
+}
+
+static void forget_all(Core *c) {
+    for (int32_t i = 0; i < c->n_nodes; i++) Py_CLEAR(c->nodes[i].key);
+    c->n_nodes = 0;
+    c->free_node = NIL;
+    c->n_free_nodes = 0;
+    c->live = 0;
+    tab_clear(&c->index);
+    for (int l = 0; l < 4; l++) list_init(&c->lists[l]);
+}
+
+static int32_t *scratch(Core *c, int k, Py_ssize_t n) {
+    if (!c->buf[k] || n > c->buf_cap[k]) {
+        Py_ssize_t cap = c->buf_cap[k] ? c->buf_cap[k] : 64;
+        while (cap < n) cap *= 2;
+        int32_t *b = PyMem_Realloc(c->buf[k], (size_t)cap * sizeof(int32_t));
+        if (!b) {
+            PyErr_NoMemory();
+            return NULL;
+        }
+        c->buf[k] = b;
+        c->buf_cap[k] = cap;
+    }
+    return c->buf[k];
+}
+
+static uint8_t *scratch_bytes(Core *c, Py_ssize_t n) {
+    if (!c->bytes || n > c->bytes_cap) {
+        Py_ssize_t cap = c->bytes_cap ? c->bytes_cap : 64;
+        while (cap < n) cap *= 2;
+        uint8_t *b = PyMem_Realloc(c->bytes, (size_t)cap);
+        if (!b) {
+            PyErr_NoMemory();
+            return NULL;
+        }
+        c->bytes = b;
+        c->bytes_cap = cap;
+    }
+    return c->bytes;
+}
+
+static uint32_t next_epoch(Core *c) {
+    if (++c->epoch == 0) {
+        for (int32_t i = 0; i < c->n_nodes; i++) c->nodes[i].mark = 0;
+        c->epoch = 1;
+    }
+    return c->epoch;
+}
+
+/* a fresh duplicate check for up to n keys that have no node */
+static int seen_begin(Core *c, Py_ssize_t n) {
+    size_t want = 16;
+    while (want < (size_t)n * 2) want <<= 1;
+    if (!c->seen || want > c->seen_mask + 1) {
+        SeenSlot *s = PyMem_Calloc(want, sizeof(SeenSlot));
+        if (!s) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        PyMem_Free(c->seen);
+        c->seen = s;
+        c->seen_mask = want - 1;
+        c->seen_stamp = 0;
+    }
+    if (++c->seen_stamp == 0) {
+        memset(c->seen, 0, (c->seen_mask + 1) * sizeof(SeenSlot));
+        c->seen_stamp = 1;
+    }
+    return 0;
+}
+
+/* 1 if the key is new to this check (now added), 0 if it was listed before */
+static int seen_add(Core *c, PyObject *key, Py_hash_t h) {
+    size_t i = (size_t)h & c->seen_mask;
+    for (;;) {
+        SeenSlot *s = &c->seen[i];
+        if (s->stamp != c->seen_stamp) {
+            s->stamp = c->seen_stamp;
+            s->hash = h;
+            s->key = key;
+            return 1;
+        }
+        if (s->hash == h && keys_equal(s->key, key)) return 0;
+        i = (i + 1) & c->seen_mask;
+    }
+}
+
+static inline Py_hash_t key_hash(PyObject *key) {
+    if (!PyBytes_CheckExact(key)) {
+        PyErr_Format(PyExc_TypeError, "keys must be bytes, got %.100s", Py_TYPE(key)->tp_name);
+        return -1;
+    }
+    return PyObject_Hash(key);
+}
+
+/* the hash of a key key_hash accepted: exact bytes cache it, and it never fails */
+static inline Py_hash_t bytes_hash(PyObject *key) { return PyObject_Hash(key); }
+
+static inline int evictable(const Core *c, int32_t i) {
+    return c->nodes[i].ref == 0 && c->nodes[i].mark != c->epoch;
+}
+
+/* --- lru ---------------------------------------------------------------------------- */
+/* list 0: least recently used first */
+
+static void lru_insert(Core *c, int32_t i, int ghost) {
+    (void)ghost;
+    list_append(c, 0, i);
+}
+
+static void any_remove(Core *c, int32_t i) { list_unlink(c, i); }
+
+static void lru_touch(Core *c, const int32_t *nodes, Py_ssize_t n) {
+    for (Py_ssize_t j = n - 1; j >= 0; j--) {
+        int32_t i = nodes[j];
+        if (i != NIL && resident(&c->nodes[i])) list_move_to_end(c, i);
+    }
+}
+
+static int lru_evict(Core *c, Py_ssize_t n, int32_t *victims) {
+    Py_ssize_t got = 0;
+    for (int32_t i = c->lists[0].head; i != NIL && got < n; i = c->nodes[i].next)
+        if (evictable(c, i)) victims[got++] = i;
+    if (got < n) return -1;
+    for (Py_ssize_t j = 0; j < n; j++) list_unlink(c, victims[j]);
+    return 0;
+}
+
+static void no_trim(Core *c) { (void)c; }
+
+static void lru_finish(Core *c, const int32_t *nodes, const uint8_t *flags, Py_ssize_t n) {
+    (void)flags;
+    lru_touch(c, nodes, n);
+}
+
+static int one_list(Core *c, int *lists) {
+    (void)c;
+    lists[0] = 0;
+    return 1;
+}
+
+static int two_lists(Core *c, int *lists) {
+    (void)c;
+    lists[0] = 0;
+    lists[1] = 1;
+    return 2;
+}
+
+static const Policy LRU = {"lru", 0, lru_insert, any_remove, lru_touch, lru_evict,
+                           no_trim, NULL, lru_finish, one_list};
+
+/* --- arc ---------------------------------------------------------------------------- */
+
+enum { T1 = 0, T2 = 1, B1 = 2, B2 = 3 };
+
+static void arc_insert(Core *c, int32_t i, int ghost) {
+    (void)ghost;
+    list_append(c, T1, i);
+}
+
+static void arc_ghost_hit(Core *c, int32_t i) {
+    Py_ssize_t b1 = c->lists[B1].len, b2 = c->lists[B2].len;
+    if (c->nodes[i].list == B1) {
+        double step = (double)b2 / (double)b1;
+        if (!(step > 1.0)) step = 1.0;
+        double t = c->target_t1 + step, cap = (double)c->num_blocks;
+        c->target_t1 = t > cap ? cap : t;
+        list_move_to_end(c, i);
+    } else if (c->nodes[i].list == B2) {
+        double step = (double)b1 / (double)b2;
+        if (!(step > 1.0)) step = 1.0;
+        double t = c->target_t1 - step;
+        c->target_t1 = t < 0.0 ? 0.0 : t;
+        list_move_to_end(c, i);
+    }
+}
+
+static void arc_touch(Core *c, const int32_t *nodes, Py_ssize_t n) {
+    for (Py_ssize_t j = n - 1; j >= 0; j--) {
+        int32_t i = nodes[j];
+        if (i == NIL) continue;
+        Node *nd = &c->nodes[i];
+        if (nd->list == T1) {
+            if (nd->ref >= 0) {
+                list_unlink(c, i);
+                list_append(c, T2, i);
+            } else {
+                list_move_to_end(c, i); /* offered again while being stored: no second use */
+            }
+        } else if (nd->list == T2) {
+            list_move_to_end(c, i);
+        } else {
+            arc_ghost_hit(c, i);
+        }
+    }
+}
+
+static void arc_store_miss(Core *c, const int32_t *nodes, Py_ssize_t n) {
+    if (!c->lists[B1].len && !c->lists[B2].len) return;
+    for (Py_ssize_t j = n - 1; j >= 0; j--)
+        if (nodes[j] != NIL) arc_ghost_hit(c, nodes[j]);
+}
+
+/* take up to `want` evictable nodes from *cur on; 1 if the list ran out first */
+static int arc_take(Core *c, int32_t *cur, Py_ssize_t want, int32_t *victims, Py_ssize_t *got,
+                    Py_ssize_t *taken) {
+    *taken = 0;
+    while (*cur != NIL) {
+        int32_t i = *cur;
+        *cur = c->nodes[i].next;
+        if (evictable(c, i)) {
+            victims[(*got)++] = i;
+            if (++*taken == want) return 0;
+        }
+    }
+    return 1;
+}
+
+static int arc_evict(Core *c, Py_ssize_t n, int32_t *victims) {
+    /* choose first, commit after: runs from T1 while it is at or above its target (or
+     * T2 has no idle block left), else from T2 */
+    int32_t cur1 = c->lists[T1].head, cur2 = c->lists[T2].head;
+    int ex1 = 0, ex2 = 0;
+    Py_ssize_t got = 0, taken, virtual_t1 = c->lists[T1].len;
+    Py_ssize_t target = (Py_ssize_t)c->target_t1;
+    while (got < n) {
+        Py_ssize_t want = n - got;
+        if (!ex1 && (ex2 || virtual_t1 >= target)) {
+            if (!ex2 && virtual_t1 - target + 1 < want) want = virtual_t1 - target + 1;
+            ex1 = arc_take(c, &cur1, want, victims, &got, &taken);
+            virtual_t1 -= taken;
+        } else if (!ex2) {
+            ex2 = arc_take(c, &cur2, want, victims, &got, &taken);
+        } else {
+            return -1;
+        }
+    }
+    for (Py_ssize_t j = 0; j < n; j++) {
+        int32_t i = victims[j];
+        int from_t1 = c->nodes[i].list == T1;
+        list_unlink(c, i);
+        list_append(c, from_t1 ? B1 : B2, i);
+    }
+    return 0;
+}
+
+static void arc_trim(Core *c) {
+    for (int l = B1; l <= B2; l++)
+        while (c->lists[l].len > c->num_blocks) node_forget(c, list_pop_head(c, l));
+}
+
+static void arc_finish(Core *c, const int32_t *nodes, const uint8_t *flags, Py_ssize_t n) {
+    /* tail to head: a block only stored moves to the recent end of its list; a ready
+     * block reused moves to T2's recent end */
+    for (Py_ssize_t j = n - 1; j >= 0; j--) {
+        int32_t i = nodes[j];
+        if (i == NIL || !resident(&c->nodes[i])) continue;
+        if ((flags[j] & (F_INSERTED | F_REUSED)) == F_INSERTED) {
+            list_move_to_end(c, i);
+        } else if (flags[j] & F_REUSED) {
+            if (c->nodes[i].list == T1) {
+                list_unlink(c, i);
+                list_append(c, T2, i);
+            } else {
+                list_move_to_end(c, i);
+            }
+        }
+    }
+}
+
+static const Policy ARC = {"arc", 0, arc_insert, any_remove, arc_touch, arc_evict,
+                           arc_trim, arc_store_miss, arc_finish, two_lists};
+
+/* --- s3fifo ------------------------------------------------------------------------- */
+
+enum { S = 0, M = 1, G = 2 };
+
+static void s3_insert(Core *c, int32_t i, int ghost) {
+    c->nodes[i].freq = 0;
+    list_append(c, ghost == G ? M : S, i);
+}
+
+static void s3_touch(Core *c, const int32_t *nodes, Py_ssize_t n) {
+    for (Py_ssize_t j = 0; j < n; j++) {
+        int32_t i = nodes[j];
+        if (i == NIL) continue;
+        Node *nd = &c->nodes[i];
+        if (!resident(nd)) continue;
+        if (nd->freq == 0) {
+            if (nd->ref < 0) continue; /* being stored: no use yet */
+            nd->freq = 1;
+        } else if (nd->freq < S3FIFO_MAX_FREQ) {
+            nd->freq++;
+        }
+    }
+}
+
+/* victims from S until *found == need (to_target: only while |S| is at its target);
+ * 0 when a pass over S finds none */
+static int s3_from_small(Core *c, Py_ssize_t need, int32_t *victims, Py_ssize_t *found,
+                         int to_target) {
+    Py_ssize_t target = to_target ? c->small_capacity : 0;
+    while (*found < need && c->lists[S].len >= target) {
+        Py_ssize_t skipped = 0;
+        for (;;) {
+            if (skipped == c->lists[S].len) return 0;
+            int32_t i = list_pop_head(c, S);
+            Node *nd = &c->nodes[i];
+            if (nd->ref || nd->mark == c->epoch) {
+                list_append(c, S, i);
+                skipped++;
+            } else if (nd->freq) {
+                list_append(c, M, i); /* accessed in S: to M, with its count */
+            } else {
+                list_append(c, G, i);
+                victims[(*found)++] = i;
+                break;
+            }
+        }
+    }
+    return 1;
+}
+
+/* victims from M's CLOCK until *found == need; 0 when M holds no evictable block */
+static int s3_from_main(Core *c, Py_ssize_t need, int32_t *victims, Py_ssize_t *found) {
+    Py_ssize_t skipped = 0;
+    while (*found < need) {
+        if (skipped == c->lists[M].len) return 0;
+        int32_t i = list_pop_head(c, M);
+        Node *nd = &c->nodes[i];
+        if (nd->ref || nd->mark == c->epoch) {
+            list_append(c, M, i);
+            skipped++;
+            continue;
+        }
+        skipped = 0;
+        if (nd->freq) {
+            nd->freq--;
+            list_append(c, M, i);
+        } else {
+            victims[(*found)++] = i; /* no ghost: dropped */
+        }
+    }
+    return 1;
+}
+
+static int s3_evict(Core *c, Py_ssize_t n, int32_t *victims) {
+    /* all or nothing: n evictable blocks first; and if S stays at its target for all n
+     * victims and its n oldest blocks are evictable and unaccessed, they are the victims */
+    int simple = c->lists[S].len - n >= c->small_capacity - 1;
+    Py_ssize_t idle = 0;
+    for (int l = S; l <= M && idle < n; l++)
+        for (int32_t i = c->lists[l].head; i != NIL; i = c->nodes[i].next) {
+            if (!evictable(c, i)) {
+                simple = 0;
+            } else {
+                if (simple && c->nodes[i].freq) simple = 0;
+                if (++idle == n) break;
+            }
+        }
+    if (idle < n) return -1;
+    Py_ssize_t found = 0;
+    if (simple) {
+        while (found < n) {
+            int32_t i = list_pop_head(c, S);
+            list_append(c, G, i);
+            victims[found++] = i;
+        }
+        return 0;
+    }
+    int small_dry = 0, main_dry = 0;
+    while (found < n) {
+        if (!small_dry && c->lists[S].len >= c->small_capacity) {
+            if (s3_from_small(c, n, victims, &found, 1)) continue;
+            small_dry = 1;
+        }
+        if (!main_dry) {
+            if (s3_from_main(c, n, victims, &found)) continue;
+            main_dry = 1;
+        }
+        if (!small_dry) {
+            Py_ssize_t promoted_from = c->lists[M].len;
+            int ok = s3_from_small(c, found + 1, victims, &found, 0);
+            if (c->lists[M].len != promoted_from) main_dry = 0;
+            if (ok) continue;
+            small_dry = 1;
+        }
+        /* S had no victim but promoted its accessed blocks: M has one now */
+        if (!s3_from_main(c, found + 1, victims, &found)) return -2;
+    }
+    return 0;
+}
+
+static void s3_trim(Core *c) {
+    while (c->lists[G].len > c->ghost_capacity) node_forget(c, list_pop_head(c, G));
+}
+
+static const Policy S3FIFO = {"s3fifo", 1, s3_insert, any_remove, s3_touch, s3_evict,
+                              s3_trim, NULL, NULL, two_lists};
+
+/* --- sieve -------------------------------------------------------------------------- */
+/* lists[ahead]: from the hand's block to the newest; lists[!ahead]: passed this sweep */
+
+static void sieve_insert(Core *c, int32_t i, int ghost) {
+    (void)ghost;
+    c->nodes[i].freq = 0;
+    list_append(c, c->ahead, i);
+}
+
+static void sieve_remove(Core *c, int32_t i) {
+    list_unlink(c, i);
+    if (!c->lists[c->ahead].len) c->ahead = !c->ahead;
+}
+
+static void sieve_touch(Core *c, const int32_t *nodes, Py_ssize_t n) {
+    for (Py_ssize_t j = 0; j < n; j++) {
+        int32_t i = nodes[j];
+        if (i != NIL && resident(&c->nodes[i]) && c->nodes[i].ref >= 0) c->nodes[i].freq = 1;
+    }
+}
+
+static int sieve_evict(Core *c, Py_ssize_t n, int32_t *victims) {
+    Py_ssize_t idle = 0;
+    int lists[2] = {c->ahead, !c->ahead};
+    for (int k = 0; k < 2 && idle < n; k++)
+        for (int32_t i = c->lists[lists[k]].head; i != NIL && idle < n; i = c->nodes[i].next)
+            if (evictable(c, i)) idle++;
+    if (idle < n) return -1;
+    Py_ssize_t got = 0;
+    for (;;) {
+        int32_t i = list_pop_head(c, c->ahead);
+        Node *nd = &c->nodes[i];
+        if (nd->ref || nd->mark == c->epoch) {
+            list_append(c, !c->ahead, i); /* passed over, bit kept */
+        } else if (nd->freq) {
+            nd->freq = 0;
+            list_append(c, !c->ahead, i);
+        } else {
+            victims[got++] = i;
+            if (got == n) break;
+        }
+        if (!c->lists[c->ahead].len) c->ahead = !c->ahead; /* past the head: wrap */
+    }
+    if (!c->lists[c->ahead].len) c->ahead = !c->ahead;
+    return 0;
+}
+
+static int sieve_order(Core *c, int *lists) {
+    lists[0] = !c->ahead;
+    lists[1] = c->ahead;
+    return 2;
+}
+
+static const Policy SIEVE = {"sieve", 1, sieve_insert, sieve_remove, sieve_touch, sieve_evict,
+                             no_trim, NULL, NULL, sieve_order};
+
+static const Policy *POLICIES[] = {&LRU, &ARC, &S3FIFO, &SIEVE, NULL};
+
+/* --- request logs ------------------------------------------------------------------- */
+
+/* What one request did. Fold policies (lru, arc): the keys it loaded or stored, in
+ * first-use order, with flags (inserted by a store of its own, reused ready, reported as
+ * a store miss) and a table over them. Touch-before-store policies: the keys it loaded
+ * (each load's keys, repeats kept) until its first store touches them. */
+typedef struct {
+    PyObject *key; /* owned */
+    Py_hash_t hash;
+    uint8_t flags;
+} Entry;
+
+typedef struct {
+    int touched;
+    Entry *e;
+    Py_ssize_t n, cap;
+    Tab tab;
+} Request;
+
+static const char REQUEST_CAPSULE[] = "asyncoffload.mgrcore.request";
+
+static void request_free(Request *r) {
+    for (Py_ssize_t j = 0; j < r->n; j++) Py_DECREF(r->e[j].key);
+    PyMem_Free(r->e);
+    tab_free(&r->tab);
+    PyMem_Free(r);
+}
+
+static void request_capsule_free(PyObject *capsule) {
+    Request *r = PyCapsule_GetPointer(capsule, REQUEST_CAPSULE);
+    if (r) request_free(r);
+    else PyErr_Clear();
+}
+
+static void request_drop_entries(Request *r) {
+    for (Py_ssize_t j = 0; j < r->n; j++) Py_DECREF(r->e[j].key);
+    r->n = 0;
+}
+
+static int request_reserve(Request *r, Py_ssize_t extra, int with_tab) {
+    if (r->n + extra > r->cap) {
+        Py_ssize_t cap = r->cap ? r->cap : 16;
+        while (cap < r->n + extra) cap *= 2;
+        Entry *e = PyMem_Realloc(r->e, (size_t)cap * sizeof(Entry));
+        if (!e) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        r->e = e;
+        r->cap = cap;
+    }
+    return with_tab ? tab_reserve(&r->tab, r->n + extra) : 0;
+}
+
+static inline void request_append(Request *r, PyObject *key, Py_hash_t h) {
+    Entry *e = &r->e[r->n++];
+    Py_INCREF(key);
+    e->key = key;
+    e->hash = h;
+    e->flags = 0;
+}
+
+/* the entry of a key used by the request, added in first-use order (reserved room) */
+static inline Entry *request_see(Request *r, PyObject *key, Py_hash_t h) {
+    int32_t j = tab_find(&r->tab, key, h);
+    if (j != NIL) return &r->e[j];
+    tab_put(&r->tab, key, h, (int32_t)r->n);
+    request_append(r, key, h);
+    return &r->e[r->n - 1];
+}
+
+static PyObject *new_request_capsule(void) {
+    Request *r = PyMem_Calloc(1, sizeof(Request));
+    if (!r) return PyErr_NoMemory();
+    PyObject *capsule = PyCapsule_New(r, REQUEST_CAPSULE, request_capsule_free);
+    if (!capsule) PyMem_Free(r);
+    return capsule;
+}
+
+/* the log of ctx's request, made if it has none; NULL with an exception on error */
+static Request *request_of(Core *c, PyObject *ctx) {
+    PyObject *req_id = PyObject_GetAttr(ctx, s_req_id);
+    if (!req_id) return NULL;
+    Request *r = NULL;
+    PyObject *capsule = PyDict_GetItemWithError(c->requests, req_id);
+    if (capsule) {
+        r = PyCapsule_GetPointer(capsule, REQUEST_CAPSULE);
+    } else if (!PyErr_Occurred() && (capsule = new_request_capsule())) {
+        if (PyDict_SetItem(c->requests, req_id, capsule) == 0)
+            r = PyCapsule_GetPointer(capsule, REQUEST_CAPSULE);
+        Py_DECREF(capsule); /* the dict holds it */
+    }
+    Py_DECREF(req_id);
+    return r;
+}
+
+/* --- argument parsing --------------------------------------------------------------- */
+
+/* the index of keyword `name` in names[:nmax] (vLLM's "req_context" is "ctx"), or -1 */
+static int arg_index(PyObject *name, const char *const *names, int nmax) {
+    for (int k = 0; k < nmax; k++) {
+        if (PyUnicode_CompareWithASCIIString(name, names[k]) == 0) return k;
+        if (!strcmp(names[k], "ctx") && PyUnicode_CompareWithASCIIString(name, "req_context") == 0)
+            return k;
+    }
+    return -1;
+}
+
+/* positional-or-keyword arguments of a fastcall method: out[k] is NULL when absent */
+static int parse(PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames, const char *fname,
+                 const char *const *names, int nreq, int nmax, PyObject **out) {
+    if (nargs > nmax) {
+        PyErr_Format(PyExc_TypeError, "%s() takes at most %d arguments (%zd given)", fname, nmax,
+                     nargs);
+        return -1;
+    }
+    for (int k = 0; k < nmax; k++) out[k] = k < nargs ? args[k] : NULL;
+    Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+    for (Py_ssize_t j = 0; j < nkw; j++) {
+        PyObject *name = PyTuple_GET_ITEM(kwnames, j);
+        int k = arg_index(name, names, nmax);
+        if (k < 0) {
+            PyErr_Format(PyExc_TypeError, "%s() got an unexpected keyword argument '%U'", fname,
+                         name);
+            return -1;
+        }
+        if (out[k]) {
+            PyErr_Format(PyExc_TypeError, "%s() got multiple values for argument '%s'", fname,
+                         names[k]);
+            return -1;
+        }
+        out[k] = args[nargs + j];
+    }
+    for (int k = 0; k < nreq; k++)
+        if (!out[k]) {
+            PyErr_Format(PyExc_TypeError, "%s() missing required argument '%s'", fname, names[k]);
+            return -1;
+        }
+    return 0;
+}
+
+static const char *const KEYS_CTX[] = {"keys", "ctx", NULL};
+
+/* keys as a fast sequence and its items */
+static PyObject *keys_of(PyObject *arg, PyObject ***items, Py_ssize_t *n) {
+    PyObject *seq = PySequence_Fast(arg, "keys must be a sequence");
+    if (!seq) return NULL;
+    *items = PySequence_Fast_ITEMS(seq);
+    *n = PySequence_Fast_GET_SIZE(seq);
+    return seq;
+}
+
+static PyObject *key_error(PyObject *cls, const char *what, PyObject *key, const char *tail) {
+    PyObject *hex = PyObject_CallMethodNoArgs(key, s_hex);
+    if (!hex) return NULL;
+    PyObject *msg = PyUnicode_FromFormat("%s: key %U %s", what, hex, tail);
+    Py_DECREF(hex);
+    if (!msg) return NULL;
+    PyErr_SetObject(cls, msg);
+    Py_DECREF(msg);
+    return NULL;
+}
+
+/* Resolve keys to live nodes (NIL if none), marking those nodes with a new epoch: the
+ * index of the first key listed twice, -1 if none, -2 on error. */
+static Py_ssize_t resolve_unique(Core *c, PyObject **keys, Py_ssize_t n, int32_t *nodes) {
+    uint32_t epoch = next_epoch(c);
+    int checking = 0;
+    for (Py_ssize_t j = 0; j < n; j++) {
+        Py_hash_t h = key_hash(keys[j]);
+        if (h == -1) return -2;
+        int32_t i = tab_find(&c->index, keys[j], h);
+        nodes[j] = i;
+        if (i != NIL) {
+            if (c->nodes[i].mark == epoch) return j;
+            c->nodes[i].mark = epoch;
+        } else {
+            if (!checking) {
+                if (seen_begin(c, n) < 0) return -2;
+                checking = 1;
+            }
+            if (!seen_add(c, keys[j], h)) return j;
+        }
+    }
+    return -1;
+}
+
+/* resolve keys to live nodes, NIL where none; -1 on error */
+static int resolve(Core *c, PyObject **keys, Py_ssize_t n, int32_t *nodes) {
+    for (Py_ssize_t j = 0; j < n; j++) {
+        Py_hash_t h = key_hash(keys[j]);
+        if (h == -1) return -1;
+        nodes[j] = tab_find(&c->index, keys[j], h);
+    }
+    return 0;
+}
+
+static int emit(Core *c, PyObject *keys, int removed) {
+    if (!c->events) return 0;
+    PyObject *event = PyTuple_Pack(2, keys, removed ? Py_True : Py_False);
+    if (!event) return -1;
+    int rc = PyList_Append(c->events, event);
+    Py_DECREF(event);
+    return rc;
+}
+
+/* the cached int of a slot id handed out before */
+static inline PyObject *slot_int(Core *c, int32_t slot) {
+    Py_INCREF(c->slot_ints[slot]);
+    return c->slot_ints[slot];
+}
+
+/* --- the manager's calls ------------------------------------------------------------ */
+
+static PyObject *Core_lookup(Core *c, PyObject *const *args, Py_ssize_t nargs,
+                             PyObject *kwnames) {
+    static const char *const names[] = {"key", "ctx", NULL};
+    PyObject *a[2];
+    if (kwnames || nargs < 1 || nargs > 2) {
+        if (parse(args, nargs, kwnames, "lookup", names, 1, 2, a) < 0) return NULL;
+    } else {
+        a[0] = args[0];
+    }
+    if (!c->results) {
+        PyErr_SetString(PyExc_RuntimeError, "lookup on a cleared manager");
+        return NULL;
+    }
+    Py_hash_t h = key_hash(a[0]);
+    if (h == -1) return NULL;
+    c->lookups++;
+    int32_t i = tab_find(&c->index, a[0], h);
+    int r = 0;
+    if (i != NIL && resident(&c->nodes[i])) {
+        c->hits++;
+        r = c->nodes[i].ref >= 0 ? 1 : 2;
+    }
+    PyObject *out = PyTuple_GET_ITEM(c->results, r);
+    Py_INCREF(out);
+    return out;
+}
+
+static PyObject *Core_lookup_prefix(Core *c, PyObject *const *args, Py_ssize_t nargs,
+                                    PyObject *kwnames) {
+    PyObject *a[2], **keys;
+    Py_ssize_t n, count = 0;
+    if (parse(args, nargs, kwnames, "lookup_prefix", KEYS_CTX, 1, 2, a) < 0) return NULL;
+    PyObject *seq = keys_of(a[0], &keys, &n);
+    if (!seq) return NULL;
+    for (; count < n; count++) {
+        Py_hash_t h = key_hash(keys[count]);
+        if (h == -1) {
+            Py_DECREF(seq);
+            return NULL;
+        }
+        int32_t i = tab_find(&c->index, keys[count], h);
+        if (i == NIL || !resident(&c->nodes[i]) || c->nodes[i].ref < 0) break;
+    }
+    Py_DECREF(seq);
+    return PyLong_FromSsize_t(count);
+}
+
+static PyObject *prepare_load_impl(Core *c, PyObject *const *args, Py_ssize_t nargs,
+                                   PyObject *kwnames) {
+    PyObject *a[2], **keys, *out = NULL;
+    Py_ssize_t n;
+    if (parse(args, nargs, kwnames, "prepare_load", KEYS_CTX, 1, 2, a) < 0) return NULL;
+    PyObject *ctx = a[1] ? a[1] : Py_None;
+    PyObject *seq = keys_of(a[0], &keys, &n);
+    if (!seq) return NULL;
+    int32_t *nodes = scratch(c, 0, n);
+    if (!nodes) goto done;
+    Py_ssize_t dup = resolve_unique(c, keys, n, nodes);
+    if (dup == -2) goto done;
+    if (dup >= 0) {
+        key_error(DuplicateKeyError, "prepare_load", keys[dup], "appears more than once");
+        goto done;
+    }
+    for (Py_ssize_t j = 0; j < n; j++) {
+        int32_t i = nodes[j];
+        if (i == NIL || !resident(&c->nodes[i])) {
+            key_error(UnknownKeyError, "prepare_load", keys[j], "is not stored");
+            goto done;
+        }
+        if (c->nodes[i].ref < 0) {
+            key_error(KeyNotReadyError, "prepare_load", keys[j], "is still being stored");
+            goto done;
+        }
+    }
+    Request *r = NULL;
+    int fold = !c->policy->touch_before_store;
+    if (ctx != Py_None && n) {
+        if (!(r = request_of(c, ctx))) goto done;
+        if (fold || !r->touched) {
+            if (request_reserve(r, n, fold) < 0) goto done;
+        }
+    }
+    if (!(out = PyList_New(n))) goto done;
+    /* nothing fails from here */
+    Py_ssize_t idle = 0;
+    for (Py_ssize_t j = 0; j < n; j++) {
+        Node *nd = &c->nodes[nodes[j]];
+        if (!nd->ref) idle++;
+        nd->ref++;
+        PyList_SET_ITEM(out, j, slot_int(c, nd->slot));
+    }
+    c->num_idle -= idle;
+    c->loaded += n;
+    if (r) {
+        for (Py_ssize_t j = 0; j < n; j++) {
+            Py_hash_t h = c->nodes[nodes[j]].hash;
+            if (fold) {
+                Entry *e = request_see(r, keys[j], h);
+                if (!(e->flags & F_INSERTED)) e->flags |= F_REUSED;
+            } else if (!r->touched) {
+                request_append(r, keys[j], h);
+            }
+        }
+    }
+done:
+    Py_DECREF(seq);
+    return out;
+}
+
+static PyObject *complete_load_impl(Core *c, PyObject *const *args, Py_ssize_t nargs,
+                                    PyObject *kwnames) {
+    PyObject *a[2], **keys, *out = NULL;
+    Py_ssize_t n;
+    if (parse(args, nargs, kwnames, "complete_load", KEYS_CTX, 1, 2, a) < 0) return NULL;
+    PyObject *seq = keys_of(a[0], &keys, &n);
+    if (!seq) return NULL;
+    int32_t *nodes = scratch(c, 0, n);
+    if (!nodes || resolve(c, keys, n, nodes) < 0) goto done;
+    uint32_t epoch = next_epoch(c);
+    for (Py_ssize_t j = 0; j < n; j++) {
+        int32_t i = nodes[j];
+        if (i == NIL || !resident(&c->nodes[i])) continue;
+        Node *nd = &c->nodes[i];
+        if (nd->mark != epoch) {
+            nd->mark = epoch;
+            nd->count = 0;
+        }
+        nd->count++;
+    }
+    /* the first key, in first-listed order, that is not pinned as often as listed */
+    for (Py_ssize_t j = 0; j < n; j++) {
+        int32_t i = nodes[j];
+        if (i == NIL || !resident(&c->nodes[i]) || c->nodes[i].ref < c->nodes[i].count) {
+            key_error(PyExc_ValueError, "complete_load", keys[j], "is not being loaded");
+            goto done;
+        }
+    }
+    Py_ssize_t idle = 0;
+    for (Py_ssize_t j = 0; j < n; j++) {
+        Node *nd = &c->nodes[nodes[j]];
+        if (!nd->count) continue; /* listed before: done */
+        nd->ref -= nd->count;
+        nd->count = 0;
+        if (!nd->ref) idle++;
+    }
+    c->num_idle += idle;
+    out = Py_NewRef(Py_None);
+done:
+    Py_DECREF(seq);
+    return out;
+}
+
+static PyObject *touch_impl(Core *c, PyObject *const *args, Py_ssize_t nargs,
+                            PyObject *kwnames) {
+    PyObject *a[2], **keys, *out = NULL;
+    Py_ssize_t n;
+    if (parse(args, nargs, kwnames, "touch", KEYS_CTX, 1, 2, a) < 0) return NULL;
+    PyObject *seq = keys_of(a[0], &keys, &n);
+    if (!seq) return NULL;
+    int32_t *nodes = scratch(c, 0, n);
+    if (nodes && resolve(c, keys, n, nodes) == 0) {
+        c->policy->touch(c, nodes, n);
+        out = Py_NewRef(Py_None);
+    }
+    Py_DECREF(seq);
+    return out;
+}
+
+/* the tuple (keys_to_store, slot ids, evicted keys) of a store with nothing to store */
+static PyObject *empty_store(void) {
+    return Py_BuildValue("([][][])");
+}
+
+static PyObject *prepare_store_impl(Core *c, PyObject *const *args, Py_ssize_t nargs,
+                                    PyObject *kwnames) {
+    PyObject *a[2], **keys, *result = NULL;
+    PyObject *to_store = NULL, *ids = NULL, *evicted = NULL, *out = NULL;
+    Py_ssize_t n;
+    if (parse(args, nargs, kwnames, "prepare_store", KEYS_CTX, 1, 2, a) < 0) return NULL;
+    PyObject *ctx = a[1] ? a[1] : Py_None;
+    PyObject *seq = keys_of(a[0], &keys, &n);
+    if (!seq) return NULL;
+    const Policy *p = c->policy;
+    int fold = !p->touch_before_store;
+    int32_t *nodes = scratch(c, 0, n);
+    uint8_t *absent = scratch_bytes(c, n);
+    if (!nodes || !absent) goto done;
+    Py_ssize_t dup = resolve_unique(c, keys, n, nodes);
+    if (dup == -2) goto done;
+    if (dup >= 0) {
+        key_error(DuplicateKeyError, "prepare_store", keys[dup], "appears more than once");
+        goto done;
+    }
+    /* the keys absent (offered: every one is stored, these policies admit all) */
+    Py_ssize_t k = 0;
+    for (Py_ssize_t j = 0; j < n; j++) {
+        absent[j] = nodes[j] == NIL || !resident(&c->nodes[nodes[j]]);
+        k += absent[j];
+    }
+    Py_ssize_t num_free = c->num_blocks - c->num_allocated + c->n_free_slots;
+    Py_ssize_t shortfall = k - num_free;
+    /* allocate everything first */
+    Request *r = NULL;
+    int32_t *entries = NULL, *work = NULL;
+    Py_ssize_t need = shortfall > 0 ? shortfall : 0; /* victims, store misses, touches */
+    if (ctx != Py_None) {
+        if (!(r = request_of(c, ctx))) goto done;
+        if (fold) {
+            if (request_reserve(r, n, 1) < 0 || !(entries = scratch(c, 1, n))) goto done;
+        }
+        Py_ssize_t used = fold ? k : (r->touched ? 0 : r->n + n);
+        if (used > need) need = used;
+    }
+    if (!(work = scratch(c, 2, need))) goto done;
+    if (!k && !(out = empty_store())) goto done;
+    if (k) {
+        if (!(to_store = PyList_New(k)) || !(ids = PyList_New(k))) goto done;
+        if (!(evicted = PyList_New(shortfall > 0 ? shortfall : 0))) goto done;
+        if (!(out = PyTuple_New(3))) goto done;
+        if (nodes_reserve(c, k) < 0) goto done;
+        Py_ssize_t fresh_end = c->num_allocated + k;
+        if (fresh_end > c->num_blocks) fresh_end = c->num_blocks;
+        for (Py_ssize_t s = c->num_allocated; s < fresh_end; s++)
+            if (!c->slot_ints[s] && !(c->slot_ints[s] = PyLong_FromSsize_t(s))) goto done;
+    }
+    /* the request's log (changes even when the store is refused, as vLLM's does) */
+    if (r && fold) {
+        Py_ssize_t misses = 0;
+        for (Py_ssize_t j = 0; j < n; j++) {
+            int32_t i = nodes[j];
+            if (!absent[j] && c->nodes[i].ref < 0) continue; /* being stored: not used */
+            Entry *e = request_see(r, keys[j], bytes_hash(keys[j]));
+            entries[j] = (int32_t)(e - r->e);
+            if (absent[j]) {
+                if (p->store_miss && !(e->flags & F_MISSED)) {
+                    e->flags |= F_MISSED;
+                    work[misses++] = i;
+                }
+            } else if (!(e->flags & F_INSERTED)) {
+                e->flags |= F_REUSED;
+            }
+        }
+        if (misses) p->store_miss(c, work, misses);
+    } else if (r && !r->touched) {
+        /* the request's first store: touch what it loaded, then what it offers */
+        r->touched = 1;
+        Py_ssize_t m = 0;
+        for (Py_ssize_t j = 0; j < r->n; j++)
+            work[m++] = tab_find(&c->index, r->e[j].key, r->e[j].hash);
+        for (Py_ssize_t j = 0; j < n; j++) work[m++] = nodes[j];
+        p->touch(c, work, m);
+        request_drop_entries(r);
+    }
+    c->last_store_size = k;
+    if (!k) {
+        result = out;
+        out = NULL;
+        goto done;
+    }
+    if (shortfall > 0) {
+        int32_t *victims = work;
+        int rc = shortfall > c->num_idle ? -1 : p->evict(c, shortfall, victims);
+        if (rc == -2) {
+            PyErr_SetString(PyExc_SystemError, "s3fifo: fewer evictable blocks than counted");
+            goto done;
+        }
+        if (rc < 0) {
+            result = Py_NewRef(Py_None);
+            goto done;
+        }
+        for (Py_ssize_t j = 0; j < shortfall; j++) {
+            Node *nd = &c->nodes[victims[j]];
+            PyList_SET_ITEM(evicted, j, Py_NewRef(nd->key));
+            c->free_slots[c->n_free_slots++] = nd->slot;
+        }
+        for (Py_ssize_t j = 0; j < shortfall; j++)
+            if (c->nodes[victims[j]].list == NO_LIST) node_forget(c, victims[j]);
+        p->trim(c);
+        c->num_idle -= shortfall;
+        c->num_ready -= shortfall;
+        c->evicted += shortfall;
+    }
+    /* slots: fresh ones ascending, then the most recently freed first */
+    Py_ssize_t s = 0;
+    for (Py_ssize_t j = 0; j < n; j++) {
+        if (!absent[j]) continue;
+        int32_t i = nodes[j];
+        int ghost = -1;
+        if (i != NIL) {
+            /* a ghost when offered; eviction may have forgotten it (and reused its node) */
+            i = tab_find(&c->index, keys[j], bytes_hash(keys[j]));
+            if (i != NIL) {
+                ghost = c->nodes[i].list;
+                list_unlink(c, i);
+            }
+        }
+        if (i == NIL) i = node_new(c, keys[j], bytes_hash(keys[j]));
+        int32_t slot;
+        if (c->num_allocated < c->num_blocks) slot = (int32_t)c->num_allocated++;
+        else slot = c->free_slots[--c->n_free_slots];
+        Node *nd = &c->nodes[i];
+        nd->slot = slot;
+        nd->ref = -1;
+        p->insert(c, i, ghost);
+        PyList_SET_ITEM(to_store, s, Py_NewRef(keys[j]));
+        PyList_SET_ITEM(ids, s, slot_int(c, slot));
+        s++;
+        if (r && fold) r->e[entries[j]].flags |= F_INSERTED;
+    }
+    c->num_pending += k;
+    PyTuple_SET_ITEM(out, 0, to_store);
+    PyTuple_SET_ITEM(out, 1, ids);
+    PyTuple_SET_ITEM(out, 2, evicted);
+    to_store = ids = evicted = NULL;
+    result = out;
+    out = NULL;
+    if (shortfall > 0 && emit(c, PyTuple_GET_ITEM(result, 2), 1) < 0) Py_CLEAR(result);
+done:
+    Py_XDECREF(to_store);
+    Py_XDECREF(ids);
+    Py_XDECREF(evicted);
+    Py_XDECREF(out);
+    Py_DECREF(seq);
+    return result;
+}
+
+static PyObject *complete_store_impl(Core *c, PyObject *const *args, Py_ssize_t nargs,
+                                     PyObject *kwnames) {
+    static const char *const names[] = {"keys", "ctx", "success", NULL};
+    PyObject *a[3], **keys, *out = NULL, *done_keys = NULL;
+    Py_ssize_t n;
+    if (parse(args, nargs, kwnames, "complete_store", names, 1, 3, a) < 0) return NULL;
+    int success = 1;
+    if (a[2] && (success = PyObject_IsTrue(a[2])) < 0) return NULL;
+    PyObject *seq = keys_of(a[0], &keys, &n);
+    if (!seq) return NULL;
+    int32_t *nodes = scratch(c, 0, n);
+    if (!nodes || resolve(c, keys, n, nodes) < 0) goto done;
+    /* the keys still being stored, each once */
+    uint32_t epoch = next_epoch(c);
+    Py_ssize_t d = 0;
+    for (Py_ssize_t j = 0; j < n; j++) {
+        int32_t i = nodes[j];
+        if (i == NIL) continue;
+        Node *nd = &c->nodes[i];
+        if (resident(nd) && nd->ref < 0 && nd->mark != epoch) {
+            nd->mark = epoch;
+            nodes[d++] = i;
+        }
+    }
+    if (success && d && c->events) {
+        if (!(done_keys = PyList_New(d))) goto done;
+        for (Py_ssize_t j = 0; j < d; j++)
+            PyList_SET_ITEM(done_keys, j, Py_NewRef(c->nodes[nodes[j]].key));
+    }
+    c->num_pending -= d;
+    if (success) {
+        for (Py_ssize_t j = 0; j < d; j++) c->nodes[nodes[j]].ref = 0;
+        c->num_ready += d;
+        c->num_idle += d;
+        c->stored += d;
+        if (done_keys && emit(c, done_keys, 0) < 0) goto done;
+    } else {
+        for (Py_ssize_t j = 0; j < d; j++) {
+            int32_t i = nodes[j];
+            c->policy->remove(c, i);
+            c->free_slots[c->n_free_slots++] = c->nodes[i].slot;
+            node_forget(c, i);
+        }
+        c->store_failed += d;
+    }
+    out = Py_NewRef(Py_None);
+done:
+    Py_XDECREF(done_keys);
+    Py_DECREF(seq);
+    return out;
+}
+
+static PyObject *on_new_request_impl(Core *c, PyObject *ctx) {
+    PyObject *req_id = PyObject_GetAttr(ctx, s_req_id);
+    if (!req_id) return NULL;
+    PyObject *capsule = new_request_capsule();
+    int rc = capsule ? PyDict_SetItem(c->requests, req_id, capsule) : -1;
+    Py_XDECREF(capsule);
+    Py_DECREF(req_id);
+    if (rc < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+/* the end token of a key: 1 and *pos, 0 when unknown, -1 on error */
+static int position_of(PyObject *positions, PyObject *key, long long *pos) {
+    PyObject *v;
+    if (PyDict_CheckExact(positions)) {
+        v = PyDict_GetItemWithError(positions, key);
+        if (!v) return PyErr_Occurred() ? -1 : 0;
+        Py_INCREF(v);
+    } else {
+        v = PyObject_CallMethodOneArg(positions, s_get, key);
+        if (!v) return -1;
+    }
+    int rc = 0;
+    if (v != Py_None) {
+        if (!PyLong_Check(v)) {
+            PyErr_Format(PyExc_TypeError, "positions: end tokens must be ints, got %.100s",
+                         Py_TYPE(v)->tp_name);
+            rc = -1;
+        } else {
+            *pos = PyLong_AsLongLong(v);
+            rc = *pos == -1 && PyErr_Occurred() ? -1 : 1;
+        }
+    }
+    Py_DECREF(v);
+    return rc;
+}
+
+typedef struct {
+    long long key;
+    int32_t ord, val;
+} SortItem;
+
+static int sort_items_cmp(const void *pa, const void *pb) {
+    const SortItem *a = pa, *b = pb;
+    if (a->key != b->key) return a->key < b->key ? -1 : 1;
+    return a->ord < b->ord ? -1 : a->ord > b->ord;
+}
+
+/* stable sort of order[lo:hi] (and pos alike) by pos */
+static void sort_by_position(int32_t *order, long long *pos, SortItem *items, Py_ssize_t lo,
+                             Py_ssize_t hi) {
+    int sorted = 1;
+    for (Py_ssize_t j = lo + 1; j < hi && sorted; j++) sorted = pos[j - 1] <= pos[j];
+    if (sorted) return;
+    for (Py_ssize_t j = lo; j < hi; j++) {
+        items[j - lo].key = pos[j];
+        items[j - lo].ord = (int32_t)j;
+        items[j - lo].val = order[j];
+    }
+    qsort(items, (size_t)(hi - lo), sizeof(SortItem), sort_items_cmp);
+    for (Py_ssize_t j = lo; j < hi; j++) {
+        order[j] = items[j - lo].val;
+        pos[j] = items[j - lo].key;
+    }
+}
+
+static long long group_of(PyObject *key) {
+    /* the last 4 bytes (fewer for a shorter key), ordered as bytes compare */
+    Py_ssize_t len = PyBytes_GET_SIZE(key), t = len < 4 ? len : 4;
+    const unsigned char *b = (const unsigned char *)PyBytes_AS_STRING(key) + len - t;
+    long long code = 0;
+    for (Py_ssize_t j = 0; j < 4; j++) code = code * 257 + (j < t ? b[j] + 1 : 0);
+    return code;
+}
+
+/* A request's entries head to tail, as vLLM orders them: by KV-cache group (ascending
+ * group index), each group in first-use order or, where positions know all of its
+ * keys, by end token; then, where they know every key, all of them by end token. */
+static int request_order(Request *r, PyObject *positions, int32_t *order) {
+    Py_ssize_t m = r->n;
+    int rc = -1;
+    long long *group = PyMem_Malloc((size_t)m * sizeof(long long));
+    long long *pos = PyMem_Malloc((size_t)m * sizeof(long long));
+    uint8_t *known = PyMem_Malloc((size_t)m);
+    SortItem *items = PyMem_Malloc((size_t)m * sizeof(SortItem));
+    if (!group || !pos || !known || !items) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    int one_group = 1;
+    for (Py_ssize_t j = 0; j < m; j++) {
+        order[j] = (int32_t)j;
+        group[j] = group_of(r->e[j].key);
+        if (group[j] != group[0]) one_group = 0;
+    }
+    if (!one_group) {
+        for (Py_ssize_t j = 0; j < m; j++) {
+            items[j].key = group[j];
+            items[j].ord = (int32_t)j;
+            items[j].val = (int32_t)j;
+        }
+        qsort(items, (size_t)m, sizeof(SortItem), sort_items_cmp);
+        for (Py_ssize_t j = 0; j < m; j++) {
+            order[j] = items[j].val;
+            group[j] = items[j].key;
+        }
+    }
+    if (positions != Py_None) {
+        for (Py_ssize_t j = 0; j < m; j++) {
+            int got = position_of(positions, r->e[order[j]].key, &pos[j]);
+            if (got < 0) goto done;
+            known[j] = (uint8_t)got;
+        }
+        int all_known = 1, groups = 0;
+        for (Py_ssize_t lo = 0, hi; lo < m; lo = hi) {
+            int group_known = 1;
+            for (hi = lo; hi < m && group[hi] == group[lo]; hi++) group_known &= known[hi];
+            groups++;
+            if (group_known) sort_by_position(order, pos, items, lo, hi);
+            else all_known = 0;
+        }
+        if (all_known && groups > 1) sort_by_position(order, pos, items, 0, m);
+    }
+    rc = 0;
+done:
+    PyMem_Free(group);
+    PyMem_Free(pos);
+    PyMem_Free(known);
+    PyMem_Free(items);
+    return rc;
+}
+
+static PyObject *on_request_finished_impl(Core *c, PyObject *const *args, Py_ssize_t nargs,
+                                          PyObject *kwnames) {
+    static const char *const names[] = {"ctx", "positions", NULL};
+    PyObject *a[2], *out = NULL;
+    if (parse(args, nargs, kwnames, "on_request_finished", names, 1, 2, a) < 0) return NULL;
+    PyObject *positions = a[1] ? a[1] : Py_None;
+    PyObject *req_id = PyObject_GetAttr(a[0], s_req_id);
+    if (!req_id) return NULL;
+    PyObject *capsule = PyDict_GetItemWithError(c->requests, req_id);
+    if (!capsule) {
+        Py_DECREF(req_id);
+        if (PyErr_Occurred()) return NULL;
+        Py_RETURN_NONE; /* unknown or already finished */
+    }
+    Py_INCREF(capsule);
+    int rc = PyDict_DelItem(c->requests, req_id);
+    Py_DECREF(req_id);
+    if (rc < 0) goto done;
+    Request *r = PyCapsule_GetPointer(capsule, REQUEST_CAPSULE);
+    if (!r) goto done;
+    Py_ssize_t m = r->n;
+    int32_t *nodes = scratch(c, 0, m);
+    if (!nodes) goto done;
+    if (c->policy->touch_before_store) {
+        if (!r->touched) {
+            /* never stored: touch what it loaded */
+            for (Py_ssize_t j = 0; j < m; j++)
+                nodes[j] = tab_find(&c->index, r->e[j].key, r->e[j].hash);
+            c->policy->touch(c, nodes, m);
+        }
+    } else if (m) {
+        int32_t *order = scratch(c, 1, m);
+        uint8_t *flags = PyMem_Malloc((size_t)m);
+        if (!order || !flags || request_order(r, positions, order) < 0) {
+            if (order && !flags) PyErr_NoMemory();
+            PyMem_Free(flags);
+            goto done;
+        }
+        for (Py_ssize_t j = 0; j < m; j++) {
+            Entry *e = &r->e[order[j]];
+            nodes[j] = tab_find(&c->index, e->key, e->hash);
+            flags[j] = e->flags;
+        }
+        c->policy->finish(c, nodes, flags, m);
+        PyMem_Free(flags);
+    }
+    out = Py_NewRef(Py_None);
+done:
+    Py_DECREF(capsule);
+    return out;
+}
+
+static PyObject *Core_take_events(Core *c, PyObject *unused) {
+    (void)unused;
+    if (!c->events || !PyList_GET_SIZE(c->events)) return PyList_New(0);
+    PyObject *fresh = PyList_New(0);
+    if (!fresh) return NULL;
+    PyObject *taken = c->events;
+    c->events = fresh;
+    return taken;
+}
+
+/* ready keys in the policy's order */
+static PyObject *ready_keys(Core *c) {
+    PyObject *out = PyList_New(0);
+    if (!out) return NULL;
+    int lists[2];
+    int nl = c->policy->order(c, lists);
+    for (int k = 0; k < nl; k++)
+        for (int32_t i = c->lists[lists[k]].head; i != NIL; i = c->nodes[i].next)
+            if (c->nodes[i].ref >= 0 && PyList_Append(out, c->nodes[i].key) < 0) {
+                Py_DECREF(out);
+                return NULL;
+            }
+    return out;
+}
+
+static PyObject *Core_resident_keys(Core *c, PyObject *unused) {
+    (void)unused;
+    return ready_keys(c);
+}
+
+static PyObject *reset_cache_impl(Core *c, PyObject *const *args, Py_ssize_t nargs,
+                                  PyObject *kwnames) {
+    static const char *const names[] = {"force", NULL};
+    PyObject *a[1];
+    if (parse(args, nargs, kwnames, "reset_cache", names, 0, 1, a) < 0) return NULL;
+    int force = 0;
+    if (a[0] && (force = PyObject_IsTrue(a[0])) < 0) return NULL;
+    Py_ssize_t pinned = c->num_ready - c->num_idle;
+    if ((c->num_pending || pinned) && !force) {
+        PyErr_Format(PyExc_RuntimeError,
+                     "reset_cache with transfers in flight (%zd blocks being stored, %zd being "
+                     "loaded): wait for them first",
+                     c->num_pending, pinned);
+        return NULL;
+    }
+    PyObject *removed = ready_keys(c);
+    if (!removed) return NULL;
+    forget_all(c);
+    c->target_t1 = 0.0;
+    c->ahead = 0;
+    PyDict_Clear(c->requests);
+    c->num_allocated = 0;
+    c->n_free_slots = 0;
+    c->num_ready = c->num_idle = c->num_pending = 0;
+    int rc = PyList_GET_SIZE(removed) ? emit(c, removed, 1) : 0;
+    Py_DECREF(removed);
+    if (rc < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *Core_stats(Core *c, PyObject *unused) {
+    (void)unused;
+    Py_ssize_t num_free = c->num_blocks - c->num_allocated + c->n_free_slots;
+    return Py_BuildValue("nnnnnLLLLLLL", c->num_blocks, c->num_ready, c->num_pending,
+                         c->num_ready - c->num_idle, num_free, c->stored, c->store_failed,
+                         c->loaded, c->evicted, c->store_skipped, c->lookups, c->hits);
+}
+
+static PyObject *list_snapshot(Core *c, int l) {
+    PyObject *out = PyList_New(0);
+    if (!out) return NULL;
+    for (int32_t i = c->lists[l].head; i != NIL; i = c->nodes[i].next) {
+        Node *nd = &c->nodes[i];
+        PyObject *item = l < 2 ? Py_BuildValue("(Oiii)", nd->key, (int)nd->slot, (int)nd->ref,
+                                               (int)nd->freq)
+                               : Py_NewRef(nd->key);
+        if (!item || PyList_Append(out, item) < 0) {
+            Py_XDECREF(item);
+            Py_DECREF(out);
+            return NULL;
+        }
+        Py_DECREF(item);
+    }
+    return out;
+}
+
+/* The policy's lists, for tests: resident ones as (key, slot, ref_cnt, freq), ghosts as
+ * keys. lru: [blocks]; arc: [t1, t2, b1, b2]; s3fifo: [small, main, ghost]; sieve:
+ * [behind, ahead] (freq: the visited bit). */
+static PyObject *Core_snapshot(Core *c, PyObject *unused) {
+    (void)unused;
+    const Policy *p = c->policy;
+    int ids[4] = {0, 1, 2, 3}, nl = p == &LRU ? 1 : p == &ARC ? 4 : p == &S3FIFO ? 3 : 2;
+    if (p == &SIEVE) sieve_order(c, ids);
+    PyObject *lists = PyList_New(nl);
+    if (!lists) return NULL;
+    for (int k = 0; k < nl; k++) {
+        PyObject *l = list_snapshot(c, ids[k]);
+        if (!l) {
+            Py_DECREF(lists);
+            return NULL;
+        }
+        PyList_SET_ITEM(lists, k, l);
+    }
+    return Py_BuildValue("{s:N,s:d,s:n,s:n}", "lists", lists, "target_t1", c->target_t1,
+                         "requests", PyDict_GET_SIZE(c->requests), "known_keys", c->live);
+}
+
+static PyObject *Core_get_policy(Core *c, void *unused) {
+    (void)unused;
+    return PyUnicode_FromString(c->policy->name);
+}
+
+static PyObject *Core_get_target_t1(Core *c, void *unused) {
+    (void)unused;
+    return PyFloat_FromDouble(c->target_t1);
+}
+
+/* --- guarded entry points ----------------------------------------------------------- */
+
+static int enter(Core *c) {
+    if (c->busy) {
+        PyErr_SetString(PyExc_RuntimeError,
+                        "the manager was called from inside one of its own calls (a finalizer, "
+                        "a req_id property, a hash?)");
+        return -1;
+    }
+    c->busy = 1;
+    return 0;
+}
+
+#define GUARDED(name)                                                                   \
+    static PyObject *Core_##name(Core *c, PyObject *const *args, Py_ssize_t nargs,      \
+                                 PyObject *kwnames) {                                   \
+        if (enter(c) < 0) return NULL;                                                  \
+        PyObject *out = name##_impl(c, args, nargs, kwnames);                           \
+        c->busy = 0;                                                                    \
+        return out;                                                                     \
+    }
+
+GUARDED(prepare_load)
+GUARDED(complete_load)
+GUARDED(touch)
+GUARDED(prepare_store)
+GUARDED(complete_store)
+GUARDED(on_request_finished)
+GUARDED(reset_cache)
+
+static PyObject *Core_on_new_request(Core *c, PyObject *ctx) {
+    if (enter(c) < 0) return NULL;
+    PyObject *out = on_new_request_impl(c, ctx);
+    c->busy = 0;
+    return out;
+}
+
+/* --- the type ----------------------------------------------------------------------- */
+
+static int Core_traverse(Core *c, visitproc visit, void *arg) {
+    Py_VISIT(c->events);
+    Py_VISIT(c->requests);
+    Py_VISIT(c->results);
+    return 0;
+}
+
+static int Core_clear(Core *c) {
+    /* the request ids and the lookup results are the only way back to this object */
+    if (c->requests && !c->busy) PyDict_Clear(c->requests);
+    Py_CLEAR(c->results);
+    return 0;
+}
+
+static void Core_dealloc(Core *c) {
+    PyObject_GC_UnTrack(c);
+    if (c->nodes) forget_all(c);
+    PyMem_Free(c->nodes);
+    tab_free(&c->index);
+    if (c->slot_ints) {
+        for (Py_ssize_t s = 0; s < c->num_blocks; s++) Py_XDECREF(c->slot_ints[s]);
+        PyMem_Free(c->slot_ints);
+    }
+    PyMem_Free(c->free_slots);
+    Py_XDECREF(c->events);
+    Py_XDECREF(c->requests);
+    Py_XDECREF(c->results);
+    for (int k = 0; k < 3; k++) PyMem_Free(c->buf[k]);
+    PyMem_Free(c->bytes);
+    PyMem_Free(c->seen);
+    Py_TYPE(c)->tp_free((PyObject *)c);
+}
+
+static PyObject *Core_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
+    static char *names[] = {"num_blocks", "policy", "enable_events", "results", NULL};
+    Py_ssize_t num_blocks;
+    const char *name;
+    int enable_events;
+    PyObject *results;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "nspO!", names, &num_blocks, &name,
+                                     &enable_events, &PyTuple_Type, &results))
+        return NULL;
+    if (num_blocks <= 0 || num_blocks > MAX_NUM_BLOCKS) {
+        PyErr_Format(PyExc_ValueError, "num_blocks must be in [1, %d], got %zd", MAX_NUM_BLOCKS,
+                     num_blocks);
+        return NULL;
+    }
+    if (PyTuple_GET_SIZE(results) != 3) {
+        PyErr_SetString(PyExc_ValueError, "results must be (MISS, HIT, HIT_PENDING)");
+        return NULL;
+    }
+    const Policy *policy = NULL;
+    for (int k = 0; POLICIES[k]; k++)
+        if (!strcmp(POLICIES[k]->name, name)) policy = POLICIES[k];
+    if (!policy) {
+        PyErr_Format(PyExc_ValueError, "the native manager has no policy %s", name);
+        return NULL;
+    }
+    Core *c = (Core *)type->tp_alloc(type, 0);
+    if (!c) return NULL;
+    c->policy = policy;
+    c->num_blocks = num_blocks;
+    c->free_node = NIL;
+    for (int l = 0; l < 4; l++) list_init(&c->lists[l]);
+    c->small_capacity = num_blocks / 10 > 1 ? num_blocks / 10 : 1;
+    c->ghost_capacity = num_blocks - c->small_capacity > 1 ? num_blocks - c->small_capacity : 1;
+    c->results = Py_NewRef(results);
+    c->free_slots = PyMem_Malloc((size_t)num_blocks * sizeof(int32_t));
+    c->slot_ints = PyMem_Calloc((size_t)num_blocks, sizeof(PyObject *));
+    if (!c->free_slots || !c->slot_ints) {
+        Py_DECREF(c);
+        return PyErr_NoMemory();
+    }
+    if (tab_reserve(&c->index, 8) < 0 || !(c->requests = PyDict_New()) ||
+        (enable_events && !(c->events = PyList_New(0)))) {
+        Py_DECREF(c);
+        return NULL;
+    }
+    return (PyObject *)c;
+}
+
+#define FASTCALL(name) (PyCFunction)(void (*)(void))Core_##name, METH_FASTCALL | METH_KEYWORDS
+
+static PyMethodDef Core_methods[] = {
+    {"lookup", FASTCALL(lookup), "lookup(key, ctx=None): MISS, HIT or HIT_PENDING."},
+    {"lookup_prefix", FASTCALL(lookup_prefix), "How many leading keys are ready."},
+    {"prepare_load", FASTCALL(prepare_load), "Pin ready blocks; their slot ids."},
+    {"complete_load", FASTCALL(complete_load), "Unpin blocks pinned by prepare_load."},
+    {"touch", FASTCALL(touch), "Mark keys used, the first the most recently."},
+    {"prepare_store", FASTCALL(prepare_store),
+     "(keys_to_store, slot ids, evicted keys), or None when there is no room."},
+    {"complete_store", FASTCALL(complete_store), "Finish stores (success=True) or drop them."},
+    {"on_new_request", (PyCFunction)Core_on_new_request, METH_O, "A request starts."},
+    {"on_request_finished", FASTCALL(on_request_finished), "A request ended."},
+    {"take_events", (PyCFunction)Core_take_events, METH_NOARGS,
+     "The (keys, removed) events since the last call."},
+    {"reset_cache", FASTCALL(reset_cache), "Drop every block."},
+    {"stats", (PyCFunction)Core_stats, METH_NOARGS, "ManagerStats' fields, in order."},
+    {"resident_keys", (PyCFunction)Core_resident_keys, METH_NOARGS,
+     "Ready keys in policy order."},
+    {"snapshot", (PyCFunction)Core_snapshot, METH_NOARGS, "The policy's lists, for tests."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyMemberDef Core_members[] = {
+    {"num_blocks", T_PYSSIZET, offsetof(Core, num_blocks), READONLY, "Slots in the tier."},
+    {"last_store_size", T_PYSSIZET, offsetof(Core, last_store_size), READONLY,
+     "Slots the last prepare_store asked for, whether it got them or not."},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyGetSetDef Core_getset[] = {
+    {"policy", (getter)Core_get_policy, NULL, "The policy's name.", NULL},
+    {"target_t1", (getter)Core_get_target_t1, NULL, "ARC's target size of T1.", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject CoreType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "mgrcore.Manager",
+    .tp_basicsize = sizeof(Core),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "Manager(num_blocks, policy, enable_events, results): the request-scoped "
+              "CPU-tier manager.",
+    .tp_new = Core_new,
+    .tp_dealloc = (destructor)Core_dealloc,
+    .tp_traverse = (traverseproc)Core_traverse,
+    .tp_clear = (inquiry)Core_clear,
+    .tp_methods = Core_methods,
+    .tp_members = Core_members,
+    .tp_getset = Core_getset,
+};
+
+static int mgrcore_exec(PyObject *m) {
+    PyObject *errors = PyImport_ImportModule("asyncoffload.errors");
+    if (!errors) return -1;
+    UnknownKeyError = PyObject_GetAttrString(errors, "UnknownKeyError");
+    KeyNotReadyError = PyObject_GetAttrString(errors, "KeyNotReadyError");
+    DuplicateKeyError = PyObject_GetAttrString(errors, "DuplicateKeyError");
+    Py_DECREF(errors);
+    if (!UnknownKeyError || !KeyNotReadyError || !DuplicateKeyError) return -1;
+    if (!(s_req_id = PyUnicode_InternFromString("req_id")) ||
+        !(s_get = PyUnicode_InternFromString("get")) ||
+        !(s_hex = PyUnicode_InternFromString("hex")))
+        return -1;
+    if (PyType_Ready(&CoreType) < 0) return -1;
+    Py_INCREF(&CoreType);
+    if (PyModule_AddObject(m, "Manager", (PyObject *)&CoreType) < 0) {
+        Py_DECREF(&CoreType);
+        return -1;
+    }
+    Py_ssize_t count = 0;
+    while (POLICIES[count]) count++;
+    PyObject *names = PyTuple_New(count);
+    if (!names) return -1;
+    for (Py_ssize_t k = 0; k < count; k++) {
+        PyObject *name = PyUnicode_FromString(POLICIES[k]->name);
+        if (!name) {
+            Py_DECREF(names);
+            return -1;
+        }
+        PyTuple_SET_ITEM(names, k, name);
+    }
+    if (PyModule_AddObject(m, "POLICIES", names) < 0) {
+        Py_DECREF(names);
+        return -1;
+    }
+    return 0;
+}
+
+static struct PyModuleDef mgrcore_module = {
+    PyModuleDef_HEAD_INIT, "mgrcore", NULL, -1, NULL, NULL, NULL, NULL, NULL};
+
+PyMODINIT_FUNC PyInit_mgrcore(void) {
+    PyObject *m = PyModule_Create(&mgrcore_module);
+    if (m && mgrcore_exec(m) < 0) Py_CLEAR(m);
+    return m;
+}
