@@ -462,3 +462,17 @@ def test_manager_and_worker_agree_on_slots_across_evictions() -> None:
     for key, block in zip(resident, (12, 13, 14, 15), strict=True):
         assert _block(caches, 0, block) == saved[key]
     assert sorted(_ids(load)) == [0, 1, 2, 3]
+
+
+def test_expedited_loads_of_vllm_033_are_accepted() -> None:
+    """vLLM 0.33 passes ``expedited=True`` for loads it waits on within the step."""
+    spec = _spec()
+    caches = _caches(num_blocks=4, seed=5)
+    worker = _worker(spec, caches)
+    expected = _block(caches, 0, 1)
+    worker.submit_store(1, GPULoadStoreSpec([1], [1], [0]), CPULoadStoreSpec([2]))
+    _finish(worker, {1})
+    assert worker.submit_load(2, CPULoadStoreSpec([2]), GPULoadStoreSpec([3], [1], [0]), True)
+    _finish(worker, {2})
+    assert _block(caches, 0, 3) == expected
+    worker.shutdown()
