@@ -91,7 +91,15 @@ class AsyncOffloadWorker(OffloadingWorker):
         )
         return True
 
-    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
+    def submit_load(
+        self,
+        job_id: int,
+        src_spec: LoadStoreSpec,
+        dst_spec: GPULoadStoreSpec,
+        expedited: bool = False,
+    ) -> bool:
+        # vLLM 0.33 marks loads it waits for within the step ``expedited``. Loads run in
+        # submission order on one lane either way, behind no store (stores have their own).
         self._transfers.submit_load(
             job_id,
             _slots(src_spec),
