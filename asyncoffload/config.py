@@ -10,9 +10,32 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from asyncoffload.manager.admission import available_admissions
 from asyncoffload.manager.policies import available_policies
 
-__all__ = ["EngineConfig"]
+__all__ = ["EngineConfig", "known_admission", "known_policy"]
 
 CompletionMode = Literal["auto", "eventfd", "poll"]
+
+
+def known_policy(value: str) -> str:
+    """``value`` if it names a registered cache policy, else ``ValueError`` listing them
+    (a pydantic field validator for every settings model with a policy)."""
+    known = available_policies()
+    if value not in known:
+        raise ValueError(f"unknown cache policy {value!r}; known: {', '.join(known)}")
+    return value
+
+
+def known_admission(value: object) -> object:
+    """``None`` for no filter (``None``, ``""``, ``"none"``), ``value`` if it names a
+    registered admission filter, else ``ValueError`` listing them; a value that is not a
+    string is left to the field's type check."""
+    if value is None or (isinstance(value, str) and value.lower() in ("", "none")):
+        return None
+    if not isinstance(value, str):
+        return value
+    known = available_admissions()
+    if value not in known:
+        raise ValueError(f"unknown admission filter {value!r}; known: {', '.join(known)}")
+    return value
 
 
 class EngineConfig(BaseModel):
@@ -82,22 +105,12 @@ class EngineConfig(BaseModel):
     @field_validator("policy")
     @classmethod
     def _known_policy(cls, value: str) -> str:
-        known = available_policies()
-        if value not in known:
-            raise ValueError(f"unknown cache policy {value!r}; known: {', '.join(known)}")
-        return value
+        return known_policy(value)
 
     @field_validator("admission", mode="before")
     @classmethod
     def _known_admission(cls, value: object) -> object:
-        if value is None or (isinstance(value, str) and value.lower() in ("", "none")):
-            return None
-        if not isinstance(value, str):
-            return value  # the type check names it
-        known = available_admissions()
-        if value not in known:
-            raise ValueError(f"unknown admission filter {value!r}; known: {', '.join(known)}")
-        return value
+        return known_admission(value)
 
     @model_validator(mode="after")
     def _one_admission_rule(self) -> EngineConfig:

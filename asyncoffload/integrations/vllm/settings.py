@@ -13,8 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from asyncoffload.manager.admission import available_admissions
-from asyncoffload.manager.policies import available_policies
+from asyncoffload.config import known_admission, known_policy
 
 __all__ = ["VLLM_KEYS", "VllmOffloadSettings"]
 
@@ -91,22 +90,12 @@ class VllmOffloadSettings(BaseModel):
     @field_validator("policy", "eviction_policy")
     @classmethod
     def _known_policy(cls, value: str | None) -> str | None:
-        if value is None:
-            return None
-        known = available_policies()
-        if value not in known:
-            raise ValueError(f"unknown cache policy {value!r}; known: {', '.join(known)}")
-        return value
+        return None if value is None else known_policy(value)
 
     @field_validator("admission", mode="before")
     @classmethod
     def _known_admission(cls, value: object) -> object:
-        if value is None or (isinstance(value, str) and value.lower() in ("", "none")):
-            return None
-        if isinstance(value, str) and value not in available_admissions():
-            known = ", ".join(available_admissions())
-            raise ValueError(f"unknown admission filter {value!r}; known: {known}")
-        return value
+        return known_admission(value)
 
     @field_validator("canonical_layout")
     @classmethod
