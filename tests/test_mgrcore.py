@@ -7,12 +7,15 @@ same random calls: requests that load and store their keys the way vLLM's connec
 and refused stores, requests that end early, twice or never), mixed with calls the
 connector never makes (touches, duplicate, unknown and pending keys, resets). After
 every call the answers (or the exception's class and message), the events, the counters,
-the request logs and every list of the policy must be equal.
+the request logs and every list of the policy must be equal; for ``kv`` also everything it
+learns (its counts, its table, the keys it remembers), checked against the Python
+:class:`~asyncoffload.manager.policies.KVPolicy` and, where it builds, its own C core.
 """
 
 from __future__ import annotations
 
 import gc
+import inspect
 import random
 import subprocess
 import sys
@@ -27,12 +30,20 @@ from asyncoffload.keys import OffloadKey, make_offload_key
 from asyncoffload.manager import CPUOffloadingManager, ReqContext
 from asyncoffload.manager.native import (
     NATIVE_POLICIES,
+    NATIVE_POLICY_OPTIONS,
     NativeManager,
     RawEvent,
     native_manager_available,
     native_unsupported,
 )
-from asyncoffload.manager.policies import ARCPolicy, LRUPolicy, S3FIFOPolicy, SIEVEPolicy
+from asyncoffload.manager.policies import (
+    ARCPolicy,
+    CachePolicy,
+    KVPolicy,
+    LRUPolicy,
+    S3FIFOPolicy,
+    SIEVEPolicy,
+)
 
 pytestmark = pytest.mark.skipif(
     not native_manager_available(), reason="the native manager core cannot be built here"
@@ -58,6 +69,13 @@ def python_lists(manager: CPUOffloadingManager) -> list[list[Any]]:
         return [entries(k for k, _ in policy.items())]
     if isinstance(policy, ARCPolicy):
         return [entries(policy.t1), entries(policy.t2), list(policy.b1), list(policy.b2)]
+    if isinstance(policy, KVPolicy):
+        state = policy.snapshot()  # rows (key, uses, tick, class); freq: the uses
+        blocks = dict(policy.items())
+        return [
+            [(k, blocks[k].block_id, blocks[k].ref_cnt, uses) for k, uses, _, _ in queue]
+            for queue in state["queues"]
+        ] + [[row[0] for row in state["fresh"]], [row[0] for row in state["ghost"]]]
     if isinstance(policy, S3FIFOPolicy):
         count = policy.freq.get
         return [
@@ -73,15 +91,36 @@ def python_lists(manager: CPUOffloadingManager) -> list[list[Any]]:
     ]
 
 
-class Pair:
-    """The C core and the Python manager, called alike and compared after each call."""
+#: The Python manager's policy for ``kv``: the Python reference; and KVPolicy's own C core
+#: (kvcore.c), where it builds, which must decide alike too.
+KV_REFERENCES = [
+    pytest.param(False, id="kv-python"),
+    pytest.param(
+        True,
+        id="kv-kvcore",
+        marks=pytest.mark.skipif(
+            not KVPolicy(1).native, reason="the kv policy's C core cannot be built here"
+        ),
+    ),
+]
 
-    def __init__(self, capacity: int, policy: str, enable_events: bool = True) -> None:
+
+class Pair:
+    """The C core and the Python manager, called alike and compared after each call.
+    ``kv_native`` picks the Python manager's KVPolicy: pure Python (the reference) or
+    with its own C core."""
+
+    def __init__(
+        self, capacity: int, policy: str, enable_events: bool = True, kv_native: bool = False
+    ) -> None:
         self.native = NativeManager(capacity, policy, enable_events=enable_events)
         self.events: list[RawEvent] = []
+        reference: str | CachePolicy = policy
+        if policy == "kv":
+            reference = KVPolicy(capacity, native=kv_native)
         self.python = CPUOffloadingManager(
             capacity,
-            policy,
+            reference,
             enable_events=enable_events,
             request_scoped=True,
             event_sink=lambda keys, removed: self.events.append((list(keys), removed)),
@@ -113,6 +152,11 @@ class Pair:
         target = policy.target_t1 if isinstance(policy, ARCPolicy) else 0.0
         assert snapshot["target_t1"] == target
         assert snapshot["requests"] == len(python._requests or {})
+        if isinstance(policy, KVPolicy):
+            learned = dict(snapshot["kv"])
+            for param in ("ghost_cap", "rebuild_every", "decay"):
+                del learned[param]
+            assert learned == policy.snapshot()
         assert native.take_events() == self.events
         self.events.clear()
 
@@ -132,15 +176,21 @@ def _raw(answer: Any) -> Any:
 class Scenario:
     """Random calls over a few prompts sharing prefixes, on one :class:`Pair`."""
 
-    def __init__(self, seed: int, policy: str, capacity: int, groups: int) -> None:
+    def __init__(
+        self, seed: int, policy: str, capacity: int, groups: int, kv_native: bool = False
+    ) -> None:
         self.rng = random.Random(seed)
-        self.pair = Pair(capacity, policy, enable_events=self.rng.random() < 0.9)
+        self.pair = Pair(
+            capacity, policy, enable_events=self.rng.random() < 0.9, kv_native=kv_native
+        )
         self.groups = groups
         self.blocks = 2 * capacity + 6
         self.requests: dict[str, list[OffloadKey]] = {}
         self.pinned: list[list[OffloadKey]] = []
         self.storing: list[list[OffloadKey]] = []
         self.next_id = 0
+        #: The share of reset_cache calls made where the sequence draws one.
+        self.reset_share = 1.0
 
     def prompt(self) -> list[OffloadKey]:
         """A prefix chain (shared prefixes are likely), its keys group by group."""
@@ -249,6 +299,8 @@ class Scenario:
         elif op < 0.9:
             pair.call("touch", self.some_keys() + self.some_keys(), self.ctx())
         elif op < 0.92:
+            if self.reset_share < 1.0 and rng.random() >= self.reset_share:
+                return
             force = rng.random() < 0.7
             pair.call("reset_cache", force)
             if force:
@@ -280,6 +332,69 @@ def test_long_random_sequences_decide_alike(policy: str) -> None:
         run(seed, policy, steps=4000)
 
 
+@pytest.mark.parametrize("kv_native", KV_REFERENCES)
+@pytest.mark.parametrize("seed", range(20))
+def test_kv_random_calls_decide_as_each_kv_policy(seed: int, kv_native: bool) -> None:
+    rng = random.Random(seed)
+    scenario = Scenario(seed, "kv", rng.randint(1, 12), rng.choice([1, 2, 3]), kv_native=kv_native)
+    for _ in range(400):
+        scenario.step()
+
+
+class ServingScenario(Scenario):
+    """:class:`Scenario` with prompts as a serving trace has them, for ``kv``: sessions
+    whose turns extend the previous turn's prompt, one-off prompts of every length bucket
+    (< 16, < 64, >= 64 blocks), and a tier too small for them, so that the policy learns
+    (table rebuilds), evicts by value and declines blocks it would soon evict."""
+
+    def __init__(self, seed: int, kv_native: bool = False) -> None:
+        rng = random.Random(seed)
+        super().__init__(seed, "kv", rng.randint(8, 96), rng.choice([1, 1, 2]), kv_native=kv_native)
+        self.reset_share = 0.05  # the policy needs long runs to learn
+        self.sessions: list[list[int]] = []
+        self.next_block = 0
+        self.rebuilds = 0
+        self._inserts = self._tick = 0
+
+    def _new_blocks(self, n: int) -> list[int]:
+        self.next_block += n
+        return list(range(self.next_block - n, self.next_block))
+
+    def prompt(self) -> list[OffloadKey]:
+        rng = self.rng
+        if self.sessions and rng.random() < 0.6:
+            turn = rng.randrange(len(self.sessions))
+            blocks = self.sessions[turn] = self.sessions[turn] + self._new_blocks(rng.randint(1, 8))
+        else:
+            length = rng.choice([rng.randint(1, 12), rng.randint(12, 40), rng.randint(60, 90)])
+            blocks = self._new_blocks(length)
+            if rng.random() < 0.5:
+                self.sessions = [*self.sessions[-11:], blocks]
+        groups = rng.randint(1, self.groups)
+        return [key(b, g) for g in range(groups) for b in blocks]
+
+    def step(self) -> None:
+        super().step()
+        state = self.pair.native.snapshot()["kv"]
+        if state["inserts"] < self._inserts and state["tick"] >= self._tick:
+            self.rebuilds += 1  # the counter restarted, and not by a reset
+        self._inserts, self._tick = state["inserts"], state["tick"]
+
+
+@pytest.mark.parametrize("kv_native", KV_REFERENCES)
+def test_kv_serving_sequences_decide_alike(kv_native: bool) -> None:
+    """Long serving-like runs: every run rebuilds the table several times, and most
+    runs see the admission decline blocks."""
+    declining = 0
+    for seed in range(2000, 2010):
+        scenario = ServingScenario(seed, kv_native=kv_native)
+        for _ in range(3000):
+            scenario.step()
+        assert scenario.rebuilds >= 5, seed
+        declining += scenario.pair.native.stats().store_skipped > 0
+    assert declining >= 7
+
+
 # --- corner cases, each named ------------------------------------------------------------
 
 
@@ -309,8 +424,8 @@ def test_errors_are_the_python_managers() -> None:
     native = NativeManager(2, "lru")
     with pytest.raises(ValueError, match="num_blocks must be a positive int"):
         NativeManager(0, "lru")
-    with pytest.raises(ValueError, match="kv"):
-        NativeManager(2, "kv")
+    with pytest.raises(ValueError, match=r"half_life=4\.0 only"):
+        NativeManager(2, "kv", policy_options={"half_life": 2.0})
     with pytest.raises(ValueError, match="unknown"):
         NativeManager(2, "no-such-policy")
     with pytest.raises(TypeError, match="bytes"):
@@ -323,10 +438,37 @@ def test_errors_are_the_python_managers() -> None:
 
 def test_unsupported_configurations_are_named() -> None:
     assert native_unsupported("lru") is None
-    assert "kv" in (native_unsupported("kv") or "")
+    assert native_unsupported("kv") is None
+    assert "'lfu'" in (native_unsupported("lfu") or "")
     assert "admission" in (native_unsupported("lru", admission="ghost") or "")
     assert "store_threshold" in (native_unsupported("arc", store_threshold=2) or "")
     assert native_unsupported("arc", store_threshold=1) is None
+
+
+def test_kv_runs_natively_with_its_default_options_only() -> None:
+    defaults = inspect.signature(KVPolicy).parameters
+    options = NATIVE_POLICY_OPTIONS["kv"]
+    assert {name: defaults[name].default for name in options} == dict(options)
+    assert native_unsupported("kv", policy_options=dict(options)) is None
+    assert native_unsupported("kv", policy_options={"admission": False}) == (
+        "the native core runs kv with admission=True only"
+    )
+    assert native_unsupported("kv", policy_options={"native": True}) == (
+        "the native core's kv takes no option 'native'"
+    )
+    assert "takes no option" in (native_unsupported("lru", policy_options={"x": 1}) or "")
+    NativeManager(4, "kv", policy_options={"ghost_factor": 4.0})
+    with pytest.raises(ValueError, match="size_classes=True only"):
+        NativeManager(4, "kv", policy_options={"size_classes": False})
+
+
+@pytest.mark.parametrize("capacity", [1, 7, 64, 513, 1000, 4096, 100_003, 1 << 20])
+def test_kv_parameters_are_kvpolicys(capacity: int) -> None:
+    state = NativeManager(capacity, "kv").snapshot()["kv"]
+    python = KVPolicy(capacity, native=False)
+    assert state["ghost_cap"] == python._ghost_cap
+    assert state["rebuild_every"] == python._rebuild_every
+    assert state["decay"] == python._decay
 
 
 def test_arc_store_miss_adapts_once_per_request() -> None:
@@ -402,6 +544,48 @@ def test_no_references_leak() -> None:
     assert [sys.getrefcount(r) for r in req_ids] == base_ids
 
 
+def test_kv_keeps_no_reference_it_forgot() -> None:
+    """kv remembers keys it never stored (touched, evicted): they are let go when forgotten
+    (past the ghost budget), by a reset and with the manager; also along declined and
+    failed stores."""
+    keys = [key(60_000 + i, i % 2) for i in range(200)]
+    req_ids = [f"kv-leak-{i}" for i in range(150)]
+    base_keys = [sys.getrefcount(k) for k in keys]
+    base_ids = [sys.getrefcount(r) for r in req_ids]
+    rng = random.Random(5)
+    declined = 0
+    for round_ in range(4):
+        native = NativeManager(8, "kv")
+        for req_id in req_ids:
+            ctx = ReqContext(req_id=req_id)
+            native.on_new_request(ctx)
+            start = rng.choice([0, 0, rng.randrange(190)])
+            chunk = keys[start : start + rng.randint(1, 6)]
+            hits = native.lookup_prefix(chunk, ctx)
+            if hits:
+                native.prepare_load(chunk[:hits], ctx)
+                native.complete_load(chunk[:hits], ctx)
+            if rng.random() < 0.2:
+                native.on_request_finished(ctx)  # loaded (or not), never stored
+                continue
+            native.touch(rng.sample(keys, 6), ctx)
+            out = native.prepare_store(chunk, ctx)
+            if out is not None and out[0]:
+                native.complete_store(out[0], ctx, success=rng.random() < 0.8)
+            native.on_request_finished(ctx, {k: 16 * j for j, k in enumerate(chunk)})
+        declined += native.stats().store_skipped
+        assert native.snapshot()["known_keys"] > native.num_blocks  # remembered ones
+        native.take_events()
+        if round_ % 2:
+            native.reset_cache(force=True)
+            native.touch(keys[:30])  # fresh keys left behind
+        del native, out, ctx, chunk, req_id
+    gc.collect()
+    assert declined  # the admission declined some
+    assert [sys.getrefcount(k) for k in keys] == base_keys
+    assert [sys.getrefcount(r) for r in req_ids] == base_ids
+
+
 def test_a_cycle_through_a_request_id_is_collected() -> None:
     collected: list[bool] = []
 
@@ -425,7 +609,7 @@ def test_interpreter_exits_cleanly_with_live_managers() -> None:
         "from asyncoffload.manager import ReqContext\n"
         "from asyncoffload.keys import make_offload_key\n"
         "managers = []\n"
-        "for p in ('lru', 'arc', 's3fifo', 'sieve'):\n"
+        "for p in ('lru', 'arc', 'kv', 's3fifo', 'sieve'):\n"
         "    for i in range(50):\n"
         "        m = NativeManager(8, p)\n"
         "        ctx = ReqContext(req_id=f'r{i}')\n"

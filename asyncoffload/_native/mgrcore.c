@@ -1,16 +1,18 @@
 /* The request-scoped CPU-tier manager, as a CPython extension.
  *
  * A port of asyncoffload/manager/cpu.py (CPUOffloadingManager with request_scoped=True,
- * no admission filter, store_threshold < 2) together with the policies lru, arc, s3fifo
- * and sieve (asyncoffload/manager/policies/). The Python code is the reference: every
- * decision (slot ids, victims, events, lookups, errors, counters, request folding) is
- * the same, call for call (tests/test_mgrcore.py drives both in lockstep). Compiled on
- * first use by asyncoffload._native.load_mgrcore. Everything runs under the GIL.
+ * no admission filter, store_threshold < 2) together with the policies lru, arc, kv
+ * (default options), s3fifo and sieve (asyncoffload/manager/policies/). The Python code
+ * is the reference: every decision (slot ids, victims, admissions, events, lookups,
+ * errors, counters, request folding, what kv learns) is the same, call for call
+ * (tests/test_mgrcore.py drives both in lockstep). Compiled on first use by
+ * asyncoffload._native.load_mgrcore. Everything runs under the GIL.
  *
  * State. Every key the manager knows (resident: being stored or ready; or a policy's
- * ghost) has a node in one growable array; an open-addressing table maps keys to node
- * indices. A node is on exactly one intrusive doubly linked list: lists 0 and 1 hold
- * resident nodes, 2 and 3 ghosts; what each list means is the policy's (a small vtable).
+ * ghost; for kv also a key touched and never stored) has a node in one growable array;
+ * an open-addressing table maps keys to node indices. A node is on exactly one intrusive
+ * doubly linked list: lists below GHOST_BASE hold resident nodes, the others remembered
+ * ones; what each list means is the policy's (a small vtable).
  *
  * Keys are exact bytes (vLLM's and asyncoffload's OffloadKey). Bytes cannot take part
  * in reference cycles, so the GC is shown only the containers the core holds.
@@ -28,6 +30,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <structmember.h>
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -36,6 +39,11 @@
 #define NO_LIST 255
 #define MAX_NUM_BLOCKS (1 << 28)
 #define S3FIFO_MAX_FREQ 3
+
+/* lists: resident ones first (kv has a queue per class), then remembered ones */
+#define KV_CLASSES 15
+#define GHOST_BASE KV_CLASSES
+#define NUM_LISTS (GHOST_BASE + 2)
 
 /* request-log flags of a key */
 #define F_INSERTED 1
@@ -157,7 +165,10 @@ typedef struct {
     uint32_t mark;  /* == Core.epoch: listed by the current call (and so protected) */
     int32_t count;  /* complete_load: times listed by the current call */
     uint8_t list;   /* the list holding it; NO_LIST for a free node or a dropped victim */
-    uint8_t freq;   /* s3fifo: access count; sieve: visited bit */
+    uint8_t freq;   /* s3fifo: access count; sieve: visited bit; kv: uses (0: not yet known) */
+    uint8_t cls;    /* kv: the class (its queue while resident) */
+    uint8_t sampled; /* kv: the key feeds the reuse counts */
+    int64_t tick;   /* kv: the last use */
 } Node;
 
 typedef struct {
@@ -172,8 +183,15 @@ typedef struct {
     const char *name;
     /* touch a request's keys at its first store instead of folding it at its end */
     int touch_before_store;
+    /* a touch gives unknown keys a node (the caller makes them, freq 0, on no list) */
+    int remembers_touched;
     /* a new resident node (its store in flight); ghost: the ghost list it left, or -1 */
     void (*insert)(Core *, int32_t i, int ghost);
+    /* instead of insert (may be NULL): one store's new nodes, in the order offered, each
+     * on no list (a new node has freq 0) */
+    void (*insert_many)(Core *, const int32_t *nodes, Py_ssize_t n);
+    /* when storing would evict (may be NULL): 1 to decline an absent key (its node or NIL) */
+    int (*declines)(Core *, int32_t i);
     /* a failed store: unlink the node (the caller frees it) */
     void (*remove)(Core *, int32_t i);
     void (*touch)(Core *, const int32_t *nodes, Py_ssize_t n);
@@ -190,6 +208,24 @@ typedef struct {
     int (*order)(Core *, int *lists);
 } Policy;
 
+#define USE_BUCKETS 4
+#define SIZE_BUCKETS 3
+#define KV_TAIL (USE_BUCKETS * SIZE_BUCKETS)
+#define AGE_BINS 64
+#define KV_SAMPLE_MASK 3
+
+/* kv's learning (asyncoffload/manager/policies/kv.py, default options) */
+typedef struct {
+    Py_ssize_t ghost_cap, rebuild_every;
+    double decay;
+    int64_t tick;
+    Py_ssize_t inserts;
+    double last_victim; /* the value of the last block evicted, when it went */
+    double entered[KV_CLASSES];
+    double reused[KV_CLASSES * AGE_BINS];
+    double table[KV_CLASSES][AGE_BINS];
+} KVState;
+
 typedef struct {
     Py_hash_t hash;
     PyObject *key; /* borrowed */
@@ -205,7 +241,7 @@ struct Core {
     int32_t n_nodes, cap_nodes, free_node;
     Py_ssize_t n_free_nodes, live;
     Tab index;
-    List lists[4];
+    List lists[NUM_LISTS];
     /* slots */
     Py_ssize_t num_allocated;
     int32_t *free_slots;
@@ -223,9 +259,10 @@ struct Core {
     double target_t1;                          /* arc */
     Py_ssize_t small_capacity, ghost_capacity; /* s3fifo */
     int ahead;                                 /* sieve: lists[ahead] starts at the hand */
+    KVState *kv;                               /* kv */
     /* scratch */
-    int32_t *buf[3];
-    Py_ssize_t buf_cap[3];
+    int32_t *buf[4];
+    Py_ssize_t buf_cap[4];
     uint8_t *bytes;
     Py_ssize_t bytes_cap;
     SeenSlot *seen;
@@ -236,7 +273,7 @@ struct Core {
 static PyObject *UnknownKeyError, *KeyNotReadyError, *DuplicateKeyError;
 static PyObject *s_req_id, *s_get, *s_hex;
 
-static inline int resident(const Node *nd) { return nd->list < 2; }
+static inline int resident(const Node *nd) { return nd->list < GHOST_BASE; }
 
 static inline void list_init(List *l) {
     l->head = l->tail = NIL;
@@ -321,6 +358,14 @@ static int32_t node_new(Core *c, PyObject *key, Py_hash_t h) {
     n->count = 0;
     n->list = NO_LIST;
     n->freq = 0;
+    if (c->kv) {
+        /* kv.py samples by key[-5] (a key is a hash and 4 group bytes) */
+        Py_ssize_t len = PyBytes_GET_SIZE(key);
+        unsigned char byte = len >= 5 ? (unsigned char)PyBytes_AS_STRING(key)[len - 5] : 1;
+        n->cls = 0;
+        n->tick = 0;
+        n->sampled = !(byte & KV_SAMPLE_MASK);
+    }
     tab_put(&c->index, key, h, i);
     c->live++;
     return i;
@@ -347,7 +392,13 @@ static void forget_all(Core *c) {
     c->n_free_nodes = 0;
     c->live = 0;
     tab_clear(&c->index);
-    for (int l = 0; l < 4; l++) list_init(&c->lists[l]);
+    for (int l = 0; l < NUM_LISTS; l++) list_init(&c->lists[l]);
+}
+
+/* the node of a key, made (freq 0, on no list) if it has none; room reserved */
+static inline int32_t node_of(Core *c, PyObject *key, Py_hash_t h) {
+    int32_t i = tab_find(&c->index, key, h);
+    return i != NIL ? i : node_new(c, key, h);
 }
 
 static int32_t *scratch(Core *c, int k, Py_ssize_t n) {
@@ -487,12 +538,13 @@ static int two_lists(Core *c, int *lists) {
     return 2;
 }
 
-static const Policy LRU = {"lru", 0, lru_insert, any_remove, lru_touch, lru_evict,
-                           no_trim, NULL, lru_finish, one_list};
+static const Policy LRU = {.name = "lru", .insert = lru_insert, .remove = any_remove,
+                           .touch = lru_touch, .evict = lru_evict, .trim = no_trim,
+                           .finish = lru_finish, .order = one_list};
 
 /* --- arc ---------------------------------------------------------------------------- */
 
-enum { T1 = 0, T2 = 1, B1 = 2, B2 = 3 };
+enum { T1 = 0, T2 = 1, B1 = GHOST_BASE, B2 = GHOST_BASE + 1 };
 
 static void arc_insert(Core *c, int32_t i, int ghost) {
     (void)ghost;
@@ -609,12 +661,14 @@ static void arc_finish(Core *c, const int32_t *nodes, const uint8_t *flags, Py_s
     }
 }
 
-static const Policy ARC = {"arc", 0, arc_insert, any_remove, arc_touch, arc_evict,
-                           arc_trim, arc_store_miss, arc_finish, two_lists};
+static const Policy ARC = {.name = "arc", .insert = arc_insert, .remove = any_remove,
+                           .touch = arc_touch, .evict = arc_evict, .trim = arc_trim,
+                           .store_miss = arc_store_miss, .finish = arc_finish,
+                           .order = two_lists};
 
 /* --- s3fifo ------------------------------------------------------------------------- */
 
-enum { S = 0, M = 1, G = 2 };
+enum { S = 0, M = 1, G = GHOST_BASE };
 
 static void s3_insert(Core *c, int32_t i, int ghost) {
     c->nodes[i].freq = 0;
@@ -736,8 +790,9 @@ static void s3_trim(Core *c) {
     while (c->lists[G].len > c->ghost_capacity) node_forget(c, list_pop_head(c, G));
 }
 
-static const Policy S3FIFO = {"s3fifo", 1, s3_insert, any_remove, s3_touch, s3_evict,
-                              s3_trim, NULL, NULL, two_lists};
+static const Policy S3FIFO = {.name = "s3fifo", .touch_before_store = 1, .insert = s3_insert,
+                              .remove = any_remove, .touch = s3_touch, .evict = s3_evict,
+                              .trim = s3_trim, .order = two_lists};
 
 /* --- sieve -------------------------------------------------------------------------- */
 /* lists[ahead]: from the hand's block to the newest; lists[!ahead]: passed this sweep */
@@ -792,10 +847,245 @@ static int sieve_order(Core *c, int *lists) {
     return 2;
 }
 
-static const Policy SIEVE = {"sieve", 1, sieve_insert, sieve_remove, sieve_touch, sieve_evict,
-                             no_trim, NULL, NULL, sieve_order};
+static const Policy SIEVE = {.name = "sieve", .touch_before_store = 1, .insert = sieve_insert,
+                             .remove = sieve_remove, .touch = sieve_touch,
+                             .evict = sieve_evict, .trim = no_trim, .order = sieve_order};
 
-static const Policy *POLICIES[] = {&LRU, &ARC, &S3FIFO, &SIEVE, NULL};
+/* --- kv ----------------------------------------------------------------------------- */
+/* Lists 0 to 14: the resident blocks of each class, least recently used first; KV_FRESH:
+ * keys first seen by the latest touch and not stored; KV_GHOST: keys remembered (evicted,
+ * or touched and never stored), least recently used first. A node's freq is its uses
+ * (1 to 4), cls its class and tick its last use, resident or not. */
+
+enum { KV_FRESH = GHOST_BASE, KV_GHOST = GHOST_BASE + 1 };
+
+/* eviction breaks value ties by rank: last-block classes first, then by uses */
+static inline int kv_rank(int cls) { return cls < KV_TAIL ? SIZE_BUCKETS + cls : cls - KV_TAIL; }
+
+static inline int kv_class_at_rank(int rank) {
+    return rank < SIZE_BUCKETS ? KV_TAIL + rank : rank - SIZE_BUCKETS;
+}
+
+static inline int kv_size_bucket(Py_ssize_t n) { return n < 16 ? 0 : (n < 64 ? 1 : 2); }
+
+/* Python's age.bit_length() (ages are never negative) */
+static inline int kv_age_bin(int64_t age) {
+    return age > 0 ? 64 - __builtin_clzll((unsigned long long)age) : 0;
+}
+
+static void kv_clear(KVState *kv) {
+    kv->tick = 0;
+    kv->inserts = 0;
+    kv->last_victim = 0.0;
+    memset(kv->entered, 0, sizeof kv->entered);
+    memset(kv->reused, 0, sizeof kv->reused);
+    for (int k = 0; k < KV_CLASSES; k++)
+        for (int b = 0; b < AGE_BINS; b++) kv->table[k][b] = 1.0;
+}
+
+static void kv_rebuild(KVState *kv) {
+    double decay = kv->decay;
+    for (int k = 0; k < KV_CLASSES; k++) {
+        double *reused = &kv->reused[k * AGE_BINS];
+        double alive = kv->entered[k], later = 0.0; /* summed in order, as kv.py does */
+        for (int b = 0; b < AGE_BINS; b++) later += reused[b];
+        double prev = 1.0;
+        for (int b = 0; b < AGE_BINS; b++) {
+            double p = alive > 1e-9 ? later / alive : 0.0;
+            prev = p < prev ? p : prev;
+            kv->table[k][b] = prev;
+            alive -= reused[b];
+            later -= reused[b];
+            reused[b] *= decay;
+        }
+        kv->entered[k] *= decay;
+    }
+    for (int k = SIZE_BUCKETS; k < KV_TAIL; k++)
+        for (int b = 0; b < AGE_BINS; b++) {
+            double a = kv->table[k][b], lower = kv->table[k - SIZE_BUCKETS][b];
+            kv->table[k][b] = a > lower ? a : lower;
+        }
+    for (int k = KV_TAIL; k < KV_CLASSES; k++)
+        for (int b = 0; b < AGE_BINS; b++) {
+            double a = kv->table[k][b], parent = kv->table[k - KV_TAIL][b];
+            kv->table[k][b] = a < parent ? a : parent;
+        }
+}
+
+static void kv_trim(Core *c) {
+    while (c->lists[KV_GHOST].len > c->kv->ghost_cap)
+        node_forget(c, list_pop_head(c, KV_GHOST));
+}
+
+static void kv_touch(Core *c, const int32_t *nodes, Py_ssize_t n) {
+    KVState *kv = c->kv;
+    int64_t tick = ++kv->tick;
+    /* touched before and never stored: remembered like evicted blocks */
+    while (c->lists[KV_FRESH].len) list_append(c, KV_GHOST, list_pop_head(c, KV_FRESH));
+    int size = kv_size_bucket(n), top = KV_TAIL - SIZE_BUCKETS + size;
+    int first = KV_TAIL + size; /* a first-seen last block */
+    for (Py_ssize_t j = n - 1; j >= 0; j--) {
+        int32_t i = nodes[j];
+        Node *nd = &c->nodes[i];
+        if (!nd->freq) {
+            nd->freq = 1;
+            nd->tick = tick;
+            nd->cls = (uint8_t)first;
+            list_append(c, KV_FRESH, i);
+            if (nd->sampled) kv->entered[first] += 1;
+            first = size;
+            continue;
+        }
+        first = size;
+        int64_t last = nd->tick;
+        if (last == tick) continue; /* the same key twice in one touch counts once */
+        int old = nd->cls, cls;
+        if (nd->freq < USE_BUCKETS) cls = nd->freq++ * SIZE_BUCKETS + size;
+        else cls = top;
+        nd->tick = tick;
+        if (nd->sampled) {
+            kv->reused[old * AGE_BINS + kv_age_bin(tick - last)] += 1;
+            kv->entered[cls] += 1;
+        }
+        nd->cls = (uint8_t)cls;
+        if (resident(nd) && cls != old) {
+            list_unlink(c, i);
+            list_append(c, cls, i);
+        } else {
+            list_move_to_end(c, i); /* its queue, or the ghost list */
+        }
+    }
+    kv_trim(c);
+}
+
+static void kv_insert_many(Core *c, const int32_t *nodes, Py_ssize_t n) {
+    KVState *kv = c->kv;
+    /* deepest first: a just-stored prefix is cut from its end */
+    for (Py_ssize_t j = n - 1; j >= 0; j--) {
+        int32_t i = nodes[j];
+        Node *nd = &c->nodes[i];
+        if (!nd->freq) {
+            nd->freq = 1;
+            nd->cls = 0;
+            if (nd->sampled) kv->entered[0] += 1;
+        }
+        nd->tick = kv->tick; /* a store is a use: age counts from it */
+        list_append(c, nd->cls, i);
+    }
+    kv->inserts += n;
+    if (kv->inserts >= kv->rebuild_every) {
+        kv->inserts = 0;
+        kv_rebuild(kv);
+    }
+}
+
+static int kv_declines(Core *c, int32_t i) {
+    if (i == NIL) return 0;
+    const Node *nd = &c->nodes[i];
+    return nd->freq <= 1 && c->kv->table[nd->cls][0] < c->kv->last_victim;
+}
+
+typedef struct {
+    double v;
+    int rank;
+} KVHead;
+
+static inline int kv_before(KVHead a, KVHead b) {
+    return a.v < b.v || (a.v == b.v && a.rank < b.rank);
+}
+
+static void kv_push(KVHead *h, int *n, KVHead x) {
+    int i = (*n)++;
+    while (i > 0) {
+        int p = (i - 1) / 2;
+        if (!kv_before(x, h[p])) break;
+        h[i] = h[p];
+        i = p;
+    }
+    h[i] = x;
+}
+
+static KVHead kv_pop(KVHead *h, int *n) {
+    KVHead top = h[0], x = h[--*n];
+    int i = 0;
+    for (;;) {
+        int l = 2 * i + 1, r = l + 1, m = i;
+        KVHead best = x;
+        if (l < *n && kv_before(h[l], best)) {
+            m = l;
+            best = h[l];
+        }
+        if (r < *n && kv_before(h[r], best)) {
+            m = r;
+            best = h[r];
+        }
+        if (m == i) break;
+        h[i] = h[m];
+        i = m;
+    }
+    if (*n) h[i] = x;
+    return top;
+}
+
+static inline double kv_value(const Core *c, int cls, int32_t i) {
+    return c->kv->table[cls][kv_age_bin(c->kv->tick - c->nodes[i].tick)];
+}
+
+static int kv_evict(Core *c, Py_ssize_t n, int32_t *victims) {
+    /* One cursor per class at its first evictable block (values rise along a queue), a
+     * heap of them by value and rank; a class keeps giving victims while it stays the
+     * cheapest. */
+    KVHead heap[KV_CLASSES];
+    int32_t pointed[KV_CLASSES];
+    int nh = 0;
+    for (int k = 0; k < KV_CLASSES; k++) {
+        int32_t i = c->lists[k].head;
+        while (i != NIL && !evictable(c, i)) i = c->nodes[i].next;
+        pointed[k] = i;
+        if (i != NIL) kv_push(heap, &nh, (KVHead){kv_value(c, k, i), kv_rank(k)});
+    }
+    Py_ssize_t got = 0;
+    double value = 0.0;
+    while (got < n) {
+        if (!nh) return -1;
+        KVHead h = kv_pop(heap, &nh);
+        int rank = h.rank, k = kv_class_at_rank(rank);
+        KVHead bar = nh ? heap[0] : (KVHead){3.0, KV_CLASSES};
+        value = h.v;
+        victims[got++] = pointed[k];
+        for (int32_t i = c->nodes[pointed[k]].next; i != NIL; i = c->nodes[i].next) {
+            if (!evictable(c, i)) continue;
+            double v = kv_value(c, k, i);
+            if (got < n && (v < bar.v || (v == bar.v && rank < bar.rank))) {
+                victims[got++] = i;
+                value = v;
+                continue;
+            }
+            pointed[k] = i;
+            kv_push(heap, &nh, (KVHead){v, rank});
+            break;
+        }
+    }
+    c->kv->last_victim = value;
+    for (Py_ssize_t j = 0; j < n; j++) {
+        list_unlink(c, victims[j]);
+        list_append(c, KV_GHOST, victims[j]);
+    }
+    return 0;
+}
+
+static int kv_order(Core *c, int *lists) {
+    (void)c;
+    for (int k = 0; k < KV_CLASSES; k++) lists[k] = k;
+    return KV_CLASSES;
+}
+
+static const Policy KV = {.name = "kv", .touch_before_store = 1, .remembers_touched = 1,
+                          .insert_many = kv_insert_many, .declines = kv_declines,
+                          .remove = any_remove, .touch = kv_touch, .evict = kv_evict,
+                          .trim = kv_trim, .order = kv_order};
+
+static const Policy *POLICIES[] = {&LRU, &ARC, &KV, &S3FIFO, &SIEVE, NULL};
 
 /* --- request logs ------------------------------------------------------------------- */
 
@@ -1171,10 +1461,15 @@ static PyObject *touch_impl(Core *c, PyObject *const *args, Py_ssize_t nargs,
     PyObject *seq = keys_of(a[0], &keys, &n);
     if (!seq) return NULL;
     int32_t *nodes = scratch(c, 0, n);
-    if (nodes && resolve(c, keys, n, nodes) == 0) {
-        c->policy->touch(c, nodes, n);
-        out = Py_NewRef(Py_None);
+    if (!nodes || resolve(c, keys, n, nodes) < 0) goto done;
+    if (c->policy->remembers_touched) {
+        if (nodes_reserve(c, n) < 0) goto done;
+        for (Py_ssize_t j = 0; j < n; j++)
+            if (nodes[j] == NIL) nodes[j] = node_of(c, keys[j], bytes_hash(keys[j]));
     }
+    c->policy->touch(c, nodes, n);
+    out = Py_NewRef(Py_None);
+done:
     Py_DECREF(seq);
     return out;
 }
@@ -1204,33 +1499,44 @@ static PyObject *prepare_store_impl(Core *c, PyObject *const *args, Py_ssize_t n
         key_error(DuplicateKeyError, "prepare_store", keys[dup], "appears more than once");
         goto done;
     }
-    /* the keys absent (offered: every one is stored, these policies admit all) */
-    Py_ssize_t k = 0;
+    /* the keys absent (offered): 1 to store, 2 declined by the policy (kv), which it
+     * decides before the request's touch, when storing them all would evict */
+    Py_ssize_t offered = 0, k = 0;
     for (Py_ssize_t j = 0; j < n; j++) {
         absent[j] = nodes[j] == NIL || !resident(&c->nodes[nodes[j]]);
-        k += absent[j];
+        offered += absent[j];
     }
     Py_ssize_t num_free = c->num_blocks - c->num_allocated + c->n_free_slots;
+    int full = offered > num_free && c->num_ready + c->num_pending > 0;
+    for (Py_ssize_t j = 0; j < n; j++) {
+        if (absent[j] && full && p->declines && p->declines(c, nodes[j])) absent[j] = 2;
+        k += absent[j] == 1;
+    }
     Py_ssize_t shortfall = k - num_free;
     /* allocate everything first */
     Request *r = NULL;
-    int32_t *entries = NULL, *work = NULL;
+    int32_t *entries = NULL, *work = NULL, *inserted = NULL;
     Py_ssize_t need = shortfall > 0 ? shortfall : 0; /* victims, store misses, touches */
+    Py_ssize_t touching = 0;                         /* keys of the request's touch */
     if (ctx != Py_None) {
         if (!(r = request_of(c, ctx))) goto done;
         if (fold) {
             if (request_reserve(r, n, 1) < 0 || !(entries = scratch(c, 1, n))) goto done;
+        } else if (!r->touched) {
+            touching = r->n + n;
         }
-        Py_ssize_t used = fold ? k : (r->touched ? 0 : r->n + n);
+        Py_ssize_t used = fold ? k : touching;
         if (used > need) need = used;
     }
     if (!(work = scratch(c, 2, need))) goto done;
+    if (p->insert_many && k && !(inserted = scratch(c, 3, k))) goto done;
+    Py_ssize_t new_nodes = k + (p->remembers_touched ? touching : 0);
+    if (new_nodes && nodes_reserve(c, new_nodes) < 0) goto done;
     if (!k && !(out = empty_store())) goto done;
     if (k) {
         if (!(to_store = PyList_New(k)) || !(ids = PyList_New(k))) goto done;
         if (!(evicted = PyList_New(shortfall > 0 ? shortfall : 0))) goto done;
         if (!(out = PyTuple_New(3))) goto done;
-        if (nodes_reserve(c, k) < 0) goto done;
         Py_ssize_t fresh_end = c->num_allocated + k;
         if (fresh_end > c->num_blocks) fresh_end = c->num_blocks;
         for (Py_ssize_t s = c->num_allocated; s < fresh_end; s++)
@@ -1258,14 +1564,20 @@ static PyObject *prepare_store_impl(Core *c, PyObject *const *args, Py_ssize_t n
         /* the request's first store: touch what it loaded, then what it offers */
         r->touched = 1;
         Py_ssize_t m = 0;
-        for (Py_ssize_t j = 0; j < r->n; j++)
-            work[m++] = tab_find(&c->index, r->e[j].key, r->e[j].hash);
-        for (Py_ssize_t j = 0; j < n; j++) work[m++] = nodes[j];
+        int make = p->remembers_touched;
+        for (Py_ssize_t j = 0; j < r->n; j++) {
+            Entry *e = &r->e[j];
+            work[m++] = make ? node_of(c, e->key, e->hash) : tab_find(&c->index, e->key, e->hash);
+        }
+        for (Py_ssize_t j = 0; j < n; j++)
+            work[m++] = (nodes[j] != NIL || !make) ? nodes[j]
+                                                   : node_of(c, keys[j], bytes_hash(keys[j]));
         p->touch(c, work, m);
         request_drop_entries(r);
     }
     c->last_store_size = k;
     if (!k) {
+        c->store_skipped += offered;
         result = out;
         out = NULL;
         goto done;
@@ -1293,14 +1605,16 @@ static PyObject *prepare_store_impl(Core *c, PyObject *const *args, Py_ssize_t n
         c->num_ready -= shortfall;
         c->evicted += shortfall;
     }
+    c->store_skipped += offered - k;
     /* slots: fresh ones ascending, then the most recently freed first */
     Py_ssize_t s = 0;
     for (Py_ssize_t j = 0; j < n; j++) {
-        if (!absent[j]) continue;
+        if (absent[j] != 1) continue;
         int32_t i = nodes[j];
         int ghost = -1;
-        if (i != NIL) {
-            /* a ghost when offered; eviction may have forgotten it (and reused its node) */
+        if (i != NIL || p->remembers_touched) {
+            /* known when offered or since touched; the touch or eviction may have
+             * forgotten it (and reused its node) */
             i = tab_find(&c->index, keys[j], bytes_hash(keys[j]));
             if (i != NIL) {
                 ghost = c->nodes[i].list;
@@ -1314,12 +1628,14 @@ static PyObject *prepare_store_impl(Core *c, PyObject *const *args, Py_ssize_t n
         Node *nd = &c->nodes[i];
         nd->slot = slot;
         nd->ref = -1;
-        p->insert(c, i, ghost);
+        if (inserted) inserted[s] = i;
+        else p->insert(c, i, ghost);
         PyList_SET_ITEM(to_store, s, Py_NewRef(keys[j]));
         PyList_SET_ITEM(ids, s, slot_int(c, slot));
         s++;
         if (r && fold) r->e[entries[j]].flags |= F_INSERTED;
     }
+    if (inserted) p->insert_many(c, inserted, k);
     c->num_pending += k;
     PyTuple_SET_ITEM(out, 0, to_store);
     PyTuple_SET_ITEM(out, 1, ids);
@@ -1536,20 +1852,25 @@ static PyObject *on_request_finished_impl(Core *c, PyObject *const *args, Py_ssi
         Py_RETURN_NONE; /* unknown or already finished */
     }
     Py_INCREF(capsule);
-    int rc = PyDict_DelItem(c->requests, req_id);
-    Py_DECREF(req_id);
-    if (rc < 0) goto done;
     Request *r = PyCapsule_GetPointer(capsule, REQUEST_CAPSULE);
-    if (!r) goto done;
-    Py_ssize_t m = r->n;
-    int32_t *nodes = scratch(c, 0, m);
-    if (!nodes) goto done;
-    if (c->policy->touch_before_store) {
-        if (!r->touched) {
-            /* never stored: touch what it loaded */
-            for (Py_ssize_t j = 0; j < m; j++)
-                nodes[j] = tab_find(&c->index, r->e[j].key, r->e[j].hash);
-            c->policy->touch(c, nodes, m);
+    Py_ssize_t m = r ? r->n : 0;
+    int32_t *nodes = r ? scratch(c, 0, m) : NULL;
+    const Policy *p = c->policy;
+    int touching = r && p->touch_before_store && !r->touched && m; /* never stored: its loads */
+    if (!nodes || (touching && p->remembers_touched && nodes_reserve(c, m) < 0) ||
+        PyDict_DelItem(c->requests, req_id) < 0) {
+        Py_DECREF(req_id);
+        goto done;
+    }
+    Py_DECREF(req_id);
+    if (p->touch_before_store) {
+        if (touching) {
+            for (Py_ssize_t j = 0; j < m; j++) {
+                Entry *e = &r->e[j];
+                nodes[j] = p->remembers_touched ? node_of(c, e->key, e->hash)
+                                                : tab_find(&c->index, e->key, e->hash);
+            }
+            p->touch(c, nodes, m);
         }
     } else if (m) {
         int32_t *order = scratch(c, 1, m);
@@ -1564,7 +1885,7 @@ static PyObject *on_request_finished_impl(Core *c, PyObject *const *args, Py_ssi
             nodes[j] = tab_find(&c->index, e->key, e->hash);
             flags[j] = e->flags;
         }
-        c->policy->finish(c, nodes, flags, m);
+        p->finish(c, nodes, flags, m);
         PyMem_Free(flags);
     }
     out = Py_NewRef(Py_None);
@@ -1587,7 +1908,7 @@ static PyObject *Core_take_events(Core *c, PyObject *unused) {
 static PyObject *ready_keys(Core *c) {
     PyObject *out = PyList_New(0);
     if (!out) return NULL;
-    int lists[2];
+    int lists[NUM_LISTS];
     int nl = c->policy->order(c, lists);
     for (int k = 0; k < nl; k++)
         for (int32_t i = c->lists[lists[k]].head; i != NIL; i = c->nodes[i].next)
@@ -1623,6 +1944,7 @@ static PyObject *reset_cache_impl(Core *c, PyObject *const *args, Py_ssize_t nar
     forget_all(c);
     c->target_t1 = 0.0;
     c->ahead = 0;
+    if (c->kv) kv_clear(c->kv);
     PyDict_Clear(c->requests);
     c->num_allocated = 0;
     c->n_free_slots = 0;
@@ -1646,9 +1968,9 @@ static PyObject *list_snapshot(Core *c, int l) {
     if (!out) return NULL;
     for (int32_t i = c->lists[l].head; i != NIL; i = c->nodes[i].next) {
         Node *nd = &c->nodes[i];
-        PyObject *item = l < 2 ? Py_BuildValue("(Oiii)", nd->key, (int)nd->slot, (int)nd->ref,
-                                               (int)nd->freq)
-                               : Py_NewRef(nd->key);
+        PyObject *item = l < GHOST_BASE ? Py_BuildValue("(Oiii)", nd->key, (int)nd->slot,
+                                                        (int)nd->ref, (int)nd->freq)
+                                        : Py_NewRef(nd->key);
         if (!item || PyList_Append(out, item) < 0) {
             Py_XDECREF(item);
             Py_DECREF(out);
@@ -1659,14 +1981,78 @@ static PyObject *list_snapshot(Core *c, int l) {
     return out;
 }
 
+/* rows (key, uses, tick, class) of a kv list, as KVPolicy.snapshot() gives them */
+static PyObject *kv_rows(Core *c, int l) {
+    PyObject *out = PyList_New(0);
+    if (!out) return NULL;
+    for (int32_t i = c->lists[l].head; i != NIL; i = c->nodes[i].next) {
+        Node *nd = &c->nodes[i];
+        PyObject *row = Py_BuildValue("(OiLi)", nd->key, (int)nd->freq, (long long)nd->tick,
+                                      (int)nd->cls);
+        if (!row || PyList_Append(out, row) < 0) {
+            Py_XDECREF(row);
+            Py_DECREF(out);
+            return NULL;
+        }
+        Py_DECREF(row);
+    }
+    return out;
+}
+
+static PyObject *doubles(const double *v, Py_ssize_t n) {
+    PyObject *out = PyList_New(n);
+    if (!out) return NULL;
+    for (Py_ssize_t j = 0; j < n; j++) {
+        PyObject *f = PyFloat_FromDouble(v[j]);
+        if (!f) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, j, f);
+    }
+    return out;
+}
+
+/* everything kv holds, in the layout of KVPolicy.snapshot(), and its parameters */
+static PyObject *kv_snapshot(Core *c) {
+    KVState *kv = c->kv;
+    PyObject *queues = PyList_New(KV_CLASSES), *table = PyList_New(KV_CLASSES);
+    if (!queues || !table) goto fail;
+    for (int k = 0; k < KV_CLASSES; k++) {
+        PyObject *q = kv_rows(c, k), *row = doubles(kv->table[k], AGE_BINS);
+        if (q) PyList_SET_ITEM(queues, k, q);
+        if (row) PyList_SET_ITEM(table, k, row);
+        if (!q || !row) goto fail;
+    }
+    return Py_BuildValue("{s:N,s:N,s:N,s:L,s:n,s:d,s:N,s:N,s:N,s:n,s:n,s:d}", "queues", queues,
+                         "fresh", kv_rows(c, KV_FRESH), "ghost", kv_rows(c, KV_GHOST), "tick",
+                         (long long)kv->tick, "inserts", kv->inserts, "last_victim",
+                         kv->last_victim, "entered", doubles(kv->entered, KV_CLASSES), "reused",
+                         doubles(kv->reused, KV_CLASSES * AGE_BINS), "table", table, "ghost_cap",
+                         kv->ghost_cap, "rebuild_every", kv->rebuild_every, "decay", kv->decay);
+fail:
+    Py_XDECREF(queues);
+    Py_XDECREF(table);
+    return NULL;
+}
+
 /* The policy's lists, for tests: resident ones as (key, slot, ref_cnt, freq), ghosts as
  * keys. lru: [blocks]; arc: [t1, t2, b1, b2]; s3fifo: [small, main, ghost]; sieve:
- * [behind, ahead] (freq: the visited bit). */
+ * [behind, ahead] (freq: the visited bit); kv: [its 15 class queues (freq: uses), fresh,
+ * ghost], and under "kv" what KVPolicy.snapshot() gives. */
 static PyObject *Core_snapshot(Core *c, PyObject *unused) {
     (void)unused;
     const Policy *p = c->policy;
-    int ids[4] = {0, 1, 2, 3}, nl = p == &LRU ? 1 : p == &ARC ? 4 : p == &S3FIFO ? 3 : 2;
-    if (p == &SIEVE) sieve_order(c, ids);
+    int ids[NUM_LISTS] = {0, 1, GHOST_BASE, GHOST_BASE + 1}, nl = 2;
+    if (p == &LRU) nl = 1;
+    else if (p == &ARC) nl = 4;
+    else if (p == &S3FIFO) nl = 3;
+    else if (p == &SIEVE) sieve_order(c, ids);
+    else if (p == &KV) {
+        nl = kv_order(c, ids);
+        ids[nl++] = KV_FRESH;
+        ids[nl++] = KV_GHOST;
+    }
     PyObject *lists = PyList_New(nl);
     if (!lists) return NULL;
     for (int k = 0; k < nl; k++) {
@@ -1677,8 +2063,14 @@ static PyObject *Core_snapshot(Core *c, PyObject *unused) {
         }
         PyList_SET_ITEM(lists, k, l);
     }
-    return Py_BuildValue("{s:N,s:d,s:n,s:n}", "lists", lists, "target_t1", c->target_t1,
-                         "requests", PyDict_GET_SIZE(c->requests), "known_keys", c->live);
+    PyObject *kv = c->kv ? kv_snapshot(c) : Py_NewRef(Py_None);
+    if (!kv) {
+        Py_DECREF(lists);
+        return NULL;
+    }
+    return Py_BuildValue("{s:N,s:d,s:n,s:n,s:N}", "lists", lists, "target_t1", c->target_t1,
+                         "requests", PyDict_GET_SIZE(c->requests), "known_keys", c->live, "kv",
+                         kv);
 }
 
 static PyObject *Core_get_policy(Core *c, void *unused) {
@@ -1757,7 +2149,8 @@ static void Core_dealloc(Core *c) {
     Py_XDECREF(c->events);
     Py_XDECREF(c->requests);
     Py_XDECREF(c->results);
-    for (int k = 0; k < 3; k++) PyMem_Free(c->buf[k]);
+    for (int k = 0; k < 4; k++) PyMem_Free(c->buf[k]);
+    PyMem_Free(c->kv);
     PyMem_Free(c->bytes);
     PyMem_Free(c->seen);
     Py_TYPE(c)->tp_free((PyObject *)c);
@@ -1793,7 +2186,18 @@ static PyObject *Core_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     c->policy = policy;
     c->num_blocks = num_blocks;
     c->free_node = NIL;
-    for (int l = 0; l < 4; l++) list_init(&c->lists[l]);
+    for (int l = 0; l < NUM_LISTS; l++) list_init(&c->lists[l]);
+    if (policy == &KV) {
+        /* KVPolicy's defaults: ghost_factor 4, half_life 4 (as kv.py computes them) */
+        if (!(c->kv = PyMem_Calloc(1, sizeof(KVState)))) {
+            Py_DECREF(c);
+            return PyErr_NoMemory();
+        }
+        c->kv->ghost_cap = (Py_ssize_t)((double)num_blocks * 4.0);
+        c->kv->rebuild_every = num_blocks / 8 > 64 ? num_blocks / 8 : 64;
+        c->kv->decay = pow(0.5, (double)c->kv->rebuild_every / (4.0 * (double)num_blocks));
+        kv_clear(c->kv);
+    }
     c->small_capacity = num_blocks / 10 > 1 ? num_blocks / 10 : 1;
     c->ghost_capacity = num_blocks - c->small_capacity > 1 ? num_blocks - c->small_capacity : 1;
     c->results = Py_NewRef(results);

@@ -2,12 +2,14 @@
 
 :class:`~asyncoffload.manager.CPUOffloadingManager` with ``request_scoped=True``, no
 admission filter and ``store_threshold < 2`` (vLLM's call pattern: the
-``AsyncOffloadManager`` adapter's default) with policy ``lru``, ``arc``, ``s3fifo`` or
+``AsyncOffloadManager`` adapter's default) with policy ``lru``, ``arc``, ``kv`` (with
+:class:`~asyncoffload.manager.policies.KVPolicy`'s default options), ``s3fifo`` or
 ``sieve``, ported to C (``asyncoffload/_native/mgrcore.c``, compiled on first use). It
-decides exactly as the Python manager and policy do: the same slots, victims, events,
-lookups, errors, counters and request folding, call for call (tests/test_mgrcore.py
-drives both in lockstep). The Python code stays the reference and the fallback where the
-core cannot be built (:func:`native_manager_available`).
+decides exactly as the Python manager and policy do: the same slots, victims, admissions,
+events, lookups, errors, counters, request folding and, for ``kv``, the same learned
+table, call for call (tests/test_mgrcore.py drives both in lockstep). The Python code
+stays the reference and the fallback where the core cannot be built
+(:func:`native_manager_available`).
 
 The answers are raw, to keep objects off the hot path: slot ids as lists of ints,
 stores as ``(keys_to_store, slot_ids, evicted_keys)`` tuples, events as
@@ -19,6 +21,7 @@ int end tokens.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
 from asyncoffload._native import load_mgrcore
@@ -29,6 +32,7 @@ from asyncoffload.manager.policies import get_policy_cls
 
 __all__ = [
     "NATIVE_POLICIES",
+    "NATIVE_POLICY_OPTIONS",
     "NativeManager",
     "RawEvent",
     "RawStore",
@@ -37,7 +41,23 @@ __all__ = [
 ]
 
 #: The policies the C core implements.
-NATIVE_POLICIES = ("lru", "arc", "s3fifo", "sieve")
+NATIVE_POLICIES = ("lru", "arc", "kv", "s3fifo", "sieve")
+
+#: The policy options the C core takes, each only at the value it runs (KVPolicy's
+#: defaults); any other value runs on the Python policy.
+NATIVE_POLICY_OPTIONS: Mapping[str, Mapping[str, object]] = MappingProxyType(
+    {
+        "kv": MappingProxyType(
+            {
+                "ghost_factor": 4.0,
+                "half_life": 4.0,
+                "size_classes": True,
+                "tail_classes": True,
+                "admission": True,
+            }
+        )
+    }
+)
 
 #: ``(keys_to_store, slot_ids, evicted_keys)``: what a ``prepare_store`` decided.
 RawStore = tuple[list[OffloadKey], list[int], list[OffloadKey]]
@@ -46,11 +66,23 @@ RawEvent = tuple[list[OffloadKey], bool]
 
 
 def native_unsupported(
-    policy: str, store_threshold: int = 0, admission: object | None = None
+    policy: str,
+    store_threshold: int = 0,
+    admission: object | None = None,
+    policy_options: Mapping[str, object] | None = None,
 ) -> str | None:
-    """Why the C core cannot run this configuration, or ``None`` when it can."""
+    """Why the C core cannot run this configuration, or ``None`` when it can.
+    ``policy_options`` are the policy's constructor options (``KVPolicy``'s
+    ``half_life``, ...): the core runs them only at their defaults."""
     if policy not in NATIVE_POLICIES:
         return f"policy {policy!r} is not one of the native core's {', '.join(NATIVE_POLICIES)}"
+    if policy_options:
+        runs = NATIVE_POLICY_OPTIONS.get(policy, {})
+        for name, value in policy_options.items():
+            if name not in runs:
+                return f"the native core's {policy} takes no option {name!r}"
+            if value != runs[name]:
+                return f"the native core runs {policy} with {name}={runs[name]!r} only"
     if admission is not None:
         return "the native core has no admission filter"
     if store_threshold >= 2:
@@ -71,7 +103,8 @@ class NativeManager:
     raw answers described in the module docstring. ``lookup_results`` are what
     :meth:`lookup` returns for a miss, a hit and a pending hit (by default our
     :class:`LookupResult`; an adapter passes its own). Raises ``RuntimeError`` where the
-    core cannot be built and ``ValueError`` for a policy it lacks.
+    core cannot be built and ``ValueError`` for a policy it lacks or ``policy_options`` it
+    does not run (see :func:`native_unsupported`).
     """
 
     def __init__(
@@ -81,11 +114,12 @@ class NativeManager:
         *,
         enable_events: bool = True,
         lookup_results: tuple[object, object, object] | None = None,
+        policy_options: Mapping[str, object] | None = None,
     ) -> None:
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
             raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
         get_policy_cls(policy)  # unknown names fail as the Python manager's do
-        why = native_unsupported(policy)
+        why = native_unsupported(policy, policy_options=policy_options)
         if why is not None:
             raise ValueError(why)
         mgrcore = load_mgrcore()
@@ -127,7 +161,8 @@ class NativeManager:
 
     def snapshot(self) -> dict[str, Any]:
         """The policy's lists (resident entries as ``(key, slot, ref_cnt, freq)``, ghosts as
-        keys; see mgrcore.c), ARC's target, how many request logs and keys it holds."""
+        keys; see mgrcore.c), ARC's target, how many request logs and keys it holds, and
+        for ``kv`` (under ``"kv"``) what ``KVPolicy.snapshot()`` gives and its parameters."""
         state: dict[str, Any] = self._core.snapshot()
         return state
 

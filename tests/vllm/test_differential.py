@@ -3,7 +3,8 @@
 The installed vLLM's ``CPUOffloadingManager`` and ours are driven in lockstep the way
 vLLM 0.32's OffloadingConnector calls them (connector_replay); every lookup, load and
 store slot, evicted key and event must be equal, call for call. Ours runs on the Python
-manager and on the C core (``native``).
+manager and on the C core (``native``); for ``kv``, which vLLM lacks, the two are checked
+against each other the same way.
 """
 
 from __future__ import annotations
@@ -26,10 +27,13 @@ from asyncoffload.integrations.vllm.connector_replay import (
 from asyncoffload.keys import make_offload_key
 from asyncoffload.manager.native import NativeManager, native_manager_available
 from asyncoffload.manager.policies.arc import ARCPolicy
+from asyncoffload.manager.policies.kv import KVPolicy
 from asyncoffload.replay import capacity_blocks
 from asyncoffload.workloads import load_mooncake
 
 TRACE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "conversation_trace.jsonl"
+# CI has ../shared beside the clone; a bare clone has not.
+needs_trace = pytest.mark.skipif(not TRACE.exists(), reason=f"the Mooncake trace is not at {TRACE}")
 
 
 def _key(name: str, group: int = 0) -> OffloadKey:
@@ -74,7 +78,6 @@ NATIVE = pytest.mark.parametrize(
 @pytest.fixture(scope="module")
 def conversation() -> list[list[OffloadKey]]:
     """The Mooncake conversation trace: each request's keys of full 512-token blocks."""
-    assert TRACE.exists(), f"the conversation trace is missing: {TRACE}"
     return [
         cast(list[OffloadKey], list(r.keys[: r.input_tokens // r.block_size]))
         for r in load_mooncake(TRACE)
@@ -85,6 +88,7 @@ def conversation() -> list[list[OffloadKey]]:
 @NATIVE
 @pytest.mark.parametrize("share", [0.01, 0.05, 0.10])
 @pytest.mark.parametrize("policy", ["lru", "arc"])
+@needs_trace
 def test_conversation_trace_decisions_equal_vllms(
     policy: str, share: float, native: bool, conversation: list[list[OffloadKey]]
 ) -> None:
@@ -96,6 +100,36 @@ def test_conversation_trace_decisions_equal_vllms(
     assert stats.hit_blocks > 0
     assert stats.evicted_blocks > 0
     assert stats.events > 0
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not native_manager_available(), reason="the native core cannot be built here")
+@pytest.mark.parametrize("share", [0.01, 0.05, 0.10])
+@needs_trace
+def test_conversation_trace_kv_decides_alike_in_c_and_python(
+    share: float, conversation: list[list[OffloadKey]]
+) -> None:
+    """kv through vLLM's calls on the C core and on the Python manager: the same answers
+    call for call, the same counters (blocks declined included) and, at the end, the same
+    learned state."""
+    unique = len({key for keys in conversation for key in keys})
+    capacity = capacity_blocks(share, unique)
+    python, native = (
+        AsyncOffloadManager(capacity, "kv", enable_events=True, native=flag)
+        for flag in (False, True)
+    )
+    stats = replay_like_connector(conversation, [python, native])
+    assert stats.hit_blocks > 0
+    assert python.stats() == native.stats()
+    assert native.stats().evicted > 0
+    if share < 0.1:
+        assert native.stats().store_skipped > 0  # the admission declined blocks
+    core, reference = native.manager, python.manager
+    assert isinstance(core, NativeManager)
+    assert not isinstance(reference, NativeManager)
+    assert isinstance(reference.policy, KVPolicy)
+    learned = core.snapshot()["kv"]
+    assert {k: learned[k] for k in reference.policy.snapshot()} == reference.policy.snapshot()
 
 
 @pytest.mark.timeout(300)

@@ -300,15 +300,16 @@ def test_manager_runs_on_the_c_core_where_it_can() -> None:
     available = native_manager_available()
     assert AsyncOffloadManager(4, "lru").native is available
     assert AsyncOffloadManager(4, "sieve", store_threshold=1).native is available
+    assert AsyncOffloadManager(4, "kv").native is available
     assert not AsyncOffloadManager(4, "lru", native=False).native
     for python_only in (
-        AsyncOffloadManager(4, "kv"),
         AsyncOffloadManager(4, "arc", store_threshold=2),
         AsyncOffloadManager(4, "lru", admission="ghost"),
+        AsyncOffloadManager(4, "kv", admission="ghost"),
     ):
         assert not python_only.native
-    with pytest.raises(ValueError, match="'kv' is not one of the native core's"):
-        AsyncOffloadManager(4, "kv", native=True)
+    with pytest.raises(ValueError, match="admission filter"):
+        AsyncOffloadManager(4, "kv", admission="ghost", native=True)
     with pytest.raises(ValueError, match="store_threshold"):
         AsyncOffloadManager(4, "lru", store_threshold=2, native=True)
 

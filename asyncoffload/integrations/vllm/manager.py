@@ -8,10 +8,10 @@ reported to the policy when the request ends (``lru`` and ``arc`` then decide ex
 vLLM's own manager does; see docs/vllm.md for what differs and why).
 
 Where it builds, the C core (:class:`~asyncoffload.manager.native.NativeManager`: the
-same decisions, call for call) runs ``lru``, ``arc``, ``s3fifo`` and ``sieve`` without an
-admission filter or ``store_threshold``; everything else runs on the Python manager. Both
-answer in raw form (slot ids, ``(keys, removed)`` events) and the adapter builds vLLM's
-objects from that.
+same decisions, call for call) runs every policy (``kv`` with its default options)
+without an admission filter or ``store_threshold``; everything else runs on the Python
+manager. Both answer in raw form (slot ids, ``(keys, removed)`` events) and the adapter
+builds vLLM's objects from that.
 """
 
 from __future__ import annotations
