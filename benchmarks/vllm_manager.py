@@ -21,12 +21,12 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
+from policies import load  # benchmarks/policies.py: the trace, or synthetic sessions
 from vllm.v1.kv_offload.base import OffloadingManager, OffloadKey
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
@@ -34,23 +34,9 @@ from asyncoffload.cli import capacity_shares
 from asyncoffload.integrations.vllm import AsyncOffloadManager
 from asyncoffload.integrations.vllm.connector_replay import record_calls, time_calls
 from asyncoffload.replay import capacity_blocks
-from asyncoffload.workloads import Request, load_mooncake, synthetic_sessions
+from asyncoffload.workloads import Request
 
-DEFAULT_TRACE = (
-    Path(__file__).resolve().parents[2] / "shared" / "traces" / "conversation_trace.jsonl"
-)
 POLICIES = ("lru", "arc", "kv", "s3fifo", "sieve")
-
-
-def load(trace: str | None) -> tuple[str, list[Request]]:
-    if trace == "synthetic":
-        return "synthetic_sessions(20000)", synthetic_sessions(20_000)
-    path = Path(trace) if trace else DEFAULT_TRACE
-    if not path.exists():
-        if trace:
-            sys.exit(f"no trace at {path}")
-        return "synthetic_sessions(20000)", synthetic_sessions(20_000)
-    return path.name, load_mooncake(path)
 
 
 def full_chunks(requests: list[Request]) -> list[list[OffloadKey]]:
