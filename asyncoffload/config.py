@@ -107,6 +107,22 @@ class EngineConfig(BaseModel):
     def _known_policy(cls, value: str) -> str:
         return known_policy(value)
 
+    @field_validator(
+        "cpu_blocks",
+        "store_threshold",
+        "event_buffer",
+        "staging_bytes",
+        "host_chunk_bytes",
+        "max_tracker_size",
+        mode="before",
+    )
+    @classmethod
+    def _not_a_bool(cls, value: object) -> object:
+        # pydantic reads True as 1; a count given as a bool is a mistake, not a count.
+        if isinstance(value, bool):
+            raise ValueError(f"expected an integer, got {value!r}")
+        return value
+
     @field_validator("admission", mode="before")
     @classmethod
     def _known_admission(cls, value: object) -> object:

@@ -10,7 +10,10 @@ import asyncio
 import dataclasses
 import logging
 import math
+import os
+import threading
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
@@ -33,7 +36,7 @@ from asyncoffload.histogram import (
     Histogram,
     HistogramSnapshot,
 )
-from asyncoffload.keys import BlockTokens, OffloadKey
+from asyncoffload.keys import GROUP_IDX_BYTES, BlockTokens, OffloadKey
 from asyncoffload.layout import KVLayout
 from asyncoffload.manager import CPUOffloadingManager, ManagerStats, OffloadingEvent, ReqContext
 from asyncoffload.transfer import CompletionBridge, CopyJob, CpuCopyBackend, TransferBackend
@@ -45,6 +48,21 @@ log = logging.getLogger("asyncoffload")
 
 _SNAPSHOT_CHUNK = 4096
 _ANON = ReqContext(req_id="")
+# How often aclose() checks for handles whose copy job was lost.
+_ORPHAN_CHECK_S = 0.5
+
+# Engines alive in this process; a fork marks them unusable in the child, whose copy
+# threads (or device contexts) are the parent's and do not exist there.
+_live_engines: weakref.WeakSet[AsyncOffloadEngine] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for engine in list(_live_engines):
+        engine._forked = True
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 @dataclass(frozen=True)
@@ -165,6 +183,10 @@ class AsyncOffloadEngine:
         self._backend = backend
         self._hub = EventHub()
         self._bridge: CompletionBridge | None = None
+        self._loop_thread: int | None = None
+        self._pid = os.getpid()
+        self._forked = False
+        _live_engines.add(self)
         self._inflight: set[asyncio.Future[TransferResult]] = set()
         self._closing = False
         self._closed = False
@@ -200,7 +222,7 @@ class AsyncOffloadEngine:
     # --- lifecycle -------------------------------------------------------------------
 
     async def __aenter__(self) -> AsyncOffloadEngine:
-        self._check_open()
+        self._check_usable()
         self._ensure_bridge()
         return self
 
@@ -216,12 +238,28 @@ class AsyncOffloadEngine:
         """Refuse new work, wait for every in-flight copy to complete (callbacks run,
         handles resolved), then end every event subscription and release the backend.
 
-        Cancelling ``aclose`` leaves the engine closing: copies still complete, and a
-        later ``aclose`` finishes the job.
+        Must be awaited on the engine's event loop (``RuntimeError`` otherwise: its
+        transfers complete only there). Cancelling ``aclose`` leaves the engine closing:
+        copies still complete, and a later ``aclose`` finishes the job. In a child
+        process after ``os.fork`` there is nothing to wait for (the copies belong to the
+        parent): the engine is marked closed and nothing of the parent's is touched.
         """
+        bridge = self._bridge
+        if (
+            bridge is not None
+            and not self._forked
+            and asyncio.get_running_loop() is not bridge.loop
+        ):
+            raise RuntimeError(
+                "aclose() must be awaited on the engine's event loop, where its transfers complete"
+            )
         self._closing = True
+        if self._forked:
+            self._closed = True
+            return
         while self._inflight:
-            await asyncio.wait(list(self._inflight))
+            await asyncio.wait(list(self._inflight), timeout=_ORPHAN_CHECK_S)
+            self._fail_orphans()
         if self._closed:
             return
         self._closed = True
@@ -231,19 +269,56 @@ class AsyncOffloadEngine:
         if self._bridge is not None:
             self._bridge.close()
 
-    def __del__(self) -> None:
-        # Only an engine that was used holds a loop reader and copy lanes worth warning of.
-        if getattr(self, "_bridge", None) is not None and not getattr(self, "_closed", True):
-            warnings.warn(
-                f"unclosed {self!r}: use 'async with engine' or 'await engine.aclose()'",
-                ResourceWarning,
-                stacklevel=1,
-                source=self,
-            )
+    def _fail_orphans(self) -> None:
+        """Resolve, with an error, in-flight handles whose job no lane holds any more
+        (it can never complete), so that closing never waits forever."""
+        bridge = self._bridge
+        if not self._inflight or (bridge is not None and bridge.pending):
+            return
+        for fut in list(self._inflight):
+            if not fut.done():
+                log.error("a transfer lost its copy job; failing its handle")
+                fut.set_exception(TransferError("the transfer's copy job was lost"))
+            self._inflight.discard(fut)
 
-    def _check_open(self) -> None:
+    def __del__(self) -> None:
+        if getattr(self, "_closed", True) or getattr(self, "_forked", False):
+            return
+        warnings.warn(
+            f"unclosed {self!r}: use 'async with engine' or 'await engine.aclose()'",
+            ResourceWarning,
+            stacklevel=1,
+            source=self,
+        )
+        # Nothing is in flight (a pending job's callback would keep the engine alive):
+        # release the copy threads, then the wake-up fd they signal.
+        try:
+            self._backend.close()
+            if self._bridge is not None:
+                self._bridge.close()
+        except Exception:  # interpreter shutdown, a closed loop: nothing more to do
+            pass
+
+    def _check_usable(self) -> None:
         if self._closing:
             raise EngineClosedError("the engine is closed")
+        if self._forked:
+            raise RuntimeError(
+                f"this engine was created in process {self._pid} and is used in process "
+                f"{os.getpid()} after os.fork(); its copy threads live in the parent: "
+                "create a new engine in the child"
+            )
+        if self._loop_thread is not None and threading.get_ident() != self._loop_thread:
+            where = (
+                "from another event loop"
+                if asyncio._get_running_loop() is not None
+                else "from a thread other than its event loop's"
+            )
+            raise RuntimeError(
+                f"the engine was called {where}; it is bound to the event loop of the "
+                "thread that first used it, where its bookkeeping runs (hand calls to it "
+                "with loop.call_soon_threadsafe)"
+            )
 
     def _ensure_bridge(self) -> CompletionBridge:
         loop = asyncio.get_running_loop()
@@ -257,11 +332,15 @@ class AsyncOffloadEngine:
                         self._backend.name,
                     )
                 mode = "poll"
+            if self._hub.loop is not None and self._hub.loop is not loop:
+                raise RuntimeError("the engine's events are read on another event loop")
             bridge = CompletionBridge(loop, mode, self.config.poll_interval_s)
             self._store_lane = bridge.lane("store")
             self._load_lane = bridge.lane("load")
             self._backend.bind(bridge.notify, bridge.wake_fd)
             self._bridge = bridge
+            self._loop_thread = threading.get_ident()
+            self._hub.loop = loop
             log.info(
                 "asyncoffload engine ready: backend=%s completion=%s cpu_blocks=%d block_bytes=%d",
                 self._backend.name,
@@ -284,7 +363,21 @@ class AsyncOffloadEngine:
         for i, key in enumerate(out):
             if not isinstance(key, bytes):
                 raise TypeError(f"{what}: keys[{i}] is a {type(key).__name__}, not bytes")
+            if len(key) <= GROUP_IDX_BYTES:
+                raise ValueError(
+                    f"{what}: keys[{i}] has {len(key)} bytes: an OffloadKey is a block hash "
+                    f"followed by a {GROUP_IDX_BYTES}-byte group index"
+                )
         return out
+
+    def _check_ctx(self, ctx: object, what: str) -> ReqContext:
+        if ctx is None:
+            return _ANON
+        if not isinstance(ctx, ReqContext):
+            raise TypeError(
+                f"{what}: ctx must be an asyncoffload.ReqContext or None, got {type(ctx).__name__}"
+            )
+        return ctx
 
     def _check_block_ids(
         self, ids: Sequence[int] | torch.Tensor, n: int, what: str, unique: bool
@@ -292,6 +385,8 @@ class AsyncOffloadEngine:
         if isinstance(ids, torch.Tensor):
             if ids.dim() != 1 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
                 raise BlockIdError(f"{what}: block ids must be a 1-D integer tensor")
+            if ids.is_meta:
+                raise BlockIdError(f"{what}: block ids on the meta device have no values")
             out = ids.tolist()
         else:
             out = list(ids)
@@ -314,8 +409,9 @@ class AsyncOffloadEngine:
     def lookup(self, keys: Sequence[OffloadKey], ctx: ReqContext | None = None) -> int:
         """How many leading ``keys`` are stored and ready to load. Does not change
         recency (see :meth:`touch`)."""
-        self._check_open()
+        self._check_usable()
         keys = self._check_keys(keys, "lookup")
+        ctx = self._check_ctx(ctx, "lookup")
         n = self._manager.lookup_prefix(keys, ctx)
         self._lookups += 1
         self._lookup_keys += len(keys)
@@ -324,8 +420,9 @@ class AsyncOffloadEngine:
 
     def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext | None = None) -> None:
         """Mark ``keys`` recently used; ``keys[0]`` becomes the most recently used."""
-        self._check_open()
-        self._manager.touch(self._check_keys(keys, "touch"), ctx)
+        self._check_usable()
+        keys = self._check_keys(keys, "touch")
+        self._manager.touch(keys, self._check_ctx(ctx, "touch"))
 
     async def prepare_load(
         self,
@@ -342,23 +439,32 @@ class AsyncOffloadEngine:
         source slots stay pinned (unevictable) until the copy ends. Awaiting the returned
         handle waits until the bytes are in the KV blocks.
         """
-        self._check_open()
+        self._check_usable()
         keys = self._check_keys(keys, "prepare_load")
         ids = self._check_block_ids(gpu_blocks, len(keys), "prepare_load", unique=True)
-        ctx = ctx if ctx is not None else _ANON
+        ctx = self._check_ctx(ctx, "prepare_load")
         bridge = self._ensure_bridge()
         spec = self._manager.prepare_load(keys, ctx)
-        if self.config.touch_on_load:
-            self._manager.touch(keys, ctx)
-        fut: asyncio.Future[TransferResult] = bridge.loop.create_future()
-        handle = Transfer(fut, "load", keys)
-        if not keys:
-            fut.set_result(TransferResult(0, 0, 0.0))
-            return handle
-        self._loads += 1
-        job = self._submit(self._backend.submit_load, list(spec.block_ids), ids)
-        self._track(fut)
-        bridge.watch(self._load_lane, job, lambda j: self._load_done(j, handle, keys, ctx))
+        # From here the slots are pinned: every way out unpins them or hands them to a
+        # job whose completion does (an interrupt included; see _abandon).
+        fut: asyncio.Future[TransferResult] | None = None
+        attempted = False
+        try:
+            if self.config.touch_on_load:
+                self._manager.touch(keys, ctx)
+            fut = bridge.loop.create_future()
+            handle = Transfer(fut, "load", keys)
+            if not keys:
+                fut.set_result(TransferResult(0, 0, 0.0))
+                return handle
+            self._loads += 1
+            self._track(fut)
+            attempted = True
+            job = self._start(self._backend.submit_load, list(spec.block_ids), ids)
+            bridge.watch(self._load_lane, job, lambda j: self._load_done(j, handle, keys, ctx))
+        except BaseException as exc:
+            self._abandon("load", fut, attempted, lambda: self._manager.complete_load(keys), exc)
+            raise
         return handle
 
     async def prepare_store(
@@ -386,10 +492,10 @@ class AsyncOffloadEngine:
         Keys skipped because another store of them is still in flight become loadable
         when that store completes, not with this handle.
         """
-        self._check_open()
+        self._check_usable()
         keys = self._check_keys(keys, "prepare_store")
         ids = self._check_block_ids(gpu_blocks, len(keys), "prepare_store", unique=False)
-        ctx = ctx if ctx is not None else _ANON
+        ctx = self._check_ctx(ctx, "prepare_store")
         if tokens is not None:
             if not isinstance(tokens, BlockTokens):
                 raise TypeError(
@@ -400,25 +506,41 @@ class AsyncOffloadEngine:
             _check_described(keys, ctx.tokens)
         bridge = self._ensure_bridge()
         out = self._manager.prepare_store(keys, ctx)
-        self._publish_events()
         if out is None:
+            self._publish_events()
             self._stores_rejected += 1
             return None
-        fut: asyncio.Future[TransferResult] = bridge.loop.create_future()
         to_store = out.keys_to_store
-        handle = Transfer(fut, "store", keys, to_store, out.evicted_keys)
-        if not to_store:
-            fut.set_result(TransferResult(0, 0, 0.0))
-            return handle
-        self._stores += 1
-        if len(to_store) == len(keys):
-            src = ids
-        else:
-            position = {key: i for i, key in enumerate(keys)}
-            src = [ids[position[key]] for key in to_store]
-        job = self._submit(self._backend.submit_store, src, list(out.store_spec.block_ids))
-        self._track(fut)
-        bridge.watch(self._store_lane, job, lambda j: self._store_done(j, handle, ctx))
+        # From here the slots are being written: every way out frees them or hands them
+        # to a job whose completion does (an interrupt included; see _abandon).
+        fut: asyncio.Future[TransferResult] | None = None
+        attempted = False
+        try:
+            self._publish_events()
+            fut = bridge.loop.create_future()
+            handle = Transfer(fut, "store", keys, to_store, out.evicted_keys)
+            if not to_store:
+                fut.set_result(TransferResult(0, 0, 0.0))
+                return handle
+            self._stores += 1
+            if len(to_store) == len(keys):
+                src = ids
+            else:
+                position = {key: i for i, key in enumerate(keys)}
+                src = [ids[position[key]] for key in to_store]
+            self._track(fut)
+            attempted = True
+            job = self._start(self._backend.submit_store, src, list(out.store_spec.block_ids))
+            bridge.watch(self._store_lane, job, lambda j: self._store_done(j, handle, ctx))
+        except BaseException as exc:
+            self._abandon(
+                "store",
+                fut,
+                attempted,
+                lambda: self._manager.complete_store(to_store, ctx, success=False),
+                exc,
+            )
+            raise
         return handle
 
     def events(self, snapshot: bool = False, max_buffer: int | None = None) -> EventSubscription:
@@ -430,7 +552,13 @@ class AsyncOffloadEngine:
         events marked ``snapshot=True`` (their ``seq`` is that of the last live event they
         reflect), so replaying it rebuilds the exact resident set.
         """
-        self._check_open()
+        self._check_usable()
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # no loop yet: the first reader's loop or first use binds
+            pass
+        else:
+            self._ensure_bridge()  # the engine's loop is this one (RuntimeError if not)
         self._publish_events()
         initial: list[OffloadingEvent] = []
         if snapshot:
@@ -516,43 +644,102 @@ class AsyncOffloadEngine:
         fut.add_done_callback(_retrieve)
         fut.add_done_callback(self._inflight.discard)
 
-    def _submit(
+    def _start(
         self, submit: Callable[[list[int], list[int]], CopyJob], src: list[int], dst: list[int]
     ) -> CopyJob:
+        """Submit a copy; a submission that raises an ``Exception`` becomes a failed job
+        (the failure path frees the slots). Anything else propagates to the caller."""
         try:
             return submit(src, dst)
         except Exception as exc:
             return FailedJob(len(src), exc)
 
+    def _abandon(
+        self,
+        kind: str,
+        fut: asyncio.Future[TransferResult] | None,
+        attempted: bool,
+        undo: Callable[[], None],
+        exc: BaseException,
+    ) -> None:
+        """Something (an interrupt, say) escaped ``prepare_*`` between reserving slots
+        and handing the copy to a lane. If no copy was submitted, undo now. If one may
+        have been (the interrupt may have come just after the lane took it), the slots
+        stay reserved until a fence (an empty job of the same direction, which completes
+        after every earlier one) shows the lane is past it."""
+        error = TransferError(f"{kind} abandoned: {exc!r}")
+        error.__cause__ = exc
+
+        def finish(_job: CopyJob | None = None) -> None:
+            try:
+                undo()
+            finally:
+                if fut is not None:
+                    self._inflight.discard(fut)
+                    if not fut.done():
+                        fut.set_exception(error)
+
+        if not attempted:
+            finish()
+            return
+        bridge = self._bridge
+        assert bridge is not None
+        submit = self._backend.submit_store if kind == "store" else self._backend.submit_load
+        lane = self._store_lane if kind == "store" else self._load_lane
+        try:
+            fence = submit([], [])
+            bridge.watch(lane, fence, finish)
+        except BaseException:
+            # No way to learn when the lane is past the copy: keep its slots reserved
+            # (a leak beats a write into a slot handed out again) and fail the handle.
+            log.error("an interrupted %s keeps its slots reserved: no fence could be queued", kind)
+            if fut is not None:
+                self._inflight.discard(fut)
+                if not fut.done():
+                    fut.set_exception(error)
+
     def _store_done(self, job: CopyJob, handle: Transfer, ctx: ReqContext) -> None:
         error = job.error
+        handled = False
         try:
             self._manager.complete_store(handle.keys_to_store, ctx, success=error is None)
             self._publish_events()
+            if error is None:
+                self._bytes_stored += job.nbytes
+                _observe(self._store_hist, self._store_rate, job)
+            handled = True
         except Exception as exc:  # never leave the handle (and aclose) hanging
             log.exception("complete_store failed")
             error = error or exc
-        if error is None:
-            self._bytes_stored += job.nbytes
-            _observe(self._store_hist, self._store_rate, job)
-        self._resolve(handle, job, error)
+            handled = True
+        finally:
+            if not handled:  # an interrupt: the handle still resolves, then it propagates
+                error = error or TransferError("store completion interrupted")
+            self._resolve(handle, job, error)
 
     def _load_done(
         self, job: CopyJob, handle: Transfer, keys: list[OffloadKey], ctx: ReqContext
     ) -> None:
         error = job.error
+        handled = False
         try:
             self._manager.complete_load(keys, ctx)
+            if error is None:
+                self._bytes_loaded += job.nbytes
+                _observe(self._load_hist, self._load_rate, job)
+            handled = True
         except Exception as exc:
             log.exception("complete_load failed")
             error = error or exc
-        if error is None:
-            self._bytes_loaded += job.nbytes
-            _observe(self._load_hist, self._load_rate, job)
-        self._resolve(handle, job, error)
+            handled = True
+        finally:
+            if not handled:
+                error = error or TransferError("load completion interrupted")
+            self._resolve(handle, job, error)
 
     def _resolve(self, handle: Transfer, job: CopyJob, error: BaseException | None) -> None:
         fut = handle._future
+        self._inflight.discard(fut)  # in_flight counts only what is still running
         if fut.done():
             return
         if error is None:

@@ -47,6 +47,8 @@ class EventSubscription:
     hub closes (after the buffered events) or when :meth:`close` is called. Cancelling a
     task waiting in ``__anext__`` loses no event. A subscription has one reader: a second
     task waiting on it at the same time gets ``RuntimeError`` (subscribe once per reader).
+    It is read on the engine's event loop; waiting on it from another loop (another
+    thread's) raises ``RuntimeError``.
     """
 
     def __init__(self, hub: EventHub, max_buffer: int, initial: Iterable[OffloadingEvent]) -> None:
@@ -112,7 +114,18 @@ class EventSubscription:
                     "another task is already waiting on this subscription; "
                     "call engine.events() once per reader"
                 )
-            self._waiter = asyncio.get_running_loop().create_future()
+            loop = asyncio.get_running_loop()
+            owner = self._hub.loop
+            if owner is None:
+                self._hub.loop = owner = loop
+            elif loop is not owner:
+                # The hub wakes readers from its own loop's thread, and a future may be
+                # resolved only from its loop's: a foreign reader would wait forever.
+                raise RuntimeError(
+                    "this event subscription belongs to the engine's event loop; read it "
+                    "there (or relay the events with loop.call_soon_threadsafe)"
+                )
+            self._waiter = loop.create_future()
             try:
                 await self._waiter
             finally:
@@ -174,6 +187,9 @@ class EventHub:
         #: count per subscription that lost it).
         self.published = 0
         self.dropped = 0
+        #: The event loop the hub publishes on; its subscriptions are read there only
+        #: (set by the engine when it binds to a loop, or by the first reader).
+        self.loop: asyncio.AbstractEventLoop | None = None
 
     def subscribe(
         self, max_buffer: int, initial: Iterable[OffloadingEvent] = ()

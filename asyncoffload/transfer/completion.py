@@ -52,33 +52,82 @@ class CopyLane:
         return f"<CopyLane {self.name} [{len(self.jobs)} pending]>"
 
 
+#: Sub-buckets per power of two of the latency window: a percentile is known to within
+#: half a sub-bucket, about 1.6% of its value.
+_SUB_BITS = 5
+_SUB = 1 << _SUB_BITS
+#: Largest octave kept (2**46 ns is 19 hours); anything longer counts there.
+_TOP = 46
+
+
+def _bucket(value_ns: int) -> int:
+    """Log-linear bucket of a non-negative nanosecond count: exact below ``_SUB``, then
+    ``_SUB`` buckets per power of two."""
+    if value_ns < _SUB:
+        return max(value_ns, 0)
+    shift = min(value_ns.bit_length(), _TOP) - _SUB_BITS - 1
+    return (shift + 1) * _SUB + (min(value_ns >> shift, 2 * _SUB - 1) - _SUB)
+
+
+def _bucket_mid_ns(index: int) -> float:
+    """The middle of bucket ``index``, in nanoseconds."""
+    if index < _SUB:
+        return float(index)
+    shift = index // _SUB - 1
+    low = (_SUB + index % _SUB) << shift
+    return low + ((1 << shift) - 1) / 2
+
+
+_NUM_BUCKETS = _bucket((1 << _TOP) - 1) + 1
+
+
 class LatencyWindow:
-    """The last ``size`` samples (integers, nanoseconds) and their percentiles, and a
-    histogram (in seconds) of every sample since the start."""
+    """Percentiles of the last ``size`` samples (integers, nanoseconds), and a histogram
+    (in seconds) of every sample since the start.
+
+    Both are kept incrementally: adding a sample is O(1) and a percentile costs a walk
+    over a fixed number of log-linear buckets, whatever the history, so reading stats on
+    the loop never stalls it. Percentiles are bucket middles, within about 1.6% of the
+    exact order statistic."""
 
     def __init__(self, size: int = 65_536) -> None:
-        self._buf = array("q", bytes(8 * size))
+        if size <= 0:
+            raise ValueError(f"size must be positive, got {size}")
+        self._ring = array("H", bytes(2 * size))  # bucket of each sample in the window
+        self._counts = [0] * _NUM_BUCKETS  # samples of the window per bucket
         self._size = size
         self._count = 0
         self.histogram = Histogram(LATENCY_BUCKETS_S)
 
     def add(self, value_ns: int) -> None:
-        self._buf[self._count % self._size] = value_ns
+        index = _bucket(value_ns)
+        pos = self._count % self._size
+        counts = self._counts
+        if self._count >= self._size:
+            counts[self._ring[pos]] -= 1
+        self._ring[pos] = index
+        counts[index] += 1
         self._count += 1
         self.histogram.observe(value_ns * 1e-9)
 
     @property
     def count(self) -> int:
+        """Samples added since the start."""
         return self._count
 
     def percentile_us(self, q: float) -> float:
-        """The ``q``-th percentile (0-100) in microseconds; NaN with no sample."""
+        """The ``q``-th percentile (0-100) of the window in microseconds; NaN with no
+        sample."""
         n = min(self._count, self._size)
         if n == 0:
             return float("nan")
-        data = sorted(self._buf[:n])
-        idx = min(n - 1, max(0, round(q / 100 * (n - 1))))
-        return data[idx] / 1e3
+        rank = min(n - 1, max(0, round(q / 100 * (n - 1))))
+        seen = 0
+        for index, c in enumerate(self._counts):
+            seen += c
+            if seen > rank:
+                return _bucket_mid_ns(index) / 1e3
+        raise AssertionError("window counts are inconsistent")  # pragma: no cover
 
 
 class _Waker:
@@ -218,7 +267,12 @@ class CompletionBridge:
             self._timer = self.loop.call_later(delay, self._on_timer)
 
     def drain(self) -> int:
-        """Run the callbacks of every finished head job; how many ran."""
+        """Run the callbacks of every finished head job; how many ran.
+
+        A callback that raises an ``Exception`` is logged and the lane goes on. One that
+        raises anything else (``KeyboardInterrupt``, ``SystemExit``) ends the drain: the
+        bridge first asks for another one, so the jobs still finished are drained at the
+        loop's next turn, then lets it propagate."""
         ran = 0
         for lane in self.lanes:
             jobs = lane.jobs
@@ -230,8 +284,20 @@ class CompletionBridge:
                     callback(job)
                 except Exception:  # a broken callback must not stall the lane
                     log.exception("completion callback failed for %r", job)
+                except BaseException:
+                    self._rearm()
+                    raise
                 ran += 1
         return ran
+
+    def _rearm(self) -> None:
+        """Make sure the lanes are looked at again soon (after an interrupted drain)."""
+        if self._closed:
+            return
+        if self._waker is not None:
+            self._waker.wake()
+        elif self._timer is None:
+            self._timer = self.loop.call_later(self.poll_interval, self._on_timer)
 
     def close(self) -> None:
         """Stop watching and close the wake-up fd. Refuses while jobs are pending: native
