@@ -1,28 +1,61 @@
 """Small native helpers, compiled on first use with the system C compiler.
 
-Nothing here is required: every user falls back to a pure-Python path when
-:func:`load_copy_engine` returns ``None`` (no compiler, or ``ASYNCOFFLOAD_NO_NATIVE=1``),
-and says which path is active.
+Nothing here is required: every user falls back to a pure-Python path when its loader
+returns ``None`` (no compiler, a failed or unfinished build, or
+``ASYNCOFFLOAD_NO_NATIVE=1``), and says which path is active.
+
+**The cache.** Each library is built once per source version into the cache directory
+(``ASYNCOFFLOAD_CACHE_DIR``, else ``$XDG_CACHE_HOME/asyncoffload``), with a digest file
+beside it (``<library>.sha256``: its SHA-256 and size). A library is loaded only once it
+matches its digest: mapping a truncated file kills the process (SIGBUS), so a damaged
+file, or one without a digest, is rebuilt instead; so is a library that loads but lacks
+what its loader expects (a file of another kind). One rebuild per process: if it fails
+too, the loader logs a warning naming the file and returns ``None``. A build goes to
+temporary files that are fsynced and moved into place with ``os.replace``, so that
+concurrent first uses race harmlessly and a crash never leaves a half-written library
+that passes for whole.
+
+**The compiler.** ``CC``, split like a shell command line (``CC="gcc -O0"``), else ``cc``
+or ``gcc``. A compile running longer than ``ASYNCOFFLOAD_COMPILE_TIMEOUT`` seconds
+(default 60) is killed, with every process it started, and counts as failed.
+
+**Never on an event loop.** A loader called on a thread that is running an asyncio event
+loop never compiles there. When the library is not built yet, it starts the build on a
+background thread, logs that once, and returns ``None`` (the caller takes its fallback);
+calls after the build has finished get the library. :func:`build_all` builds everything
+synchronously, for install scripts, tests and warming a cache.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import ctypes
 import hashlib
 import importlib.machinery
 import importlib.util
+import itertools
 import logging
 import os
+import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import sysconfig
 import tempfile
-from functools import cache
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+from typing import Any, Generic, TypeVar
 
 __all__ = [
+    "DEFAULT_COMPILE_TIMEOUT_S",
+    "NativeLoader",
+    "build_all",
+    "compile_timeout_s",
     "load_copy_engine",
     "load_cuda_helpers",
     "load_kvcore",
@@ -34,9 +67,34 @@ log = logging.getLogger("asyncoffload.native")
 
 _HERE = Path(__file__).parent
 
+#: Seconds a compile may take when ``ASYNCOFFLOAD_COMPILE_TIMEOUT`` does not say.
+DEFAULT_COMPILE_TIMEOUT_S = 60.0
+
+T = TypeVar("T")
+
 
 def native_disabled() -> bool:
     return os.environ.get("ASYNCOFFLOAD_NO_NATIVE", "") not in ("", "0")
+
+
+def compile_timeout_s() -> float:
+    """How long one compile may run: ``ASYNCOFFLOAD_COMPILE_TIMEOUT`` (seconds, > 0) or
+    :data:`DEFAULT_COMPILE_TIMEOUT_S`."""
+    raw = os.environ.get("ASYNCOFFLOAD_COMPILE_TIMEOUT", "").strip()
+    if not raw:
+        return DEFAULT_COMPILE_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = 0.0
+    if not value > 0 or value == float("inf"):
+        log.warning(
+            "ASYNCOFFLOAD_COMPILE_TIMEOUT=%r is not a positive number of seconds: using %g",
+            raw,
+            DEFAULT_COMPILE_TIMEOUT_S,
+        )
+        return DEFAULT_COMPILE_TIMEOUT_S
+    return value
 
 
 def _cache_dir() -> Path:
@@ -47,92 +105,343 @@ def _cache_dir() -> Path:
     return Path(base) / "asyncoffload"
 
 
-def _compile(source: Path, out: Path, libs: tuple[str, ...]) -> None:
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        raise OSError("no C compiler found (set CC)")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
-    try:
-        cmd = [cc, "-O2", "-shared", "-fPIC", "-pthread", str(source), "-o", tmp, *libs]
-        subprocess.run(cmd, check=True, capture_output=True, timeout=120)
-        os.replace(tmp, out)  # atomic: concurrent first uses race harmlessly
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
 def _supported() -> bool:
     return not native_disabled() and sys.platform.startswith(("linux", "darwin", "freebsd"))
 
 
-def _built(name: str, suffix: str, flags: tuple[str, ...], tag: bytes = b"") -> Path:
-    """``{name}.c`` compiled into the cache (once per source version and ``tag``)."""
-    source = _HERE / f"{name}.c"
-    digest = hashlib.sha256(source.read_bytes() + sys.platform.encode() + tag).hexdigest()[:16]
-    path = _cache_dir() / f"{name}-{digest}{suffix}"
-    if not path.exists():
-        _compile(source, path, flags)
-    return path
-
-
-def _load(name: str, libs: tuple[str, ...] = ()) -> ctypes.CDLL | None:
-    """Compile ``{name}.c`` (once per source version) and load it; ``None`` on failure."""
-    if not _supported():
-        return None
+def _on_event_loop() -> bool:
     try:
-        return ctypes.CDLL(str(_built(name, ".so", libs)))
-    except (OSError, subprocess.SubprocessError) as exc:
-        log.warning("native helper %s unavailable: %s", name, exc)
-        return None
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
 
 
-def _load_extension(name: str, what: str) -> ModuleType | None:
-    """``{name}.c`` built as a CPython extension (once per source, Python and headers) and
-    imported; ``None`` (logged) where it cannot be."""
-    if not _supported():
-        return None
-    include = sysconfig.get_paths()["include"]
-    flags = ["-I" + include, "-fno-strict-aliasing"]
-    if sys.platform == "darwin":
-        flags += ["-undefined", "dynamic_lookup"]
+# --- compiling -----------------------------------------------------------------------------
+
+
+def _compiler() -> list[str]:
+    cc = os.environ.get("CC", "").strip()
+    if cc:
+        argv = shlex.split(cc)
+        if argv:
+            return argv
+    found = shutil.which("cc") or shutil.which("gcc")
+    if found is None:
+        raise OSError("no C compiler found (set CC)")
+    return [found]
+
+
+def _run_compiler(cmd: list[str], timeout: float) -> None:
+    """Run ``cmd`` in its own process group; kill the whole group if it outlives
+    ``timeout`` (a compiler's driver waits for its children, which would keep the pipes
+    open)."""
+    proc = subprocess.Popen(
+        cmd,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
     try:
-        if not (Path(include) / "Python.h").exists():
-            raise OSError(f"no Python.h under {include} (install the Python headers)")
-        suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
-        path = _built(name, suffix, tuple(flags), (sys.version + include).encode())
-        spec = importlib.util.spec_from_file_location(name, path)
+        _, err = proc.communicate(timeout=timeout)
+    except BaseException as exc:  # the timeout, or an interrupt: leave nothing behind
+        _kill_group(proc)
+        if isinstance(exc, subprocess.TimeoutExpired):
+            raise OSError(
+                f"compiler {cmd[0]!r} did not finish within {timeout:g} s and was killed "
+                "(ASYNCOFFLOAD_COMPILE_TIMEOUT sets the limit)"
+            ) from None
+        raise
+    if proc.returncode != 0:
+        tail = err.decode(errors="replace").strip()[-2000:]
+        raise OSError(f"compiler {cmd[0]!r} failed (exit status {proc.returncode}): {tail}")
+
+
+def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    with contextlib.suppress(OSError):  # already gone
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    for pipe in (proc.stdout, proc.stderr):
+        if pipe is not None:
+            pipe.close()
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # not every platform opens directories
+        return
+    try:
+        with contextlib.suppress(OSError):
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _digest_path(path: Path) -> Path:
+    return path.with_name(path.name + ".sha256")
+
+
+def _check_digest(path: Path) -> str | None:
+    """What is wrong with the library at ``path`` against its digest file; ``None`` if
+    it matches."""
+    try:
+        fields = _digest_path(path).read_text().split()
+    except FileNotFoundError:
+        return "it has no digest file beside it"
+    except OSError as exc:
+        return f"its digest file cannot be read ({exc})"
+    if len(fields) != 2 or not fields[1].isdigit():
+        return "its digest file is malformed"
+    expected, size = fields[0], int(fields[1])
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        return f"it cannot be read ({exc})"
+    if len(data) != size:
+        return f"it is {len(data)} bytes where its digest says {size}"
+    if hashlib.sha256(data).hexdigest() != expected:
+        return "its SHA-256 does not match its digest"
+    return None
+
+
+def _write_build(source: Path, path: Path, flags: tuple[str, ...], timeout: float) -> None:
+    """Compile ``source`` to ``path`` and write its digest file. Both appear whole or
+    not at all: each is written to a temporary file, fsynced, then moved into place."""
+    cmd = _compiler()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    tmp_digest = tmp + ".sha256"
+    try:
+        _run_compiler(
+            [*cmd, "-O2", "-shared", "-fPIC", "-pthread", str(source), "-o", tmp, *flags], timeout
+        )
+        with open(tmp, "rb") as f:
+            data = f.read()
+            os.fsync(f.fileno())
+        if not data:
+            raise OSError(f"compiler {cmd[0]!r} wrote an empty library")
+        with open(tmp_digest, "w") as f:
+            f.write(f"{hashlib.sha256(data).hexdigest()} {len(data)}\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        os.replace(tmp_digest, _digest_path(path))
+        _fsync_dir(path.parent)
+    finally:
+        for leftover in (tmp, tmp_digest):
+            if os.path.exists(leftover):
+                os.unlink(leftover)
+
+
+# --- the libraries -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Library:
+    """One C source, built either as a plain shared library (loaded with ctypes) or as a
+    CPython extension (imported)."""
+
+    name: str
+    extension: bool
+    libs: tuple[str, ...] = ()
+
+    def target(self) -> tuple[Path, tuple[str, ...]]:
+        """Where the build of the current source lives, and its extra compiler flags."""
+        source = _HERE / f"{self.name}.c"
+        flags = self.libs
+        suffix = ".so"
+        tag = b""
+        if self.extension:
+            include = sysconfig.get_paths()["include"]
+            if not (Path(include) / "Python.h").exists():
+                raise OSError(f"no Python.h under {include} (install the Python headers)")
+            flags = ("-I" + include, "-fno-strict-aliasing")
+            if sys.platform == "darwin":
+                flags += ("-undefined", "dynamic_lookup")
+            suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
+            tag = (sys.version + include).encode()
+        digest = hashlib.sha256(source.read_bytes() + sys.platform.encode() + tag).hexdigest()
+        return _cache_dir() / f"{self.name}-{digest[:16]}{suffix}", flags
+
+    def build(self, timeout: float | None = None, *, force: bool = False) -> Path:
+        """Build into the cache unless a build that matches its digest is there (or
+        ``force``)."""
+        path, flags = self.target()
+        if force or _check_digest(path) is not None:
+            _write_build(_HERE / f"{self.name}.c", path, flags, timeout or compile_timeout_s())
+        return path
+
+    def open(self, path: Path) -> Any:
+        if not self.extension:
+            return ctypes.CDLL(str(path))
+        spec = importlib.util.spec_from_file_location(self.name, path)
         if spec is None or spec.loader is None:
-            raise OSError(f"cannot load {path}")
+            raise ImportError(f"cannot load {path}")
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         return module
-    except (OSError, ImportError, subprocess.SubprocessError) as exc:
-        log.warning("%s unavailable, using Python: %s", what, exc)
-        return None
 
 
-@cache
-def load_kvcore() -> ModuleType | None:
-    """The KV policy's C core (a CPython extension compiled on first use); ``None`` if it
-    cannot be built (no compiler or Python headers, or ``ASYNCOFFLOAD_NO_NATIVE=1``)."""
-    return _load_extension("kvcore", "native KV policy core")
+_link_serial = itertools.count()
 
 
-@cache
-def load_mgrcore() -> ModuleType | None:
-    """The request-scoped manager's C core (asyncoffload.manager.native), compiled on first
-    use like :func:`load_kvcore`; ``None`` where it cannot be built."""
-    return _load_extension("mgrcore", "native manager core")
+class NativeLoader(Generic[T]):
+    """Loads one native library, once per process: calling the loader returns what it
+    gives (the library, configured) or ``None`` where it is unavailable. Thread-safe.
+
+    ``configure`` turns the loaded library into the value (setting ctypes signatures,
+    checking the module's contents); an ``AttributeError`` from it means the file is not
+    the library it should be (it is rebuilt), and a ``None`` result that it is fine but
+    unusable here (no CUDA driver, say).
+    """
+
+    def __init__(self, library: _Library, what: str, configure: Callable[[Any], T | None]) -> None:
+        self.library = library
+        self.what = what
+        self._configure = configure
+        self._lock = threading.Lock()  # the fields below; never held over a compile
+        self._build_lock = threading.Lock()  # one build at a time
+        self._done = False
+        self._value: T | None = None
+        self._background: threading.Thread | None = None
+        self._failed_paths: set[Path] = set()  # dlopen'ed here but unusable
+
+    def __call__(self) -> T | None:
+        if self._done:
+            return self._value
+        if not _supported():
+            return self._finish(None)
+        if _on_event_loop():
+            return self._resolve_on_loop()
+        return self._resolve()
+
+    def cache_clear(self) -> None:
+        """Forget the outcome: the next call looks again (tests, a changed environment)."""
+        with self._lock:
+            self._done = False
+            self._value = None
+
+    @property
+    def building(self) -> bool:
+        """Whether a background build started by a call on an event loop is running."""
+        thread = self._background
+        return thread is not None and thread.is_alive()
+
+    def wait_for_build(self, timeout: float | None = None) -> bool:
+        """Wait for a background build (if any) to end; False if it is still running."""
+        thread = self._background
+        if thread is not None:
+            thread.join(timeout)
+            return not thread.is_alive()
+        return True
+
+    def _finish(self, value: T | None) -> T | None:
+        self._value = value
+        self._done = True
+        return value
+
+    def _resolve_on_loop(self) -> T | None:
+        """A loop's thread: load a finished build, else build in the background."""
+        with self._lock:
+            if self._done:
+                return self._value
+            try:
+                path, _ = self.library.target()
+            except OSError as exc:
+                log.warning("%s unavailable, using Python: %s", self.what, exc)
+                return self._finish(None)
+            found, value = self._from_cache(path)
+            if found:
+                return self._finish(value)
+            if not self.building:
+                log.warning(
+                    "%s is not built yet: building it on a background thread (never on the "
+                    "event loop); until it is done, the Python fallback serves "
+                    "(asyncoffload._native.build_all() builds ahead of time)",
+                    self.what,
+                )
+                self._background = threading.Thread(
+                    target=self._resolve,
+                    name=f"asyncoffload-build-{self.library.name}",
+                    daemon=True,
+                )
+                self._background.start()
+            return None
+
+    def _resolve(self) -> T | None:
+        """Load the cached build, or build (once) and load that."""
+        with self._build_lock:
+            with self._lock:
+                if self._done:
+                    return self._value
+                try:
+                    path, _ = self.library.target()
+                except OSError as exc:
+                    log.warning("%s unavailable, using Python: %s", self.what, exc)
+                    return self._finish(None)
+                found, value = self._from_cache(path)
+                if found:
+                    return self._finish(value)
+            try:
+                self.library.build(force=path in self._failed_paths)
+            except (OSError, subprocess.SubprocessError) as exc:
+                log.warning("%s unavailable, using Python: %s", self.what, exc)
+                with self._lock:
+                    return self._finish(None)
+            with self._lock:
+                if self._done:
+                    return self._value
+                found, value = self._from_cache(path, rebuilt=True)
+                return self._finish(value)
+
+    def _from_cache(self, path: Path, rebuilt: bool = False) -> tuple[bool, T | None]:
+        """(True, value) when the build at ``path`` matches its digest and loads;
+        (False, None) when there is none, or it is damaged or of the wrong kind (logged,
+        naming the file; ``rebuilt``: it was just built, so this is final)."""
+        if not rebuilt and not path.exists():
+            return False, None
+        problem = _check_digest(path)
+        if problem is None:
+            try:
+                return True, self._configure(self._open(path))
+            except (OSError, ImportError, AttributeError) as exc:
+                self._failed_paths.add(path)
+                problem = f"it does not load as {self.what} ({exc})"
+        if rebuilt:
+            log.warning(
+                "native library %s is unusable even after a rebuild (%s): %s unavailable, "
+                "using Python",
+                path,
+                problem,
+                self.what,
+            )
+        else:
+            log.warning("cached native library %s is unusable (%s): rebuilding it", path, problem)
+        return rebuilt, None
+
+    def _open(self, path: Path) -> Any:
+        if path not in self._failed_paths:
+            return self.library.open(path)
+        # The dynamic loader would hand back the unusable library opened at this name
+        # before: open the rebuilt file through a name of its own.
+        link = path.with_name(f".{path.name}.{os.getpid()}-{next(_link_serial)}")
+        try:
+            os.link(path, link)
+        except OSError:
+            shutil.copyfile(path, link)
+        try:
+            return self.library.open(link)
+        finally:
+            link.unlink()
 
 
-@cache
-def load_copy_engine() -> ctypes.CDLL | None:
-    """The native copy-lane library, compiled on first use; ``None`` if unavailable."""
-    lib = _load("copy_engine")
-    if lib is None:
-        return None
+# --- what each library gives -----------------------------------------------------------------
+
+
+def _configure_copy_engine(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.ao_lane_create.argtypes = [ctypes.c_int]
     lib.ao_lane_create.restype = ctypes.c_void_p
     lib.ao_lane_set_wake_fd.argtypes = [ctypes.c_void_p, ctypes.c_int]
@@ -163,20 +472,15 @@ def load_copy_engine() -> ctypes.CDLL | None:
     # handle, status, timeout in ns (< 0: none) -> the job's state, 0 if the time ran out
     lib.ao_lane_wait.argtypes = [ptr, ptr, i64]
     lib.ao_lane_wait.restype = ctypes.c_int64
+    # handle -> how many queued jobs were discarded
+    lib.ao_lane_cancel.argtypes = [ptr]
+    lib.ao_lane_cancel.restype = ctypes.c_int64
     lib.ao_lane_destroy.argtypes = [ctypes.c_void_p]
     lib.ao_lane_destroy.restype = None
     return lib
 
 
-@cache
-def load_cuda_helpers() -> tuple[ctypes.CDLL, int] | None:
-    """The CUDA helper library and its feature bits (1: host-function wake-ups, 2: batched
-    memcpy, 4: driver-API host registration, 8: the completion spinner, 16: one
-    ``cuMemcpyAsync`` per descriptor), or ``None`` where it can't be built or libcuda is
-    missing."""
-    lib = _load("cuda_helpers", ("-ldl",))
-    if lib is None:
-        return None
+def _configure_cuda_helpers(lib: ctypes.CDLL) -> tuple[ctypes.CDLL, int] | None:
     lib.ao_cuda_init.argtypes = []
     lib.ao_cuda_init.restype = ctypes.c_int
     lib.ao_cuda_launch_wake.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
@@ -227,3 +531,66 @@ def load_cuda_helpers() -> tuple[ctypes.CDLL, int] | None:
     if lib.ao_cuda_spinner_init() == 0:
         features |= 8
     return lib, features
+
+
+def _module_with(*names: str) -> Callable[[ModuleType], ModuleType]:
+    def configure(module: ModuleType) -> ModuleType:
+        for name in names:
+            getattr(module, name)  # AttributeError: not this library
+        return module
+
+    return configure
+
+
+#: The native copy-lane library; ``None`` if unavailable.
+load_copy_engine: NativeLoader[ctypes.CDLL] = NativeLoader(
+    _Library("copy_engine", extension=False), "native copy engine", _configure_copy_engine
+)
+
+#: The CUDA helper library and its feature bits (1: host-function wake-ups, 2: batched
+#: memcpy, 4: driver-API host registration, 8: the completion spinner, 16: one
+#: ``cuMemcpyAsync`` per descriptor), or ``None`` where it can't be built or libcuda is
+#: missing.
+load_cuda_helpers: NativeLoader[tuple[ctypes.CDLL, int]] = NativeLoader(
+    _Library("cuda_helpers", extension=False, libs=("-ldl",)),
+    "native CUDA helpers",
+    _configure_cuda_helpers,
+)
+
+#: The KV policy's C core (a CPython extension); ``None`` if it cannot be built (no
+#: compiler or Python headers, or ``ASYNCOFFLOAD_NO_NATIVE=1``).
+load_kvcore: NativeLoader[ModuleType] = NativeLoader(
+    _Library("kvcore", extension=True), "native KV policy core", _module_with("Core")
+)
+
+#: The request-scoped manager's C core (asyncoffload.manager.native), built like
+#: :data:`load_kvcore`; ``None`` where it cannot be built.
+load_mgrcore: NativeLoader[ModuleType] = NativeLoader(
+    _Library("mgrcore", extension=True), "native manager core", _module_with("Manager", "POLICIES")
+)
+
+_LOADERS: tuple[NativeLoader[Any], ...] = (
+    load_copy_engine,
+    load_cuda_helpers,
+    load_kvcore,
+    load_mgrcore,
+)
+
+
+def build_all(timeout: float | None = None) -> dict[str, Path | None]:
+    """Build every native library into the cache now, synchronously (those already
+    built and intact are kept). ``timeout``: seconds per compile (default:
+    :func:`compile_timeout_s`). Returns each library's path, or ``None`` where it could
+    not be built (the reason is logged). Loaders that found nothing before look again."""
+    out: dict[str, Path | None] = {}
+    for loader in _LOADERS:
+        name = loader.library.name
+        with loader._build_lock:
+            try:
+                out[name] = loader.library.build(timeout)
+            except (OSError, subprocess.SubprocessError) as exc:
+                log.warning("%s could not be built: %s", loader.what, exc)
+                out[name] = None
+        if out[name] is not None and loader._done and loader._value is None:
+            loader.cache_clear()
+    return out

@@ -7,9 +7,10 @@
  * fragment f, the KV side is kv_base[f] + kv_ids[i] * kv_stride[f] and the host side is
  * host_base + host_ids[i] * block_bytes + f * frag_bytes. The block ids are copied into the
  * job at submission; the fragment tables belong to the backend and outlive its lanes.
- * Jobs of one lane run in submission order. A job's status is two int64 words: [done
- * flag, CLOCK_MONOTONIC nanoseconds at the end of the copy], kept alive by the Python
- * side until it has seen the done flag.
+ * Jobs of one lane run in submission order. A job's status is two int64 words: [state,
+ * CLOCK_MONOTONIC nanoseconds at the end of the copy], kept alive by the Python side
+ * until the state is set: 1 when copied, -ECANCELED when discarded unrun
+ * (ao_lane_cancel).
  *
  * A second kind of job (ao_lane_submit_copies) is a plain list of n (src, dst, size)
  * descriptors, copied into the job at submission. Its status is three words: [state,
@@ -18,6 +19,7 @@
  * block in ao_lane_wait until a job's state is set, on a condition variable, so a
  * caller that releases the GIL (ctypes does) neither spins nor holds up Python.
  */
+#include <errno.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -117,7 +119,6 @@ static void *ao_lane_main(void *arg) {
         }
         lane->head = job->next;
         if (lane->head == NULL) lane->tail = NULL;
-        int fd = lane->wake_fd;
         pthread_mutex_unlock(&lane->mutex);
 
         int64_t state = 1;
@@ -131,11 +132,12 @@ static void *ao_lane_main(void *arg) {
         __atomic_store_n(&job->status[0], state, __ATOMIC_RELEASE);
         free(job);
         /* Under the mutex: a waiter checks the state and sleeps while holding it, so
-         * it cannot miss this broadcast. */
+         * it cannot miss this broadcast; and once ao_lane_set_wake_fd has returned,
+         * the fd it replaced is never written again (its owner may close it). */
         pthread_mutex_lock(&lane->mutex);
         pthread_cond_broadcast(&lane->done);
+        ao_wake(lane->wake_fd);
         pthread_mutex_unlock(&lane->mutex);
-        ao_wake(fd);
     }
 }
 
@@ -260,6 +262,33 @@ int64_t ao_lane_wait(void *handle, const int64_t *status, int64_t timeout_ns) {
 
 int64_t ao_status_load(const int64_t *status) {
     return __atomic_load_n(&status[0], __ATOMIC_ACQUIRE);
+}
+
+/*
+ * Discard the jobs still queued (not the one running): each gets the state -ECANCELED
+ * and copies nothing. For an owner that is going away and needs only the running job to
+ * end before it frees the memory jobs touch. Returns how many were discarded.
+ */
+int64_t ao_lane_cancel(void *handle) {
+    ao_lane *lane = (ao_lane *)handle;
+    int64_t count = 0;
+    pthread_mutex_lock(&lane->mutex);
+    ao_job *job = lane->head;
+    lane->head = lane->tail = NULL;
+    while (job != NULL) {
+        ao_job *next = job->next;
+        job->status[1] = ao_now();
+        __atomic_store_n(&job->status[0], -(int64_t)ECANCELED, __ATOMIC_RELEASE);
+        free(job);
+        job = next;
+        count++;
+    }
+    if (count) {
+        pthread_cond_broadcast(&lane->done);
+        ao_wake(lane->wake_fd);
+    }
+    pthread_mutex_unlock(&lane->mutex);
+    return count;
 }
 
 /* Finish queued jobs, stop the thread, free the lane. */

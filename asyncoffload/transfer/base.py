@@ -4,11 +4,22 @@ A backend owns the host tier's memory and one ordered copy queue per direction: 
 one direction complete in submission order. A job is a completion token the event loop
 can poll cheaply (``query()``); when a job completes, the backend calls the ``wake``
 function it was bound to, from whatever thread noticed, so the loop checks its lanes.
+
+**Lifetime.** A backend's copy threads, streams and host memory are released by
+``close()``, or, if it is dropped without one, by a finalizer that first stops its
+copies (queued ones are discarded, the running one ends) and only then frees the memory
+they touch. Threads start with the first copy: a backend never used holds none.
+
+**Fork.** Copy threads do not survive ``os.fork``. In a child, a backend made before the
+fork refuses every copy with ``RuntimeError``; its ``close()`` returns at once and
+touches nothing of the parent's (no join, no stream, no unpinning). Make a new engine in
+the child.
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -17,7 +28,36 @@ import torch
 
 from asyncoffload.layout import KVLayout
 
-__all__ = ["CopyJob", "FailedJob", "TransferBackend", "host_bytes"]
+__all__ = ["CopyJob", "FailedJob", "TransferBackend", "check_process", "forked_since", "host_bytes"]
+
+
+class _Process:
+    """This process's id, refreshed in a fork's child (cheaper than ``os.getpid()`` on
+    every submission)."""
+
+    pid = os.getpid()
+
+
+def _after_fork_in_child() -> None:
+    _Process.pid = os.getpid()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def forked_since(pid: int) -> bool:
+    """Whether this is a forked child of process ``pid`` (not ``pid`` itself)."""
+    return _Process.pid != pid
+
+
+def check_process(pid: int, what: str) -> None:
+    """Raise ``RuntimeError`` if ``what``, made in process ``pid``, is used in a fork's
+    child: its copy threads (or CUDA context) exist only in the parent."""
+    if _Process.pid != pid:
+        raise RuntimeError(
+            f"{what} was created in process {pid}, used in process {os.getpid()} after "
+            "fork; its copy threads exist only in the parent: create a new engine in the child"
+        )
 
 
 class CopyJob:
@@ -83,6 +123,13 @@ class TransferBackend(ABC):
         self.num_host_blocks = num_host_blocks
         self._wake: Callable[[], None] = _no_wake
         self._wake_fd: int | None = None
+        #: The process the backend was made in (see the module docstring on fork).
+        self.pid = _Process.pid
+
+    def check_process(self) -> None:
+        """``RuntimeError`` when called in a fork's child (see the module docstring)."""
+        if _Process.pid != self.pid:
+            check_process(self.pid, type(self).__name__)
 
     def bind(self, wake: Callable[[], None], wake_fd: int | None = None) -> None:
         """Set how to signal that a job completed: ``wake()``, a thread-safe function,
@@ -109,7 +156,8 @@ class TransferBackend(ABC):
 
     @abstractmethod
     def close(self) -> None:
-        """Finish queued copies, then release threads and memory. Idempotent."""
+        """Finish queued copies, then release threads and memory. Idempotent. In a
+        fork's child: marks the backend closed and touches nothing."""
 
 
 def _no_wake() -> None:

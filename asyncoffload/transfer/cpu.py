@@ -13,11 +13,15 @@ direction has one copy lane whose jobs run in submission order. Two copy engines
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
+import os
 import queue
 import threading
+import weakref
 from array import array
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Literal
 
@@ -25,7 +29,7 @@ import torch
 
 from asyncoffload._native import load_copy_engine
 from asyncoffload.layout import KVLayout
-from asyncoffload.transfer.base import CopyJob, TransferBackend, host_bytes
+from asyncoffload.transfer.base import CopyJob, TransferBackend, forked_since, host_bytes
 
 __all__ = ["CpuCopyBackend"]
 
@@ -49,12 +53,18 @@ class _NativeJob(CopyJob):
         return ctypes.addressof(self._status)
 
     def query(self) -> bool:
-        if not self._done and self._lib.ao_status_load(self.status_address):
-            # perf_counter_ns is CLOCK_MONOTONIC, the clock the lane stamped.
-            self.error = None
-            self.finished_ns = self._status[1]
-            self._done = True
+        if not self._done:
+            state = self._lib.ao_status_load(self.status_address)
+            if state:
+                # perf_counter_ns is CLOCK_MONOTONIC, the clock the lane stamped.
+                self.error = None if state > 0 else _discarded(-state)
+                self.finished_ns = self._status[1]
+                self._done = True
         return self._done
+
+
+def _discarded(errno: int) -> OSError:
+    return OSError(errno, "the copy was discarded unrun: its backend was dropped")
 
 
 _ThreadItem = tuple[
@@ -65,13 +75,37 @@ _ThreadItem = tuple[
 ]
 
 
+def _run_thread_lane(jobs: queue.SimpleQueue[_ThreadItem | None]) -> None:
+    while True:
+        item = jobs.get()
+        if item is None:  # stop
+            return
+        job, fn, args, wake = item
+        del item
+        try:
+            fn(*args)
+        except BaseException as exc:  # reported through the job, never lost
+            job.finish(exc)
+        else:
+            job.finish()
+        try:
+            wake()
+        except Exception:  # a closed loop: nobody is waiting any more
+            log.debug("copy lane: the wake-up failed", exc_info=True)
+        # An idle lane must not keep the last copy's backend alive (through ``fn``):
+        # dropping it lets the backend's finalizer stop this lane.
+        del job, fn, args, wake
+
+
 class _ThreadLane:
-    """A Python thread that runs copies of one direction, in order."""
+    """A Python thread that runs copies of one direction, in order; started by the
+    first submission."""
 
     def __init__(self, name: str) -> None:
+        self._name = name
         self._queue: queue.SimpleQueue[_ThreadItem | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
+        self._thread: threading.Thread | None = None
+        self._stopped = False
 
     def submit(
         self,
@@ -80,52 +114,69 @@ class _ThreadLane:
         args: tuple[torch.Tensor, torch.Tensor],
         wake: Callable[[], None],
     ) -> None:
+        if self._thread is None:
+            if self._stopped:
+                raise RuntimeError("copy lane is closed")
+            thread = threading.Thread(
+                target=_run_thread_lane, args=(self._queue,), name=self._name, daemon=True
+            )
+            thread.start()
+            self._thread = thread
         self._queue.put((job, fn, args, wake))
 
-    def _run(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:  # stop
-                return
-            job, fn, args, wake = item
-            try:
-                fn(*args)
-            except BaseException as exc:  # reported through the job, never lost
-                job.finish(exc)
-            else:
-                job.finish()
-            wake()
-
-    def stop(self) -> None:
-        self._queue.put(None)
-        if threading.current_thread() is not self._thread:
-            self._thread.join()
+    def stop(self, discard: bool = False) -> None:
+        """Stop after the queued copies (queued copies hold their backend alive, so a
+        finalizer never finds any: ``discard`` changes nothing here)."""
+        self._stopped = True
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            self._queue.put(None)
+            if threading.current_thread() is not thread:
+                thread.join()
 
 
 class _NativeLane:
-    """A native thread that copies blocks of one direction, in order, without the GIL."""
+    """A native thread that copies blocks of one direction, in order, without the GIL;
+    started by the first submission. It keeps the status words of the jobs it may still
+    write, since a job object may be dropped before its copy ends."""
 
     def __init__(self, lib: ctypes.CDLL, direction: int, tables: _FragmentTables) -> None:
         self._lib = lib
         self._direction = direction
         self._tables = tables
-        handle = lib.ao_lane_create(-1)
-        if not handle:
-            raise OSError("ao_lane_create failed")
-        self._handle: int | None = handle
+        self._handle: int | None = None
+        self._wake_fd = -1
+        self._stopped = False
+        self._pending: deque[ctypes.Array[ctypes.c_int64]] = deque()
 
     def set_wake_fd(self, fd: int) -> None:
+        """Signal ``fd`` from now on; once this returns, the previous fd is never
+        written again (the lane writes under the lock this takes)."""
+        self._wake_fd = fd
         if self._handle is not None:
             self._lib.ao_lane_set_wake_fd(self._handle, fd)
 
-    def submit(self, job: _NativeJob, kv_ids: Sequence[int], host_ids: Sequence[int]) -> None:
-        if self._handle is None:
+    def _start(self) -> int:
+        if self._stopped:
             raise RuntimeError("copy lane is closed")
+        handle = self._lib.ao_lane_create(self._wake_fd)
+        if not handle:
+            raise OSError("ao_lane_create failed")
+        self._handle = handle
+        return int(handle)
+
+    def submit(self, job: _NativeJob, kv_ids: Sequence[int], host_ids: Sequence[int]) -> None:
+        handle = self._handle
+        if handle is None:
+            handle = self._start()
+        pending = self._pending
+        while pending and pending[0][0]:  # the lane is done with these (in order)
+            pending.popleft()
         kv = array("q", kv_ids)
         host = array("q", host_ids)
         t = self._tables
         rc = self._lib.ao_lane_submit(
-            self._handle,
+            handle,
             self._direction,
             len(kv),
             kv.buffer_info()[0],
@@ -140,11 +191,17 @@ class _NativeLane:
         )
         if rc != 0:
             raise RuntimeError(f"native copy lane refused the job (code {rc})")
+        pending.append(job._status)
 
-    def stop(self) -> None:
-        if self._handle is not None:
-            handle, self._handle = self._handle, None
-            self._lib.ao_lane_destroy(handle)  # finishes queued jobs, joins the thread
+    def stop(self, discard: bool = False) -> None:
+        """Finish (or, with ``discard``, drop) the queued jobs and join the thread."""
+        self._stopped = True
+        handle, self._handle = self._handle, None
+        if handle is not None:
+            if discard:
+                self._lib.ao_lane_cancel(handle)
+            self._lib.ao_lane_destroy(handle)  # ends the running job, joins the thread
+        self._pending.clear()
 
 
 class _FragmentTables:
@@ -158,6 +215,28 @@ class _FragmentTables:
         self.host_base = host.data_ptr()
         self.block_bytes = host.shape[1]
         self.frag_bytes = frag_bytes
+
+
+def _release_lanes(
+    pid: int,
+    lanes: list[_NativeLane] | list[_ThreadLane],
+    fds: list[int],
+    memory: tuple[object, ...],
+    *,
+    discard: bool,
+) -> None:
+    """Stop ``lanes`` (finishing their queued copies, or discarding them), then close
+    ``fds``; ``memory``, what the lanes copy to and from, is let go only after this
+    returns. A backend's finalizer (``discard``: nobody can see the copies any more) and
+    its ``close()``. In a fork's child the lanes are the parent's: left alone."""
+    if not forked_since(pid):
+        for lane in lanes:
+            lane.stop(discard)
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    fds.clear()
+    del memory
 
 
 class CpuCopyBackend(TransferBackend):
@@ -189,24 +268,45 @@ class CpuCopyBackend(TransferBackend):
         self._closed = False
         lib = None if copy_engine == "threads" else load_copy_engine()
         if copy_engine == "native" and lib is None:
-            raise RuntimeError("copy_engine='native' but the native copy engine can't be built")
+            raise RuntimeError(
+                "copy_engine='native' but the native copy engine is unavailable (see the log; "
+                "asyncoffload._native.build_all() builds it ahead of time)"
+            )
         self._lib = lib
+        # The wake-up fd the native lanes write: our own duplicate of the one bound, so
+        # that its owner closing it can never make a lane write into a reused fd number.
+        self._fds: list[int] = []
+        lanes: list[_NativeLane] | list[_ThreadLane]
         if lib is not None:
             self.name = "cpu-native"
             self._tables = _FragmentTables(self._fragments, self.host, frag)
             self._native_store = _NativeLane(lib, 0, self._tables)
             self._native_load = _NativeLane(lib, 1, self._tables)
+            lanes = [self._native_store, self._native_load]
+            memory: tuple[object, ...] = (self.host, self._kv, self._tables)
         else:
             self.name = "cpu-threads"
             self._store_lane = _ThreadLane("asyncoffload-store")
             self._load_lane = _ThreadLane("asyncoffload-load")
+            lanes = [self._store_lane, self._load_lane]
+            memory = ()
+        # Dropped unclosed, the backend is released by this; it must not refer to the
+        # backend (that would keep it alive), only to what the lanes touch.
+        self._finalizer = weakref.finalize(
+            self, _release_lanes, self.pid, lanes, self._fds, memory, discard=True
+        )
 
     def bind(self, wake: Callable[[], None], wake_fd: int | None = None) -> None:
         super().bind(wake, wake_fd)
-        if self._lib is not None:
-            fd = -1 if wake_fd is None else wake_fd
+        # In a fork's child the lanes (and their locks) are the parent's: leave them be.
+        if self._lib is not None and not self._closed and not forked_since(self.pid):
+            fd = -1 if wake_fd is None else os.dup(wake_fd)
             self._native_store.set_wake_fd(fd)
             self._native_load.set_wake_fd(fd)
+            stale = self._fds[:]  # the lanes no longer write these
+            self._fds[:] = [fd] if fd >= 0 else []
+            for old in stale:
+                os.close(old)
 
     # --- submission ---
 
@@ -221,6 +321,7 @@ class CpuCopyBackend(TransferBackend):
         return self._submit("load", gpu_ids, host_ids)
 
     def _submit(self, direction: str, gpu_ids: Sequence[int], host_ids: Sequence[int]) -> CopyJob:
+        self.check_process()
         if self._closed:
             raise RuntimeError("CpuCopyBackend is closed")
         if len(gpu_ids) != len(host_ids):
@@ -263,12 +364,12 @@ class CpuCopyBackend(TransferBackend):
         return host_bytes(self.host[host_id])
 
     def close(self) -> None:
+        """Finish queued copies, then stop the copy threads. Idempotent. In a fork's
+        child: only marks the backend closed (the threads are the parent's)."""
         if self._closed:
             return
         self._closed = True
-        if self._lib is not None:
-            self._native_store.stop()
-            self._native_load.stop()
-        else:
-            self._store_lane.stop()
-            self._load_lane.stop()
+        detached = self._finalizer.detach()
+        if detached is not None:
+            _, release, args, _ = detached
+            release(*args, discard=False)

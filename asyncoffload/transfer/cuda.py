@@ -21,20 +21,23 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import importlib.util
 import logging
 import mmap
+import os
 import time
+import weakref
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import torch
 
 from asyncoffload._native import load_cuda_helpers
 from asyncoffload.layout import KVLayout
-from asyncoffload.transfer.base import CopyJob, TransferBackend, host_bytes
+from asyncoffload.transfer.base import CopyJob, TransferBackend, forked_since, host_bytes
 
 __all__ = [
     "CopyMethod",
@@ -101,6 +104,11 @@ class PinnedHostPool:
         self.pinned_chunks = 0
         self.pageable_chunks = 0
         self._registrar = _Registrar() if pin else None
+        # Dropped unclosed, the pool unpins its chunks before their memory goes (the
+        # finalizer holds the maps until then).
+        self._finalizer = weakref.finalize(
+            self, _unpin, _current_pid(), self._registrar, self._registered, self._maps
+        )
         device_bases: list[int] = []
         remaining = num_blocks
         while remaining > 0:
@@ -170,13 +178,29 @@ class PinnedHostPool:
         return self.chunks[first // rows][row : row + length]
 
     def close(self) -> None:
-        if self._registered:
-            assert self._registrar is not None
-            for ptr in self._registered:
-                self._registrar.unregister(ptr)
-            self._registered.clear()
-        self.chunks.clear()
-        self._maps.clear()  # the tensors that viewed them are gone
+        """Unpin and free the chunks. The caller first makes sure that no copy still
+        reads or writes them (synchronizes its streams). Idempotent; in a fork's child
+        only drops the memory (the pinning belongs to the parent's CUDA context)."""
+        self._finalizer()
+        self.chunks.clear()  # with the tensors that viewed them, the maps go
+
+
+def _current_pid() -> int:
+    return os.getpid()
+
+
+def _unpin(
+    pid: int, registrar: _Registrar | None, registered: list[int], maps: list[mmap.mmap]
+) -> None:
+    """Unregister the pinned chunks at ``registered``, then let their ``maps`` go."""
+    if registered and registrar is not None and not forked_since(pid):
+        for ptr in registered:
+            try:
+                registrar.unregister(ptr)
+            except Exception as exc:  # a CUDA context torn down at exit
+                log.debug("could not unpin a host chunk: %s", exc)
+    registered.clear()
+    maps.clear()
 
 
 class _PinnedRing:
@@ -452,6 +476,19 @@ class CudaCopyBackend(TransferBackend):
         if self.has_kernel:
             self._warm_up_kernel()
         self._closed = False
+        # Duplicates of the bound wake-up fd that host functions write (see ``bind``).
+        self._fds: list[int] = []
+        # Dropped unclosed, the backend is released by this; it must not refer to the
+        # backend (that would keep it alive), only to what the streams touch.
+        self._finalizer = weakref.finalize(
+            self,
+            _release_streams,
+            self.pid,
+            (*self._streams, *self._kernel_streams),
+            self.pool,
+            self._fds,
+            (self._kv, self._staging, self._staged, self._staged_buffers, self._rings),
+        )
         log.info(
             "CUDA backend on %s: %d host blocks of %d B (%s), methods: batch=%s kernel=%s, "
             "host-function wake-ups=%s",
@@ -463,6 +500,17 @@ class CudaCopyBackend(TransferBackend):
             self.has_kernel,
             self.has_host_wake,
         )
+
+    def bind(self, wake: Callable[[], None], wake_fd: int | None = None) -> None:
+        """As :meth:`TransferBackend.bind`; host functions write a duplicate of
+        ``wake_fd`` owned by the backend (closed once its streams are done), so that the
+        owner closing ``wake_fd`` can never make one write into a reused fd number."""
+        if wake_fd is None or self._closed or forked_since(self.pid):
+            super().bind(wake, wake_fd)
+            return
+        fd = os.dup(wake_fd)
+        self._fds.append(fd)  # earlier ones may sit in queued host functions' slots
+        super().bind(wake, fd)
 
     def _spin_window(self, job: CudaJob, direction: int) -> tuple[int, int] | None:
         """When the spinner should poll ``job``'s event: around its expected end, from the
@@ -559,6 +607,7 @@ class CudaCopyBackend(TransferBackend):
         return self._submit(1, gpu_ids, host_ids)
 
     def _submit(self, direction: int, gpu_ids: Sequence[int], host_ids: Sequence[int]) -> CopyJob:
+        self.check_process()
         if self._closed:
             raise RuntimeError("CudaCopyBackend is closed")
         if len(gpu_ids) != len(host_ids):
@@ -785,20 +834,46 @@ class CudaCopyBackend(TransferBackend):
         return keep
 
     def close(self) -> None:
-        """Wait for queued copies (and their wake-ups), then unpin the host pool."""
+        """Wait for queued copies (and their wake-ups), then unpin the host pool. In a
+        fork's child: only marks the backend closed (streams and pinning are the
+        parent's)."""
         if self._closed:
             return
         self._closed = True
-        for stream in self._streams:
-            stream.synchronize()
-        for stream in self._kernel_streams:
-            stream.synchronize()
-        if not wait_for_slots():
-            log.warning("native wake-up code still holds completion slots after close")
+        detached = self._finalizer.detach()
+        if detached is not None:
+            _, release, args, _ = detached
+            release(*args)
         self._staging = [None, None]
         self._staged = [None, None]
         self._staged_buffers.clear()
-        self.pool.close()
+
+
+def _release_streams(
+    pid: int,
+    streams: tuple[torch.cuda.Stream, ...],
+    pool: PinnedHostPool,
+    fds: list[int],
+    memory: tuple[object, ...],
+) -> None:
+    """Wait until nothing runs on ``streams`` (nor a wake-up of theirs), then unpin and
+    free ``pool``, close ``fds``, and let ``memory`` (what the streams touch) go. A
+    backend's ``close()`` and its finalizer. In a fork's child the streams and the
+    pinning are the parent's: only the memory goes."""
+    if not forked_since(pid):
+        try:
+            for stream in streams:
+                stream.synchronize()
+        except RuntimeError as exc:  # a device error: nothing runs on the streams any more
+            log.warning("a copy stream failed while the backend closed: %s", exc)
+        if not wait_for_slots():
+            log.warning("native wake-up code still holds completion slots after close")
+        pool.close()
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    fds.clear()
+    del memory
 
 
 # --- the Triton copy kernel (imported only where Triton is installed) -------------------

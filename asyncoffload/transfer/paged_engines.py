@@ -20,13 +20,16 @@ from __future__ import annotations
 import ctypes
 import logging
 import mmap
+import os
+import weakref
+from collections import deque
 from collections.abc import Sequence
 from typing import Literal, NamedTuple, Protocol
 
 import torch
 
 from asyncoffload._native import load_copy_engine, load_cuda_helpers
-from asyncoffload.transfer.base import CopyJob, host_bytes
+from asyncoffload.transfer.base import CopyJob, check_process, forked_since, host_bytes
 from asyncoffload.transfer.paged import CopyPlan, GroupSpan, PageLayout, _cat
 
 __all__ = ["LOAD", "STORE", "CpuCopyEngine", "CpuPagedEngine", "CudaPagedEngine", "PagedEngine"]
@@ -63,7 +66,8 @@ class PagedEngine(Protocol):
     def read_slot(self, slot_id: int) -> bytes: ...
 
     def close(self) -> None:
-        """Finish queued copies and release host memory."""
+        """Finish queued copies and release host memory. In a fork's child: touches
+        nothing of the parent's (threads, streams, pinning)."""
 
 
 class _HostPages:
@@ -204,6 +208,62 @@ class _NativeCopies(CopyJob):
                 self._settle(state)
 
 
+class _DescriptorLanes:
+    """The two native lanes of a :class:`CpuPagedEngine` (store, load), kept apart from
+    it so that its finalizer can stop them. Each starts with its first job. They keep
+    the status words of the jobs they may still write: a job may be dropped first."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._lib = lib
+        self._handles: list[int | None] = [None, None]
+        self._pending: tuple[deque[ctypes.Array[ctypes.c_int64]], ...] = (deque(), deque())
+        self._stopped = False
+
+    def handle(self, direction: int) -> int:
+        handle = self._handles[direction]
+        if handle is None:
+            if self._stopped:
+                raise RuntimeError("the copy lanes are closed")
+            created = self._lib.ao_lane_create(-1)
+            if not created:
+                raise OSError("ao_lane_create failed")
+            handle = self._handles[direction] = int(created)
+        return handle
+
+    def track(self, direction: int, status: ctypes.Array[ctypes.c_int64]) -> None:
+        pending = self._pending[direction]
+        while pending and pending[0][0]:  # ended: the lane is done with it
+            pending.popleft()
+        pending.append(status)
+
+    def stop(self, discard: bool) -> None:
+        """Finish (or, with ``discard``, drop) the queued jobs and join the threads."""
+        self._stopped = True
+        for direction, handle in enumerate(self._handles):
+            if handle is not None:
+                self._handles[direction] = None
+                if discard:
+                    self._lib.ao_lane_cancel(handle)
+                self._lib.ao_lane_destroy(handle)  # ends the running job, joins the thread
+        for pending in self._pending:
+            pending.clear()
+
+
+def _pid() -> int:
+    return os.getpid()
+
+
+def _release_lanes(
+    pid: int, lanes: _DescriptorLanes | None, memory: tuple[object, ...], *, discard: bool
+) -> None:
+    """Stop ``lanes``, then let ``memory`` (what they copy to and from) go: a
+    :class:`CpuPagedEngine`'s ``close()`` and finalizer (``discard``: nobody can see the
+    queued copies any more). In a fork's child the lanes are the parent's: left alone."""
+    if lanes is not None and not forked_since(pid):
+        lanes.stop(discard)
+    del memory
+
+
 class CpuPagedEngine:
     """Copies between CPU KV tensors and a page-aligned host buffer of ``num_slots``
     slots (anonymous memory: zero-filled, committed as it is touched).
@@ -233,27 +293,36 @@ class CpuPagedEngine:
         self._pages = _HostPages(layout, [self.host], num_slots)
         lib = None if copy_engine in ("threads", "torch") else load_copy_engine()
         if copy_engine == "native" and lib is None:
-            raise RuntimeError("copy_engine='native' but the native copy engine can't be built")
+            raise RuntimeError(
+                "copy_engine='native' but the native copy engine is unavailable (see the log; "
+                "asyncoffload._native.build_all() builds it ahead of time)"
+            )
         self._lib = lib
-        self._lanes: list[int] = []
-        if lib is not None:
-            for _ in range(2):
-                handle = lib.ao_lane_create(-1)
-                if not handle:
-                    self._stop_lanes()
-                    raise OSError("ao_lane_create failed")
-                self._lanes.append(int(handle))
+        self._lanes = _DescriptorLanes(lib) if lib is not None else None
         self.primary_name = "cpu-native" if lib is not None else "cpu-torch"
         self.fallback_name = "cpu-torch"
+        self.pid = _pid()
+        # Dropped unclosed, the engine is released by this: its lanes stop before the
+        # memory they copy to and from goes. It must not refer to the engine.
+        self._finalizer = weakref.finalize(
+            self,
+            _release_lanes,
+            self.pid,
+            self._lanes,
+            (self._map, self.host, list(layout.tensors)),
+            discard=True,
+        )
 
     def submit_primary(self, direction: int, plan: CopyPlan) -> CopyJob:
-        if self._lib is None:
+        check_process(self.pid, "CpuPagedEngine")
+        if self._lib is None or self._lanes is None:
             return self.submit_fallback(direction, plan)
         host = self.host_addresses(plan)
         src, dst = (plan.kv_addr, host) if direction == STORE else (host, plan.kv_addr)
-        job = _NativeCopies(plan.nbytes, plan.num_copies, self._lib, self._lanes[direction])
+        lane = self._lanes.handle(direction)
+        job = _NativeCopies(plan.nbytes, plan.num_copies, self._lib, lane)
         rc = self._lib.ao_lane_submit_copies(
-            self._lanes[direction],
+            lane,
             plan.num_copies,
             src.data_ptr(),
             dst.data_ptr(),
@@ -262,18 +331,21 @@ class CpuPagedEngine:
         )
         if rc != 0:
             raise RuntimeError(f"native copy lane refused the job (code {rc})")
+        self._lanes.track(direction, job._status)
         return job
 
     def host_addresses(self, plan: CopyPlan) -> torch.Tensor:
         return self._host_base + plan.host_slot * self.layout.slot_bytes + plan.host_offset
 
     def submit_fallback(self, direction: int, plan: CopyPlan) -> CopyJob:
+        check_process(self.pid, "CpuPagedEngine")
         job = CopyJob(plan.num_copies, plan.nbytes)
         self._pages.copy_cpu(direction, plan)
         job.finish()
         return job
 
     def wait(self, job: CopyJob) -> None:
+        check_process(self.pid, "CpuPagedEngine")
         if isinstance(job, _NativeCopies):
             job.wait()
         elif not job.query():  # jobs of the torch path end before they are returned
@@ -287,14 +359,11 @@ class CpuPagedEngine:
     def read_slot(self, slot_id: int) -> bytes:
         return host_bytes(self.host[slot_id])
 
-    def _stop_lanes(self) -> None:
-        lanes, self._lanes = self._lanes, []
-        if self._lib is not None:
-            for handle in lanes:
-                self._lib.ao_lane_destroy(handle)  # finishes queued jobs, joins the thread
-
     def close(self) -> None:
-        self._stop_lanes()
+        detached = self._finalizer.detach()
+        if detached is not None:
+            _, release, args, _ = detached
+            release(*args, discard=False)  # finishes queued jobs, joins the threads
         # The tensors that view the map go first; the map then closes with its last
         # reference (closing it while a stray view lives would raise BufferError).
         self.host = torch.empty((0, self.layout.slot_bytes), dtype=torch.uint8)
@@ -375,6 +444,7 @@ class CudaPagedEngine:
             PinnedHostPool,
             _new_stream,
             _PinnedRing,
+            _release_streams,
             _triton_available,
         )
 
@@ -455,6 +525,18 @@ class CudaPagedEngine:
                 self.pool.pageable_chunks,
                 len(self.pool.chunks),
             )
+        self.pid = _pid()
+        # Dropped unclosed, the engine is released by this: its streams are waited for
+        # before the memory they touch goes. It must not refer to the engine.
+        self._finalizer = weakref.finalize(
+            self,
+            _release_streams,
+            self.pid,
+            (*self.kernel_streams, *self.streams),
+            self.pool,
+            [],
+            (self._staging, self._rings, list(layout.tensors)),
+        )
 
     @property
     def primary_method(self) -> str:
@@ -603,6 +685,7 @@ class CudaPagedEngine:
     def _submit(self, direction: int, plan: CopyPlan, method: str) -> CopyJob:
         from asyncoffload.transfer.cuda import CudaJob, mark_completion, start_timing
 
+        check_process(self.pid, "CudaPagedEngine")
         stream = self.streams[direction]
         job = CudaJob(plan.num_copies, plan.nbytes, method)
         # A store reads finished KV; a load overwrites blocks only after the work queued
@@ -935,6 +1018,7 @@ class CudaPagedEngine:
     def wait(self, job: CopyJob) -> None:
         from asyncoffload.transfer.cuda import CudaJob
 
+        check_process(self.pid, "CudaPagedEngine")
         if job.query():
             return
         event = job._event if isinstance(job, CudaJob) else None
@@ -947,6 +1031,7 @@ class CudaPagedEngine:
         job.query()
 
     def quiesce(self, direction: int) -> None:
+        check_process(self.pid, "CudaPagedEngine")
         self.kernel_streams[direction].synchronize()
         self.streams[direction].synchronize()
 
@@ -954,10 +1039,11 @@ class CudaPagedEngine:
         return host_bytes(self.pool.block(slot_id))
 
     def close(self) -> None:
-        for stream in (*self.kernel_streams, *self.streams):
-            stream.synchronize()
+        detached = self._finalizer.detach()
+        if detached is not None:
+            _, release, args, _ = detached
+            release(*args)  # waits for the streams, then unpins the pool
         self._staging = [None, None]
-        self.pool.close()
 
 
 def _merge_runs(

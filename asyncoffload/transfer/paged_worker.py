@@ -33,6 +33,11 @@ lanes (one native thread per direction, no GIL) where the C helper builds, else 
 on the calling thread; CUDA tensors by the copy engines on one CUDA stream per direction,
 their completion seen by polling CUDA events. A worker is not thread-safe: call it from
 one thread at a time (vLLM calls it from its model-runner thread).
+
+**Fork.** Copy threads, streams and pinned memory do not survive ``os.fork``: in a child,
+a worker made before the fork raises ``RuntimeError`` from every method, and
+:meth:`~PagedTransferWorker.shutdown` returns at once without touching the parent's copies.
+Make a new worker in the child.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from __future__ import annotations
 import heapq
 import logging
 import operator
+import os
 import time
 from collections import deque
 from collections.abc import Iterable, Sequence
@@ -48,7 +54,7 @@ from typing import NamedTuple, NoReturn
 import torch
 
 from asyncoffload.errors import TransferError
-from asyncoffload.transfer.base import CopyJob
+from asyncoffload.transfer.base import CopyJob, check_process, forked_since
 from asyncoffload.transfer.paged import CopyPlan, IdsLike, PageLayout
 from asyncoffload.transfer.paged_engines import (
     LOAD,
@@ -243,6 +249,7 @@ class PagedTransferWorker:
         self._ready: list[FinishedJob] = []
         self._counters = (_Counters(), _Counters())
         self._closed = False
+        self._pid = os.getpid()
 
     @property
     def slot_bytes(self) -> int:
@@ -509,7 +516,8 @@ class PagedTransferWorker:
             return
         self._closed = True
         error: PagedTransferError | None = None
-        for lane in self._lanes:
+        # In a fork's child the jobs in flight are the parent's: nothing to wait for.
+        for lane in () if forked_since(self._pid) else self._lanes:
             while lane:
                 record = lane[-1]
                 try:
@@ -531,6 +539,7 @@ class PagedTransferWorker:
             raise error
 
     def _check_open(self) -> None:
+        check_process(self._pid, "PagedTransferWorker")
         if self._closed:
             raise RuntimeError("PagedTransferWorker is shut down")
 
