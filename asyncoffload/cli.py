@@ -2,7 +2,8 @@
 
 Each subcommand is a function that adds its parser and one that runs it, registered in
 :data:`COMMANDS`; ``main`` parses and dispatches. Bad options are argparse errors (exit
-status 2); a run returns 0 when all went well, 1 when it found a problem.
+status 2), and so is a trace that cannot be read or parsed (one line naming the file and
+line, no usage text); a run returns 0 when all went well, 1 when it found a problem.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TextIO
+from typing import Any, NoReturn, TextIO
 
 from pydantic import ValidationError
 
@@ -415,12 +416,18 @@ def _load_workload(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
         if args.limit is not None:
             n = min(n, args.limit)
         return synthetic_sessions(n, block_size=args.block_size, seed=args.seed)
+    # A trace that cannot be read is no usage error: one line, no usage text, exit 2.
     try:
         return load_mooncake(trace, block_size=args.block_size, limit=args.limit)
     except OSError as exc:
-        parser.error(f"TRACE: cannot read {trace!r}: {exc.strerror or exc}")
+        _fail(parser, f"cannot read the trace {trace!r}: {exc.strerror or exc}")
     except TraceFormatError as exc:
-        parser.error(str(exc))
+        _fail(parser, str(exc))
+
+
+def _fail(parser: argparse.ArgumentParser, message: str) -> NoReturn:
+    """Exit with status 2 after one line on stderr: ``<prog>: error: <message>``."""
+    parser.exit(2, f"{parser.prog}: error: {message}\n")
 
 
 def _run_replay(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

@@ -25,6 +25,7 @@ import json
 import math
 import os
 import random
+import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -419,6 +420,9 @@ class _BadRecord(Exception):
 
 
 _HASH_ID_LIMIT = 1 << 64
+#: Counts (timestamps, lengths) fit in a signed 64-bit integer, as a JSON writer's do;
+#: larger ones would make unusable requests (a timestamp past float range, for one).
+_COUNT_LIMIT = 1 << 63
 _JSON_TYPES = {
     bool: "boolean",
     int: "integer",
@@ -432,7 +436,10 @@ _JSON_TYPES = {
 
 def _describe(value: object) -> str:
     """``value``'s JSON type and (shortened) text, for error messages."""
-    text = json.dumps(value)
+    try:
+        text = json.dumps(value)
+    except RecursionError:  # nested about as deeply as json.loads allows
+        text = "[...]" if type(value) is list else "{...}"
     if len(text) > 40:
         text = text[:37] + "..."
     return f"{_JSON_TYPES.get(type(value), type(value).__name__)} {text}"
@@ -451,8 +458,22 @@ def _count_field(record: dict[str, object], name: str) -> int:
     if type(value) is not int:
         raise _BadRecord(f"{name} must be an integer, got {_describe(value)}")
     if value < 0:
-        raise _BadRecord(f"{name} must be >= 0, got {value}")
+        raise _BadRecord(f"{name} must be >= 0, got {_shorten(value)}")
+    if value >= _COUNT_LIMIT:
+        raise _BadRecord(f"{name} must be < 2**63, got {_shorten(value)}")
     return value
+
+
+def _shorten(number: int) -> str:
+    """``number`` in decimal, its middle digits elided past 20 digits."""
+    text = str(number)
+    return text if len(text) <= 20 else f"{text[:8]}...{text[-8:]} ({len(text)} digits)"
+
+
+def _json_error(e: json.JSONDecodeError) -> str:
+    # Some of json's messages end in "at" ("Invalid control character at"), meant to be
+    # followed by the position: say it once.
+    return f"invalid JSON: {e.msg.removesuffix(' at')} at column {e.colno}"
 
 
 def _parse_mooncake(line: bytes, block_size: int) -> tuple[int, int, int, list[int]]:
@@ -460,9 +481,14 @@ def _parse_mooncake(line: bytes, block_size: int) -> tuple[int, int, int, list[i
     try:
         record = json.loads(line)
     except json.JSONDecodeError as e:
-        raise _BadRecord(f"invalid JSON: {e.msg} at column {e.colno}") from None
+        raise _BadRecord(_json_error(e)) from None
     except UnicodeDecodeError:
         raise _BadRecord("invalid JSON: not UTF-8 text") from None
+    except RecursionError:
+        raise _BadRecord("invalid JSON: arrays or objects nested too deeply") from None
+    except ValueError:  # int(): more digits than sys.get_int_max_str_digits() allows
+        limit = sys.get_int_max_str_digits()
+        raise _BadRecord(f"invalid JSON: a number of more than {limit} digits") from None
     if type(record) is not dict:
         raise _BadRecord(f"expected a JSON object, got {_describe(record)}")
     timestamp = _count_field(record, "timestamp")
@@ -479,7 +505,7 @@ def _parse_mooncake(line: bytes, block_size: int) -> tuple[int, int, int, list[i
     ids: list[int] = hash_ids
     if min(ids) < 0 or max(ids) >= _HASH_ID_LIMIT:
         i, h = next((i, h) for i, h in enumerate(ids) if not 0 <= h < _HASH_ID_LIMIT)
-        raise _BadRecord(f"hash_ids[{i}] = {h} is outside [0, 2**64) (8 bytes)")
+        raise _BadRecord(f"hash_ids[{i}] = {_shorten(h)} is outside [0, 2**64) (8 bytes)")
     blocks = -(-input_length // block_size)
     if len(ids) != blocks:
         raise _BadRecord(
@@ -563,10 +589,12 @@ def load_mooncake(
     trace has no sessions. Blank lines are skipped.
 
     Raises :class:`TraceFormatError`, naming the file and the 1-based line, for a line
-    that is not valid JSON, not an object, lacks a field or has one that is not a
-    non-negative integer (``hash_ids``: a non-empty array of integers in ``[0, 2**64)``,
-    ``ceil(input_length / block_size)`` of them), and for a timestamp earlier than the
-    previous request's. ``ValueError`` for bad arguments, ``OSError`` for an unreadable
+    that is not valid JSON (numbers of more digits than ``int`` converts and nesting
+    deeper than the parser follows included), not an object, lacks a field or has one
+    that is not an integer in ``[0, 2**63)`` (``hash_ids``: a non-empty array of
+    integers in ``[0, 2**64)``, ``ceil(input_length / block_size)`` of them), and for a
+    timestamp earlier than the previous request's. No other error comes from the
+    trace's contents. ``ValueError`` for bad arguments, ``OSError`` for an unreadable
     file.
     """
     return list(iter_mooncake(path, block_size=block_size, limit=limit, group_idx=group_idx))

@@ -8,9 +8,10 @@ set, through evictions, disconnections (replay), overflows (resync) and restarts
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ from asyncoffload.integrations.kv_events import (
     KVEventBatch,
     KVEventPublisher,
     KVEventsConfig,
+    _WarningLimiter,
     offset_endpoint,
     wire_events,
 )
@@ -583,3 +585,218 @@ async def test_batch_interval_gathers_events_of_several_iterations(
         (_, payload) = pub._buffer[-1]
         batch = msgspec.msgpack.decode(payload)
         assert [e[0] for e in batch[1]] == ["BlockStored"] * 3
+
+
+# --- the replay socket against peers that misbehave --------------------------------------
+
+
+async def until(check: Callable[[], bool], what: str, timeout: float = 30) -> None:
+    """Wait (polling) until ``check()`` holds; fail after ``timeout`` seconds."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not check():
+        assert loop.time() < deadline, f"still waiting for {what}: {check}"
+        await asyncio.sleep(0.005)
+
+
+def dealer(ctx: zmq.Context[Any], endpoint: str | None, *, reads: bool = True) -> zmq.Socket[bytes]:
+    """A replay client; ``reads=False``: one that never reads, so its queue in its own ZMQ
+    (one message) and its kernel buffer fill and stay full."""
+    assert endpoint is not None
+    sock: zmq.Socket[bytes] = ctx.socket(zmq.DEALER)
+    if not reads:
+        sock.setsockopt(zmq.RCVHWM, 1)
+        sock.setsockopt(zmq.RCVBUF, 4096)
+    sock.connect(endpoint)
+    return sock
+
+
+async def replay_from(sock: zmq.Socket[bytes], start: int) -> list[list[bytes]]:
+    """Every message of the reply to ``start``, the end marker last."""
+    sock.send_multipart([b"", start.to_bytes(8, "big")])
+
+    def read() -> list[list[bytes]]:
+        out = []
+        while sock.poll(10_000):
+            out.append(sock.recv_multipart())
+            if out[-1][1] == END_SEQ:
+                return out
+        raise AssertionError(f"no end marker after {len(out)} messages")
+
+    return await asyncio.to_thread(read)
+
+
+async def publish_big_batches(engine: ao.AsyncOffloadEngine, pub: KVEventPublisher) -> int:
+    """64 batches of about 650 KB (16 blocks of 8,192 token ids each): a reply from 0 (about
+    42 MB) is far more than the socket buffers between a publisher and a peer hold. The
+    number of batches buffered."""
+    block_size = 8192
+    tokens = list(range(100_000, 100_000 + 16 * block_size))  # 5 bytes each in msgpack
+    for i in range(64):
+        keys = make_keys(16, prefix=i.to_bytes(2, "big"))
+        bt = ao.BlockTokens(keys, tokens, block_size)
+        handle = await engine.prepare_store(keys, list(range(16)), tokens=bt)
+        assert handle is not None
+        await handle
+    return await flushed(pub) + 1
+
+
+async def test_a_frame_over_the_request_limit_disconnects_its_peer_unread(
+    engine: ao.AsyncOffloadEngine, zctx: zmq.Context[Any]
+) -> None:
+    async with KVEventPublisher(engine, config()) as pub:
+        big = dealer(zctx, pub.replay_endpoint)
+        monitor = big.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        big.send_multipart([b"", b"x" * (1 << 20)])  # over replay_max_request_bytes
+
+        def first_news() -> str:
+            poller = zmq.Poller()
+            poller.register(big, zmq.POLLIN)
+            poller.register(monitor, zmq.POLLIN)
+            ready = dict(poller.poll(10_000))
+            return "a reply" if big in ready else "disconnected" if ready else "nothing"
+
+        assert await asyncio.to_thread(first_news) == "disconnected"
+        stats = pub.stats()
+        assert (stats.replay_requests, stats.replay_errors, stats.replays_active) == (0, 0, 0)
+        big.disable_monitor()
+
+
+async def test_a_client_is_answered_after_a_peer_was_disconnected_for_a_big_frame(
+    engine: ao.AsyncOffloadEngine, zctx: zmq.Context[Any]
+) -> None:
+    async with KVEventPublisher(engine, config(replay_max_request_bytes=1024)) as pub:
+        await Workload(engine, seed=5).run(5)
+        last = await flushed(pub)
+        big = dealer(zctx, pub.replay_endpoint)
+        monitor = big.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        big.send_multipart([b"", b"x" * 1025])
+        assert await asyncio.to_thread(monitor.poll, 10_000), "the big frame's peer stayed"
+        reply = await replay_from(dealer(zctx, pub.replay_endpoint), 0)
+        assert [int.from_bytes(m[1], "big") for m in reply[:-1]] == list(range(last + 1))
+        assert reply[-1] == [b"", END_SEQ, b""]
+        assert pub.stats().replay_requests == 1
+        big.disable_monitor()
+
+
+async def test_a_dealer_replay_gets_every_buffered_batch_then_the_end_marker(
+    engine: ao.AsyncOffloadEngine, zctx: zmq.Context[Any]
+) -> None:
+    # More batches than a slice (256) and than the peer's reply queue (replay_hwm): the
+    # reply goes out as the client reads.
+    async with KVEventPublisher(engine, config(replay_hwm=8)) as pub:
+        for i in range(300):  # a batch each at least
+            handle = await engine.prepare_store(make_keys(2, prefix=i.to_bytes(2, "big")), [0, 1])
+            assert handle is not None
+            await handle
+        last = await flushed(pub)
+        assert last > 300
+        reply = await replay_from(dealer(zctx, pub.replay_endpoint), 0)
+        assert [int.from_bytes(m[1], "big") for m in reply[:-1]] == list(range(last + 1))
+        assert [m[2] for m in reply[:-1]] == [payload for _, payload in pub._buffer]
+        assert reply[-1] == [b"", END_SEQ, b""]
+        stats = pub.stats()
+        assert (stats.batches_replayed, stats.replays_active) == (last + 1, 0)
+
+
+SILENT_PEERS = 3
+
+
+async def test_a_peer_has_one_reply_in_progress_and_its_extra_requests_are_dropped(
+    zctx: zmq.Context[Any],
+) -> None:
+    eng, _ = make_engine(cpu_blocks=16, gpu_blocks=16)
+    async with eng, KVEventPublisher(eng, config(replay_hwm=4)) as pub:
+        await publish_big_batches(eng, pub)
+        peers = [dealer(zctx, pub.replay_endpoint, reads=False) for _ in range(SILENT_PEERS)]
+        for peer in peers:
+            for _ in range(5):
+                peer.send_multipart([b"", (0).to_bytes(8, "big")])
+        await until(lambda: pub.stats().replay_requests == 5 * SILENT_PEERS, "the requests")
+        stats = pub.stats()
+        assert stats.replays_active == SILENT_PEERS
+        assert stats.replay_refused == 4 * SILENT_PEERS
+
+
+async def test_peers_that_never_read_get_only_part_of_one_reply(zctx: zmq.Context[Any]) -> None:
+    eng, _ = make_engine(cpu_blocks=16, gpu_blocks=16)
+    async with eng, KVEventPublisher(eng, config(replay_hwm=4)) as pub:
+        batches = await publish_big_batches(eng, pub)
+        peers = [dealer(zctx, pub.replay_endpoint, reads=False) for _ in range(SILENT_PEERS)]
+        for peer in peers:
+            for _ in range(5):
+                peer.send_multipart([b"", (0).to_bytes(8, "big")])
+        await until(lambda: pub.stats().replay_requests == 5 * SILENT_PEERS, "the requests")
+        await until(lambda: pub.stats().batches_replayed >= SILENT_PEERS, "the replies")
+        # What ZMQ holds for a peer is replay_hwm messages and what the sockets buffer;
+        # the rest of its reply is a position in the replay buffer. No reply can finish.
+        stats = pub.stats()
+        assert stats.batches_replayed < SILENT_PEERS * batches
+        assert stats.replays_active == SILENT_PEERS
+
+
+async def test_a_reading_peer_is_answered_while_others_never_read(
+    zctx: zmq.Context[Any],
+) -> None:
+    eng, _ = make_engine(cpu_blocks=16, gpu_blocks=16)
+    async with eng, KVEventPublisher(eng, config(replay_hwm=4)) as pub:
+        batches = await publish_big_batches(eng, pub)
+        peers = [dealer(zctx, pub.replay_endpoint, reads=False) for _ in range(SILENT_PEERS)]
+        for peer in peers:
+            peer.send_multipart([b"", (0).to_bytes(8, "big")])
+        await until(lambda: pub.stats().replays_active == SILENT_PEERS, "the silent replies")
+        reply = await replay_from(dealer(zctx, pub.replay_endpoint), 0)
+        assert [int.from_bytes(m[1], "big") for m in reply[:-1]] == list(range(batches))
+        assert reply[-1] == [b"", END_SEQ, b""]
+        assert pub.stats().replays_active == SILENT_PEERS
+
+
+async def test_a_reply_to_a_peer_that_left_is_abandoned(zctx: zmq.Context[Any]) -> None:
+    eng, _ = make_engine(cpu_blocks=16, gpu_blocks=16)
+    async with eng, KVEventPublisher(eng, config(replay_hwm=4)) as pub:
+        await publish_big_batches(eng, pub)
+        peer = dealer(zctx, pub.replay_endpoint, reads=False)
+        peer.send_multipart([b"", (0).to_bytes(8, "big")])
+        await until(lambda: pub.stats().batches_replayed > 0, "the reply to start")
+        peer.close(linger=0)
+        await until(lambda: pub.stats().replays_active == 0, "the reply to be given up")
+        assert pub.stats().replays_abandoned == 1
+
+
+async def test_warnings_about_malformed_replay_requests_are_rate_limited(
+    engine: ao.AsyncOffloadEngine, zctx: zmq.Context[Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="asyncoffload.kv_events")
+    async with KVEventPublisher(
+        engine, config(replay_warnings_per_minute=3, replay_max_in_flight=32)
+    ) as pub:
+        peer = dealer(zctx, pub.replay_endpoint)
+        for _ in range(20):
+            peer.send_multipart([b"", b"bad"])
+        await until(lambda: pub.stats().replay_requests == 20, "the requests")
+        assert pub.stats().replay_errors == 20
+    lines = [r.getMessage() for r in caplog.records if r.name == "asyncoffload.kv_events"]
+    assert len([m for m in lines if "malformed replay request" in m]) == 3
+    (summary,) = [m for m in lines if "suppressed" in m]
+    assert summary.startswith("more replay warnings than 3 in 60 s: the rest are suppressed")
+    assert len(lines) == 4, lines
+
+
+def test_suppressed_replay_warnings_are_counted_when_the_next_window_opens(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING, logger="test.limiter")
+    now = [0.0]
+    limiter = _WarningLimiter(logging.getLogger("test.limiter"), 2, 60.0, lambda: now[0])
+    for i in range(7):
+        limiter.warning("bad %d", i)
+    now[0] = 61.0
+    limiter.warning("bad %d", 7)
+    assert [r.getMessage() for r in caplog.records] == [
+        "bad 0",
+        "bad 1",
+        "more replay warnings than 2 in 60 s: the rest are suppressed for up to 60 s "
+        "(the publisher's stats() count every request)",
+        "5 replay warnings were suppressed in the last 61 s",
+        "bad 7",
+    ]

@@ -339,6 +339,37 @@ def test_command_names_the_bad_line_of_a_trace(
     assert "cannot read" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("line", "problem"),
+    [
+        pytest.param('{"timestamp": ' + "9" * 5000 + "}", "more than 4300 digits", id="long-int"),
+        pytest.param("[" * 100_000 + "]" * 100_000, "nested too deeply", id="deep-nesting"),
+    ],
+)
+def test_command_reports_an_unparsable_trace_in_one_line_and_exits_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], line: str, problem: str
+) -> None:
+    trace = tmp_path / "bad.jsonl"
+    trace.write_text(line + "\n")
+    with pytest.raises(SystemExit) as exc:
+        main(["replay", str(trace), "--capacity", "50%", "--policy", "lru"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert err.startswith(f"asyncoffload replay: error: {trace}:1: invalid JSON: ")
+    assert problem in err
+
+
+def test_command_reports_an_unreadable_trace_in_one_line_and_exits_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["replay", str(tmp_path)])  # a directory
+    assert exc.value.code == 2
+    message = f"cannot read the trace {str(tmp_path)!r}: Is a directory"
+    assert capsys.readouterr().err == f"asyncoffload replay: error: {message}\n"
+
+
 def test_command_through_the_engine_checks_bytes_and_agrees(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -353,6 +353,46 @@ def test_malformed_line(tmp_path: Path, line: str | bytes, problem: str) -> None
     assert isinstance(info.value, ValueError)
 
 
+def _bad_third_line(tmp_path: Path, line: str | bytes) -> str:
+    """The TraceFormatError message of a trace whose line 3 is ``line``."""
+    path = _write(tmp_path / "bad.jsonl", _line(timestamp=100), "", line)
+    with pytest.raises(TraceFormatError) as info:
+        load_mooncake(path)
+    msg = str(info.value)
+    assert msg.startswith(f"{path}:3: "), msg
+    return msg
+
+
+def test_a_number_longer_than_int_converts_names_the_line(tmp_path: Path) -> None:
+    # json.loads raises a bare ValueError (int's 4,300-digit limit) for it.
+    msg = _bad_third_line(tmp_path, '{"timestamp": ' + "9" * 5000 + "}")
+    assert "a number of more than 4300 digits" in msg
+
+
+def test_nesting_deeper_than_the_parser_follows_names_the_line(tmp_path: Path) -> None:
+    # json.loads raises RecursionError for it.
+    msg = _bad_third_line(tmp_path, '{"hash_ids": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    assert "nested too deeply" in msg
+
+
+def test_a_count_past_int64_names_the_line(tmp_path: Path) -> None:
+    # A timestamp past float range made timestamp / 1000 raise OverflowError.
+    msg = _bad_third_line(tmp_path, _line(timestamp=10**400))
+    assert "timestamp must be < 2**63, got 10000000...00000000 (401 digits)" in msg
+
+
+@pytest.mark.parametrize(
+    ("line", "problem"),
+    [
+        ('{"a": "\x01"}', "invalid JSON: Invalid control character at column 8"),
+        (b'{"a": "open', "invalid JSON: Unterminated string starting at column 7"),  # no newline
+    ],
+)
+def test_json_error_positions_say_at_once(tmp_path: Path, line: str | bytes, problem: str) -> None:
+    msg = _bad_third_line(tmp_path, line)
+    assert problem in msg and "at at" not in msg
+
+
 @pytest.mark.parametrize(
     ("kwargs", "exc", "match"),
     [

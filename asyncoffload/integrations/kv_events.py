@@ -14,11 +14,18 @@ routers that index vLLM servers (llm-d, Dynamo, ...) index asyncoffload's tiers 
   tag under ``"type"`` (the outer batch stays an array), as vLLM does since. The
   structures below mirror vLLM's at the version with ``lora_name``, ``extra_keys``,
   ``group_idx`` and ``kv_cache_spec_*`` (fields after ``group_idx`` are left unset).
-- **ROUTER replay socket** on ``replay_endpoint``: a client (DEALER, or REQ) sends a
-  start sequence number (8 bytes, big-endian); the publisher answers with every buffered
-  batch from it on, ``[seq, payload]`` each, then the end marker ``[-1 as 8 bytes, b""]``.
-  A malformed request gets ``[-1, b"error: <what was wrong>"]``: the same end marker with
-  the reason as payload, so a client stops either way.
+- **ROUTER replay socket** on ``replay_endpoint``: a DEALER client sends a start
+  sequence number (8 bytes, big-endian); the publisher answers with every buffered batch
+  from it on, ``[seq, payload]`` each, then the end marker ``[-1 as 8 bytes, b""]``. A
+  malformed request gets ``[-1, b"error: <what was wrong>"]``: the same end marker with
+  the reason as payload, so a client stops either way. A reply is many messages, so a
+  REQ socket cannot replay: it takes the first batch and discards the rest of the
+  reply, end marker included (a further receive fails with EFSM).
+  Peers are not trusted: a frame over ``replay_max_request_bytes`` makes libzmq drop
+  the connection before the frame is read, a peer has at most
+  ``replay_max_in_flight`` replies in progress (further requests are dropped and
+  counted), a reply waits in ZMQ for at most ``replay_hwm`` messages per peer (the rest
+  is sent as the peer reads), and the warnings peers cause are rate-limited.
 
 What goes in the events:
 
@@ -43,17 +50,19 @@ and handed to ZMQ with non-blocking sends (ZMQ's own I/O thread does the network
 send never waits: a PUB socket drops messages for a subscriber whose queue is full
 (``hwm``), and that subscriber sees the gap in the sequence numbers and fills it from
 the replay buffer. Replies to replay requests are sent in slices between which the loop
-runs other work.
+runs other work, and never wait for a peer: one that does not read stalls only its own
+reply.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from types import TracebackType
 from typing import Any, Literal, NamedTuple
 
@@ -96,8 +105,15 @@ log = logging.getLogger("asyncoffload.kv_events")
 #: The replay end marker's sequence frame: -1, 8 bytes big-endian.
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
-# Replies to a replay request go out this many batches at a time, then the loop runs.
+# Replies to replay requests go out this many messages at a time, then the loop runs.
 _REPLAY_SLICE = 256
+# When every peer with a reply in progress has a full queue, the replies are tried again
+# after this long, doubling up to the maximum while none drains (ZMQ tells when a ROUTER
+# can send to some peer, not to which).
+_RETRY_MIN_S = 0.001
+_RETRY_MAX_S = 0.1
+# Warnings caused by replay peers: at most replay_warnings_per_minute per this window.
+_WARN_WINDOW_S = 60.0
 
 
 # --- vLLM's wire structures -------------------------------------------------------------
@@ -173,7 +189,9 @@ class KVEventsConfig(BaseModel):
     topic: str = Field("", description="First frame of every message, e.g. 'kv@pod@model'.")
     data_parallel_rank: int = Field(0, ge=0, description="Set on every batch.")
     buffer_steps: int = Field(10_000, gt=0, description="Batches kept for replay.")
-    hwm: int = Field(100_000, ge=0, description="ZMQ send high-water mark, in messages.")
+    hwm: int = Field(
+        100_000, ge=0, description="The PUB socket's send high-water mark, in messages."
+    )
     batch_interval_ms: float = Field(
         0.0,
         ge=0,
@@ -196,6 +214,30 @@ class KVEventsConfig(BaseModel):
         True, description="Begin with AllBlocksCleared and every resident block."
     )
     linger_ms: int = Field(500, ge=0, description="How long closing waits for unsent messages.")
+    replay_max_request_bytes: int = Field(
+        256,
+        gt=0,
+        description="ZMQ_MAXMSGSIZE of the replay socket: libzmq disconnects a peer that "
+        "sends a larger frame before reading it (a request is 8 bytes).",
+    )
+    replay_max_in_flight: int = Field(
+        1,
+        gt=0,
+        description="Replies in progress per replay peer; its further requests are "
+        "dropped (counted in replay_refused) until one finishes.",
+    )
+    replay_hwm: int = Field(
+        1000,
+        gt=0,
+        description="Reply messages ZMQ holds per replay peer (ZMQ_SNDHWM); the rest of a "
+        "reply waits, as a position in the replay buffer, until the peer reads.",
+    )
+    replay_warnings_per_minute: int = Field(
+        10,
+        ge=0,
+        description="Warnings logged for malformed or refused replay requests, at most, "
+        "per minute; then one line says more were suppressed. All are counted.",
+    )
 
     @field_validator("endpoint", "replay_endpoint")
     @classmethod
@@ -302,7 +344,8 @@ class PublisherStats(NamedTuple):
     #: batch stays in the replay buffer).
     events_dropped: int
     resyncs: int
-    #: Replay requests answered, those refused as malformed, batches sent in replies.
+    #: Replay requests received (malformed and refused ones included), those that were
+    #: malformed (answered with an error end marker), batches sent in replies.
     replay_requests: int
     replay_errors: int
     batches_replayed: int
@@ -312,6 +355,72 @@ class PublisherStats(NamedTuple):
     replay_buffered: int
     #: Engine events waiting in the publisher's subscription.
     lag: int
+    #: Replay requests dropped unanswered: their peer already had
+    #: ``replay_max_in_flight`` replies in progress.
+    replay_refused: int = 0
+    #: Replies in progress (accepted, end marker not yet handed to ZMQ), over all peers.
+    replays_active: int = 0
+    #: Replies given up because their peer went away before the end.
+    replays_abandoned: int = 0
+
+
+class _Reply:
+    """A reply in progress: batches ``next`` to ``stop`` (exclusive) still to send to the
+    peer ``envelope`` names, then the end marker with payload ``end``."""
+
+    __slots__ = ("end", "envelope", "next", "stop")
+
+    def __init__(self, envelope: list[bytes], start: int, stop: int, end: bytes = b"") -> None:
+        self.envelope = envelope
+        self.next = start
+        self.stop = stop
+        self.end = end
+
+
+class _WarningLimiter:
+    """Logs at most ``limit`` warnings per ``window`` seconds. The first one held back in a
+    window says so; the first one logged in a later window says how many were."""
+
+    __slots__ = ("_clock", "_limit", "_logged", "_logger", "_opened", "_suppressed", "_window")
+
+    def __init__(
+        self,
+        logger: logging.Logger,
+        limit: int,
+        window: float = _WARN_WINDOW_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._logger = logger
+        self._limit = limit
+        self._window = window
+        self._clock = clock
+        self._opened = clock()
+        self._logged = self._suppressed = 0
+
+    def warning(self, msg: str, *args: object) -> None:
+        now = self._clock()
+        if now - self._opened >= self._window:
+            if self._suppressed:
+                self._logger.warning(
+                    "%d replay warnings were suppressed in the last %.0f s",
+                    self._suppressed,
+                    now - self._opened,
+                )
+            self._opened = now
+            self._logged = self._suppressed = 0
+        if self._logged < self._limit:
+            self._logged += 1
+            self._logger.warning(msg, *args)
+            return
+        self._suppressed += 1
+        if self._suppressed == 1:
+            self._logger.warning(
+                "more replay warnings than %d in %.0f s: the rest are suppressed for up to "
+                "%.0f s (the publisher's stats() count every request)",
+                self._limit,
+                self._window,
+                self._window - (now - self._opened),
+            )
 
 
 class KVEventPublisher:
@@ -353,6 +462,11 @@ class KVEventPublisher:
         self._started = self._closed = False
         self._batches = self._events = self._dropped = self._resyncs = 0
         self._replay_requests = self._replay_errors = self._replayed = 0
+        self._replay_refused = self._replays_abandoned = self._replays_active = 0
+        #: Replies in progress by peer identity, oldest first; peers in turn.
+        self._replies: dict[bytes, deque[_Reply]] = {}
+        self._replies_waiting = asyncio.Event()
+        self._warn = _WarningLimiter(log, cfg.replay_warnings_per_minute).warning
         self.endpoint = offset_endpoint(cfg.endpoint, self._rank)
         self.replay_endpoint = (
             offset_endpoint(cfg.replay_endpoint, self._rank) if cfg.replay_endpoint else None
@@ -376,7 +490,11 @@ class KVEventPublisher:
             self.endpoint = _bind(pub, self.endpoint, "endpoint")
             if self.replay_endpoint is not None:
                 router = zmq.asyncio.Socket(self._ctx, zmq.ROUTER)
-                router.setsockopt(zmq.SNDHWM, cfg.hwm)
+                router.setsockopt(zmq.MAXMSGSIZE, cfg.replay_max_request_bytes)
+                router.setsockopt(zmq.SNDHWM, cfg.replay_hwm)
+                # A send to a peer whose queue is full fails (EAGAIN) instead of being
+                # dropped silently, and one to a peer that left fails (EHOSTUNREACH).
+                router.setsockopt(zmq.ROUTER_MANDATORY, 1)
                 router.setsockopt(zmq.LINGER, 0)
                 self._router = router
                 self.replay_endpoint = _bind(router, self.replay_endpoint, "replay_endpoint")
@@ -395,6 +513,9 @@ class KVEventPublisher:
         self._tasks.append(asyncio.create_task(self._pump(), name="kv-events-publish"))
         if self._router is not None:
             self._tasks.append(asyncio.create_task(self._serve_replay(), name="kv-events-replay"))
+            self._tasks.append(
+                asyncio.create_task(self._send_replies(), name="kv-events-replay-send")
+            )
         log.info(
             "publishing KV events on %s (replay %s, topic %r)",
             self.endpoint,
@@ -417,6 +538,8 @@ class KVEventPublisher:
             self._flush()
         if self._sub is not None:
             self._sub.close()
+        self._replies.clear()
+        self._replays_active = 0
         # Closing the context waits up to linger_ms for unsent messages: off the loop.
         self._close_sockets(term=False)
         if self._own_context:
@@ -531,16 +654,13 @@ class KVEventPublisher:
         router = self._router
         assert router is not None
         while True:
-            frames = await router.recv_multipart()
-            try:
-                await self._answer(router, frames)
-            except zmq.ZMQError as exc:  # the client went away mid-reply
-                log.warning("replay reply failed: %s", exc)
+            self._request(await router.recv_multipart())
 
-    async def _answer(self, router: zmq.asyncio.Socket, frames: list[bytes]) -> None:
+    def _request(self, frames: list[bytes]) -> None:
+        """Accept (or refuse) one replay request; :meth:`_send_replies` sends the reply."""
         self._replay_requests += 1
-        # [identity, b"", start] from REQ and DEALER clients; [identity, start] without
-        # the delimiter from a bare DEALER.
+        # [identity, b"", start] from DEALER clients that send the delimiter as vLLM's
+        # do; [identity, start] from a bare DEALER.
         if len(frames) >= 2 and frames[1] == b"":
             envelope, body = frames[:2], frames[2:]
         else:
@@ -552,17 +672,97 @@ class KVEventPublisher:
             problem = f"the start sequence must be 8 bytes big-endian, got {len(body[0])}"
         if problem is not None:
             self._replay_errors += 1
-            log.warning("malformed replay request: %s", problem)
-            await router.send_multipart([*envelope, END_SEQ, b"error: " + problem.encode()])
+            self._warn("malformed replay request: %s", problem)
+        queue = self._replies.get(frames[0])
+        if queue is None:
+            queue = self._replies[frames[0]] = deque()
+        elif len(queue) >= self.config.replay_max_in_flight:
+            self._replay_refused += 1
+            self._warn("replay request dropped: its peer has %d replies in progress", len(queue))
             return
-        start = int.from_bytes(body[0], "big")
-        batches = [item for item in self._buffer if item[0] >= start]
-        for i, (seq, payload) in enumerate(batches, 1):
-            await router.send_multipart([*envelope, seq.to_bytes(8, "big"), payload])
+        if problem is not None:
+            queue.append(_Reply(envelope, 0, 0, b"error: " + problem.encode()))
+        else:
+            queue.append(_Reply(envelope, int.from_bytes(body[0], "big"), self._seq + 1))
+        self._replays_active += 1
+        self._replies_waiting.set()
+
+    async def _send_replies(self) -> None:
+        """Send the replies in progress as their peers read them, never waiting for one."""
+        delay = _RETRY_MIN_S
+        while True:
+            if not self._replies:
+                self._replies_waiting.clear()
+                await self._replies_waiting.wait()
+            elif self._send_replies_nowait():
+                delay = _RETRY_MIN_S
+                await asyncio.sleep(0)  # one slice at a time: the loop runs between
+            else:  # every peer's queue is full: look again later, or on a new request
+                self._replies_waiting.clear()
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._replies_waiting.wait(), delay)
+                delay = min(2 * delay, _RETRY_MAX_S)
+
+    def _send_replies_nowait(self) -> bool:
+        """Hand ZMQ up to ``_REPLAY_SLICE`` messages of the replies in progress, a peer
+        at a time (those served go to the back); whether any went."""
+        budget = _REPLAY_SLICE
+        for peer in list(self._replies):
+            if budget <= 0:
+                break
+            queue = self._replies.pop(peer)
+            try:
+                while queue and budget > 0:
+                    sent, done = self._send_reply(queue[0], budget)
+                    budget -= sent
+                    if not done:
+                        break
+                    queue.popleft()
+                    self._replays_active -= 1
+            except zmq.ZMQError as exc:  # EHOSTUNREACH: the peer went away mid-reply
+                self._replays_abandoned += len(queue)
+                self._replays_active -= len(queue)
+                self._warn("replay to a peer abandoned: %s", exc)
+                continue
+            if queue:
+                self._replies[peer] = queue
+        return budget < _REPLAY_SLICE
+
+    def _send_reply(self, reply: _Reply, budget: int) -> tuple[int, bool]:
+        """Send what ``reply``'s peer takes now, at most ``budget`` messages: how many
+        went, and whether the end marker did."""
+        buffer = self._buffer
+        first = buffer[0][0] if buffer else reply.stop
+        reply.next = max(reply.next, first)  # batches gone from the buffer: a gap
+        envelope = reply.envelope
+        sent = 0
+        count = min(budget, max(0, reply.stop - reply.next))
+        at = reply.next - first
+        for seq, payload in itertools.islice(buffer, at, at + count):
+            if not self._send_nowait([*envelope, seq.to_bytes(8, "big"), payload]):
+                return sent, False
+            reply.next = seq + 1
+            sent += 1
             self._replayed += 1
-            if i % _REPLAY_SLICE == 0:
-                await asyncio.sleep(0)
-        await router.send_multipart([*envelope, END_SEQ, b""])
+        if reply.next < reply.stop or sent == budget:
+            return sent, False
+        if not self._send_nowait([*envelope, END_SEQ, reply.end]):
+            return sent, False
+        return sent + 1, True
+
+    def _send_nowait(self, frames: list[bytes]) -> bool:
+        """Queue one message in ZMQ; False when its peer's queue is full (ZMQError when
+        the peer went away)."""
+        assert self._router is not None
+        # NOBLOCK: resolved at once (zmq.asyncio sends without waiting when no send waits).
+        sent = self._router.send_multipart(frames, zmq.NOBLOCK)
+        assert isinstance(sent, asyncio.Future) and sent.done()
+        exc = sent.exception()
+        if exc is None:
+            return True
+        if isinstance(exc, zmq.Again):
+            return False
+        raise exc
 
     # --- introspection -----------------------------------------------------------------
 
@@ -579,6 +779,9 @@ class KVEventPublisher:
             last_seq=self._seq,
             replay_buffered=len(self._buffer),
             lag=sub.statistics().buffered if sub is not None else 0,
+            replay_refused=self._replay_refused,
+            replays_active=self._replays_active,
+            replays_abandoned=self._replays_abandoned,
         )
 
     def __repr__(self) -> str:
