@@ -547,4 +547,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     cmd: Command = args._command
     sub_parser: argparse.ArgumentParser = args._parser
+    # Native helpers are never compiled on an event loop's thread (a loader there takes
+    # the Python fallback while a background build runs): build them here, before any
+    # loop starts, so that a first run on a fresh machine already copies natively.
+    from asyncoffload import _native
+
+    if not _native.native_disabled():
+        _native.build_all()
     return cmd.run(args, sub_parser)

@@ -272,3 +272,20 @@ def test_an_invalid_compile_timeout_falls_back_to_the_default(
     assert _native.compile_timeout_s() == _native.DEFAULT_COMPILE_TIMEOUT_S
     monkeypatch.setenv("ASYNCOFFLOAD_COMPILE_TIMEOUT", "2.5")
     assert _native.compile_timeout_s() == 2.5
+
+
+def test_the_command_line_builds_before_its_loop_so_a_first_run_copies_natively(
+    tmp_path: Path,
+) -> None:
+    """On a fresh machine the demo's engine is made on the event loop, where nothing is
+    compiled: the command line builds first, so the first run is not a fallback run."""
+    proc = run_python(
+        """
+        from asyncoffload.cli import main
+        raise SystemExit(main(["demo", "--requests", "4", "--no-progress"]))
+        """,
+        env={"ASYNCOFFLOAD_CACHE_DIR": str(tmp_path / "fresh")},
+        timeout=200,
+    )
+    assert proc.returncode == 0, describe(proc)
+    assert "cpu-native" in proc.stdout, describe(proc)
