@@ -318,7 +318,7 @@ def _add_replay(parser: argparse.ArgumentParser) -> None:
         action="extend",
         metavar="SHARE",
         help=f"tier capacities as shares of the trace's unique blocks, comma-separated or "
-        f"repeated (default: {DEFAULT_SHARES})",
+        f"repeated (default: {DEFAULT_SHARES.replace('%', '%%')})",
     )
     parser.add_argument(
         "--policy",

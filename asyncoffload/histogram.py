@@ -22,12 +22,13 @@ __all__ = [
 
 #: Completion-callback latency: 10 us to 100 ms.
 LATENCY_BUCKETS_S: tuple[float, ...] = (
-    10e-6, 25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 100e-3,
+    10e-6, 25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3,
+    100e-3,
 )  # fmt: skip
 #: Transfer durations, submission to end of copy: 100 us to 10 s.
 TRANSFER_BUCKETS_S: tuple[float, ...] = (
     100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 100e-3, 250e-3,
-    500e-3, 1.0, 2.5, 10.0,
+    500e-3, 1.0, 2.5, 5.0, 10.0,
 )  # fmt: skip
 #: Transfer throughput: 100 MB/s to 100 GB/s.
 BYTES_PER_SECOND_BUCKETS: tuple[float, ...] = (
