@@ -800,3 +800,11 @@ def test_suppressed_replay_warnings_are_counted_when_the_next_window_opens(
         "5 replay warnings were suppressed in the last 61 s",
         "bad 7",
     ]
+
+
+def test_the_default_endpoints_stay_on_this_host() -> None:
+    """Stored events can carry prompt token ids: nothing is open to the network unless
+    asked for."""
+    cfg = KVEventsConfig()
+    assert cfg.endpoint.startswith("tcp://127.0.0.1:")
+    assert cfg.replay_endpoint is None

@@ -178,10 +178,12 @@ class KVEventsConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     endpoint: str = Field(
-        "tcp://*:5557",
+        "tcp://127.0.0.1:5557",
         description="Where the PUB socket binds ('tcp://host:port', 'ipc://path', "
-        "'inproc://name'; port '*' picks a free one). Offset by data_parallel_rank as "
-        "vLLM does: tcp ports + rank, other transports '_dp<rank>'.",
+        "'inproc://name'; port '*' picks a free one). Loopback by default: stored events "
+        "can carry prompt token ids. 'tcp://*:5557' (or an interface's address) opens it "
+        "to the network. Offset by data_parallel_rank as vLLM does: tcp ports + rank, "
+        "other transports '_dp<rank>'.",
     )
     replay_endpoint: str | None = Field(
         None, description="Where the ROUTER replay socket binds; None: no replay."
