@@ -13,9 +13,10 @@ prefixes. Only full blocks are hashed; a trailing partial block has no key.
 from __future__ import annotations
 
 import hashlib
+import operator
 import struct
 from collections.abc import Sequence
-from typing import NewType
+from typing import Any, NewType, Protocol, SupportsIndex, TypeAlias
 
 __all__ = [
     "GROUP_IDX_BYTES",
@@ -62,8 +63,76 @@ def get_offload_group_idx(key: OffloadKey) -> int:
     return int.from_bytes(key[-GROUP_IDX_BYTES:], "big", signed=False)
 
 
+_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
+
+
+class IntArray(Protocol):
+    """A one-dimensional integer numpy array or torch tensor (anything with ``dtype``,
+    ``ndim`` and ``tolist``)."""
+
+    @property
+    def dtype(self) -> Any: ...
+    @property
+    def ndim(self) -> int: ...
+    def tolist(self) -> Any: ...
+
+
+#: Token ids: a sequence of ints (numpy integer scalars too) or an :class:`IntArray`.
+TokenIds: TypeAlias = "Sequence[SupportsIndex] | IntArray"
+
+
+def token_list(token_ids: object, what: str = "token_ids") -> list[int]:
+    """``token_ids`` as a list of Python ints: a sequence of ints (anything
+    ``operator.index`` takes, numpy integer scalars included), or a one-dimensional integer
+    numpy array or torch tensor. Each must fit int64, as token ids are hashed as int64.
+    ``TypeError`` / ``ValueError`` name ``what`` and the index of the first bad value."""
+    if isinstance(token_ids, (str, bytes, bytearray)):
+        raise TypeError(f"{what} must be a sequence of ints, not {type(token_ids).__name__}")
+    dtype = getattr(token_ids, "dtype", None)
+    if dtype is not None and hasattr(token_ids, "tolist"):  # a numpy array or torch tensor
+        kind = getattr(dtype, "kind", None)  # numpy
+        is_int = kind in ("i", "u") if kind is not None else _torch_int_dtype(dtype)
+        if not is_int:
+            raise TypeError(f"{what} has dtype {dtype}, not an integer dtype")
+        ndim = getattr(token_ids, "ndim", 1)
+        if ndim != 1:
+            raise ValueError(f"{what} must be one-dimensional, got {ndim} dimensions")
+        values = token_ids.tolist()
+    else:
+        try:
+            values = list(token_ids)  # type: ignore[call-overload]
+        except TypeError:
+            raise TypeError(
+                f"{what} must be a sequence of ints, not {type(token_ids).__name__}"
+            ) from None
+    out: list[int] = []
+    for i, t in enumerate(values):
+        if isinstance(t, bool):
+            raise TypeError(f"{what}[{i}] is a bool, not an int")
+        try:
+            v = operator.index(t)
+        except TypeError:
+            raise TypeError(f"{what}[{i}] is a {type(t).__name__} ({t!r}), not an int") from None
+        if not _INT64_MIN <= v <= _INT64_MAX:
+            raise ValueError(f"{what}[{i}] = {v} does not fit a 64-bit signed integer")
+        out.append(v)
+    return out
+
+
+def _torch_int_dtype(dtype: object) -> bool:
+    is_floating = getattr(dtype, "is_floating_point", True)
+    is_complex = getattr(dtype, "is_complex", True)
+    return not is_floating and not is_complex and str(dtype) != "torch.bool"
+
+
+def _optional_bytes(value: object, what: str) -> bytes | None:
+    if value is None or isinstance(value, bytes):
+        return value
+    raise TypeError(f"{what} must be bytes or None, got {type(value).__name__}")
+
+
 def hash_token_blocks(
-    token_ids: Sequence[int],
+    token_ids: TokenIds,
     block_size: int,
     *,
     parent: bytes | None = None,
@@ -75,8 +144,11 @@ def hash_token_blocks(
     ``salt`` separates namespaces (a LoRA, a tenant, a cache-salt), mixed into the first
     block only, so it changes every hash of the chain.
     """
-    if block_size <= 0:
-        raise ValueError(f"block_size must be positive, got {block_size}")
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
+        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    token_ids = token_list(token_ids)
+    parent = _optional_bytes(parent, "parent")
+    salt = _optional_bytes(salt, "salt")
     hashes: list[bytes] = []
     prev = parent if parent is not None else b""
     n_full = len(token_ids) - len(token_ids) % block_size
@@ -93,7 +165,7 @@ def hash_token_blocks(
 
 
 def keys_for_tokens(
-    token_ids: Sequence[int],
+    token_ids: TokenIds,
     block_size: int,
     group_idx: int = 0,
     *,
@@ -135,7 +207,7 @@ class BlockTokens:
     def __init__(
         self,
         keys: Sequence[OffloadKey],
-        token_ids: Sequence[int],
+        token_ids: TokenIds,
         block_size: int,
         parent_block_hash: bytes | None = None,
         *,
@@ -153,7 +225,7 @@ class BlockTokens:
         index = {key: i for i, key in enumerate(key_list)}
         if len(index) != len(key_list):
             raise ValueError("keys holds the same key more than once")
-        tokens = tuple(token_ids)
+        tokens = tuple(token_list(token_ids))
         need = block_size * len(key_list)
         if not need <= len(tokens) < need + block_size:
             raise ValueError(
@@ -161,9 +233,6 @@ class BlockTokens:
                 f"(up to {need + block_size - 1} with a trailing partial block), "
                 f"got {len(tokens)}"
             )
-        for i, t in enumerate(tokens):
-            if isinstance(t, bool) or not isinstance(t, int):
-                raise TypeError(f"token_ids[{i}] is a {type(t).__name__}, not an int")
         if parent_block_hash is not None and not isinstance(parent_block_hash, bytes):
             raise TypeError(
                 f"parent_block_hash must be bytes or None, got {type(parent_block_hash).__name__}"
@@ -183,7 +252,7 @@ class BlockTokens:
     @classmethod
     def from_tokens(
         cls,
-        token_ids: Sequence[int],
+        token_ids: TokenIds,
         block_size: int,
         group_idx: int = 0,
         *,
@@ -192,7 +261,9 @@ class BlockTokens:
         lora_name: str | None = None,
         lora_id: int | None = None,
     ) -> BlockTokens:
-        """Hash ``token_ids`` (:func:`keys_for_tokens`) and describe the keys made."""
+        """Hash ``token_ids`` (:func:`keys_for_tokens`) and describe the keys made.
+        ``token_ids`` may be a list, a numpy array or a torch tensor of integers."""
+        token_ids = token_list(token_ids)
         keys = keys_for_tokens(token_ids, block_size, group_idx, parent=parent, salt=salt)
         return cls(keys, token_ids, block_size, parent, lora_name=lora_name, lora_id=lora_id)
 

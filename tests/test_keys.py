@@ -3,6 +3,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
 
 import asyncoffload as ao
 from asyncoffload import (
@@ -108,3 +109,56 @@ def test_block_tokens_reject_bad_keys() -> None:
         BlockTokens([b"ab"], list(range(4)), 4)  # type: ignore[list-item]
     with pytest.raises(TypeError, match="not one key"):
         BlockTokens(key, list(range(4)), 4)  # type: ignore[arg-type]
+
+
+# --- token ids of every kind a server holds them in (issue 12) --------------------------
+
+
+def test_numpy_and_torch_token_ids_hash_like_lists() -> None:
+    np = pytest.importorskip("numpy")
+    tokens = list(range(100, 164))
+    expected = ao.keys_for_tokens(tokens, 16)
+    for given in (
+        np.array(tokens, dtype=np.int64),
+        np.array(tokens, dtype=np.int32),
+        torch.tensor(tokens),
+        torch.tensor(tokens, dtype=torch.int32),
+        [np.int64(t) for t in tokens],
+    ):
+        assert ao.keys_for_tokens(given, 16) == expected
+        described = ao.BlockTokens.from_tokens(given, 16)
+        assert described.keys == tuple(expected)
+        assert described.token_ids == tuple(tokens)
+        assert all(type(t) is int for t in described.token_ids)
+
+
+@pytest.mark.parametrize(
+    ("tokens", "error", "message"),
+    [
+        (
+            "hello world, this is a prompt..",
+            TypeError,
+            r"token_ids must be a sequence of ints, not str",
+        ),
+        ([1, 2, 3.5, 4], TypeError, r"token_ids\[2\] is a float"),
+        ([1, 2, 2**63, 4], ValueError, r"token_ids\[2\] = 9223372036854775808 does not fit"),
+        ([1, -(2**63) - 1], ValueError, r"token_ids\[1\]"),
+        ([1, True], TypeError, r"token_ids\[1\] is a bool"),
+        (torch.ones(4), TypeError, r"token_ids has dtype torch.float32"),
+        (torch.ones((2, 2), dtype=torch.int64), ValueError, r"one-dimensional"),
+    ],
+)
+def test_bad_token_ids_are_named_with_their_index(
+    tokens: object, error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error, match=message):
+        ao.keys_for_tokens(tokens, 2)  # type: ignore[arg-type]
+    with pytest.raises(error, match=message):
+        ao.BlockTokens.from_tokens(tokens, 2)  # type: ignore[arg-type]
+
+
+def test_a_salt_or_parent_that_is_not_bytes_is_named() -> None:
+    with pytest.raises(TypeError, match="salt must be bytes or None, got str"):
+        ao.keys_for_tokens([1, 2], 2, salt="tenant-a")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="parent must be bytes or None, got int"):
+        ao.keys_for_tokens([1, 2], 2, parent=7)  # type: ignore[arg-type]
