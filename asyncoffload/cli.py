@@ -430,6 +430,32 @@ def _fail(parser: argparse.ArgumentParser, message: str) -> NoReturn:
     parser.exit(2, f"{parser.prog}: error: {message}\n")
 
 
+#: File name suffixes ``--plot`` writes (formats every matplotlib backend saves).
+PLOT_FORMATS = (".png", ".svg", ".pdf", ".jpg", ".jpeg", ".webp", ".eps", ".ps")
+
+
+def _check_output(
+    parser: argparse.ArgumentParser,
+    option: str,
+    path: str,
+    suffixes: tuple[str, ...] | None = None,
+) -> None:
+    """Refuse, before any work, an output path the run could not write at its end."""
+    import os
+
+    if os.path.isdir(path):
+        parser.error(f"{option} {path}: is a directory")
+    if suffixes is not None and os.path.splitext(path)[1].lower() not in suffixes:
+        parser.error(f"{option} {path}: name a {', '.join(suffixes)} file")
+    folder = os.path.dirname(path) or "."
+    if not os.path.isdir(folder):
+        parser.error(f"{option} {path}: the folder {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        parser.error(f"{option} {path}: the folder {folder} is not writable")
+    if os.path.exists(path) and not os.access(path, os.W_OK):
+        parser.error(f"{option} {path}: the file is not writable")
+
+
 def _run_replay(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     import json
 
@@ -453,6 +479,9 @@ def _run_replay(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
             import matplotlib  # noqa: F401
         except ImportError:
             parser.error("--plot needs matplotlib: pip install 'asyncoffload[replay]'")
+        _check_output(parser, "--plot", args.plot, PLOT_FORMATS)
+    if args.json:
+        _check_output(parser, "--json", args.json)
     requests = _load_workload(args, parser)
     if not requests:
         parser.error(f"TRACE: {args.trace!r} holds no requests")

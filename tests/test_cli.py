@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+import re
+from pathlib import Path
 
 import pytest
 
@@ -40,3 +42,36 @@ def test_histogram_buckets_never_skip_a_step_of_the_1_2_5_series(
     """1, 2.5, 5, 10: no step left out (the transfer buckets went from 2.5 s to 10 s)."""
     assert list(bounds) == sorted(bounds)
     assert all(b / a <= 2.5 + 1e-9 for a, b in itertools.pairwise(bounds))
+
+
+@pytest.mark.parametrize(
+    ("option", "path", "message"),
+    [
+        ("--plot", "{tmp}/missing/x.png", "the folder .* does not exist"),
+        ("--json", "{tmp}/missing/x.json", "the folder .* does not exist"),
+        ("--plot", "{tmp}/out.txt", r"name a \.png"),
+        ("--plot", "{tmp}", "is a directory"),
+        ("--json", "{tmp}", "is a directory"),
+    ],
+)
+def test_replay_refuses_an_output_path_before_any_work(
+    option: str,
+    path: str,
+    message: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import asyncoffload.cli as cli
+
+    def no_work(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the trace was loaded before the output path was checked")
+
+    monkeypatch.setattr(cli, "_load_workload", no_work)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["replay", "synthetic", option, path.format(tmp=tmp_path)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert option in err
+    assert re.search(message, err), err
+    assert "Traceback" not in err
