@@ -226,6 +226,32 @@ def _add_demo(parser: argparse.ArgumentParser) -> None:
     _add_progress_options(grp)
 
 
+def _options_message(
+    exc: ValidationError, parser: argparse.ArgumentParser, dests: dict[str, str] | None = None
+) -> str:
+    """A pydantic error as the user typed it: each problem after the option that caused
+    it (``--metrics-port 70000: ...``), without pydantic's "Value error," prefix."""
+    options = {
+        action.dest: action.option_strings[-1]
+        for action in parser._actions
+        if action.option_strings
+    }
+    parts = []
+    for error in exc.errors():
+        field = str(error["loc"][0]) if error["loc"] else ""
+        dest = (dests or {}).get(field, field)
+        message = str(error["msg"]).removeprefix("Value error, ").replace("Input should", "should")
+        option = options.get(dest)
+        if option is None:
+            parts.append(message)
+            continue
+        given = error.get("input")
+        parts.append(
+            f"{option} {given}: {message}" if given is not None else f"{option}: {message}"
+        )
+    return "; ".join(parts)
+
+
 def _run_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from asyncoffload.demo import DemoConfig, DemoConfigError, run_demo
     from asyncoffload.loops import run
@@ -254,7 +280,7 @@ def _run_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             metrics_port=args.metrics_port,
         )
     except ValidationError as exc:
-        parser.error("; ".join(str(e["msg"]) for e in exc.errors()))
+        parser.error(_options_message(exc, parser, {"think_time_s": "think_time"}))
     try:
         report = run(run_demo(cfg, progress=args.progress), use_uvloop=use_uvloop)
     except DemoConfigError as exc:

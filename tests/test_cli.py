@@ -75,3 +75,21 @@ def test_replay_refuses_an_output_path_before_any_work(
     assert option in err
     assert re.search(message, err), err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--metrics-port", "70000"], "--metrics-port 70000: should be less than or equal"),
+        (["--publish", "foo"], "--publish foo: endpoint 'foo' must be"),
+    ],
+)
+def test_demo_option_errors_name_the_option_not_pydantic(
+    argv: list[str], expected: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["demo", *argv])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert expected in err
+    assert "Value error" not in err and "Input should" not in err
