@@ -30,8 +30,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from asyncoffload.config import EngineConfig
 from asyncoffload.engine import AsyncOffloadEngine, EngineStats
-from asyncoffload.errors import TransferError
+from asyncoffload.errors import HostMemoryError, TransferError
 from asyncoffload.events import EventSubscription, Lagged
+from asyncoffload.hostmem import check_host_bytes, format_bytes
 from asyncoffload.integrations import check_endpoint, shift_tcp_port
 from asyncoffload.keys import OffloadKey
 from asyncoffload.manager import ReqContext, available_policies
@@ -642,6 +643,15 @@ async def _run(cfg: DemoConfig, progress_stream: TextIO | None) -> DemoReport:
             f"gpu_blocks={gpu_blocks} cannot hold the largest request of the workload "
             f"({largest} blocks)"
         )
+    block_bytes = cfg.block_bytes
+    try:
+        check_host_bytes(
+            (max(gpu_blocks, 1) + cfg.cpu_blocks) * block_bytes,
+            f"the demo ({max(gpu_blocks, 1)} simulated GPU blocks and {cfg.cpu_blocks} CPU "
+            f"blocks of {format_bytes(block_bytes)} each: --layers {cfg.layers})",
+        )
+    except HostMemoryError as exc:
+        raise DemoConfigError(f"{exc}; lower --layers, --cpu-blocks or --concurrency") from None
     kv = SimulatedKVCache(
         cfg.layers, max(gpu_blocks, 1), cfg.block_size, cfg.kv_heads, cfg.head_dim, cfg.seed
     )

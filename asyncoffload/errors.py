@@ -7,6 +7,7 @@ __all__ = [
     "BlockIdError",
     "DuplicateKeyError",
     "EngineClosedError",
+    "HostMemoryError",
     "KeyNotReadyError",
     "LengthMismatchError",
     "TransferError",
@@ -20,6 +21,11 @@ class AsyncOffloadError(Exception):
 
 class EngineClosedError(AsyncOffloadError, RuntimeError):
     """The engine is closing or closed; it takes no new work."""
+
+
+class HostMemoryError(AsyncOffloadError, MemoryError):
+    """An allocation would take more host memory than the machine has available
+    (checked before allocating; the message names the setting and both sizes)."""
 
 
 class TransferError(AsyncOffloadError):
