@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import textwrap
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -288,10 +289,13 @@ def _run_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    print(
+    from asyncoffload._term import terminal_columns
+
+    headline = (
         f"asyncoffload demo: {cfg.requests} chat requests ({cfg.turns} turns per session, "
-        f"{cfg.system_prompts} system prompts), seed {cfg.seed}\n"
+        f"{cfg.system_prompts} system prompts), seed {cfg.seed}"
     )
+    print(textwrap.fill(headline, terminal_columns() - 1, subsequent_indent="  ") + "\n")
     print(report.format_table())
     if not report.ok:
         print(

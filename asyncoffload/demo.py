@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Literal, TextIO
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from asyncoffload._term import terminal_columns, two_column_table
 from asyncoffload.config import EngineConfig
 from asyncoffload.engine import AsyncOffloadEngine, EngineStats
 from asyncoffload.errors import HostMemoryError, TransferError
@@ -451,13 +452,10 @@ class DemoReport:
             rows.append(("Prometheus metrics", f"served on {self.metrics_url} while it ran"))
         return rows
 
-    def format_table(self) -> str:
-        rows = self.rows()
-        width = max(len(name) for name, _ in rows)
-        rule = "-" * width + "  " + "-" * max(len(value) for _, value in rows)
-        lines = [f"{'metric':<{width}}  value", rule]
-        lines.extend(f"{name:<{width}}  {value}" for name, value in rows)
-        return "\n".join(lines)
+    def format_table(self, columns: int | None = None) -> str:
+        """The report as a two-column table no wider than ``columns`` (default: the
+        terminal's width)."""
+        return two_column_table(self.rows(), ("metric", "value"), columns)
 
 
 # --- the run ---------------------------------------------------------------------------
@@ -482,27 +480,40 @@ async def _count_events(sub: EventSubscription, counts: EventCounts) -> None:
             counts.stored_keys += len(item.keys)
 
 
-def _render(p: _Progress, total: int, elapsed: float, width: int = 30) -> str:
+def _render(p: _Progress, total: int, elapsed: float, columns: int = 80) -> str:
+    """One progress line, shorter than ``columns`` (a line as wide as the terminal
+    wraps, and then every update starts a new line)."""
+    parts = [
+        f"{p.done}/{total} requests",
+        f"hit {p.hit_rate:4.0%}",
+        f"{p.bytes_moved / _GB:6.2f} GB moved",
+        f"{elapsed:5.1f} s",
+    ]
+    text = "  ".join(parts)
+    while len(parts) > 1 and len(text) + 13 > columns - 1:  # room for a 10-wide bar
+        parts.pop(2 if len(parts) > 2 else 1)
+        text = "  ".join(parts)
+    width = max(0, min(30, columns - 1 - len(text) - 3))
+    if width < 10:
+        return f"\r{text[: columns - 1]}"
     filled = width * p.done // total if total else width
     bar = "#" * filled + "." * (width - filled)
-    return (
-        f"\r[{bar}] {p.done}/{total} requests  hit {p.hit_rate:4.0%}  "
-        f"{p.bytes_moved / _GB:6.2f} GB moved  {elapsed:5.1f} s"
-    )
+    return f"\r[{bar}] {text}"
 
 
 async def _show_progress(
     p: _Progress, total: int, stream: TextIO, finished: asyncio.Event, interval: float = 0.2
 ) -> None:
     t0 = time.perf_counter()
+    columns = terminal_columns()
     try:
         while not finished.is_set():
-            stream.write(_render(p, total, time.perf_counter() - t0))
+            stream.write(_render(p, total, time.perf_counter() - t0, columns))
             stream.flush()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(finished.wait(), interval)
     finally:
-        stream.write(_render(p, total, time.perf_counter() - t0) + "\n")
+        stream.write(_render(p, total, time.perf_counter() - t0, columns) + "\n")
         stream.flush()
 
 

@@ -93,3 +93,28 @@ def test_demo_option_errors_name_the_option_not_pydantic(
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert expected in err
     assert "Value error" not in err and "Input should" not in err
+
+
+@pytest.mark.parametrize("columns", [40, 60, 80, 100])
+def test_the_demo_progress_line_is_shorter_than_the_terminal(columns: int) -> None:
+    from asyncoffload.demo import _Progress, _render
+
+    progress = _Progress()
+    progress.done = 12345
+    progress.bytes_moved = 123 * 10**9
+    line = _render(progress, 99999, 1234.5, columns)
+    assert line.startswith("\r")
+    assert len(line) - 1 < columns
+    assert "12345/99999 requests" in line
+
+
+@pytest.mark.parametrize("columns", ["80", "100"])
+def test_demo_output_fits_the_terminal(
+    columns: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("COLUMNS", columns)
+    assert main(["demo", "--requests", "40", "--progress"]) == 0
+    captured = capsys.readouterr()
+    lines = captured.out.splitlines() + captured.err.replace("\r", "\n").splitlines()
+    assert max(len(line) for line in lines) < int(columns)
+    assert "verification" in captured.out

@@ -152,12 +152,12 @@ async def test_corrupted_loads_are_caught(monkeypatch: pytest.MonkeyPatch) -> No
     assert report.stats.loads > 0
     assert report.mismatches == report.stats.loads  # one bad block per load
     assert not report.ok
-    assert "FAILED" in report.format_table()
+    assert "FAILED" in report.format_table(columns=400)
 
 
 async def test_table_lists_the_numbers() -> None:
     report = await run_demo(tiny(), progress=False)
-    table = report.format_table()
+    table = report.format_table(columns=400)
     for label in (
         "requests",
         "prefix-hit rate (tokens)",
@@ -372,7 +372,7 @@ async def test_a_consumer_indexes_what_the_demo_publishes() -> None:
     assert sub.last_seq == pub.last_seq and sub.lost == 0
     assert report.stats.blocks_evicted > 0
     assert len(sub.index.tiers["CPU"]) == report.stats.manager.ready
-    table = report.format_table()
+    table = report.format_table(columns=400)
     assert f"on tcp://127.0.0.1:{port} (replay tcp://127.0.0.1:{port + 1})" in table
 
 
@@ -381,7 +381,7 @@ async def test_metrics_are_served_while_the_demo_runs() -> None:
     assert report.metrics_url is not None and report.metrics_url.startswith("http://127.0.0.1:")
     assert report.publish_endpoints is not None
     assert report.publish_endpoints[1] is None  # no replay port to derive from '*'
-    assert "Prometheus metrics" in report.format_table()
+    assert "Prometheus metrics" in report.format_table(columns=400)
 
 
 def test_cli_publish_rows_and_errors(capsys: pytest.CaptureFixture[str]) -> None:
