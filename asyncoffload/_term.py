@@ -6,7 +6,7 @@ import shutil
 import textwrap
 from collections.abc import Sequence
 
-__all__ = ["terminal_columns", "two_column_table"]
+__all__ = ["fitted_table", "terminal_columns", "two_column_table"]
 
 #: Narrowest and widest layouts produced, whatever the terminal says.
 MIN_COLUMNS, MAX_COLUMNS = 40, 120
@@ -40,3 +40,32 @@ def two_column_table(
     lines.append("-" * name_width + "  " + "-" * widest)
     lines.extend(line.rstrip() for line in body)
     return "\n".join(lines)
+
+
+def fitted_table(rows: Sequence[Sequence[str]], columns: int | None = None) -> str:
+    """A right-aligned table (``rows[0]`` the header) with a rule under the header,
+    every line shorter than ``columns`` (default: :func:`terminal_columns`). A table
+    too wide is cut into stacked blocks of columns, each repeating the first column."""
+    limit = (terminal_columns() if columns is None else columns) - 1
+    n = len(rows[0])
+    widths = [max(len(row[c]) for row in rows) for c in range(n)]
+    blocks: list[list[int]] = []
+    current: list[int] = []
+    used = widths[0]
+    for c in range(1, n):
+        if current and used + 2 + widths[c] > limit:
+            blocks.append(current)
+            current, used = [], widths[0]
+        current.append(c)
+        used += 2 + widths[c]
+    if current or not blocks:
+        blocks.append(current)
+    out: list[str] = []
+    for block in blocks:
+        cols = [0, *block]
+        lines = ["  ".join(row[c].rjust(widths[c]) for c in cols) for row in rows]
+        lines.insert(1, "  ".join("-" * widths[c] for c in cols))
+        if out:
+            out.append("")
+        out.extend(lines)
+    return "\n".join(out)

@@ -523,11 +523,14 @@ def _run_replay(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    print(
+    from asyncoffload._term import terminal_columns
+
+    headline = (
         f"asyncoffload replay: {args.trace}: {summary.requests:,} requests, "
         f"{summary.total_blocks:,} blocks, {summary.unique_blocks:,} unique "
-        f"(an infinite tier would hit {summary.reusable_fraction:.3f})\n"
+        f"(an infinite tier would hit {summary.reusable_fraction:.3f})"
     )
+    print(textwrap.fill(headline, terminal_columns() - 1, subsequent_indent="  ") + "\n")
     print(f"prefix hit rate ({args.metric}s) / blocks written, by tier capacity:\n")
     print(format_table(results, args.metric))
     costs: dict[str, list[float]] = {}

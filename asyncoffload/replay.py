@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 
+from asyncoffload._term import fitted_table
 from asyncoffload.keys import OffloadKey
 from asyncoffload.manager import CPUOffloadingManager, ManagerStats
 from asyncoffload.manager.admission import AdmissionFilter
@@ -566,8 +567,12 @@ def _share_label(share: float) -> str:
     return f"{pct:.0f}%" if abs(pct - round(pct)) < 0.05 else f"{pct:.1f}%"
 
 
-def format_table(results: Sequence[ReplayResult], metric: str = "block") -> str:
-    """A text table: one row per capacity, per policy the hit rate and blocks written."""
+def format_table(
+    results: Sequence[ReplayResult], metric: str = "block", columns: int | None = None
+) -> str:
+    """A text table: one row per capacity, per policy the hit rate and blocks written.
+    No line is as wide as ``columns`` (default: the terminal's width): a table too wide
+    is cut into blocks of policies, stacked, each repeating the capacity column."""
     if metric not in ("block", "token"):
         raise ValueError(f"metric must be 'block' or 'token', got {metric!r}")
     policies: list[str] = []
@@ -589,10 +594,7 @@ def format_table(results: Sequence[ReplayResult], metric: str = "block") -> str:
             rate = found.block_hit_rate if metric == "block" else found.token_hit_rate
             row.append(f"{rate:.3f} / {found.stored:,}")
         rows.append(row)
-    widths = [max(len(row[c]) for row in rows) for c in range(len(head))]
-    lines = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return fitted_table(rows, columns)
 
 
 def plot(results: Sequence[ReplayResult], path: str, title: str = "") -> None:

@@ -118,3 +118,16 @@ def test_demo_output_fits_the_terminal(
     lines = captured.out.splitlines() + captured.err.replace("\r", "\n").splitlines()
     assert max(len(line) for line in lines) < int(columns)
     assert "verification" in captured.out
+
+
+@pytest.mark.parametrize("columns", ["80", "120"])
+def test_replay_of_every_policy_fits_the_terminal(
+    columns: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("COLUMNS", columns)
+    argv = ["replay", "synthetic", "--policy", "all", "--limit", "60", "--no-progress"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert max(len(line) for line in out.splitlines()) < int(columns)
+    for policy in ("lru", "arc", "kv", "s3fifo", "sieve", "belady"):
+        assert f"{policy} hit / written" in out
