@@ -20,12 +20,25 @@ import asyncoffload as ao
 from asyncoffload.transfer.cuda import CopyMethod, CudaCopyBackend
 
 HAS_CUDA = torch.cuda.is_available()
+_NO_CUDA_REASON = "needs a CUDA device (torch.cuda.is_available())"
 
 #: The marks of every GPU test module: ``pytestmark = GPU``.
 GPU = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device (torch.cuda.is_available())"),
+    pytest.mark.skipif(not HAS_CUDA, reason=_NO_CUDA_REASON),
 ]
+_NO_CUDA = "the GPU suite needs a CUDA device (torch.cuda.is_available())"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """Without a GPU, every skip of this suite is reported at one place, so that the
+    run's summary says it on one line ("SKIPPED [350] tests/gpu: ...") instead of one
+    line per test."""
+    outcome = yield
+    report: pytest.TestReport = outcome.get_result()  # type: ignore[attr-defined]
+    if not HAS_CUDA and report.skipped and isinstance(report.longrepr, tuple):
+        report.longrepr = ("tests/gpu", None, _NO_CUDA)  # type: ignore[assignment]
 
 #: Copy methods a transfer can be forced to use.
 METHODS: tuple[CopyMethod, ...] = ("batch", "kernel", "staged", "gather")

@@ -1,0 +1,27 @@
+"""The test suite's own output: what a user sees when running ``make test``."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import torch
+
+from tests.processes import REPO
+
+
+def test_without_a_gpu_the_gpu_suite_is_summarized_on_one_line() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/gpu"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
+    )
+    skipped = [line for line in proc.stdout.splitlines() if line.startswith("SKIPPED")]
+    if torch.cuda.is_available():  # the GPU machine: the suite runs
+        assert proc.returncode == 0, proc.stdout[-3000:]
+        return
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert len(skipped) == 1, "\n".join(skipped[:5])
+    assert skipped[0].startswith("SKIPPED [") and "tests/gpu" in skipped[0]
