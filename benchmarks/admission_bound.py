@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
@@ -26,8 +27,13 @@ from asyncoffload.manager.admission import AdmissionFilter
 from asyncoffload.replay import capacity_blocks, replay
 from asyncoffload.workloads import Request, load_mooncake, summarize
 
+#: ``$ASYNCOFFLOAD_TRACE_DIR`` (where the Mooncake traces are), else ``../shared/traces``.
 DEFAULT_TRACE = (
-    Path(__file__).resolve().parents[2] / "shared" / "traces" / "conversation_trace.jsonl"
+    Path(
+        os.environ.get("ASYNCOFFLOAD_TRACE_DIR")
+        or Path(__file__).resolve().parents[2] / "shared" / "traces"
+    )
+    / "conversation_trace.jsonl"
 )
 THRESHOLDS = (0.0, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4)
 

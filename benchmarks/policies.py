@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 from pathlib import Path
@@ -22,8 +23,13 @@ from asyncoffload.cli import capacity_shares
 from asyncoffload.replay import capacity_blocks, parse_spec, replay
 from asyncoffload.workloads import Request, load_mooncake, summarize, synthetic_sessions
 
+#: ``$ASYNCOFFLOAD_TRACE_DIR`` (where the Mooncake traces are), else ``../shared/traces``.
 DEFAULT_TRACE = (
-    Path(__file__).resolve().parents[2] / "shared" / "traces" / "conversation_trace.jsonl"
+    Path(
+        os.environ.get("ASYNCOFFLOAD_TRACE_DIR")
+        or Path(__file__).resolve().parents[2] / "shared" / "traces"
+    )
+    / "conversation_trace.jsonl"
 )
 
 

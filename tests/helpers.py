@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
@@ -118,3 +120,12 @@ def state_of(engine: ao.AsyncOffloadEngine) -> tuple[object, ...]:
     m = engine.manager
     blocks = [(k, b.block_id, b.ref_cnt) for k, b in m.policy.items()]
     return (m.stats(), blocks, m.num_free, m.last_seq, engine.stats().in_flight)
+
+
+def trace_path(name: str = "conversation_trace.jsonl") -> Path:
+    """Where a Mooncake trace is: ``$ASYNCOFFLOAD_TRACE_DIR/<name>`` when that is set,
+    else ``../shared/traces/<name>`` beside the checkout (docs/policies.md says where to
+    get the traces). Tests that need one skip, naming this path, when it is absent."""
+    root = os.environ.get("ASYNCOFFLOAD_TRACE_DIR")
+    base = Path(root) if root else Path(__file__).resolve().parents[2] / "shared" / "traces"
+    return base / name

@@ -24,8 +24,9 @@ from asyncoffload.replay import (
     replay_matrix,
 )
 from asyncoffload.workloads import Request, load_mooncake, summarize, synthetic_sessions
+from tests.helpers import trace_path
 
-TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "conversation_trace.jsonl"
+TRACE = trace_path()
 
 
 def key(i: int) -> OffloadKey:

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
+import pytest
 import torch
 
+from tests.helpers import trace_path
 from tests.processes import REPO
 
 
@@ -25,3 +28,12 @@ def test_without_a_gpu_the_gpu_suite_is_summarized_on_one_line() -> None:
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert len(skipped) == 1, "\n".join(skipped[:5])
     assert skipped[0].startswith("SKIPPED [") and "tests/gpu" in skipped[0]
+
+
+def test_the_trace_directory_can_be_given_by_the_environment(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("ASYNCOFFLOAD_TRACE_DIR", str(tmp_path))
+    assert trace_path() == tmp_path / "conversation_trace.jsonl"
+    monkeypatch.delenv("ASYNCOFFLOAD_TRACE_DIR")
+    assert trace_path().parent == REPO.parent / "shared" / "traces"

@@ -29,6 +29,7 @@ from asyncoffload.workloads import (
     synthetic_chat,
     synthetic_sessions,
 )
+from tests.helpers import trace_path
 
 SMALL: dict[str, Any] = dict(
     num_system_prompts=3,
@@ -420,7 +421,7 @@ def test_mooncake_missing_file(tmp_path: Path) -> None:
         load_mooncake(tmp_path / "nope.jsonl")
 
 
-REAL_TRACE = Path(__file__).parents[2] / "shared/traces/conversation_trace.jsonl"
+REAL_TRACE = trace_path()
 
 
 @pytest.mark.skipif(not REAL_TRACE.exists(), reason=f"{REAL_TRACE} is absent")

@@ -10,7 +10,6 @@ against each other the same way.
 from __future__ import annotations
 
 import random
-from pathlib import Path
 from typing import cast
 
 import pytest
@@ -30,8 +29,9 @@ from asyncoffload.manager.policies.arc import ARCPolicy
 from asyncoffload.manager.policies.kv import KVPolicy
 from asyncoffload.replay import capacity_blocks
 from asyncoffload.workloads import load_mooncake
+from tests.helpers import trace_path
 
-TRACE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "conversation_trace.jsonl"
+TRACE = trace_path()
 # CI has ../shared beside the clone; a bare clone has not.
 needs_trace = pytest.mark.skipif(not TRACE.exists(), reason=f"the Mooncake trace is not at {TRACE}")
 
