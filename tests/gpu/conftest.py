@@ -40,6 +40,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     if not HAS_CUDA and report.skipped and isinstance(report.longrepr, tuple):
         report.longrepr = ("tests/gpu", None, _NO_CUDA)  # type: ignore[assignment]
 
+
 #: Copy methods a transfer can be forced to use.
 METHODS: tuple[CopyMethod, ...] = ("batch", "kernel", "staged", "gather")
 #: Those, and the per-transfer choice.
