@@ -16,9 +16,10 @@ It needs only pyzmq and msgspec: the wire classes below mirror vLLM's
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from collections import defaultdict
-from typing import Any
+from typing import Any, TextIO
 
 import msgspec
 import zmq
@@ -129,12 +130,31 @@ class Subscriber:
         self.last_seq = -1
         self.applied = self.replayed = self.lost = 0
 
-    def connect(self) -> None:
-        """Subscribe, then catch up through the replay socket."""
+    def connect(self, wait_s: float = 0.0, log: TextIO | None = None) -> None:
+        """Subscribe, then catch up through the replay socket. A server that is not up
+        yet (started a moment ago, say) is waited for, up to ``wait_s`` seconds, asking
+        again every ``replay_timeout_ms``; ``log`` (if given) is told once what is awaited.
+        Past the bound, ``TimeoutError`` names the endpoint."""
         self.sub = self.ctx.socket(zmq.SUB)
         self.sub.setsockopt(zmq.SUBSCRIBE, self.topic)
         self.sub.connect(self.endpoint)
-        self.replay(self.last_seq + 1)
+        deadline = time.monotonic() + wait_s
+        told = False
+        while True:
+            try:
+                self.replay(self.last_seq + 1)
+                return
+            except TimeoutError:
+                if time.monotonic() >= deadline:
+                    raise
+                if log is not None and not told:
+                    told = True
+                    print(
+                        f"waiting up to {wait_s:g} s for the server's replay socket at "
+                        f"{self.replay_endpoint} (is the server started?)",
+                        file=log,
+                        flush=True,
+                    )
 
     def disconnect(self) -> None:
         if self.sub is not None:
@@ -183,7 +203,10 @@ class Subscriber:
                     self.lost += seq - self.last_seq - 1
                     self._apply(seq, payload)
                     self.replayed += 1
-            raise TimeoutError(f"no end of replay from {self.replay_endpoint}")
+            raise TimeoutError(
+                f"no answer from the replay socket at {self.replay_endpoint} "
+                f"within {self.replay_timeout_ms} ms"
+            )
         finally:
             sock.close(linger=0)
 
@@ -199,9 +222,19 @@ def main() -> None:
     ap.add_argument("--replay-endpoint", default="tcp://127.0.0.1:5558")
     ap.add_argument("--topic", default="")
     ap.add_argument("--seconds", type=float, default=0, help="stop after this long (0: never)")
+    ap.add_argument(
+        "--wait",
+        type=float,
+        default=60,
+        help="seconds to wait for a server that is not up yet (default 60)",
+    )
     args = ap.parse_args()
     sub = Subscriber(args.endpoint, args.replay_endpoint or None, args.topic)
-    sub.connect()
+    try:
+        sub.connect(wait_s=args.wait, log=sys.stderr)
+    except TimeoutError as exc:
+        sub.disconnect()
+        raise SystemExit(f"kv_index: {exc} after waiting {args.wait:g} s") from None
     t0 = last = time.monotonic()
     try:
         while not args.seconds or time.monotonic() - t0 < args.seconds:

@@ -1,0 +1,78 @@
+"""The examples as the README runs them, in real processes."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+
+from tests.processes import REPO
+
+
+def _free_port_pair() -> int:
+    """A port p with p + 1 free too (the demo's replay socket goes on p + 1)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        with socket.socket() as t:
+            try:
+                t.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no pair of free ports")
+
+
+def test_the_index_started_before_the_demo_waits_for_it_and_follows() -> None:
+    """README: the demo in the background, then the consumer at once. The consumer is
+    up first (the demo still imports torch); it must wait, say so, and then follow."""
+    port = _free_port_pair()
+    endpoint, replay = f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{port + 1}"
+    index = subprocess.Popen(
+        [
+            sys.executable,
+            "examples/kv_index.py",
+            "--endpoint",
+            endpoint,
+            "--replay-endpoint",
+            replay,
+            "--seconds",
+            "12",
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    time.sleep(1.0)
+    demo = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "asyncoffload",
+            "demo",
+            "--publish",
+            endpoint,
+            "--requests",
+            "2000",
+            "--time-scale",
+            "5",
+            "--no-progress",
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        out, err = index.communicate(timeout=120)
+    finally:
+        demo.kill()
+        demo.communicate()
+    assert index.returncode == 0, err[-3000:]
+    assert "waiting up to 60 s for the server's replay socket" in err
+    final = out.strip().splitlines()[-1]
+    assert final.startswith("final: seq ") and not final.startswith("final: seq -1"), out
+    assert final.endswith(" 0 lost"), out
