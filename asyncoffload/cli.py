@@ -595,9 +595,15 @@ def build_parser() -> argparse.ArgumentParser:
         description="asyncio-native KV-cache offload engine for LLM serving",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    common = argparse.ArgumentParser(add_help=False)
+    noise = common.add_argument_group("logging (to stderr; ASYNCOFFLOAD_LOG_LEVEL sets the base)")
+    noise.add_argument(
+        "-v", "--verbose", action="count", default=0, help="more log lines (-vv: debug)"
+    )
+    noise.add_argument("-q", "--quiet", action="count", default=0, help="fewer log lines")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for cmd in COMMANDS:
-        p = sub.add_parser(cmd.name, help=cmd.help, description=cmd.help)
+        p = sub.add_parser(cmd.name, help=cmd.help, description=cmd.help, parents=[common])
         cmd.add(p)
         p.set_defaults(_command=cmd, _parser=p)
     return parser
@@ -609,6 +615,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     cmd: Command = args._command
     sub_parser: argparse.ArgumentParser = args._parser
+    from asyncoffload.logs import configure_cli
+
+    try:
+        configure_cli(args.verbose, args.quiet)
+    except ValueError as exc:  # a bad ASYNCOFFLOAD_LOG_LEVEL
+        _fail(sub_parser, str(exc))
     # Native helpers are never compiled on an event loop's thread (a loader there takes
     # the Python fallback while a background build runs): build them here, before any
     # loop starts, so that a first run on a fresh machine already copies natively.
