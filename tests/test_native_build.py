@@ -1,12 +1,16 @@
 """Building and loading the native helpers: damaged cache files, compilers that fail,
 hang or take arguments, and builds asked for on an event loop (issue 11, defects 2 and
-14). Every test uses its own cache directory (``ASYNCOFFLOAD_CACHE_DIR``)."""
+14); libraries installed with the package, a cache shared across architectures or not
+writable, no compiler at all (issue 12). Every test uses its own cache directory
+(``ASYNCOFFLOAD_CACHE_DIR``)."""
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import os
+import platform
 import shutil
 import signal
 import stat
@@ -79,6 +83,8 @@ def fresh_loader(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Pa
     cache = tmp_path / "cache"
     monkeypatch.setenv("ASYNCOFFLOAD_CACHE_DIR", str(cache))
     monkeypatch.delenv("ASYNCOFFLOAD_NO_NATIVE", raising=False)
+    # No library installed with the package, whatever this checkout holds.
+    monkeypatch.setattr(_native, "_INSTALL_DIR", tmp_path / "installed", raising=False)
     _native.load_copy_engine.cache_clear()
     yield cache
     _native.load_copy_engine.wait_for_build(120)
@@ -176,6 +182,15 @@ def test_a_failing_compiler_falls_back_and_logs_what_it_said(
     with caplog.at_level(logging.WARNING, logger="asyncoffload.native"):
         assert _native.load_copy_engine() is None
     assert "fake-cc: no such header" in caplog.text
+
+
+def test_a_compiler_that_fails_silently_is_said_to_have_printed_nothing(
+    fresh_loader: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("CC", "/bin/false")
+    with caplog.at_level(logging.WARNING, logger="asyncoffload.native"):
+        assert _native.load_copy_engine() is None
+    assert "compiler '/bin/false' failed (exit status 1): it printed nothing" in caplog.text
 
 
 def test_a_compiler_that_hangs_is_killed_at_the_timeout(tmp_path: Path) -> None:
@@ -289,3 +304,154 @@ def test_the_command_line_builds_before_its_loop_so_a_first_run_copies_natively(
     )
     assert proc.returncode == 0, describe(proc)
     assert "cpu-native" in proc.stdout, describe(proc)
+
+
+# --- issue 12: installing like a normal package ----------------------------------------
+
+
+def _digest_line(data: bytes, source: Path | None = None) -> str:
+    line = f"{hashlib.sha256(data).hexdigest()} {len(data)}"
+    if source is not None:
+        line += " " + hashlib.sha256(source.read_bytes()).hexdigest()
+    return line + "\n"
+
+
+@pytest.mark.parametrize("name", ["copy_engine", "kvcore"])
+def test_the_cache_key_holds_the_machine_architecture(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, name: str
+) -> None:
+    monkeypatch.setenv("ASYNCOFFLOAD_CACHE_DIR", str(tmp_path))
+    loader = _native.load_copy_engine if name == "copy_engine" else _native.load_kvcore
+    here, _ = loader.library.target()
+    monkeypatch.setattr(platform, "machine", lambda: "riscv64")
+    there, _ = loader.library.target()
+    assert here != there
+    assert here.name.startswith(f"{name}-{platform.uname().machine}-"), here.name
+    assert there.name.startswith(f"{name}-riscv64-"), there.name
+
+
+def test_a_cache_shared_across_architectures_holds_a_build_for_each(
+    fresh_loader: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A home directory shared by an x86-64 and a RISC-V machine: each loads its own
+    build and leaves the other's alone (no rebuild, no warning, no ping-pong)."""
+    with monkeypatch.context() as m:
+        m.setattr(platform, "machine", lambda: "riscv64")
+        foreign, _ = _native.load_copy_engine.library.target()
+    foreign.parent.mkdir(parents=True)
+    data = b"\x7fELF" + bytes(8188)  # the other machine's build, unloadable here
+    foreign.write_bytes(data)
+    foreign.with_name(foreign.name + ".sha256").write_text(_digest_line(data))
+    with caplog.at_level(logging.WARNING, logger="asyncoffload.native"):
+        assert _native.load_copy_engine() is not None
+    assert "unusable" not in caplog.text, caplog.text
+    assert foreign.read_bytes() == data
+
+
+@pytest.mark.parametrize("tmp_folder", ["absent", "other-users"])
+def test_an_unwritable_cache_builds_into_a_private_folder_with_one_warning(
+    tmp_path: Path, tmp_folder: str
+) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")  # a cache under a file cannot be created, not even by root
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    per_user = tmp / f"asyncoffload-{os.getuid()}"
+    if tmp_folder == "other-users":  # open to all: not to be trusted, nor used
+        per_user.mkdir(mode=0o777)
+        per_user.chmod(0o777)
+    env = {"ASYNCOFFLOAD_CACHE_DIR": str(blocker / "cache"), "TMPDIR": str(tmp)}
+    code = """
+        from asyncoffload import _native
+        for loader in (_native.load_copy_engine, _native.load_kvcore):
+            lib = loader()
+            print(loader.what, "native" if lib is not None else "python")
+        """
+    proc = run_python(code, env=env)
+    assert proc.returncode == 0, describe(proc)
+    assert "python" not in proc.stdout, describe(proc)
+    said = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(said) == 1 and "cannot be written" in said[0], proc.stderr
+    assert str(blocker / "cache") in said[0]
+    if tmp_folder == "other-users":
+        assert not list(per_user.iterdir())
+        return
+    assert _library(per_user, "copy_engine").exists()
+    assert per_user.stat().st_mode & 0o777 == 0o700
+    # A later process finds those builds: it compiles nothing (its compiler would fail).
+    proc = run_python(code, env={**env, "CC": "/bin/false"})
+    assert proc.returncode == 0, describe(proc)
+    assert "python" not in proc.stdout, describe(proc)
+    assert "failed" not in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize(
+    "cc", ["", "/nonexistent/bin/cc", "gcc '-O2"], ids=["none-on-path", "missing", "unsplittable"]
+)
+def test_no_compiler_is_said_in_one_warning_line(tmp_path: Path, cc: str) -> None:
+    empty = tmp_path / "bin"
+    empty.mkdir()
+    proc = run_python(
+        """
+        from asyncoffload import _native
+        for loader in _native._LOADERS:
+            print(loader.what, loader())
+        print(_native.build_all())
+        """,
+        env={"ASYNCOFFLOAD_CACHE_DIR": str(tmp_path / "cache"), "PATH": str(empty), "CC": cc},
+    )
+    assert proc.returncode == 0, describe(proc)
+    assert proc.stdout.count("None") == 8, proc.stdout
+    said = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(said) == 1, proc.stderr
+    assert said[0].startswith("no C compiler") and "Python fallbacks" in said[0], said[0]
+
+
+def _install(built_cache: Path, folder: Path, name: str, *, as_name: str | None = None) -> Path:
+    """Put the cache's build of ``as_name`` (default ``name``) where an installed package
+    keeps ``name``, with the digest file ``setup.py`` writes."""
+    folder.mkdir(exist_ok=True)
+    library = _native.load_copy_engine.library
+    assert library.name == name
+    path = folder / f"lib{name}.so"
+    data = _library(built_cache, as_name or name).read_bytes()
+    path.write_bytes(data)
+    path.with_name(path.name + ".sha256").write_text(_digest_line(data, library.source))
+    return path
+
+
+def test_an_installed_library_is_loaded_before_the_cache(
+    fresh_loader: Path, built_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    installed = _install(built_cache, tmp_path / "installed", "copy_engine")
+    monkeypatch.setenv("CC", "/bin/false")  # nothing is compiled
+    lib = _native.load_copy_engine()
+    assert lib is not None and Path(lib._name) == installed
+    assert not fresh_loader.exists()
+    assert _native.build_all(timeout=30)["copy_engine"] == installed
+
+
+@pytest.mark.parametrize("damage", ["truncated", "stale", "no-digest", "wrong-kind"])
+def test_an_unusable_installed_library_is_passed_over_with_one_warning(
+    fresh_loader: Path,
+    built_cache: Path,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    damage: str,
+) -> None:
+    as_name = "cuda_helpers" if damage == "wrong-kind" else None
+    installed = _install(built_cache, tmp_path / "installed", "copy_engine", as_name=as_name)
+    digest = installed.with_name(installed.name + ".sha256")
+    if damage == "truncated":
+        os.truncate(installed, installed.stat().st_size // 2)
+    elif damage == "stale":  # built from another version of copy_engine.c
+        sha, size, _ = digest.read_text().split()
+        digest.write_text(f"{sha} {size} {'0' * 64}\n")
+    elif damage == "no-digest":
+        digest.unlink()
+    with caplog.at_level(logging.WARNING, logger="asyncoffload.native"):
+        lib = _native.load_copy_engine()
+    assert lib is not None and hasattr(lib, "ao_lane_create")
+    assert Path(lib._name).parent == fresh_loader  # built into the cache
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and said[0].startswith(f"installed native library {installed}"), said

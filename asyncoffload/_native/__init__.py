@@ -1,23 +1,38 @@
-"""Small native helpers, compiled on first use with the system C compiler.
+"""Small native helpers: built when the package is installed, else on first use with the
+system C compiler.
 
 Nothing here is required: every user falls back to a pure-Python path when its loader
 returns ``None`` (no compiler, a failed or unfinished build, or
 ``ASYNCOFFLOAD_NO_NATIVE=1``), and says which path is active.
 
-**The cache.** Each library is built once per source version into the cache directory
-(``ASYNCOFFLOAD_CACHE_DIR``, else ``$XDG_CACHE_HOME/asyncoffload``), with a digest file
-beside it (``<library>.sha256``: its SHA-256 and size). A library is loaded only once it
-matches its digest: mapping a truncated file kills the process (SIGBUS), so a damaged
-file, or one without a digest, is rebuilt instead; so is a library that loads but lacks
-what its loader expects (a file of another kind). One rebuild per process: if it fails
-too, the loader logs a warning naming the file and returns ``None``. A build goes to
-temporary files that are fsynced and moved into place with ``os.replace``, so that
-concurrent first uses race harmlessly and a crash never leaves a half-written library
-that passes for whole.
+**Where a library comes from.** First the copy built when the package was installed (a
+wheel carries it, ``setup.py`` builds it: ``lib<name>.so`` or ``<name><EXT_SUFFIX>`` next
+to this file, with a digest file that also names the source it was built from). It is used
+when it matches its digest, was built from the ``.c`` file beside it, loads and has what
+its loader expects; otherwise (one warning line) the cache serves, and failing that a
+compile at first use. An editable install builds nothing at install time: its sources are
+meant to change, and the cache is keyed by them.
 
-**The compiler.** ``CC``, split like a shell command line (``CC="gcc -O0"``), else ``cc``
-or ``gcc``. A compile running longer than ``ASYNCOFFLOAD_COMPILE_TIMEOUT`` seconds
-(default 60) is killed, with every process it started, and counts as failed.
+**The cache.** Each library is built once per source version and platform (OS, machine
+architecture, pointer width, C library; Python's ABI for the CPython extensions) into the
+cache directory (``ASYNCOFFLOAD_CACHE_DIR``, else ``$XDG_CACHE_HOME/asyncoffload``), so a
+home directory shared by machines of several architectures holds one build for each. A
+digest file sits beside each library (``<library>.sha256``: its SHA-256 and size). A
+library is loaded only once it matches its digest: mapping a truncated file kills the
+process (SIGBUS), so a damaged file, or one without a digest, is rebuilt instead; so is a
+library that loads but lacks what its loader expects (a file of another kind). One rebuild
+per process: if it fails too, the loader logs a warning naming the file and returns
+``None``. A build goes to temporary files that are fsynced and moved into place with
+``os.replace``, so that concurrent first uses race harmlessly and a crash never leaves a
+half-written library that passes for whole. Where the cache directory cannot be written,
+builds go to a folder of this user's under the temporary directory (mode 0700, checked to
+be this user's; else a folder of this process's), with one warning line.
+
+**The compiler.** ``CC``, split like a shell command line (``CC="ccache gcc -O0"``), else
+``cc`` or ``gcc``. Without one, a single warning line says so (not one per library). A
+compile running longer than ``ASYNCOFFLOAD_COMPILE_TIMEOUT`` seconds (default 60) is
+killed, with every process it started, and counts as failed; a failed compile's warning
+holds the end of what the compiler printed.
 
 **Never on an event loop.** A loader called on a thread that is running an asyncio event
 loop never compiles there. When the library is not built yet, it starts the build on a
@@ -29,6 +44,7 @@ synchronously, for install scripts, tests and warming a cache.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import ctypes
 import hashlib
@@ -37,9 +53,12 @@ import importlib.util
 import itertools
 import logging
 import os
+import platform
 import shlex
 import shutil
 import signal
+import stat
+import struct
 import subprocess
 import sys
 import sysconfig
@@ -54,6 +73,7 @@ from typing import Any, Generic, TypeVar
 __all__ = [
     "DEFAULT_COMPILE_TIMEOUT_S",
     "NativeLoader",
+    "NoCompilerError",
     "build_all",
     "compile_timeout_s",
     "load_copy_engine",
@@ -66,6 +86,8 @@ __all__ = [
 log = logging.getLogger("asyncoffload.native")
 
 _HERE = Path(__file__).parent
+#: Where an installed package keeps the libraries built at install time (``setup.py``).
+_INSTALL_DIR = _HERE
 
 #: Seconds a compile may take when ``ASYNCOFFLOAD_COMPILE_TIMEOUT`` does not say.
 DEFAULT_COMPILE_TIMEOUT_S = 60.0
@@ -105,6 +127,84 @@ def _cache_dir() -> Path:
     return Path(base) / "asyncoffload"
 
 
+def _writable(folder: Path) -> bool:
+    """Whether ``folder`` can be written, or created and then written."""
+    probe = folder
+    while not probe.exists():
+        if probe.parent == probe:
+            return False
+        probe = probe.parent
+    return probe.is_dir() and os.access(probe, os.W_OK | os.X_OK)
+
+
+def _private_tmp_dir(create: bool) -> Path | None:
+    """This user's folder under the temporary directory, for builds when the cache cannot
+    be written: ``None`` if it does not exist (and ``create`` is false) or is not safely
+    this user's alone (a folder, not a link, owned by this user, mode 0700)."""
+    path = Path(tempfile.gettempdir()) / f"asyncoffload-{os.getuid()}"
+    if create:
+        with contextlib.suppress(OSError):
+            path.mkdir(mode=0o700)
+    try:
+        st = path.lstat()
+    except OSError:
+        return None
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        return None
+    return path
+
+
+_fallback_lock = threading.Lock()
+#: Cache folders found unwritable by this process, and where their builds go instead.
+_fallbacks: dict[Path, Path] = {}
+
+
+def _cache_fallback(cache: Path, why: OSError) -> Path:
+    """The folder builds go to when ``cache`` cannot be written (``why``): this user's
+    folder under the temporary directory, else one of this process's (removed at exit).
+    Warns once per process (and cache folder)."""
+    with _fallback_lock:
+        if cache in _fallbacks:
+            return _fallbacks[cache]
+        folder = _private_tmp_dir(create=True)
+        if folder is None:
+            folder = Path(tempfile.mkdtemp(prefix="asyncoffload-"))
+            atexit.register(shutil.rmtree, folder, ignore_errors=True)
+        log.warning(
+            "native build cache %s cannot be written (%s): building into %s instead "
+            "(ASYNCOFFLOAD_CACHE_DIR names a writable folder)",
+            cache,
+            why,
+            folder,
+        )
+        _fallbacks[cache] = folder
+        return folder
+
+
+def _fallback_candidate(path: Path) -> Path | None:
+    """Where a build of ``path``'s name lies if it went to the fallback folder (by this
+    process or an earlier one); ``None`` if the cache itself is usable for it."""
+    chosen = _fallbacks.get(path.parent)
+    if chosen is None and (path.exists() or _writable(path.parent)):
+        return None
+    folder = chosen or _private_tmp_dir(create=False)
+    if folder is None or not (folder / path.name).exists():
+        return None
+    return folder / path.name
+
+
+def _platform_tag() -> str:
+    """What a plain C library's build depends on beside its source: OS, machine, pointer
+    width, C library (a home directory may be shared by machines of several kinds)."""
+    target = sysconfig.get_config_var("MULTIARCH") or sysconfig.get_config_var("HOST_GNU_TYPE")
+    return f"{sys.platform} {platform.machine()} {8 * struct.calcsize('P')} {target or ''}"
+
+
+def _machine() -> str:
+    """The machine's architecture as it appears in cache file names."""
+    return "".join(c if c.isalnum() or c == "_" else "_" for c in platform.machine()) or "unknown"
+
+
 def _supported() -> bool:
     return not native_disabled() and sys.platform.startswith(("linux", "darwin", "freebsd"))
 
@@ -120,15 +220,46 @@ def _on_event_loop() -> bool:
 # --- compiling -----------------------------------------------------------------------------
 
 
+class NoCompilerError(OSError):
+    """No C compiler to run: ``CC`` names none that exists, or none is on ``PATH``."""
+
+
+_no_compiler_warned = False
+
+
+def _warn_no_compiler(what: str, exc: NoCompilerError) -> None:
+    """One warning line per process for a missing compiler, not one per library."""
+    global _no_compiler_warned
+    if _no_compiler_warned:
+        log.debug("%s unavailable, using Python: %s", what, exc)
+        return
+    _no_compiler_warned = True
+    log.warning(
+        "%s: the native helpers are not built and their Python fallbacks serve (copies "
+        "10-30x slower); install a C compiler (Debian, Ubuntu: apt-get install gcc) or set "
+        "CC, or install a wheel built for this platform",
+        exc,
+    )
+
+
 def _compiler() -> list[str]:
     cc = os.environ.get("CC", "").strip()
     if cc:
-        argv = shlex.split(cc)
+        try:
+            argv = shlex.split(cc)
+        except ValueError as exc:
+            raise NoCompilerError(
+                f"no C compiler: CC={cc!r} is not a command line ({exc})"
+            ) from None
         if argv:
+            if shutil.which(argv[0]) is None:
+                raise NoCompilerError(
+                    f"no C compiler: CC={cc!r}, and {argv[0]!r} is not a program on PATH"
+                )
             return argv
     found = shutil.which("cc") or shutil.which("gcc")
     if found is None:
-        raise OSError("no C compiler found (set CC)")
+        raise NoCompilerError("no C compiler: neither cc nor gcc is on PATH, and CC is not set")
     return [found]
 
 
@@ -144,7 +275,7 @@ def _run_compiler(cmd: list[str], timeout: float) -> None:
         start_new_session=True,
     )
     try:
-        _, err = proc.communicate(timeout=timeout)
+        out, err = proc.communicate(timeout=timeout)
     except BaseException as exc:  # the timeout, or an interrupt: leave nothing behind
         _kill_group(proc)
         if isinstance(exc, subprocess.TimeoutExpired):
@@ -154,8 +285,15 @@ def _run_compiler(cmd: list[str], timeout: float) -> None:
             ) from None
         raise
     if proc.returncode != 0:
-        tail = err.decode(errors="replace").strip()[-2000:]
-        raise OSError(f"compiler {cmd[0]!r} failed (exit status {proc.returncode}): {tail}")
+        said = (err or out).decode(errors="replace").strip()
+        if len(said) > 2000:
+            said = "..." + said[-2000:]
+        raise OSError(
+            f"compiler {cmd[0]!r} failed (exit status {proc.returncode}): "
+            + (said or "it printed nothing")
+        )
+    if err.strip():
+        log.debug("compiler %r said: %s", cmd[0], err.decode(errors="replace").strip()[-2000:])
 
 
 def _kill_group(proc: subprocess.Popen[bytes]) -> None:
@@ -183,17 +321,29 @@ def _digest_path(path: Path) -> Path:
     return path.with_name(path.name + ".sha256")
 
 
-def _check_digest(path: Path) -> str | None:
+def _check_digest(path: Path, source: Path | None = None) -> str | None:
     """What is wrong with the library at ``path`` against its digest file; ``None`` if
-    it matches."""
+    it matches. With ``source`` (an installed library), the digest file must also name
+    that source's SHA-256 (a third field): a library built from other sources is stale."""
     try:
         fields = _digest_path(path).read_text().split()
     except FileNotFoundError:
         return "it has no digest file beside it"
     except OSError as exc:
         return f"its digest file cannot be read ({exc})"
-    if len(fields) != 2 or not fields[1].isdigit():
+    if len(fields) not in (2, 3) or not fields[1].isdigit():
         return "its digest file is malformed"
+    if source is not None:
+        if len(fields) != 3:
+            return "its digest file does not name the source it was built from"
+        try:
+            current = hashlib.sha256(source.read_bytes()).hexdigest()
+        except FileNotFoundError:  # no source beside it: nothing it could be stale against
+            current = fields[2]
+        except OSError as exc:
+            return f"its source {source} cannot be read ({exc})"
+        if fields[2] != current:
+            return f"it was built from another version of {source.name}"
     expected, size = fields[0], int(fields[1])
     try:
         data = path.read_bytes()
@@ -206,12 +356,23 @@ def _check_digest(path: Path) -> str | None:
     return None
 
 
+class _UnwritableCache(OSError):
+    """The folder a build should go to cannot be written."""
+
+    def __init__(self, cause: OSError) -> None:
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.cause = cause
+
+
 def _write_build(source: Path, path: Path, flags: tuple[str, ...], timeout: float) -> None:
     """Compile ``source`` to ``path`` and write its digest file. Both appear whole or
     not at all: each is written to a temporary file, fsynced, then moved into place."""
     cmd = _compiler()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as exc:
+        raise _UnwritableCache(exc) from None
     os.close(fd)
     tmp_digest = tmp + ".sha256"
     try:
@@ -248,12 +409,28 @@ class _Library:
     extension: bool
     libs: tuple[str, ...] = ()
 
+    @property
+    def source(self) -> Path:
+        return _HERE / f"{self.name}.c"
+
+    def installed(self) -> Path:
+        """Where the copy built at install time lies (``setup.py`` names it so)."""
+        if self.extension:
+            return _INSTALL_DIR / f"{self.name}{importlib.machinery.EXTENSION_SUFFIXES[0]}"
+        return _INSTALL_DIR / f"lib{self.name}.so"
+
+    def installed_ok(self) -> bool:
+        """Whether an installed copy is there and matches its digest and source (whether
+        it loads is for its loader to find out)."""
+        path = self.installed()
+        return path.exists() and _check_digest(path, self.source) is None
+
     def target(self) -> tuple[Path, tuple[str, ...]]:
-        """Where the build of the current source lives, and its extra compiler flags."""
-        source = _HERE / f"{self.name}.c"
+        """Where the cached build of the current source for this platform lives, and its
+        extra compiler flags."""
         flags = self.libs
         suffix = ".so"
-        tag = b""
+        tag = _platform_tag()
         if self.extension:
             include = sysconfig.get_paths()["include"]
             if not (Path(include) / "Python.h").exists():
@@ -262,17 +439,29 @@ class _Library:
             if sys.platform == "darwin":
                 flags += ("-undefined", "dynamic_lookup")
             suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
-            tag = (sys.version + include).encode()
-        digest = hashlib.sha256(source.read_bytes() + sys.platform.encode() + tag).hexdigest()
-        return _cache_dir() / f"{self.name}-{digest[:16]}{suffix}", flags
+            tag += f" {suffix} {sys.version} {include}"
+        digest = hashlib.sha256(self.source.read_bytes() + tag.encode()).hexdigest()
+        return _cache_dir() / f"{self.name}-{_machine()}-{digest[:16]}{suffix}", flags
 
     def build(self, timeout: float | None = None, *, force: bool = False) -> Path:
         """Build into the cache unless a build that matches its digest is there (or
-        ``force``)."""
+        ``force``); where the cache cannot be written, into the fallback folder
+        (:func:`_cache_fallback`). Returns where the build lies."""
         path, flags = self.target()
-        if force or _check_digest(path) is not None:
-            _write_build(_HERE / f"{self.name}.c", path, flags, timeout or compile_timeout_s())
-        return path
+        timeout = timeout or compile_timeout_s()
+        if not force and _check_digest(path) is None:
+            return path
+        fallback = _fallbacks.get(path.parent)
+        if fallback is None:
+            try:
+                _write_build(self.source, path, flags, timeout)
+                return path
+            except _UnwritableCache as exc:
+                fallback = _cache_fallback(path.parent, exc.cause)
+        alt = fallback / path.name
+        if force or _check_digest(alt) is not None:
+            _write_build(self.source, alt, flags, timeout)
+        return alt
 
     def open(self, path: Path) -> Any:
         if not self.extension:
@@ -308,6 +497,7 @@ class NativeLoader(Generic[T]):
         self._value: T | None = None
         self._background: threading.Thread | None = None
         self._failed_paths: set[Path] = set()  # dlopen'ed here but unusable
+        self._installed_checked = False  # the installed copy was looked at (and unusable)
 
     def __call__(self) -> T | None:
         if self._done:
@@ -323,6 +513,7 @@ class NativeLoader(Generic[T]):
         with self._lock:
             self._done = False
             self._value = None
+            self._installed_checked = False
 
     @property
     def building(self) -> bool:
@@ -348,12 +539,15 @@ class NativeLoader(Generic[T]):
         with self._lock:
             if self._done:
                 return self._value
+            found, value = self._from_installed()
+            if found:
+                return self._finish(value)
             try:
                 path, _ = self.library.target()
             except OSError as exc:
                 log.warning("%s unavailable, using Python: %s", self.what, exc)
                 return self._finish(None)
-            found, value = self._from_cache(path)
+            found, value = self._from_caches(path)
             if found:
                 return self._finish(value)
             if not self.building:
@@ -377,16 +571,26 @@ class NativeLoader(Generic[T]):
             with self._lock:
                 if self._done:
                     return self._value
+                found, value = self._from_installed()
+                if found:
+                    return self._finish(value)
                 try:
                     path, _ = self.library.target()
                 except OSError as exc:
                     log.warning("%s unavailable, using Python: %s", self.what, exc)
                     return self._finish(None)
-                found, value = self._from_cache(path)
+                found, value = self._from_caches(path)
                 if found:
                     return self._finish(value)
             try:
-                self.library.build(force=path in self._failed_paths)
+                alt = _fallback_candidate(path)
+                built = self.library.build(
+                    force=path in self._failed_paths or alt in self._failed_paths
+                )
+            except NoCompilerError as exc:
+                _warn_no_compiler(self.what, exc)
+                with self._lock:
+                    return self._finish(None)
             except (OSError, subprocess.SubprocessError) as exc:
                 log.warning("%s unavailable, using Python: %s", self.what, exc)
                 with self._lock:
@@ -394,8 +598,41 @@ class NativeLoader(Generic[T]):
             with self._lock:
                 if self._done:
                     return self._value
-                found, value = self._from_cache(path, rebuilt=True)
+                found, value = self._from_cache(built, rebuilt=True)
                 return self._finish(value)
+
+    def _from_installed(self) -> tuple[bool, T | None]:
+        """(True, value) when the copy built at install time matches its digest and
+        source and loads; (False, None) when there is none or it is unusable (logged
+        once, naming the file and what is wrong)."""
+        if self._installed_checked:
+            return False, None
+        self._installed_checked = True
+        path = self.library.installed()
+        if not path.exists():
+            return False, None
+        problem = _check_digest(path, self.library.source)
+        if problem is None:
+            try:
+                return True, self._configure(self.library.open(path))
+            except (OSError, ImportError, AttributeError) as exc:
+                problem = f"it does not load as {self.what} ({exc})"
+        log.warning(
+            "installed native library %s is unusable (%s): using a build of the cache instead",
+            path,
+            problem,
+        )
+        return False, None
+
+    def _from_caches(self, path: Path) -> tuple[bool, T | None]:
+        """:meth:`_from_cache` of ``path``, then of its copy in the fallback folder where
+        the cache cannot be written."""
+        found, value = self._from_cache(path)
+        if not found:
+            alt = _fallback_candidate(path)
+            if alt is not None:
+                found, value = self._from_cache(alt)
+        return found, value
 
     def _from_cache(self, path: Path, rebuilt: bool = False) -> tuple[bool, T | None]:
         """(True, value) when the build at ``path`` matches its digest and loads;
@@ -579,15 +816,23 @@ _LOADERS: tuple[NativeLoader[Any], ...] = (
 
 def build_all(timeout: float | None = None) -> dict[str, Path | None]:
     """Build every native library into the cache now, synchronously (those already
-    built and intact are kept). ``timeout``: seconds per compile (default:
-    :func:`compile_timeout_s`). Returns each library's path, or ``None`` where it could
-    not be built (the reason is logged). Loaders that found nothing before look again."""
+    built and intact are kept, and so is a copy installed with the package that matches
+    its digest and source: its path is returned). ``timeout``: seconds per compile
+    (default: :func:`compile_timeout_s`). Returns each library's path, or ``None`` where
+    it could not be built (the reason is logged; a missing compiler once). Loaders that
+    found nothing before look again."""
     out: dict[str, Path | None] = {}
     for loader in _LOADERS:
         name = loader.library.name
+        if loader.library.installed_ok():
+            out[name] = loader.library.installed()
+            continue
         with loader._build_lock:
             try:
                 out[name] = loader.library.build(timeout)
+            except NoCompilerError as exc:
+                _warn_no_compiler(loader.what, exc)
+                out[name] = None
             except (OSError, subprocess.SubprocessError) as exc:
                 log.warning("%s could not be built: %s", loader.what, exc)
                 out[name] = None
