@@ -25,7 +25,7 @@ VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed
 ARGS ?=
 
-.PHONY: demo test lint unit bench test-vllm clean
+.PHONY: demo test lint unit bench soak test-vllm clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -67,6 +67,15 @@ test: lint unit
 
 bench: $(STAMP)
 	$(PY) benchmarks/control_plane.py
+
+# The long profiles of the reliability harness (docs/reliability.md): thousands of state
+# machine examples, thousands of SIGINT runs, the fault matrix, then an hour of soak
+# (SOAK_S=seconds to change it). Hours in all; CI runs the bounded profiles in `make test`.
+SOAK_S ?= 3600
+soak: $(STAMP)
+	ASYNCOFFLOAD_SOAK=1 $(PY) -m pytest -q -p no:cacheprovider -o timeout=14400 \
+		tests/test_engine_model.py tests/test_sigint.py tests/test_faults.py $(ARGS)
+	mkdir -p build && $(PY) benchmarks/soak.py --duration $(SOAK_S) --plot build/soak.png --json build/soak.json
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
