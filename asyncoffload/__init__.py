@@ -15,6 +15,7 @@ import warnings
 # warning is noise for asyncoffload's users (the filter matches it alone).
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
 
+from asyncoffload import logs as _logs
 from asyncoffload.config import EngineConfig
 from asyncoffload.engine import AsyncOffloadEngine, EngineStats
 from asyncoffload.errors import (
@@ -22,6 +23,7 @@ from asyncoffload.errors import (
     BlockIdError,
     DuplicateKeyError,
     EngineClosedError,
+    HostMemoryError,
     KeyNotReadyError,
     LengthMismatchError,
     TransferError,
@@ -54,7 +56,14 @@ from asyncoffload.manager import (
     available_policies,
     register_policy,
 )
-from asyncoffload.transfer import CopyJob, CpuCopyBackend, TransferBackend
+from asyncoffload.transfer import (
+    CopyJob,
+    CpuCopyBackend,
+    Fault,
+    FaultPlan,
+    InjectedFault,
+    TransferBackend,
+)
 
 __version__ = "0.1.0"
 
@@ -73,6 +82,10 @@ __all__ = [
     "EngineConfig",
     "EngineStats",
     "EventSubscription",
+    "Fault",
+    "FaultPlan",
+    "HostMemoryError",
+    "InjectedFault",
     "KVLayout",
     "KeyNotReadyError",
     "Lagged",
@@ -101,3 +114,5 @@ __all__ = [
     "register_policy",
     "run",
 ]
+
+_logs.apply_env_level()  # ASYNCOFFLOAD_LOG_LEVEL sets the package logger's level

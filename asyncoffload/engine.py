@@ -12,6 +12,7 @@ import logging
 import math
 import os
 import threading
+import traceback
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
@@ -50,6 +51,8 @@ _SNAPSHOT_CHUNK = 4096
 _ANON = ReqContext(req_id="")
 # How often aclose() checks for handles whose copy job was lost.
 _ORPHAN_CHECK_S = 0.5
+# How often aclose() looks again at lane jobs that no handle waits for.
+_FENCE_POLL_S = 0.001
 
 # Engines alive in this process; a fork marks them unusable in the child, whose copy
 # threads (or device contexts) are the parent's and do not exist there.
@@ -257,9 +260,12 @@ class AsyncOffloadEngine:
         if self._forked:
             self._closed = True
             return
-        while self._inflight:
-            await asyncio.wait(list(self._inflight), timeout=_ORPHAN_CHECK_S)
-            self._fail_orphans()
+        while self._inflight or (bridge is not None and bridge.pending):
+            if self._inflight:
+                await asyncio.wait(list(self._inflight), timeout=_ORPHAN_CHECK_S)
+                self._fail_orphans()
+            else:  # a job no handle waits for (the fence of an interrupted call) ends soon
+                await asyncio.sleep(_FENCE_POLL_S)
         if self._closed:
             return
         self._closed = True
@@ -449,6 +455,7 @@ class AsyncOffloadEngine:
         # job whose completion does (an interrupt included; see _abandon).
         fut: asyncio.Future[TransferResult] | None = None
         attempted = False
+        step = [0]  # how far the completion got (see _load_done); shared with _abandon
         try:
             if self.config.touch_on_load:
                 self._manager.touch(keys, ctx)
@@ -461,9 +468,13 @@ class AsyncOffloadEngine:
             self._track(fut)
             attempted = True
             job = self._start(self._backend.submit_load, list(spec.block_ids), ids)
-            bridge.watch(self._load_lane, job, lambda j: self._load_done(j, handle, keys, ctx))
+            bridge.watch(
+                self._load_lane, job, lambda j: self._load_done(j, handle, keys, ctx, step)
+            )
         except BaseException as exc:
-            self._abandon("load", fut, attempted, lambda: self._manager.complete_load(keys), exc)
+            self._abandon(
+                "load", fut, attempted, lambda: self._manager.complete_load(keys), exc, step
+            )
             raise
         return handle
 
@@ -515,6 +526,7 @@ class AsyncOffloadEngine:
         # to a job whose completion does (an interrupt included; see _abandon).
         fut: asyncio.Future[TransferResult] | None = None
         attempted = False
+        step = [0]  # how far the completion got (see _store_done); shared with _abandon
         try:
             self._publish_events()
             fut = bridge.loop.create_future()
@@ -531,7 +543,7 @@ class AsyncOffloadEngine:
             self._track(fut)
             attempted = True
             job = self._start(self._backend.submit_store, src, list(out.store_spec.block_ids))
-            bridge.watch(self._store_lane, job, lambda j: self._store_done(j, handle, ctx))
+            bridge.watch(self._store_lane, job, lambda j: self._store_done(j, handle, ctx, step))
         except BaseException as exc:
             self._abandon(
                 "store",
@@ -539,6 +551,7 @@ class AsyncOffloadEngine:
                 attempted,
                 lambda: self._manager.complete_store(to_store, ctx, success=False),
                 exc,
+                step,
             )
             raise
         return handle
@@ -652,7 +665,13 @@ class AsyncOffloadEngine:
         try:
             return submit(src, dst)
         except Exception as exc:
-            return FailedJob(len(src), exc)
+            # The traceback's frames (and their callers, through f_back) hold this engine
+            # and the caller's handle, whose error leads back here: a cycle that kept a
+            # closed engine and its host pool alive until the next full collection. Keep
+            # the traceback as text (a note, where notes exist) and drop the frames.
+            if hasattr(exc, "add_note"):
+                exc.add_note("".join(traceback.format_tb(exc.__traceback__)).rstrip())
+            return FailedJob(len(src), exc.with_traceback(None))
 
     def _abandon(
         self,
@@ -661,18 +680,24 @@ class AsyncOffloadEngine:
         attempted: bool,
         undo: Callable[[], None],
         exc: BaseException,
+        step: list[int],
     ) -> None:
         """Something (an interrupt, say) escaped ``prepare_*`` between reserving slots
         and handing the copy to a lane. If no copy was submitted, undo now. If one may
         have been (the interrupt may have come just after the lane took it), the slots
         stay reserved until a fence (an empty job of the same direction, which completes
-        after every earlier one) shows the lane is past it."""
+        after every earlier one) shows the lane is past it. If the job did reach the
+        bridge (the interrupt came inside ``watch``), its own completion, which runs
+        first, tells the manager, and ``step`` keeps the fence from doing it again."""
         error = TransferError(f"{kind} abandoned: {exc!r}")
         error.__cause__ = exc
 
         def finish(_job: CopyJob | None = None) -> None:
             try:
-                undo()
+                if step[0] < 2:
+                    step[0] = 1
+                    undo()
+                    step[0] = 2
             finally:
                 if fut is not None:
                     self._inflight.discard(fut)
@@ -698,44 +723,62 @@ class AsyncOffloadEngine:
                 if not fut.done():
                     fut.set_exception(error)
 
-    def _store_done(self, job: CopyJob, handle: Transfer, ctx: ReqContext) -> None:
-        error = job.error
-        handled = False
+    # A completion callback may run twice: when an interrupt (KeyboardInterrupt,
+    # SystemExit) cuts a run short, the bridge runs it again at once, before the interrupt
+    # goes on (see CompletionBridge.drain). ``step[0]`` says how far earlier runs got: 0
+    # (none ran), 1 (one began, the manager was not told yet), 2 (the manager was told).
+    # A run that finds 1 fails the transfer (its slots freed or unpinned); one that finds
+    # 2 only resolves the handle. So the manager is told exactly once.
+
+    def _store_done(self, job: CopyJob, handle: Transfer, ctx: ReqContext, step: list[int]) -> None:
+        error: BaseException | None = None
         try:
-            self._manager.complete_store(handle.keys_to_store, ctx, success=error is None)
-            self._publish_events()
+            if step[0]:
+                if step[0] == 1:
+                    error = TransferError("store completion interrupted")
+            else:
+                step[0] = 1
             if error is None:
-                self._bytes_stored += job.nbytes
-                _observe(self._store_hist, self._store_rate, job)
-            handled = True
+                error = job.error
+            if step[0] == 1:
+                self._manager.complete_store(handle.keys_to_store, ctx, success=error is None)
+                step[0] = 2
+                self._publish_events()
+                if error is None:
+                    self._bytes_stored += job.nbytes
+                    _observe(self._store_hist, self._store_rate, job)
         except Exception as exc:  # never leave the handle (and aclose) hanging
             log.exception("complete_store failed")
             error = error or exc
-            handled = True
-        finally:
-            if not handled:  # an interrupt: the handle still resolves, then it propagates
-                error = error or TransferError("store completion interrupted")
-            self._resolve(handle, job, error)
+        self._resolve(handle, job, error)
 
     def _load_done(
-        self, job: CopyJob, handle: Transfer, keys: list[OffloadKey], ctx: ReqContext
+        self,
+        job: CopyJob,
+        handle: Transfer,
+        keys: list[OffloadKey],
+        ctx: ReqContext,
+        step: list[int],
     ) -> None:
-        error = job.error
-        handled = False
+        error: BaseException | None = None
         try:
-            self._manager.complete_load(keys, ctx)
+            if step[0]:
+                if step[0] == 1:
+                    error = TransferError("load completion interrupted")
+            else:
+                step[0] = 1
             if error is None:
-                self._bytes_loaded += job.nbytes
-                _observe(self._load_hist, self._load_rate, job)
-            handled = True
+                error = job.error
+            if step[0] == 1:
+                self._manager.complete_load(keys, ctx)
+                step[0] = 2
+                if error is None:
+                    self._bytes_loaded += job.nbytes
+                    _observe(self._load_hist, self._load_rate, job)
         except Exception as exc:
             log.exception("complete_load failed")
             error = error or exc
-            handled = True
-        finally:
-            if not handled:
-                error = error or TransferError("load completion interrupted")
-            self._resolve(handle, job, error)
+        self._resolve(handle, job, error)
 
     def _resolve(self, handle: Transfer, job: CopyJob, error: BaseException | None) -> None:
         fut = handle._future

@@ -20,7 +20,7 @@ import torch
 
 import asyncoffload as ao
 from asyncoffload.transfer.completion import LatencyWindow
-from tests.helpers import block_bytes, make_engine, make_keys, state_of
+from tests.helpers import FailingBackend, block_bytes, make_engine, make_keys, state_of
 
 STORE_TIMEOUT_S = 10.0
 
@@ -392,5 +392,38 @@ def test_an_engine_used_and_dropped_releases_its_wakeup_fd() -> None:
             gc.collect()
         with pytest.raises(OSError):
             os.fstat(fd)
+    finally:
+        loop.close()
+
+
+def test_a_failed_submission_leaves_no_cycle_holding_the_closed_engine() -> None:
+    """Found by the soak: the error's traceback held the engine, and the handle's error
+    led back to it; a closed engine kept its host pool until a full collection."""
+    import weakref
+
+    engine, _ = make_engine(backend_cls=FailingBackend)
+    assert isinstance(engine.backend, FailingBackend)
+    engine.backend.fail_submit = True
+    loop = asyncio.new_event_loop()
+    try:
+
+        async def fail_once(target: ao.AsyncOffloadEngine) -> None:
+            handle = await target.prepare_store(make_keys(1), [0])
+            assert handle is not None
+            ended = asyncio.Event()
+            handle.add_done_callback(lambda _h: ended.set())
+            await ended.wait()  # not `await handle`: its raise would put a cycle here
+            assert isinstance(handle.exception(), ao.TransferError)
+            await target.aclose()
+
+        _run(loop, fail_once(engine))
+        alive = weakref.ref(engine)
+        gc.collect()
+        gc.disable()
+        try:
+            del engine
+            assert alive() is None, "a reference cycle keeps the closed engine"
+        finally:
+            gc.enable()
     finally:
         loop.close()

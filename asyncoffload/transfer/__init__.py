@@ -5,6 +5,7 @@ from __future__ import annotations
 from asyncoffload.transfer.base import CopyJob, FailedJob, TransferBackend
 from asyncoffload.transfer.completion import CompletionBridge, CopyLane
 from asyncoffload.transfer.cpu import CpuCopyBackend
+from asyncoffload.transfer.faults import Fault, FaultPlan, InjectedFault
 
 __all__ = [
     "CompletionBridge",
@@ -12,5 +13,8 @@ __all__ = [
     "CopyLane",
     "CpuCopyBackend",
     "FailedJob",
+    "Fault",
+    "FaultPlan",
+    "InjectedFault",
     "TransferBackend",
 ]

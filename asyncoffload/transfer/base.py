@@ -23,10 +23,14 @@ import os
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from asyncoffload.layout import KVLayout
+
+if TYPE_CHECKING:
+    from asyncoffload.transfer.faults import FaultDecision, FaultPlan
 
 __all__ = ["CopyJob", "FailedJob", "TransferBackend", "check_process", "forked_since", "host_bytes"]
 
@@ -117,6 +121,8 @@ class TransferBackend(ABC):
     #: Whether finished jobs signal the loop (``wake`` / ``wake_fd``); if not, the engine
     #: polls them on a timer.
     can_wake: bool = True
+    #: The fault plan submissions consult (see :meth:`inject_faults`); ``None``: none.
+    faults: FaultPlan | None = None
 
     def __init__(self, layout: KVLayout, num_host_blocks: int) -> None:
         self.layout = layout
@@ -137,6 +143,34 @@ class TransferBackend(ABC):
         ``wake_fd`` (``None`` when the loop polls instead)."""
         self._wake = wake
         self._wake_fd = wake_fd
+
+    def inject_faults(self, plan: FaultPlan | None) -> None:
+        """Consult ``plan`` at every submission from now on; ``None`` stops. For tests:
+        copy errors, submission errors, interrupts at submission and in completion
+        callbacks, slow lanes (see :mod:`asyncoffload.transfer.faults`). Without a plan
+        submissions run unwrapped. Call it from the thread that submits."""
+        from asyncoffload.transfer.faults import install
+
+        install(self, plan)
+
+    def _submit_faulted(
+        self,
+        submit: Callable[[Sequence[int], Sequence[int]], CopyJob],
+        first: Sequence[int],
+        second: Sequence[int],
+        decision: FaultDecision,
+    ) -> CopyJob:
+        """Submit through ``submit`` under ``decision`` (the plan already raised what
+        it raises at submission): the job ends late or failed, or interrupts its
+        callback, as decided. Backends whose lanes can apply a delay or an error
+        themselves override this."""
+        from asyncoffload.transfer.faults import wrap_job
+
+        return wrap_job(submit(first, second), decision, self._notify)
+
+    def _notify(self) -> None:
+        """Call the bound wake-up (the binding may change after a job is submitted)."""
+        self._wake()
 
     @abstractmethod
     def submit_store(self, gpu_ids: Sequence[int], host_ids: Sequence[int]) -> CopyJob:

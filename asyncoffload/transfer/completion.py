@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import os
 import time
+import weakref
 from array import array
 from collections import deque
 from collections.abc import Callable
@@ -135,15 +137,23 @@ class _Waker:
 
     def __init__(self) -> None:
         self.kind: str
+        self.closed = False
+        # The fds are closed by close() or, should that never come (an interrupt while
+        # the bridge was being built left it to nobody), when the waker goes. Each is
+        # filed by the C call that makes it (extend over a map), so an interrupt cannot
+        # come between making it and owning it.
+        fds: list[int] = []
+        self._finalizer = weakref.finalize(self, _close_fds, fds)
         if hasattr(os, "eventfd"):
             self.kind = "eventfd"
-            self.read_fd = self.write_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+            fds.extend(map(os.eventfd, (0,), (os.EFD_NONBLOCK | os.EFD_CLOEXEC,)))
+            self.read_fd = self.write_fd = fds[0]
         else:
             self.kind = "pipe"
-            self.read_fd, self.write_fd = os.pipe()
+            fds.extend(itertools.chain.from_iterable(itertools.starmap(os.pipe, ((),))))
+            self.read_fd, self.write_fd = fds
             os.set_blocking(self.read_fd, False)
             os.set_blocking(self.write_fd, False)
-        self.closed = False
 
     def wake(self) -> None:
         if self.closed:
@@ -167,9 +177,14 @@ class _Waker:
         if self.closed:
             return
         self.closed = True
-        os.close(self.read_fd)
-        if self.write_fd != self.read_fd:
-            os.close(self.write_fd)
+        self._finalizer()
+
+
+def _close_fds(fds: list[int]) -> None:
+    while fds:
+        fd = fds.pop()
+        with contextlib.suppress(OSError):
+            os.close(fd)
 
 
 class CompletionBridge:
@@ -269,25 +284,40 @@ class CompletionBridge:
     def drain(self) -> int:
         """Run the callbacks of every finished head job; how many ran.
 
-        A callback that raises an ``Exception`` is logged and the lane goes on. One that
-        raises anything else (``KeyboardInterrupt``, ``SystemExit``) ends the drain: the
-        bridge first asks for another one, so the jobs still finished are drained at the
-        loop's next turn, then lets it propagate."""
+        A callback that raises an ``Exception`` is logged and the lane goes on. One cut
+        short by anything else (``KeyboardInterrupt``, ``SystemExit``: a signal can land
+        anywhere) is run once more at once, so that its job's completion is never lost,
+        then the interrupt propagates and ends the drain; callbacks must allow that
+        second run (the engine's do). A job leaves its lane only once its callback has
+        run: an interrupt anywhere in here loses none, and the bridge asks for another
+        drain first, so the jobs still finished are drained at the loop's next turn."""
         ran = 0
-        for lane in self.lanes:
-            jobs = lane.jobs
-            while jobs and jobs[0][0].query():
-                job, callback = jobs.popleft()
-                if job.stamped and job.finished_ns:
-                    self.latency.add(time.perf_counter_ns() - job.finished_ns)
-                try:
-                    callback(job)
-                except Exception:  # a broken callback must not stall the lane
-                    log.exception("completion callback failed for %r", job)
-                except BaseException:
-                    self._rearm()
-                    raise
-                ran += 1
+        try:
+            for lane in self.lanes:
+                jobs = lane.jobs
+                while jobs and jobs[0][0].query():
+                    job, callback = jobs[0]
+                    woke = time.perf_counter_ns()
+                    try:
+                        callback(job)
+                    except Exception:  # a broken callback must not stall the lane
+                        log.exception("completion callback failed for %r", job)
+                    except BaseException:
+                        try:
+                            callback(job)
+                        except Exception:
+                            log.exception("completion callback failed for %r", job)
+                        jobs.popleft()
+                        raise
+                    jobs.popleft()
+                    if job.stamped and job.finished_ns:
+                        self.latency.add(woke - job.finished_ns)
+                    ran += 1
+        except Exception:
+            raise
+        except BaseException:
+            self._rearm()
+            raise
         return ran
 
     def _rearm(self) -> None:

@@ -19,6 +19,7 @@ import logging
 import os
 import queue
 import threading
+import time
 import weakref
 from array import array
 from collections import deque
@@ -30,6 +31,7 @@ import torch
 from asyncoffload._native import load_copy_engine
 from asyncoffload.layout import KVLayout
 from asyncoffload.transfer.base import CopyJob, TransferBackend, forked_since, host_bytes
+from asyncoffload.transfer.faults import FaultDecision, wrap_job
 
 __all__ = ["CpuCopyBackend"]
 
@@ -97,6 +99,11 @@ def _run_thread_lane(jobs: queue.SimpleQueue[_ThreadItem | None]) -> None:
         del job, fn, args, wake
 
 
+#: How long a submission waits for a lane thread whose start an interrupt cut short to
+#: show that it runs, before taking it for never started.
+_START_GRACE_S = 1.0
+
+
 class _ThreadLane:
     """A Python thread that runs copies of one direction, in order; started by the
     first submission."""
@@ -105,6 +112,7 @@ class _ThreadLane:
         self._name = name
         self._queue: queue.SimpleQueue[_ThreadItem | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
+        self._running = False  # the thread's start() returned
         self._stopped = False
 
     def submit(
@@ -114,25 +122,48 @@ class _ThreadLane:
         args: tuple[torch.Tensor, torch.Tensor],
         wake: Callable[[], None],
     ) -> None:
-        if self._thread is None:
-            if self._stopped:
-                raise RuntimeError("copy lane is closed")
+        if not self._running:
+            self._start()
+        self._queue.put((job, fn, args, wake))
+
+    def _start(self) -> None:
+        if self._stopped:
+            raise RuntimeError("copy lane is closed")
+        thread = self._thread
+        # An interrupt inside start() may come before the thread was spawned or after:
+        # the lane keeps the thread from before start(), so one that runs is never lost
+        # (nor a second one started beside it), and one that never started is replaced.
+        if thread is not None and not _started(thread, _START_GRACE_S):
+            thread = None
+        if thread is None:
             thread = threading.Thread(
                 target=_run_thread_lane, args=(self._queue,), name=self._name, daemon=True
             )
-            thread.start()
             self._thread = thread
-        self._queue.put((job, fn, args, wake))
+            thread.start()
+        self._running = True
 
     def stop(self, discard: bool = False) -> None:
         """Stop after the queued copies (queued copies hold their backend alive, so a
         finalizer never finds any: ``discard`` changes nothing here)."""
         self._stopped = True
+        self._running = False
         thread, self._thread = self._thread, None
         if thread is not None:
             self._queue.put(None)
-            if threading.current_thread() is not thread:
+            if _started(thread, _START_GRACE_S) and threading.current_thread() is not thread:
                 thread.join()
+
+
+def _started(thread: threading.Thread, timeout: float) -> bool:
+    """Whether ``thread`` runs (or ran), waiting up to ``timeout`` seconds for it to
+    show (it sets its ident first thing)."""
+    deadline = time.monotonic() + timeout
+    while thread.ident is None:
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.001)
+    return True
 
 
 class _NativeLane:
@@ -145,6 +176,8 @@ class _NativeLane:
         self._direction = direction
         self._tables = tables
         self._handle: int | None = None
+        #: The native lane, once created (one handle at most): what ``stop`` destroys.
+        self._owned: list[int | None] = []
         self._wake_fd = -1
         self._stopped = False
         self._pending: deque[ctypes.Array[ctypes.c_int64]] = deque()
@@ -153,14 +186,22 @@ class _NativeLane:
         """Signal ``fd`` from now on; once this returns, the previous fd is never
         written again (the lane writes under the lock this takes)."""
         self._wake_fd = fd
-        if self._handle is not None:
-            self._lib.ao_lane_set_wake_fd(self._handle, fd)
+        for handle in self._owned:
+            if handle:
+                self._lib.ao_lane_set_wake_fd(handle, fd)
 
     def _start(self) -> int:
         if self._stopped:
             raise RuntimeError("copy lane is closed")
-        handle = self._lib.ao_lane_create(self._wake_fd)
+        owned = self._owned
+        if not owned:
+            # extend(map(...)) files the new lane's handle before any bytecode runs after
+            # the C call, so an interrupt cannot come between starting the native thread
+            # and owning it (a thread nobody stops).
+            owned.extend(map(self._lib.ao_lane_create, (self._wake_fd,)))
+        handle = owned[0]
         if not handle:
+            owned.clear()
             raise OSError("ao_lane_create failed")
         self._handle = handle
         return int(handle)
@@ -196,11 +237,15 @@ class _NativeLane:
     def stop(self, discard: bool = False) -> None:
         """Finish (or, with ``discard``, drop) the queued jobs and join the thread."""
         self._stopped = True
-        handle, self._handle = self._handle, None
-        if handle is not None:
-            if discard:
-                self._lib.ao_lane_cancel(handle)
-            self._lib.ao_lane_destroy(handle)  # ends the running job, joins the thread
+        self._handle = None
+        owned = self._owned
+        while owned:
+            handle = owned[-1]
+            if handle:
+                if discard:
+                    self._lib.ao_lane_cancel(handle)
+                self._lib.ao_lane_destroy(handle)  # ends the running job, joins the thread
+            owned.pop()
         self._pending.clear()
 
 
@@ -300,12 +345,18 @@ class CpuCopyBackend(TransferBackend):
         super().bind(wake, wake_fd)
         # In a fork's child the lanes (and their locks) are the parent's: leave them be.
         if self._lib is not None and not self._closed and not forked_since(self.pid):
-            fd = -1 if wake_fd is None else os.dup(wake_fd)
+            fds = self._fds  # what close() (or the finalizer) closes
+            stale = fds[:]
+            fd = -1
+            if wake_fd is not None:
+                # Filed by the same C call that makes it (see _NativeLane._start): an
+                # interrupt cannot leak it.
+                fds.extend(map(os.dup, (wake_fd,)))
+                fd = fds[-1]
             self._native_store.set_wake_fd(fd)
             self._native_load.set_wake_fd(fd)
-            stale = self._fds[:]  # the lanes no longer write these
-            self._fds[:] = [fd] if fd >= 0 else []
-            for old in stale:
+            for old in stale:  # the lanes no longer write these
+                fds.remove(old)
                 os.close(old)
 
     # --- submission ---
@@ -334,15 +385,40 @@ class CpuCopyBackend(TransferBackend):
             job = CopyJob(n, nbytes)
             gidx = torch.as_tensor(gpu_ids, dtype=torch.int64)
             hidx = torch.as_tensor(host_ids, dtype=torch.int64)
+            fault = self._lane_fault
             if direction == "store":
-                self._store_lane.submit(job, self._copy_store, (gidx, hidx), self._wake)
+                copy = self._copy_store if fault is None else fault.lane_copy(self._copy_store)
+                self._store_lane.submit(job, copy, (gidx, hidx), self._wake)
             else:
-                self._load_lane.submit(job, self._copy_load, (hidx, gidx), self._wake)
+                copy = self._copy_load if fault is None else fault.lane_copy(self._copy_load)
+                self._load_lane.submit(job, copy, (hidx, gidx), self._wake)
             return job
         native_job = _NativeJob(n, nbytes, self._lib)
         lane = self._native_store if direction == "store" else self._native_load
         lane.submit(native_job, gpu_ids, host_ids)
         return native_job
+
+    #: Set while a faulted submission runs (see ``_submit_faulted``): the Python lane
+    #: applies its delay and copy error itself.
+    _lane_fault: FaultDecision | None = None
+
+    def _submit_faulted(
+        self,
+        submit: Callable[[Sequence[int], Sequence[int]], CopyJob],
+        first: Sequence[int],
+        second: Sequence[int],
+        decision: FaultDecision,
+    ) -> CopyJob:
+        if self._lib is not None:  # native lanes: the job ends late or failed
+            return super()._submit_faulted(submit, first, second, decision)
+        # Python lanes sleep before the copy (the jobs behind wait too) and raise
+        # instead of copying.
+        self._lane_fault = decision
+        try:
+            job = submit(first, second)
+        finally:
+            self._lane_fault = None
+        return wrap_job(job, decision, self._notify, in_lane=True)
 
     # The Python-thread copies; tests override these to inject failures or delays.
 
