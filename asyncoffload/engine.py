@@ -11,13 +11,15 @@ import dataclasses
 import logging
 import math
 import os
+import signal
 import threading
 import traceback
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from types import TracebackType
+from types import FrameType, TracebackType
+from typing import Any
 
 import torch
 
@@ -66,6 +68,51 @@ def _after_fork_in_child() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+class _InterruptsHeld:
+    """While inside, a SIGINT is recorded instead of acted on; on leaving, the handler
+    that was installed runs (``KeyboardInterrupt`` for Python's default one).
+
+    The manager's bookkeeping is plain Python: a ``KeyboardInterrupt`` raised between two
+    of its updates (a slot taken from the free list and not yet in the policy, a pin
+    without its load) leaves it half updated, and no ``except`` can tell what to undo.
+    So each engine step that changes the manager and hands a copy to a lane runs whole,
+    and the interrupt comes at its end, where every slot is accounted for. Only the main
+    thread runs Python signal handlers (and may set them); elsewhere this does nothing.
+    Costs two ``sigaction`` calls per step.
+    """
+
+    __slots__ = ("_hit", "_old")
+
+    def __enter__(self) -> None:
+        self._old: Any = None
+        if threading.get_ident() != _MAIN_THREAD or _held[0]:
+            return
+        old = signal.getsignal(signal.SIGINT)
+        if not callable(old):  # SIG_IGN or SIG_DFL: nothing raises in Python code
+            return
+        self._hit = False
+
+        def record(signum: int, frame: FrameType | None) -> None:
+            self._hit = True
+
+        signal.signal(signal.SIGINT, record)
+        self._old = old
+        _held[0] = True
+
+    def __exit__(self, *exc: object) -> None:
+        old = self._old
+        if old is None:
+            return
+        _held[0] = False  # first: once the old handler is back, it may raise at any time
+        signal.signal(signal.SIGINT, old)
+        if self._hit:
+            old(signal.SIGINT, None)  # the default handler raises KeyboardInterrupt here
+
+
+_MAIN_THREAD = threading.main_thread().ident
+_held = [False]
 
 
 @dataclass(frozen=True)
@@ -428,7 +475,9 @@ class AsyncOffloadEngine:
         """Mark ``keys`` recently used; ``keys[0]`` becomes the most recently used."""
         self._check_usable()
         keys = self._check_keys(keys, "touch")
-        self._manager.touch(keys, self._check_ctx(ctx, "touch"))
+        ctx = self._check_ctx(ctx, "touch")
+        with _InterruptsHeld():
+            self._manager.touch(keys, ctx)
 
     async def prepare_load(
         self,
@@ -445,6 +494,15 @@ class AsyncOffloadEngine:
         source slots stay pinned (unevictable) until the copy ends. Awaiting the returned
         handle waits until the bytes are in the KV blocks.
         """
+        with _InterruptsHeld():
+            return self._prepare_load(keys, gpu_blocks, ctx)
+
+    def _prepare_load(
+        self,
+        keys: Sequence[OffloadKey],
+        gpu_blocks: Sequence[int] | torch.Tensor,
+        ctx: ReqContext | None,
+    ) -> Transfer:
         self._check_usable()
         keys = self._check_keys(keys, "prepare_load")
         ids = self._check_block_ids(gpu_blocks, len(keys), "prepare_load", unique=True)
@@ -503,6 +561,16 @@ class AsyncOffloadEngine:
         Keys skipped because another store of them is still in flight become loadable
         when that store completes, not with this handle.
         """
+        with _InterruptsHeld():
+            return self._prepare_store(keys, gpu_blocks, ctx, tokens)
+
+    def _prepare_store(
+        self,
+        keys: Sequence[OffloadKey],
+        gpu_blocks: Sequence[int] | torch.Tensor,
+        ctx: ReqContext | None,
+        tokens: BlockTokens | None,
+    ) -> Transfer | None:
         self._check_usable()
         keys = self._check_keys(keys, "prepare_store")
         ids = self._check_block_ids(gpu_blocks, len(keys), "prepare_store", unique=False)
@@ -731,6 +799,12 @@ class AsyncOffloadEngine:
     # 2 only resolves the handle. So the manager is told exactly once.
 
     def _store_done(self, job: CopyJob, handle: Transfer, ctx: ReqContext, step: list[int]) -> None:
+        with _InterruptsHeld():
+            self._store_done_held(job, handle, ctx, step)
+
+    def _store_done_held(
+        self, job: CopyJob, handle: Transfer, ctx: ReqContext, step: list[int]
+    ) -> None:
         error: BaseException | None = None
         try:
             if step[0]:
@@ -753,6 +827,17 @@ class AsyncOffloadEngine:
         self._resolve(handle, job, error)
 
     def _load_done(
+        self,
+        job: CopyJob,
+        handle: Transfer,
+        keys: list[OffloadKey],
+        ctx: ReqContext,
+        step: list[int],
+    ) -> None:
+        with _InterruptsHeld():
+            self._load_done_held(job, handle, keys, ctx, step)
+
+    def _load_done_held(
         self,
         job: CopyJob,
         handle: Transfer,

@@ -427,3 +427,43 @@ def test_a_failed_submission_leaves_no_cycle_holding_the_closed_engine() -> None
             gc.enable()
     finally:
         loop.close()
+
+
+def test_a_real_sigint_inside_the_managers_update_waits_for_the_step_to_end() -> None:
+    """A SIGINT landing between two of the manager's updates used to leave it half
+    updated (a slot off the free list and in no policy). The engine holds it until the
+    step (manager update and copy hand-off) is whole, then raises KeyboardInterrupt."""
+    import signal
+
+    engine, kv = make_engine(cpu_blocks=4)
+    manager = engine.manager
+    real = manager._allocate
+
+    def allocate_then_signal(n: int) -> list[int]:
+        ids = real(n)
+        signal.raise_signal(signal.SIGINT)  # the default handler would raise right here
+        return ids
+
+    loop = asyncio.new_event_loop()
+    try:
+        manager._allocate = allocate_then_signal  # type: ignore[method-assign]
+        keys = make_keys(2)
+        with pytest.raises(KeyboardInterrupt):
+            loop.run_until_complete(engine.prepare_store(keys, [0, 1]))
+        manager._allocate = real  # type: ignore[method-assign]
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        _run(loop, _settled(engine))
+        # The store went through whole: both keys loadable, every slot accounted for.
+        assert engine.lookup(keys) == 2
+        stats = manager.stats()
+        assert stats.ready == 2 and stats.free == 2 and stats.write_pending == 0
+
+        async def load_back() -> None:
+            handle = await engine.prepare_load(keys, [5, 6])
+            await handle
+
+        _run(loop, load_back())
+        assert block_bytes(kv, 5) == block_bytes(kv, 0)
+        _run(loop, engine.aclose())
+    finally:
+        loop.close()
