@@ -761,16 +761,17 @@ class AsyncOffloadEngine:
         error.__cause__ = exc
 
         def finish(_job: CopyJob | None = None) -> None:
-            try:
-                if step[0] < 2:
-                    step[0] = 1
-                    undo()
-                    step[0] = 2
-            finally:
-                if fut is not None:
-                    self._inflight.discard(fut)
-                    if not fut.done():
-                        fut.set_exception(error)
+            with _InterruptsHeld():  # the undo is a manager update: whole or not at all
+                try:
+                    if step[0] < 2:
+                        step[0] = 1
+                        undo()
+                        step[0] = 2
+                finally:
+                    if fut is not None:
+                        self._inflight.discard(fut)
+                        if not fut.done():
+                            fut.set_exception(error)
 
         if not attempted:
             finish()
