@@ -10,6 +10,7 @@ import asyncio
 import dataclasses
 import logging
 import math
+import operator
 import os
 import signal
 import threading
@@ -19,7 +20,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import FrameType, TracebackType
-from typing import Any
+from typing import Any, SupportsIndex, TypeAlias
 
 import torch
 
@@ -39,7 +40,7 @@ from asyncoffload.histogram import (
     Histogram,
     HistogramSnapshot,
 )
-from asyncoffload.keys import GROUP_IDX_BYTES, BlockTokens, OffloadKey
+from asyncoffload.keys import GROUP_IDX_BYTES, BlockTokens, IntArray, OffloadKey
 from asyncoffload.layout import KVLayout
 from asyncoffload.manager import CPUOffloadingManager, ManagerStats, OffloadingEvent, ReqContext
 from asyncoffload.transfer import CompletionBridge, CopyJob, CpuCopyBackend, TransferBackend
@@ -110,6 +111,10 @@ class _InterruptsHeld:
         if self._hit:
             old(signal.SIGINT, None)  # the default handler raises KeyboardInterrupt here
 
+
+#: KV block ids: ints (or anything ``operator.index`` takes: numpy and torch integer
+#: scalars), a 1-D integer torch tensor, or a 1-D integer numpy array (vLLM's tables).
+BlockIds: TypeAlias = "Sequence[SupportsIndex] | torch.Tensor | IntArray"
 
 _MAIN_THREAD = threading.main_thread().ident
 _held = [False]
@@ -432,23 +437,35 @@ class AsyncOffloadEngine:
             )
         return ctx
 
-    def _check_block_ids(
-        self, ids: Sequence[int] | torch.Tensor, n: int, what: str, unique: bool
-    ) -> list[int]:
+    def _check_block_ids(self, ids: BlockIds, n: int, what: str, unique: bool) -> list[int]:
         if isinstance(ids, torch.Tensor):
             if ids.dim() != 1 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
                 raise BlockIdError(f"{what}: block ids must be a 1-D integer tensor")
             if ids.is_meta:
                 raise BlockIdError(f"{what}: block ids on the meta device have no values")
-            out = ids.tolist()
+            raw: list[Any] = ids.tolist()
+        elif hasattr(ids, "dtype") and hasattr(ids, "tolist"):  # a numpy array (vLLM's tables)
+            kind = getattr(ids.dtype, "kind", None)
+            if kind not in ("i", "u") or getattr(ids, "ndim", 1) != 1:
+                raise BlockIdError(
+                    f"{what}: block ids must be a 1-D integer array, got dtype {ids.dtype}"
+                )
+            raw = ids.tolist()
         else:
-            out = list(ids)
-        if len(out) != n:
-            raise LengthMismatchError(f"{what}: {n} keys but {len(out)} block ids")
+            raw = list(ids)
+        if len(raw) != n:
+            raise LengthMismatchError(f"{what}: {n} keys but {len(raw)} block ids")
         limit = self.layout.num_blocks
-        for i, b in enumerate(out):
-            if isinstance(b, bool) or not isinstance(b, int):
-                raise BlockIdError(f"{what}: block id {b!r} at index {i} is not an int")
+        out: list[int] = []
+        for i, b in enumerate(raw):
+            # Anything operator.index takes (numpy and torch integer scalars too).
+            try:
+                if isinstance(b, bool):
+                    raise TypeError
+                b = operator.index(b)
+            except TypeError:
+                raise BlockIdError(f"{what}: block id {b!r} at index {i} is not an int") from None
+            out.append(b)
             if not 0 <= b < limit:
                 raise BlockIdError(
                     f"{what}: block id {b} at index {i} is outside [0, {limit}) of the KV cache"
@@ -482,7 +499,7 @@ class AsyncOffloadEngine:
     async def prepare_load(
         self,
         keys: Sequence[OffloadKey],
-        gpu_blocks: Sequence[int] | torch.Tensor,
+        gpu_blocks: BlockIds,
         ctx: ReqContext | None = None,
     ) -> Transfer:
         """Start copying stored ``keys`` into KV blocks ``gpu_blocks`` (same order).
@@ -500,7 +517,7 @@ class AsyncOffloadEngine:
     def _prepare_load(
         self,
         keys: Sequence[OffloadKey],
-        gpu_blocks: Sequence[int] | torch.Tensor,
+        gpu_blocks: BlockIds,
         ctx: ReqContext | None,
     ) -> Transfer:
         self._check_usable()
@@ -539,7 +556,7 @@ class AsyncOffloadEngine:
     async def prepare_store(
         self,
         keys: Sequence[OffloadKey],
-        gpu_blocks: Sequence[int] | torch.Tensor,
+        gpu_blocks: BlockIds,
         ctx: ReqContext | None = None,
         *,
         tokens: BlockTokens | None = None,
@@ -567,7 +584,7 @@ class AsyncOffloadEngine:
     def _prepare_store(
         self,
         keys: Sequence[OffloadKey],
-        gpu_blocks: Sequence[int] | torch.Tensor,
+        gpu_blocks: BlockIds,
         ctx: ReqContext | None,
         tokens: BlockTokens | None,
     ) -> Transfer | None:
@@ -584,7 +601,16 @@ class AsyncOffloadEngine:
         if ctx.tokens is not None:
             _check_described(keys, ctx.tokens)
         bridge = self._ensure_bridge()
-        out = self._manager.prepare_store(keys, ctx)
+        manager = self._manager
+        if len(keys) > manager.num_blocks:  # then maybe more new keys than the tier holds
+            new = sum(1 for key in dict.fromkeys(keys) if manager.block_of(key) is None)
+            if new > manager.num_blocks:
+                raise ValueError(
+                    f"prepare_store: {new} keys to store, more than the {manager.num_blocks} "
+                    "blocks the CPU tier holds: this store can never succeed (store the "
+                    "keys in parts, or give the tier more blocks)"
+                )
+        out = manager.prepare_store(keys, ctx)
         if out is None:
             self._publish_events()
             self._stores_rejected += 1

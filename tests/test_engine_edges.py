@@ -467,3 +467,45 @@ def test_a_real_sigint_inside_the_managers_update_waits_for_the_step_to_end() ->
         _run(loop, engine.aclose())
     finally:
         loop.close()
+
+
+# --- first contact (issue 12) ----------------------------------------------------------
+
+
+async def test_numpy_and_torch_block_ids_are_accepted() -> None:
+    np = pytest.importorskip("numpy")
+    engine, kv = make_engine()
+    async with engine:
+        keys = make_keys(3)
+        handle = await engine.prepare_store(keys, np.array([0, 1, 2]))
+        assert handle is not None
+        await handle
+        load = await engine.prepare_load(keys, np.array([7, 8, 9], dtype=np.int32))
+        await load
+        assert block_bytes(kv, 8) == block_bytes(kv, 1)
+        more = make_keys(2, prefix=b"m")
+        handle = await engine.prepare_store(more, [np.int64(3), torch.tensor(4)])
+        assert handle is not None
+        await handle
+        before = state_of(engine)
+        for bad in (np.array([0.0, 1.0]), np.array([[0, 1]]), [np.float64(1.0), 2]):
+            with pytest.raises(ao.BlockIdError):
+                await engine.prepare_store(make_keys(2, prefix=b"x"), bad)
+        assert state_of(engine) == before
+
+
+async def test_a_store_larger_than_the_tier_is_refused_naming_both_numbers() -> None:
+    engine, _ = make_engine(cpu_blocks=4, gpu_blocks=8)
+    async with engine:
+        before = state_of(engine)
+        with pytest.raises(ValueError, match=r"5 keys to store, more than the 4 blocks"):
+            await engine.prepare_store(make_keys(5), [0, 1, 2, 3, 4])
+        assert state_of(engine) == before
+        # Room right now is another matter: None, as before.
+        pinned = make_keys(4, prefix=b"p")
+        handle = await engine.prepare_store(pinned, [0, 1, 2, 3])
+        assert handle is not None
+        await handle
+        load = await engine.prepare_load(pinned, [4, 5, 6, 7])
+        assert await engine.prepare_store(make_keys(1, prefix=b"q"), [0]) is None
+        await load
