@@ -37,3 +37,11 @@ def test_a_demo_too_large_for_the_machine_fails_at_once_naming_layers(
     err = capsys.readouterr().err
     assert "--layers 100000" in err and "of host memory" in err
     assert "Traceback" not in err
+
+
+def test_a_tier_too_large_for_the_machine_fails_before_allocating() -> None:
+    import torch
+
+    kv = [torch.zeros((2, 8, 4, 2, 8), dtype=torch.bfloat16)]
+    with pytest.raises(ao.HostMemoryError, match=r"cpu_blocks\) needs .* TiB of host memory"):
+        ao.AsyncOffloadEngine(kv, ao.EngineConfig(cpu_blocks=10**12))

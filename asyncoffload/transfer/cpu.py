@@ -29,6 +29,7 @@ from typing import Literal
 import torch
 
 from asyncoffload._native import load_copy_engine
+from asyncoffload.hostmem import check_host_bytes, format_bytes
 from asyncoffload.layout import KVLayout
 from asyncoffload.transfer.base import CopyJob, TransferBackend, forked_since, host_bytes
 from asyncoffload.transfer.faults import FaultDecision, wrap_job
@@ -305,6 +306,11 @@ class CpuCopyBackend(TransferBackend):
         super().__init__(layout, num_host_blocks)
         self._kv = list(kv_caches)  # the native lanes hold raw addresses into these
         self._fragments = layout.fragment_views(self._kv)
+        check_host_bytes(
+            num_host_blocks * layout.block_bytes,
+            f"the CPU tier ({num_host_blocks} blocks of {format_bytes(layout.block_bytes)}: "
+            "cpu_blocks)",
+        )
         self.host = torch.zeros((num_host_blocks, layout.block_bytes), dtype=torch.uint8)
         frag = layout.fragment_bytes
         self._host_columns = [

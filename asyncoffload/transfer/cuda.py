@@ -36,6 +36,7 @@ from typing import Any, Literal
 import torch
 
 from asyncoffload._native import load_cuda_helpers
+from asyncoffload.hostmem import check_host_bytes, format_bytes
 from asyncoffload.layout import KVLayout
 from asyncoffload.transfer.base import CopyJob, TransferBackend, forked_since, host_bytes
 
@@ -417,6 +418,11 @@ class CudaCopyBackend(TransferBackend):
         self._frags = layout.fragment_views(self._kv)
         frag = layout.fragment_bytes
         with torch.cuda.device(self.device):
+            check_host_bytes(
+                num_host_blocks * layout.block_bytes,
+                f"the CPU tier ({num_host_blocks} blocks of "
+                f"{format_bytes(layout.block_bytes)}: cpu_blocks)",
+            )
             self.pool = PinnedHostPool(num_host_blocks, layout.block_bytes, chunk_bytes, pin)
             self._streams = (_new_stream(self.device), _new_stream(self.device))
         self._kv_base = torch.tensor([v.data_ptr() for v in self._frags], dtype=torch.int64)
