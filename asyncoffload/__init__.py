@@ -29,8 +29,9 @@ from asyncoffload.errors import (
     TransferError,
     UnknownKeyError,
 )
-from asyncoffload.events import EventSubscription, Lagged
+from asyncoffload.events import EventSubscription, Lagged, SubscriptionStats
 from asyncoffload.handles import Transfer, TransferResult
+from asyncoffload.histogram import HistogramSnapshot
 from asyncoffload.keys import (
     BlockTokens,
     OffloadKey,
@@ -56,6 +57,12 @@ from asyncoffload.manager import (
     available_policies,
     register_policy,
 )
+from asyncoffload.manager.admission import (
+    AdmissionFilter,
+    available_admissions,
+    register_admission,
+)
+from asyncoffload.manager.policies.kv import KVPolicy
 from asyncoffload.transfer import (
     CopyJob,
     CpuCopyBackend,
@@ -68,6 +75,7 @@ from asyncoffload.transfer import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "AdmissionFilter",
     "AsyncOffloadEngine",
     "AsyncOffloadError",
     "BlockIdError",
@@ -84,9 +92,11 @@ __all__ = [
     "EventSubscription",
     "Fault",
     "FaultPlan",
+    "HistogramSnapshot",
     "HostMemoryError",
     "InjectedFault",
     "KVLayout",
+    "KVPolicy",
     "KeyNotReadyError",
     "Lagged",
     "LengthMismatchError",
@@ -98,12 +108,14 @@ __all__ = [
     "OffloadingManager",
     "PrepareStoreOutput",
     "ReqContext",
+    "SubscriptionStats",
     "Transfer",
     "TransferBackend",
     "TransferError",
     "TransferResult",
     "UnknownKeyError",
     "__version__",
+    "available_admissions",
     "available_policies",
     "get_offload_block_hash",
     "get_offload_group_idx",
@@ -111,6 +123,7 @@ __all__ = [
     "keys_for_tokens",
     "make_offload_key",
     "new_event_loop",
+    "register_admission",
     "register_policy",
     "run",
 ]
