@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import re
+from decimal import Decimal, InvalidOperation
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -10,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from asyncoffload.manager.admission import available_admissions
 from asyncoffload.manager.policies import available_policies
 
-__all__ = ["EngineConfig", "known_admission", "known_policy"]
+__all__ = ["EngineConfig", "known_admission", "known_policy", "parse_bytes"]
 
 CompletionMode = Literal["auto", "eventfd", "poll"]
 
@@ -38,6 +40,65 @@ def known_admission(value: object) -> object:
     return value
 
 
+# --- byte sizes (cpu_bytes) ------------------------------------------------------------
+
+#: Units of a byte size: decimal (powers of 1000) and binary (powers of 1024), spelled out.
+_BYTE_UNITS = {
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "pb": 10**15,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+    "pib": 2**50,
+}
+_BYTE_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*$", re.IGNORECASE)
+
+
+def parse_bytes(value: object, what: str = "size") -> int:
+    """A byte count from an int or a string: ``"16GiB"``, ``"16 GB"``, ``"512MiB"``,
+    ``"1073741824"``. Units are explicit: ``KB``/``MB``/``GB``/``TB``/``PB`` are powers of
+    1000, ``KiB``/``MiB``/``GiB``/``TiB``/``PiB`` powers of 1024 (case is ignored); a bare
+    ``"16G"`` is ambiguous and rejected. ``ValueError`` naming ``what`` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ValueError(
+            f"{what}: expected a byte count (an int, or a string like '16GiB' or '16 GB'), "
+            f"got {value!r}"
+        )
+    if isinstance(value, int):
+        n = value
+    else:
+        match = _BYTE_SIZE.match(value)
+        if match is None:
+            raise ValueError(
+                f"{what}: {value!r} is not a byte size; write e.g. '16GiB', '16 GB', "
+                "'512MiB' or a number of bytes"
+            )
+        number, unit = match.groups()
+        factor = _BYTE_UNITS.get(unit.lower() or "b")
+        if factor is None:
+            hint = (
+                f" ('{unit}B' for powers of 1000 or '{unit}iB' for powers of 1024)"
+                if unit.lower() in ("k", "m", "g", "t", "p")
+                else ""
+            )
+            units = ", ".join(u.upper().replace("I", "i") for u in _BYTE_UNITS)
+            raise ValueError(
+                f"{what}: unknown unit {unit!r} in {value!r}{hint}; use one of {units}"
+            )
+        try:
+            n = int(Decimal(number) * factor)
+        except InvalidOperation:  # pragma: no cover - the pattern admits only numbers
+            raise ValueError(f"{what}: {value!r} is not a byte size") from None
+    if n <= 0:
+        raise ValueError(f"{what}: must be more than 0 bytes, got {value!r}")
+    return n
+
+
 class EngineConfig(BaseModel):
     """Settings of an :class:`~asyncoffload.AsyncOffloadEngine`.
 
@@ -48,6 +109,13 @@ class EngineConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     cpu_blocks: int = Field(1024, gt=0, description="Slots of the CPU tier, one KV block each.")
+    cpu_bytes: int | None = Field(
+        None,
+        description="Size of the CPU tier in bytes instead of cpu_blocks: an int or a string "
+        "like '16GiB', '16 GB', '512MiB' (KB/MB/GB: powers of 1000; KiB/MiB/GiB: powers of "
+        "1024). The engine resolves cpu_blocks = cpu_bytes // layout.block_bytes. Cannot be "
+        "combined with an explicit cpu_blocks.",
+    )
     policy: str = Field(
         "lru", description="Registered cache policy name: 'lru', 'arc', 'kv', 's3fifo', ..."
     )
@@ -122,6 +190,34 @@ class EngineConfig(BaseModel):
         if isinstance(value, bool):
             raise ValueError(f"expected an integer, got {value!r}")
         return value
+
+    @field_validator("cpu_bytes", mode="before")
+    @classmethod
+    def _byte_size(cls, value: object) -> object:
+        return None if value is None else parse_bytes(value, "cpu_bytes")
+
+    @model_validator(mode="after")
+    def _one_capacity(self) -> EngineConfig:
+        if self.cpu_bytes is not None and "cpu_blocks" in self.model_fields_set:
+            raise ValueError(
+                f"give either cpu_blocks ({self.cpu_blocks}) or cpu_bytes ({self.cpu_bytes}), "
+                "not both"
+            )
+        return self
+
+    def resolve_blocks(self, block_bytes: int) -> EngineConfig:
+        """This config with ``cpu_blocks`` resolved from ``cpu_bytes`` for KV blocks of
+        ``block_bytes`` each (itself when ``cpu_bytes`` is None); ``ValueError`` naming
+        both sizes when not one block fits."""
+        if self.cpu_bytes is None:
+            return self
+        blocks = self.cpu_bytes // block_bytes
+        if blocks <= 0:
+            raise ValueError(
+                f"cpu_bytes={self.cpu_bytes} holds no KV block: one block takes {block_bytes} bytes"
+            )
+        # Already validated; model_copy keeps cpu_bytes (what was asked) next to the blocks.
+        return self.model_copy(update={"cpu_blocks": blocks})
 
     @field_validator("admission", mode="before")
     @classmethod

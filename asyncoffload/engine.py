@@ -40,6 +40,7 @@ from asyncoffload.histogram import (
     Histogram,
     HistogramSnapshot,
 )
+from asyncoffload.hostmem import format_bytes
 from asyncoffload.keys import GROUP_IDX_BYTES, BlockTokens, IntArray, OffloadKey
 from asyncoffload.layout import KVLayout
 from asyncoffload.manager import CPUOffloadingManager, ManagerStats, OffloadingEvent, ReqContext
@@ -217,9 +218,19 @@ class AsyncOffloadEngine:
         layout: KVLayout | None = None,
         backend: TransferBackend | None = None,
     ) -> None:
-        self.config = config if config is not None else EngineConfig()
+        config = config if config is not None else EngineConfig()
         self.layout = layout if layout is not None else KVLayout.infer(kv_caches)
+        # cpu_bytes -> cpu_blocks for this layout's blocks: self.config is the resolved copy.
+        self.config = config.resolve_blocks(self.layout.block_bytes)
         cfg = self.config
+        if cfg.cpu_bytes is not None:
+            log.info(
+                "asyncoffload: cpu_bytes=%d (%s) resolved to cpu_blocks=%d of %d bytes each",
+                cfg.cpu_bytes,
+                format_bytes(cfg.cpu_bytes),
+                cfg.cpu_blocks,
+                self.layout.block_bytes,
+            )
         self._manager = CPUOffloadingManager(
             cfg.cpu_blocks,
             cfg.policy,
