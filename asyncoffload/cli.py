@@ -489,7 +489,14 @@ def _check_output(
 def _run_replay(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     import json
 
-    from asyncoffload.replay import BELADY, format_table, parse_spec, plot, replay_matrix
+    from asyncoffload.replay import (
+        BELADY,
+        format_table,
+        infinite_tier_hit_rate,
+        parse_spec,
+        plot,
+        replay_matrix,
+    )
     from asyncoffload.workloads import summarize
 
     try:
@@ -528,7 +535,8 @@ def _run_replay(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
     headline = (
         f"asyncoffload replay: {args.trace}: {summary.requests:,} requests, "
         f"{summary.total_blocks:,} blocks, {summary.unique_blocks:,} unique "
-        f"(an infinite tier would hit {summary.reusable_fraction:.3f})"
+        f"(an infinite tier would hit {infinite_tier_hit_rate(requests, args.metric):.3f} "
+        f"of the {args.metric}s)"
     )
     print(textwrap.fill(headline, terminal_columns() - 1, subsequent_indent="  ") + "\n")
     print(f"prefix hit rate ({args.metric}s) / blocks written, by tier capacity:\n")
@@ -563,7 +571,12 @@ def _run_replay(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
         with open(args.json, "w") as fh:
             json.dump({"trace": args.trace, "results": rows}, fh, indent=1)
     if args.plot:
-        plot(results, args.plot, title=f"{args.trace.rsplit('/', 1)[-1]}: hit rate vs capacity")
+        plot(
+            results,
+            args.plot,
+            title=f"{args.trace.rsplit('/', 1)[-1]}: hit rate and blocks written vs capacity",
+            metric=args.metric,
+        )
         print(f"\nplot: {args.plot}")
     return 0
 

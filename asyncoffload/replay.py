@@ -18,7 +18,7 @@ block whose next use is furthest away), which also declines to store a block tha
 never used again. It needs the future, so it is not a registered policy.
 
 :func:`replay_matrix` runs policies x capacities; :func:`format_table` and
-:func:`plot` present the results.
+:func:`plot` (:func:`figure`) present the results.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import math
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from asyncoffload._term import fitted_table
 from asyncoffload.keys import OffloadKey
@@ -38,6 +39,9 @@ from asyncoffload.manager.base import BlockStatus
 from asyncoffload.manager.policies import CachePolicy
 from asyncoffload.workloads import Request, summarize
 
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
 __all__ = [
     "BELADY",
     "LLAMA3_8B_BYTES_PER_TOKEN",
@@ -46,7 +50,9 @@ __all__ = [
     "ReplayResult",
     "belady",
     "capacity_blocks",
+    "figure",
     "format_table",
+    "infinite_tier_hit_rate",
     "parse_spec",
     "plot",
     "replay",
@@ -597,8 +603,35 @@ def format_table(
     return fitted_table(rows, columns)
 
 
-def plot(results: Sequence[ReplayResult], path: str, title: str = "") -> None:
-    """A PNG of hit rate (blocks) against capacity, one line per policy (matplotlib)."""
+def infinite_tier_hit_rate(requests: Sequence[Request], metric: str = "block") -> float:
+    """The prefix hit rate of a tier that holds everything, stored at once: what the
+    table's rates would reach with unlimited capacity, in the table's ``metric``."""
+    if metric not in ("block", "token"):
+        raise ValueError(f"metric must be 'block' or 'token', got {metric!r}")
+    seen: set[OffloadKey] = set()
+    hit = total = 0
+    for req in requests:
+        hits = 0
+        for key in req.keys:
+            if key not in seen:
+                break
+            hits += 1
+        if metric == "block":
+            hit += hits
+            total += len(req.keys)
+        else:
+            hit += sum(req.block_tokens()[:hits])
+            total += req.input_tokens
+        seen.update(req.keys)
+    return hit / total if total else 0.0
+
+
+def figure(results: Sequence[ReplayResult], title: str = "", metric: str = "block") -> Figure:
+    """A figure of two panels against capacity, one line per policy (matplotlib): the
+    prefix hit rate (``metric``: ``"block"`` or ``"token"``) and the blocks written to
+    the tier. The legend sits below the panels, where it covers no point."""
+    if metric not in ("block", "token"):
+        raise ValueError(f"metric must be 'block' or 'token', got {metric!r}")
     try:
         import matplotlib
 
@@ -606,27 +639,46 @@ def plot(results: Sequence[ReplayResult], path: str, title: str = "") -> None:
         import matplotlib.pyplot as plt
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise RuntimeError("plotting needs matplotlib: pip install 'asyncoffload[replay]'") from exc
-    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
+    fig, (hits, written) = plt.subplots(1, 2, figsize=(11, 4.8), dpi=120)
     policies: list[str] = []
     for r in results:
         if r.label not in policies:
             policies.append(r.label)
     markers = "os^vDP*Xh<>"
+    shares = sorted({r.capacity_share for r in results})
     for i, p in enumerate(policies):
-        pts = sorted((r.capacity_share, r.block_hit_rate) for r in results if r.label == p)
+        mine = sorted((r for r in results if r.label == p), key=lambda r: r.capacity_share)
+        xs = [r.capacity_share * 100 for r in mine]
+        rates = [r.block_hit_rate if metric == "block" else r.token_hit_rate for r in mine]
         style = "k--" if p == BELADY else "-"
         marker = "o" if p == BELADY else markers[i % len(markers)]
-        ax.plot([x * 100 for x, _ in pts], [y for _, y in pts], style, marker=marker, label=p)
-    ax.set_xscale("log")
-    shares = sorted({r.capacity_share for r in results})
-    ax.set_xticks([x * 100 for x in shares], [_share_label(x) for x in shares])
-    ax.minorticks_off()
-    ax.set_xlabel("capacity (share of the workload's unique blocks)")
-    ax.set_ylabel("prefix hit rate (blocks)")
+        hits.plot(xs, rates, style, marker=marker, label=p)
+        written.plot(xs, [r.stored for r in mine], style, marker=marker, label=p)
+    for ax in (hits, written):
+        ax.set_xscale("log")
+        ax.set_xticks([x * 100 for x in shares], [_share_label(x) for x in shares])
+        ax.minorticks_off()
+        ax.set_xlabel("capacity (share of the workload's unique blocks)")
+        ax.grid(True, which="both", alpha=0.3)
+    hits.set_ylabel(f"prefix hit rate ({metric}s)")
+    written.set_ylabel("blocks written to the tier")
     if title:
-        ax.set_title(title)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+        fig.suptitle(title)
+    handles, labels = hits.get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 6), frameon=False)
+    rows = -(-len(labels) // 6)
+    fig.tight_layout(rect=(0, 0.06 * rows + 0.02, 1, 1))
+    return fig
+
+
+def plot(
+    results: Sequence[ReplayResult], path: str, title: str = "", metric: str = "block"
+) -> None:
+    """Write :func:`figure` to ``path`` (any format matplotlib saves: .png, .svg, .pdf)."""
+    import matplotlib.pyplot as plt
+
+    fig = figure(results, title, metric)
+    try:
+        fig.savefig(path)
+    finally:
+        plt.close(fig)

@@ -213,6 +213,51 @@ def test_matrix_table_and_plot(tmp_path: Path) -> None:
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.parametrize("metric", ["block", "token"])
+def test_the_plot_shows_the_chosen_metric_blocks_written_and_a_legend_off_the_points(
+    metric: str,
+) -> None:
+    import matplotlib.pyplot as plt
+
+    from asyncoffload.replay import figure
+
+    reqs = small_workload(7, n=200)
+    results = replay_matrix(reqs, [0.05, 0.2], ["lru", BELADY])
+    fig = figure(results, title="t", metric=metric)
+    try:
+        hits, written = fig.axes
+        assert metric in hits.get_ylabel() and "written" in written.get_ylabel()
+        by_label = {line.get_label(): line for line in hits.get_lines()}
+        lru = [r for r in results if r.label == "lru"]
+        expected = [r.block_hit_rate if metric == "block" else r.token_hit_rate for r in lru]
+        assert [float(y) for y in by_label["lru"].get_ydata()] == pytest.approx(expected)  # type: ignore[union-attr,arg-type]
+        stored = {
+            line.get_label(): [int(y) for y in line.get_ydata()]  # type: ignore[union-attr,arg-type]
+            for line in written.get_lines()
+        }
+        assert stored["lru"] == [r.stored for r in lru]
+        # The legend is the figure's, below both panels: it covers no point.
+        assert hits.get_legend() is None and len(fig.legends) == 1
+        fig.canvas.draw()
+        legend_box = fig.legends[0].get_window_extent()
+        for ax in fig.axes:
+            assert legend_box.y1 <= ax.get_window_extent().y0
+    finally:
+        plt.close(fig)
+
+
+@pytest.mark.parametrize("metric", ["block", "token"])
+def test_the_infinite_tier_rate_is_what_the_bound_reaches_with_room_for_everything(
+    metric: str,
+) -> None:
+    from asyncoffload.replay import infinite_tier_hit_rate
+
+    reqs = small_workload(3, n=200)
+    (everything,) = replay_matrix(reqs, [1.0], ["lru"])
+    rate = everything.block_hit_rate if metric == "block" else everything.token_hit_rate
+    assert infinite_tier_hit_rate(reqs, metric) == pytest.approx(rate)
+
+
 # --- the command -------------------------------------------------------------------------
 
 
