@@ -2,12 +2,30 @@
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
+from collections.abc import Mapping
 from decimal import Decimal, InvalidOperation
+from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    create_model,
+    field_validator,
+    model_validator,
+)
+from pydantic_settings import (
+    BaseSettings,
+    EnvSettingsSource,
+    JsonConfigSettingsSource,
+    PydanticBaseSettingsSource,
+    TomlConfigSettingsSource,
+)
 
 from asyncoffload.manager.admission import available_admissions
 from asyncoffload.manager.policies import available_policies
@@ -231,12 +249,161 @@ class EngineConfig(BaseModel):
         return self
 
     @classmethod
-    def from_env(cls, prefix: str = "ASYNCOFFLOAD_", **overrides: Any) -> EngineConfig:
-        """Fields from ``{prefix}{FIELD}`` environment variables, then ``overrides``."""
-        values: dict[str, Any] = {}
-        for name in cls.model_fields:
-            raw = os.environ.get(prefix + name.upper())
-            if raw is not None:
-                values[name] = raw
-        values.update(overrides)
-        return cls.model_validate(values)
+    def from_env(
+        cls,
+        prefix: str = "ASYNCOFFLOAD_",
+        config_file: str | os.PathLike[str] | None = None,
+        **overrides: Any,
+    ) -> EngineConfig:
+        """Fields from a config file, then ``{prefix}{FIELD}`` environment variables, then
+        ``overrides`` (each wins over the one before), validated once.
+
+        ``config_file`` (or, when it is None, the ``{prefix}CONFIG`` variable) names a TOML
+        (``.toml``) or JSON file of field names and values. A ``{prefix}*`` variable that
+        is neither a field nor one of the package's other variables, or an unknown key in
+        the file, raises ``ValueError`` naming it (with the closest known name). Values
+        that fail validation raise ``ValueError`` naming their variable or file and key:
+        ``ASYNCOFFLOAD_CPU_BLOCKS='abc': Input should be a valid integer, ...``.
+        """
+        return _from_sources(cls, prefix, config_file, overrides)
+
+
+# --- configuration from the environment and a file (pydantic-settings) -------------------
+
+#: ``ASYNCOFFLOAD_*`` variables the package reads elsewhere (suffixes after the prefix):
+#: not EngineConfig fields, and not typos either.
+OTHER_ENV_SUFFIXES = (
+    "CONFIG",  # from_env's config file
+    "LOG_LEVEL",  # asyncoffload.logs
+    "NO_NATIVE",
+    "CACHE_DIR",
+    "COMPILE_TIMEOUT",
+    "INSTALL_DIR",  # the native helpers' build
+    "KERNEL_TILE_WORDS",
+    "KERNEL_WARPS",
+    "PAGED_TILE",
+    "PAGED_WARPS",  # the Triton kernels
+    "TRACE_DIR",
+    "SOAK",
+    "SIGINT_RUNS",  # the test suite
+)
+
+
+def _source_model(model: type[BaseModel]) -> type[BaseSettings]:
+    """A settings class with ``model``'s field names, every one ``Any``: the sources hand
+    over raw values (strings from the environment), which ``model`` then validates, so
+    that each error can be traced to where its value came from."""
+    fields: dict[str, Any] = {name: (Any, None) for name in model.model_fields}
+    settings: type[BaseSettings] = create_model(
+        f"_{model.__name__}Sources", __base__=BaseSettings, **fields
+    )
+    return settings
+
+
+def _suggest(name: str, known: list[str]) -> str:
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
+def _read_file(
+    settings: type[BaseSettings], path: Path, fields: Mapping[str, object]
+) -> dict[str, Any]:
+    suffix = path.suffix.lower()
+    if not path.is_file():
+        raise ValueError(f"config file {path}: no such file")
+    source: PydanticBaseSettingsSource
+    try:
+        if suffix == ".toml":
+            source = TomlConfigSettingsSource(settings, toml_file=path)
+        elif suffix == ".json":
+            source = JsonConfigSettingsSource(settings, json_file=path)
+        else:
+            raise ValueError(
+                f"config file {path}: unknown format {suffix or '(no suffix)'!r}; "
+                "use a .toml or a .json file"
+            )
+        data = source()
+    except ValueError:
+        raise
+    except Exception as exc:  # a syntax error, an unreadable file
+        raise ValueError(f"config file {path}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ValueError(f"config file {path}: expected a table of settings")
+    for key in data:
+        if key not in fields:
+            hint = _suggest(key, list(fields))
+            raise ValueError(
+                f"config file {path}: unknown key {key!r}{hint}; known: {', '.join(fields)}"
+            )
+    return dict(data)
+
+
+def _check_env_names(prefix: str, fields: Mapping[str, object]) -> dict[str, str]:
+    """The environment's ``{prefix}*`` variables by field name; ``ValueError`` naming
+    those that are neither fields nor the package's other variables."""
+    if not prefix:
+        return {}
+    upper = prefix.upper()
+    by_field = {upper + name.upper(): name for name in fields}
+    others = {upper + suffix for suffix in OTHER_ENV_SUFFIXES}
+    found: dict[str, str] = {}
+    unknown: list[str] = []
+    for var in os.environ:
+        key = var.upper()
+        if not key.startswith(upper):
+            continue
+        if key in by_field:
+            found[by_field[key]] = var
+        elif key not in others:
+            unknown.append(var)
+    if unknown:
+        known = [*by_field, *sorted(others)]
+        lines = [f"{var}{_suggest(var.upper(), known)}" for var in sorted(unknown)]
+        raise ValueError(
+            f"unknown environment variable{'s' if len(lines) > 1 else ''} "
+            f"{', '.join(lines)}; EngineConfig reads {', '.join(by_field)}"
+        )
+    return found
+
+
+def _from_sources(
+    model: type[EngineConfig],
+    prefix: str,
+    config_file: str | os.PathLike[str] | None,
+    overrides: dict[str, Any],
+) -> EngineConfig:
+    fields = model.model_fields
+    settings = _source_model(model)
+    env_names = _check_env_names(prefix, fields)
+    values: dict[str, Any] = {}
+    origin: dict[str, str] = {}
+    if config_file is None and prefix:
+        config_file = os.environ.get(prefix + "CONFIG") or None
+    if config_file is not None:
+        path = Path(config_file)
+        for key, value in _read_file(settings, path, fields).items():
+            values[key] = value
+            origin[key] = f"config file {path}: {key}={value!r}"
+    env = EnvSettingsSource(settings, env_prefix=prefix, case_sensitive=False)()
+    for key, value in env.items():
+        if key in fields:
+            values[key] = value
+            origin[key] = f"{env_names.get(key, prefix + key.upper())}={value!r}"
+    for key, value in overrides.items():
+        values[key] = value
+        origin[key] = f"{key}={value!r}"
+    try:
+        return model.model_validate(values)
+    except ValidationError as exc:
+        lines = []
+        for err in exc.errors():
+            loc = err["loc"]
+            field = str(loc[0]) if loc else None
+            if field is None:
+                where = ", ".join(origin.values()) or "the defaults"
+                lines.append(f"{err['msg']} (from {where})")
+            else:
+                where = origin.get(field, field)
+                rest = "".join(f"[{part!r}]" for part in loc[1:])
+                lines.append(f"{where}{rest}: {err['msg']}")
+        raise ValueError("invalid EngineConfig: " + "; ".join(lines)) from exc

@@ -4,6 +4,7 @@ file, and the engine's periodic summary line."""
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
@@ -80,3 +81,85 @@ def test_engine_rejects_cpu_bytes_smaller_than_a_block() -> None:
     kv = random_kv(2, 32)
     with pytest.raises(ValueError, match="cpu_bytes=100 holds no KV block: one block takes 512"):
         ao.AsyncOffloadEngine(kv, ao.EngineConfig(cpu_bytes=100, copy_engine="threads"))
+
+
+# --- from_env: pydantic-settings, a config file, unknown variables ------------------------
+
+
+@pytest.fixture
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    """No ASYNCOFFLOAD_* variable from the surrounding environment."""
+    import os
+
+    for var in list(os.environ):
+        if var.upper().startswith("ASYNCOFFLOAD_"):
+            monkeypatch.delenv(var)
+    return monkeypatch
+
+
+def test_from_env_reads_fields_and_overrides_win(clean_env: pytest.MonkeyPatch) -> None:
+    clean_env.setenv("ASYNCOFFLOAD_CPU_BYTES", "1 MiB")
+    clean_env.setenv("ASYNCOFFLOAD_PIN_MEMORY", "false")
+    clean_env.setenv("ASYNCOFFLOAD_POLICY", "arc")
+    clean_env.setenv("ASYNCOFFLOAD_NO_NATIVE", "1")  # the package's own, not a field
+    clean_env.setenv("ASYNCOFFLOAD_LOG_LEVEL", "INFO")
+    cfg = ao.EngineConfig.from_env(policy="lru")
+    assert (cfg.cpu_bytes, cfg.pin_memory, cfg.policy) == (1 << 20, False, "lru")
+
+
+def test_a_mistyped_variable_is_reported_with_a_suggestion(
+    clean_env: pytest.MonkeyPatch,
+) -> None:
+    clean_env.setenv("ASYNCOFFLOAD_CPU_BLOCK", "64")
+    with pytest.raises(
+        ValueError,
+        match=r"unknown environment variable ASYNCOFFLOAD_CPU_BLOCK "
+        r"\(did you mean ASYNCOFFLOAD_CPU_BLOCKS\?\)",
+    ):
+        ao.EngineConfig.from_env()
+
+
+def test_errors_name_the_variable(clean_env: pytest.MonkeyPatch) -> None:
+    clean_env.setenv("ASYNCOFFLOAD_CPU_BLOCKS", "abc")
+    with pytest.raises(ValueError, match=r"ASYNCOFFLOAD_CPU_BLOCKS='abc': Input should be"):
+        ao.EngineConfig.from_env()
+    clean_env.setenv("ASYNCOFFLOAD_CPU_BLOCKS", "8")
+    clean_env.setenv("ASYNCOFFLOAD_CPU_BYTES", "1GiB")
+    with pytest.raises(ValueError, match=r"either cpu_blocks \(8\) or cpu_bytes"):
+        ao.EngineConfig.from_env()
+
+
+@pytest.mark.parametrize("suffix", [".toml", ".json"])
+def test_config_file_then_environment(
+    clean_env: pytest.MonkeyPatch, tmp_path: Path, suffix: str
+) -> None:
+    path = tmp_path / f"offload{suffix}"
+    if suffix == ".toml":
+        path.write_text('cpu_bytes = "2 MiB"\npolicy = "arc"\nevent_buffer = 16\n')
+    else:
+        path.write_text('{"cpu_bytes": "2 MiB", "policy": "arc", "event_buffer": 16}')
+    clean_env.setenv("ASYNCOFFLOAD_POLICY", "sieve")  # the environment wins over the file
+    cfg = ao.EngineConfig.from_env(config_file=path)
+    assert (cfg.cpu_bytes, cfg.policy, cfg.event_buffer) == (2 << 20, "sieve", 16)
+    clean_env.setenv("ASYNCOFFLOAD_CONFIG", str(path))  # the file named by the environment
+    assert ao.EngineConfig.from_env().event_buffer == 16
+
+
+def test_config_file_errors_name_the_file_and_key(
+    clean_env: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    path = tmp_path / "offload.toml"
+    path.write_text("event_buffer = -3\n")
+    with pytest.raises(ValueError, match=r"offload.toml: event_buffer=-3: Input should be"):
+        ao.EngineConfig.from_env(config_file=path)
+    path.write_text("cpu_block = 3\n")
+    with pytest.raises(
+        ValueError, match=r"offload.toml: unknown key 'cpu_block' \(did you mean cpu_blocks\?\)"
+    ):
+        ao.EngineConfig.from_env(config_file=path)
+    with pytest.raises(ValueError, match="no such file"):
+        ao.EngineConfig.from_env(config_file=tmp_path / "missing.toml")
+    bad = tmp_path / "offload.yaml"
+    bad.write_text("x: 1\n")
+    with pytest.raises(ValueError, match=r"use a \.toml or a \.json file"):
+        ao.EngineConfig.from_env(config_file=bad)
