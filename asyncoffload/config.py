@@ -187,6 +187,13 @@ class EngineConfig(BaseModel):
     max_tracker_size: int = Field(
         64_000, gt=0, description="Keys whose offers store_threshold remembers."
     )
+    log_summary_s: float | None = Field(
+        None,
+        gt=0,
+        description="Log a one-line INFO summary (lookup hit rate, stores and loads with "
+        "their GB/s, evictions, in flight) every this many seconds, from the engine's first "
+        "use to aclose(); None: never.",
+    )
 
     @field_validator("policy")
     @classmethod

@@ -14,6 +14,7 @@ import operator
 import os
 import signal
 import threading
+import time
 import traceback
 import warnings
 import weakref
@@ -263,6 +264,9 @@ class AsyncOffloadEngine:
         self._load_hist = Histogram(TRANSFER_BUCKETS_S)
         self._store_rate = Histogram(BYTES_PER_SECOND_BUCKETS)
         self._load_rate = Histogram(BYTES_PER_SECOND_BUCKETS)
+        # config.log_summary_s: the summary timer and the counters at the last line.
+        self._summary_timer: asyncio.TimerHandle | None = None
+        self._summary_last: tuple[float, tuple[int, ...]] = (0.0, ())
 
     # --- properties ------------------------------------------------------------------
 
@@ -320,6 +324,7 @@ class AsyncOffloadEngine:
                 "aclose() must be awaited on the engine's event loop, where its transfers complete"
             )
         self._closing = True
+        self._stop_summary()
         if self._forked:
             self._closed = True
             return
@@ -417,9 +422,63 @@ class AsyncOffloadEngine:
                 self.config.cpu_blocks,
                 self.layout.block_bytes,
             )
+            self._start_summary(loop)
         elif bridge.loop is not loop:
             raise RuntimeError("the engine is bound to another event loop")
         return bridge
+
+    # --- periodic summary (config.log_summary_s) --------------------------------------
+
+    def _summary_counters(self) -> tuple[int, ...]:
+        return (
+            self._lookups,
+            self._lookup_keys,
+            self._lookup_hits,
+            self._stores,
+            self._loads,
+            self._bytes_stored,
+            self._bytes_loaded,
+            self._manager.stats().evicted,
+        )
+
+    def _start_summary(self, loop: asyncio.AbstractEventLoop) -> None:
+        period = self.config.log_summary_s
+        if period is None or self._summary_timer is not None:
+            return
+        self._summary_last = (time.monotonic(), self._summary_counters())
+        # A weak reference: the timer must not keep an unclosed engine alive.
+        self._summary_timer = loop.call_later(period, _summary_tick, weakref.ref(self), loop)
+
+    def _stop_summary(self) -> None:
+        if self._summary_timer is not None:
+            self._summary_timer.cancel()
+            self._summary_timer = None
+
+    def _log_summary(self) -> None:
+        now = time.monotonic()
+        then, before = self._summary_last
+        counters = self._summary_counters()
+        self._summary_last = (now, counters)
+        lookups, keys, hits, stores, loads, stored, loaded, evicted = (
+            a - b for a, b in zip(counters, before)
+        )
+        seconds = max(now - then, 1e-9)
+        rate = f"{100 * hits / keys:.1f}%" if keys else "-"
+        log.info(
+            "asyncoffload summary (%.1fs): lookups %d, hit rate %s (%d/%d keys); "
+            "stores %d (%.2f GB/s); loads %d (%.2f GB/s); evictions %d; in flight %d",
+            seconds,
+            lookups,
+            rate,
+            hits,
+            keys,
+            stores,
+            stored / seconds / 1e9,
+            loads,
+            loaded / seconds / 1e9,
+            evicted,
+            len(self._inflight),
+        )
 
     # --- validation ------------------------------------------------------------------
 
@@ -916,6 +975,22 @@ class AsyncOffloadEngine:
         err = TransferError(f"{handle.kind} of {job.num_blocks} blocks failed: {error!r}")
         err.__cause__ = error
         fut.set_exception(err)
+
+
+def _summary_tick(
+    ref: weakref.ReferenceType[AsyncOffloadEngine], loop: asyncio.AbstractEventLoop
+) -> None:
+    """One summary line (config.log_summary_s), then the next tick, until aclose()."""
+    engine = ref()
+    if engine is None or engine._closing or engine._summary_timer is None:
+        return
+    try:
+        engine._log_summary()
+    except Exception:  # a summary must never break the loop
+        log.exception("the periodic summary failed")
+    period = engine.config.log_summary_s
+    assert period is not None
+    engine._summary_timer = loop.call_later(period, _summary_tick, ref, loop)
 
 
 def _check_described(keys: Sequence[OffloadKey], tokens: BlockTokens) -> None:

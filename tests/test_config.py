@@ -4,6 +4,7 @@ file, and the engine's periodic summary line."""
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ from pydantic import ValidationError
 import asyncoffload as ao
 from asyncoffload.config import parse_bytes
 
-from .helpers import random_kv
+from .helpers import make_keys, random_kv
 
 # --- cpu_bytes ----------------------------------------------------------------------------
 
@@ -163,3 +164,58 @@ def test_config_file_errors_name_the_file_and_key(
     bad.write_text("x: 1\n")
     with pytest.raises(ValueError, match=r"use a \.toml or a \.json file"):
         ao.EngineConfig.from_env(config_file=bad)
+
+
+# --- log_summary_s ----------------------------------------------------------------------
+
+
+async def test_periodic_summary_line(caplog: pytest.LogCaptureFixture) -> None:
+    import asyncio
+
+    kv = random_kv(2, 32)
+    cfg = ao.EngineConfig(cpu_blocks=4, log_summary_s=0.05, copy_engine="threads")
+    engine = ao.AsyncOffloadEngine(kv, cfg)
+    keys = make_keys(6)
+    with caplog.at_level(logging.INFO, logger="asyncoffload"):
+        async with engine:
+            for i in range(0, 6, 2):  # 6 keys through 4 blocks: 2 evictions
+                handle = await engine.prepare_store(keys[i : i + 2], [i, i + 1])
+                assert handle is not None
+                await handle
+            assert engine.lookup(keys[4:]) == 2
+            assert engine.lookup(keys[:2]) == 0
+            await (await engine.prepare_load(keys[4:], [20, 21]))
+            for _ in range(100):
+                await asyncio.sleep(0.02)
+                if "summary" in caplog.text:
+                    break
+        lines = [r.getMessage() for r in caplog.records if "summary" in r.getMessage()]
+        assert lines, caplog.text
+        # A busy machine may split the work over several lines: add them up.
+        pattern = re.compile(
+            r"lookups (\d+), hit rate \S+ \((\d+)/(\d+) keys\); stores (\d+) \([\d.]+ GB/s\); "
+            r"loads (\d+) \([\d.]+ GB/s\); evictions (\d+); in flight \d+"
+        )
+        totals = [0] * 6
+        for line in lines:
+            match = pattern.search(line)
+            assert match, line
+            totals = [t + int(g) for t, g in zip(totals, match.groups())]
+        assert totals == [2, 2, 4, 3, 1, 2]
+        # The two lookups run back to back, never split over two lines.
+        assert any("lookups 2, hit rate 50.0% (2/4 keys)" in line for line in lines)
+        assert engine._summary_timer is None  # cancelled at aclose
+        count = len(lines)
+        await asyncio.sleep(0.15)
+    after = [r for r in caplog.records if "summary" in r.getMessage()]
+    assert len(after) == count
+
+
+def test_no_summary_timer_before_first_use_or_by_default() -> None:
+    kv = random_kv(2, 32)
+    engine = ao.AsyncOffloadEngine(kv, ao.EngineConfig(log_summary_s=1.0, copy_engine="threads"))
+    assert engine._summary_timer is None
+    engine.backend.close()
+    engine._closed = True
+    with pytest.raises(ValidationError, match="log_summary_s"):
+        ao.EngineConfig(log_summary_s=0)
