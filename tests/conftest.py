@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import pytest
 
@@ -20,3 +20,28 @@ def pytest_asyncio_loop_factories(
         return factories
     factories["uvloop"] = uvloop.new_event_loop
     return factories
+
+
+#: The widest line the run's summary may print (a skip reason is cut to fit).
+SUMMARY_COLUMNS = 100
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """Skips are summarized in lines of at most ``SUMMARY_COLUMNS``: the docs' marked
+    blocks on one line (each marker in the docs gives its reason), other reasons cut."""
+    outcome = yield
+    report: pytest.TestReport = outcome.get_result()  # type: ignore[attr-defined]
+    if not (report.skipped and isinstance(report.longrepr, tuple)):
+        return
+    path, given_line, reason = report.longrepr
+    lineno: int | None = given_line
+    if item.path.name == "test_docs.py":
+        path, lineno = "tests/test_docs.py", None
+        reason = "code blocks the docs mark skip (each marker says why)"
+    head = f"SKIPPED [999] {path}:{lineno}: " if lineno is not None else f"SKIPPED [999] {path}: "
+    room = SUMMARY_COLUMNS - len(head)
+    if len(reason) > room:  # keep both ends: a path's tail says as much as its head
+        keep = max(room - 3, 20)
+        reason = reason[: keep // 2] + "..." + reason[len(reason) - (keep - keep // 2) :]
+    report.longrepr = (path, lineno, reason)  # type: ignore[assignment]

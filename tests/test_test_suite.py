@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -37,3 +38,30 @@ def test_the_trace_directory_can_be_given_by_the_environment(
     assert trace_path() == tmp_path / "conversation_trace.jsonl"
     monkeypatch.delenv("ASYNCOFFLOAD_TRACE_DIR")
     assert trace_path().parent == REPO.parent / "shared" / "traces"
+
+
+def test_the_skip_summary_fits_100_columns() -> None:
+    """A fresh clone has no traces beside it: its skip lines stay within 100 columns."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "tests/gpu",
+            "tests/test_workloads.py",
+            "-k",
+            "gpu or real_conversation",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
+        env={**os.environ, "ASYNCOFFLOAD_TRACE_DIR": "/nonexistent/" + "deeper/" * 12},
+    )
+    assert proc.returncode in (0, 5), proc.stdout[-3000:]
+    skipped = [line for line in proc.stdout.splitlines() if line.startswith("SKIPPED")]
+    assert skipped, proc.stdout[-2000:]
+    assert max(len(line) for line in proc.stdout.splitlines()) <= 100, proc.stdout[-3000:]
