@@ -631,9 +631,16 @@ def main(argv: list[str] | None = None) -> int:
     from asyncoffload.logs import configure_cli
 
     try:
-        configure_cli(args.verbose, args.quiet)
+        restore_logging = configure_cli(args.verbose, args.quiet)
     except ValueError as exc:  # a bad ASYNCOFFLOAD_LOG_LEVEL
         _fail(sub_parser, str(exc))
+    try:
+        return _dispatch(cmd, args, sub_parser)
+    finally:
+        restore_logging()
+
+
+def _dispatch(cmd: Command, args: argparse.Namespace, sub_parser: argparse.ArgumentParser) -> int:
     # Native helpers are never compiled on an event loop's thread (a loader there takes
     # the Python fallback while a background build runs): build them here, before any
     # loop starts, so that a first run on a fresh machine already copies natively.

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from collections.abc import Callable
 
 __all__ = ["LOG_LEVEL_ENV", "apply_env_level", "configure_cli", "level_from_env"]
 
@@ -47,20 +48,29 @@ def apply_env_level() -> None:
         logging.getLogger("asyncoffload").setLevel(level)
 
 
-def configure_cli(verbose: int = 0, quiet: int = 0) -> int:
-    """Log to stderr for a command-line run; the level used."""
+def configure_cli(verbose: int = 0, quiet: int = 0) -> Callable[[], None]:
+    """Log to stderr for a command-line run. Returns what undoes it (the package
+    logger's handlers, level and propagation as they were), for a ``main`` called in
+    a process that goes on (tests, embedding): its logging must not stay redirected."""
     base = level_from_env()
     base = logging.WARNING if base is None else base
     index = min(range(len(_STEPS)), key=lambda i: abs(_STEPS[i] - base))
     index = max(0, min(len(_STEPS) - 1, index - verbose + quiet))
     level = _STEPS[index]
+    root = logging.getLogger("asyncoffload")
+    saved = (list(root.handlers), root.level, root.propagate)
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter(_FORMAT))
-    root = logging.getLogger("asyncoffload")
     for old in [h for h in root.handlers if getattr(h, "_asyncoffload_cli", False)]:
         root.removeHandler(old)
     handler._asyncoffload_cli = True  # type: ignore[attr-defined]
     root.addHandler(handler)
     root.setLevel(level)
     root.propagate = False
-    return level
+
+    def restore() -> None:
+        root.handlers[:] = saved[0]
+        root.setLevel(saved[1])
+        root.propagate = saved[2]
+
+    return restore

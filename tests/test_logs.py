@@ -48,8 +48,24 @@ def test_each_v_and_q_moves_one_step(
     verbose: int, quiet: int, level: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv("ASYNCOFFLOAD_LOG_LEVEL", raising=False)
-    assert configure_cli(verbose, quiet) == level
+    restore = configure_cli(verbose, quiet)
     assert logging.getLogger("asyncoffload").level == level
+    restore()
+
+
+def test_main_leaves_the_package_logger_as_it_found_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A main() run inside a process that goes on (tests, embedding) must not leave its
+    stderr handler behind: later records went to a closed stream and never reached the
+    root logger (caplog), and a test waiting on one hung."""
+    logger = logging.getLogger("asyncoffload")
+    before = (list(logger.handlers), logger.level, logger.propagate)
+    assert main(["demo", "--requests", "4", "--no-progress", "-v"]) == 0
+    assert (list(logger.handlers), logger.level, logger.propagate) == before
+    with caplog.at_level(logging.WARNING, logger="asyncoffload"):
+        logging.getLogger("asyncoffload.test").warning("still heard")
+    assert "still heard" in caplog.text
 
 
 def test_minus_v_shows_the_engines_info_lines(capsys: pytest.CaptureFixture[str]) -> None:
