@@ -534,22 +534,31 @@ class NativeLoader(Generic[T]):
         self._done = True
         return value
 
+    def _settle_locked(self) -> tuple[bool, T | None, Path]:
+        """Under ``_lock``: ``(True, value, _)`` when the answer is known without a build
+        (done already, an installed copy, a cached build, or no cache path at all);
+        else ``(False, None, path)``, the cache path a build would write."""
+        if self._done:
+            return True, self._value, Path()
+        found, value = self._from_installed()
+        if found:
+            return True, self._finish(value), Path()
+        try:
+            path, _ = self.library.target()
+        except OSError as exc:
+            log.warning("%s unavailable, using Python: %s", self.what, exc)
+            return True, self._finish(None), Path()
+        found, value = self._from_caches(path)
+        if found:
+            return True, self._finish(value), path
+        return False, None, path
+
     def _resolve_on_loop(self) -> T | None:
         """A loop's thread: load a finished build, else build in the background."""
         with self._lock:
-            if self._done:
-                return self._value
-            found, value = self._from_installed()
-            if found:
-                return self._finish(value)
-            try:
-                path, _ = self.library.target()
-            except OSError as exc:
-                log.warning("%s unavailable, using Python: %s", self.what, exc)
-                return self._finish(None)
-            found, value = self._from_caches(path)
-            if found:
-                return self._finish(value)
+            settled, value, _path = self._settle_locked()
+            if settled:
+                return value
             if not self.building:
                 log.warning(
                     "%s is not built yet: building it on a background thread (never on the "
@@ -569,19 +578,9 @@ class NativeLoader(Generic[T]):
         """Load the cached build, or build (once) and load that."""
         with self._build_lock:
             with self._lock:
-                if self._done:
-                    return self._value
-                found, value = self._from_installed()
-                if found:
-                    return self._finish(value)
-                try:
-                    path, _ = self.library.target()
-                except OSError as exc:
-                    log.warning("%s unavailable, using Python: %s", self.what, exc)
-                    return self._finish(None)
-                found, value = self._from_caches(path)
-                if found:
-                    return self._finish(value)
+                settled, value, path = self._settle_locked()
+                if settled:
+                    return value
             try:
                 alt = _fallback_candidate(path)
                 built = self.library.build(
@@ -598,7 +597,7 @@ class NativeLoader(Generic[T]):
             with self._lock:
                 if self._done:
                     return self._value
-                found, value = self._from_cache(built, rebuilt=True)
+                _found, value = self._from_cache(built, rebuilt=True)
                 return self._finish(value)
 
     def _from_installed(self) -> tuple[bool, T | None]:
