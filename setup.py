@@ -101,6 +101,7 @@ def _ext_modules() -> list[Any]:
     return [
         _library("copy_engine"),
         _library("cuda_helpers", libraries=("dl",)),
+        _library("disk_io"),
         _extension("kvcore"),
         _extension("mgrcore"),
     ]

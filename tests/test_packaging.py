@@ -37,6 +37,7 @@ EXT_SUFFIX = importlib.machinery.EXTENSION_SUFFIXES[0]
 NATIVE_FILES = [
     "libcopy_engine.so",
     "libcuda_helpers.so",
+    "libdisk_io.so",
     f"kvcore{EXT_SUFFIX}",
     f"mgrcore{EXT_SUFFIX}",
 ]

@@ -78,6 +78,7 @@ __all__ = [
     "compile_timeout_s",
     "load_copy_engine",
     "load_cuda_helpers",
+    "load_disk_io",
     "load_kvcore",
     "load_mgrcore",
     "native_disabled",
@@ -716,6 +717,35 @@ def _configure_copy_engine(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
+def _configure_disk_io(lib: ctypes.CDLL) -> ctypes.CDLL:
+    i64, ptr, cint = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    # nthreads, wake fd, payload_len, identity (16 bytes), flags (1: O_DIRECT files)
+    lib.ao_io_create.argtypes = [cint, cint, i64, ptr, cint]
+    lib.ao_io_create.restype = ptr
+    lib.ao_io_set_wake_fd.argtypes = [ptr, cint]
+    lib.ao_io_set_wake_fd.restype = None
+    # pool, write, n, ops (ao_io_op[n]), deadline ns (0: none), status (3 words), results
+    lib.ao_io_submit.argtypes = [ptr, cint, i64, ptr, i64, ptr, ptr]
+    lib.ao_io_submit.restype = cint
+    lib.ao_io_status_load.argtypes = [ptr]
+    lib.ao_io_status_load.restype = i64
+    lib.ao_io_cancel.argtypes = [ptr]
+    lib.ao_io_cancel.restype = i64
+    lib.ao_io_destroy.argtypes = [ptr]
+    lib.ao_io_destroy.restype = None
+    lib.ao_io_set_fault.argtypes = [ptr, cint, i64, cint]
+    lib.ao_io_set_fault.restype = None
+    lib.ao_io_set_delay.argtypes = [ptr, i64]
+    lib.ao_io_set_delay.restype = None
+    lib.ao_crc32c.argtypes = [ctypes.c_uint32, ptr, ctypes.c_size_t]
+    lib.ao_crc32c.restype = ctypes.c_uint32
+    lib.ao_crc32c_soft.argtypes = [ctypes.c_uint32, ptr, ctypes.c_size_t]
+    lib.ao_crc32c_soft.restype = ctypes.c_uint32
+    lib.ao_crc32c_hardware.argtypes = []
+    lib.ao_crc32c_hardware.restype = cint
+    return lib
+
+
 def _configure_cuda_helpers(lib: ctypes.CDLL) -> tuple[ctypes.CDLL, int] | None:
     lib.ao_cuda_init.argtypes = []
     lib.ao_cuda_init.restype = ctypes.c_int
@@ -783,6 +813,12 @@ load_copy_engine: NativeLoader[ctypes.CDLL] = NativeLoader(
     _Library("copy_engine", extension=False), "native copy engine", _configure_copy_engine
 )
 
+#: The native disk I/O lanes (pread/pwrite of CRC32C-checked blocks, asyncoffload.tiers);
+#: ``None`` if unavailable.
+load_disk_io: NativeLoader[ctypes.CDLL] = NativeLoader(
+    _Library("disk_io", extension=False), "native disk I/O lanes", _configure_disk_io
+)
+
 #: The CUDA helper library and its feature bits (1: host-function wake-ups, 2: batched
 #: memcpy, 4: driver-API host registration, 8: the completion spinner, 16: one
 #: ``cuMemcpyAsync`` per descriptor), or ``None`` where it can't be built or libcuda is
@@ -808,6 +844,7 @@ load_mgrcore: NativeLoader[ModuleType] = NativeLoader(
 _LOADERS: tuple[NativeLoader[Any], ...] = (
     load_copy_engine,
     load_cuda_helpers,
+    load_disk_io,
     load_kvcore,
     load_mgrcore,
 )

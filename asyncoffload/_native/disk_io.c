@@ -1,0 +1,750 @@
+/*
+ * asyncoffload native disk I/O lanes: a pool of native threads that write blocks to and
+ * read blocks from disk (pread/pwrite), with a CRC32C of every block, never touching
+ * the GIL. A finished job publishes its status with a release store and writes 1 to the
+ * pool's wake fd (an eventfd or a pipe), which the event loop watches, like copy_engine.c.
+ *
+ * On-disk block: a 4096-byte header, then the payload, zero-padded to a multiple of 4096
+ * (slot bytes = 4096 + round_up(payload_len, 4096)). Header, little-endian:
+ *   [0:8)       magic "AOKVBLK\0"
+ *   [8:12)      format version (1)
+ *   [12:16)     header length (4096)
+ *   [16:32)     identity (16 bytes, the pool's)
+ *   [32:40)     payload_len
+ *   [40:44)     CRC32C of the payload (payload_len bytes, not the padding)
+ *   [44:48)     key_len (1..256)
+ *   [48:304)    key, zero-padded
+ *   [304:4092)  zeros
+ *   [4092:4096) CRC32C of bytes [0:4092)
+ *
+ * Two places a block lives: a slab (an open fd, the block at a file offset) or a file of
+ * its own (files mode: a path). Files are written to a temporary name and renamed into
+ * place. There is no fsync: a crash may leave a torn or empty file behind (or a lost
+ * rename), and a torn file fails its header or payload CRC when read (-EBADMSG / -ENODATA),
+ * so it is never served; durability across power loss is not promised.
+ *
+ * A job is n ops of one direction. Reads go first: a worker takes the next op of the
+ * oldest read job that has ops left before any write op. Ops of one job may run on
+ * several workers at once; the job ends when its last op ends. A job's status is three
+ * int64 words: [state, end ns, start ns] (CLOCK_MONOTONIC), the state stored last with a
+ * release store: 1 once every op has ended (each op's outcome in results[i]: payload_len
+ * or -errno), -ECANCELED when it was discarded unrun (ao_io_cancel).
+ *
+ * CRC32C: the SSE4.2 / ARMv8 CRC instructions where the CPU has them (three streams
+ * interleaved, combined with precomputed shift tables), else a slicing-by-8 table.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/types.h>
+#include <sys/uio.h>
+#include <time.h>
+#include <unistd.h>
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <nmmintrin.h>
+#define AO_CRC_X86 1
+#elif defined(__aarch64__) && defined(__ARM_FEATURE_CRC32)
+#include <arm_acle.h>
+#define AO_CRC_ARM 1
+#endif
+
+#ifndef O_DIRECT
+#define O_DIRECT 0
+#endif
+#ifndef EKEYREJECTED
+#define EKEYREJECTED 129
+#endif
+#ifndef EBADMSG
+#define EBADMSG 74
+#endif
+#ifndef ENODATA
+#define ENODATA 61
+#endif
+
+#define AO_HEADER 4096
+#define AO_ALIGN 4096
+#define AO_KEY_MAX 256
+#define AO_VERSION 1u
+static const uint8_t AO_MAGIC[8] = {'A', 'O', 'K', 'V', 'B', 'L', 'K', 0};
+
+/* --- CRC32C ---------------------------------------------------------------------------- */
+
+#define AO_POLY 0x82F63B78u
+#define AO_LONG 8192
+#define AO_SHORT 256
+
+static uint32_t ao_crc_table[8][256];  /* slicing-by-8 */
+static uint32_t ao_crc_long[4][256];   /* shift a raw register by AO_LONG zero bytes */
+static uint32_t ao_crc_short[4][256];  /* ... by AO_SHORT zero bytes */
+static pthread_once_t ao_crc_once = PTHREAD_ONCE_INIT;
+static int ao_crc_hw;
+
+/* a * b modulo the polynomial (reflected bit order: bit 31 is x^0). */
+static uint32_t ao_multmodp(uint32_t a, uint32_t b) {
+    uint32_t m = (uint32_t)1 << 31, p = 0;
+    for (;;) {
+        if (a & m) {
+            p ^= b;
+            if ((a & (m - 1)) == 0) break;
+        }
+        m >>= 1;
+        b = (b & 1) ? (b >> 1) ^ AO_POLY : b >> 1;
+    }
+    return p;
+}
+
+/* x^(8 * nbytes) modulo the polynomial: the operator that feeds nbytes zero bytes. */
+static uint32_t ao_x8nmodp(size_t nbytes) {
+    uint32_t p = (uint32_t)1 << 31; /* x^0 */
+    uint32_t sq = (uint32_t)1 << 27; /* x^4 */
+    sq = ao_multmodp(sq, sq);       /* x^8: one byte */
+    while (nbytes) {
+        if (nbytes & 1) p = ao_multmodp(sq, p);
+        sq = ao_multmodp(sq, sq);
+        nbytes >>= 1;
+    }
+    return p;
+}
+
+static void ao_shift_table(uint32_t table[4][256], size_t nbytes) {
+    uint32_t op = ao_x8nmodp(nbytes);
+    for (int k = 0; k < 4; k++)
+        for (uint32_t b = 0; b < 256; b++) table[k][b] = ao_multmodp(op, b << (8 * k));
+}
+
+static inline uint32_t ao_shift(uint32_t table[4][256], uint32_t crc) {
+    return table[0][crc & 0xff] ^ table[1][(crc >> 8) & 0xff] ^ table[2][(crc >> 16) & 0xff] ^
+           table[3][crc >> 24];
+}
+
+static void ao_crc_init(void) {
+    for (uint32_t n = 0; n < 256; n++) {
+        uint32_t c = n;
+        for (int k = 0; k < 8; k++) c = (c & 1) ? (c >> 1) ^ AO_POLY : c >> 1;
+        ao_crc_table[0][n] = c;
+    }
+    for (uint32_t n = 0; n < 256; n++) {
+        uint32_t c = ao_crc_table[0][n];
+        for (int k = 1; k < 8; k++) {
+            c = ao_crc_table[0][c & 0xff] ^ (c >> 8);
+            ao_crc_table[k][n] = c;
+        }
+    }
+    ao_shift_table(ao_crc_long, AO_LONG);
+    ao_shift_table(ao_crc_short, AO_SHORT);
+#if defined(AO_CRC_X86)
+    __builtin_cpu_init();
+    ao_crc_hw = __builtin_cpu_supports("sse4.2") ? 1 : 0;
+#elif defined(AO_CRC_ARM)
+    ao_crc_hw = 1;
+#endif
+}
+
+/* The raw register (no pre/post inversion), by table. */
+static uint32_t ao_crc_soft(uint32_t crc, const unsigned char *p, size_t len) {
+    while (len && ((uintptr_t)p & 7)) {
+        crc = ao_crc_table[0][(crc ^ *p++) & 0xff] ^ (crc >> 8);
+        len--;
+    }
+    while (len >= 8) {
+        uint64_t w;
+        memcpy(&w, p, 8);
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+        w = __builtin_bswap64(w);
+#endif
+        w ^= crc;
+        crc = ao_crc_table[7][w & 0xff] ^ ao_crc_table[6][(w >> 8) & 0xff] ^
+              ao_crc_table[5][(w >> 16) & 0xff] ^ ao_crc_table[4][(w >> 24) & 0xff] ^
+              ao_crc_table[3][(w >> 32) & 0xff] ^ ao_crc_table[2][(w >> 40) & 0xff] ^
+              ao_crc_table[1][(w >> 48) & 0xff] ^ ao_crc_table[0][w >> 56];
+        p += 8;
+        len -= 8;
+    }
+    while (len--) crc = ao_crc_table[0][(crc ^ *p++) & 0xff] ^ (crc >> 8);
+    return crc;
+}
+
+#if defined(AO_CRC_X86) || defined(AO_CRC_ARM)
+#if defined(AO_CRC_X86)
+#define AO_HW_ATTR __attribute__((target("sse4.2")))
+#define AO_CRC64(c, w) ((uint32_t)_mm_crc32_u64((c), (w)))
+#define AO_CRC8(c, b) _mm_crc32_u8((c), (b))
+#else
+#define AO_HW_ATTR
+#define AO_CRC64(c, w) __crc32cd((c), (w))
+#define AO_CRC8(c, b) __crc32cb((c), (b))
+#endif
+
+static inline uint64_t ao_load64(const unsigned char *p) {
+    uint64_t w;
+    memcpy(&w, p, 8);
+    return w;
+}
+
+/* Three independent streams of `block` bytes each hide the instruction's latency; the
+ * three registers are then combined by shifting (crc0 over block bytes) and xoring. */
+#define AO_HW_BLOCKS(block, table)                                                          \
+    while (len >= 3 * (size_t)(block)) {                                                     \
+        uint64_t c0 = crc, c1 = 0, c2 = 0;                                                   \
+        const unsigned char *end = p + (block);                                              \
+        do {                                                                                 \
+            c0 = AO_CRC64((uint32_t)c0, ao_load64(p));                                       \
+            c1 = AO_CRC64((uint32_t)c1, ao_load64(p + (block)));                             \
+            c2 = AO_CRC64((uint32_t)c2, ao_load64(p + 2 * (block)));                         \
+            p += 8;                                                                          \
+        } while (p < end);                                                                   \
+        crc = ao_shift(table, (uint32_t)c0) ^ (uint32_t)c1;                                  \
+        crc = ao_shift(table, crc) ^ (uint32_t)c2;                                           \
+        p += 2 * (block);                                                                    \
+        len -= 3 * (size_t)(block);                                                          \
+    }
+
+AO_HW_ATTR static uint32_t ao_crc_hard(uint32_t crc, const unsigned char *p, size_t len) {
+    while (len && ((uintptr_t)p & 7)) {
+        crc = AO_CRC8(crc, *p++);
+        len--;
+    }
+    AO_HW_BLOCKS(AO_LONG, ao_crc_long)
+    AO_HW_BLOCKS(AO_SHORT, ao_crc_short)
+    uint64_t c = crc;
+    while (len >= 8) {
+        c = AO_CRC64((uint32_t)c, ao_load64(p));
+        p += 8;
+        len -= 8;
+    }
+    crc = (uint32_t)c;
+    while (len--) crc = AO_CRC8(crc, *p++);
+    return crc;
+}
+#endif
+
+/* CRC32C (Castagnoli) of buf, continuing from crc (0 to start): chainable,
+ * ao_crc32c(ao_crc32c(0, a, n), b, m) == CRC32C of a followed by b. */
+uint32_t ao_crc32c(uint32_t crc, const void *buf, size_t len) {
+    pthread_once(&ao_crc_once, ao_crc_init);
+    crc = ~crc;
+#if defined(AO_CRC_X86) || defined(AO_CRC_ARM)
+    if (ao_crc_hw) return ~ao_crc_hard(crc, (const unsigned char *)buf, len);
+#endif
+    return ~ao_crc_soft(crc, (const unsigned char *)buf, len);
+}
+
+/* The table path only (tests compare it with the hardware path). */
+uint32_t ao_crc32c_soft(uint32_t crc, const void *buf, size_t len) {
+    pthread_once(&ao_crc_once, ao_crc_init);
+    return ~ao_crc_soft(~crc, (const unsigned char *)buf, len);
+}
+
+/* 1 when ao_crc32c uses the CPU's CRC instructions. */
+int ao_crc32c_hardware(void) {
+    pthread_once(&ao_crc_once, ao_crc_init);
+    return ao_crc_hw;
+}
+
+/* --- the pool ---------------------------------------------------------------------------- */
+
+typedef struct {
+    int64_t host;
+    int64_t offset;
+    const char *path;
+    const uint8_t *key;
+    int32_t key_len;
+    int32_t fd;
+} ao_io_op;
+
+typedef struct {
+    int64_t host;
+    int64_t offset;
+    const char *path; /* into the job's blob, or NULL */
+    const uint8_t *key; /* into the job's blob */
+    int32_t key_len;
+    int32_t fd;
+} ao_op;
+
+typedef struct ao_iojob {
+    struct ao_iojob *next;
+    int64_t *status;
+    int64_t *results;
+    int64_t n;
+    int64_t taken;     /* ops handed to workers (under the pool mutex) */
+    int64_t remaining; /* ops not ended yet (atomic) */
+    int64_t deadline;
+    int write;
+    ao_op ops[];       /* then the keys and paths */
+} ao_iojob;
+
+typedef struct {
+    ao_iojob *head;
+    ao_iojob *tail;
+} ao_queue;
+
+typedef struct {
+    pthread_mutex_t mutex;
+    pthread_cond_t cond;
+    ao_queue reads;
+    ao_queue writes;
+    int stopping;
+    int wake_fd;
+    int flags;
+    int nthreads;
+    int64_t payload_len;
+    int64_t slot_bytes;
+    uint8_t identity[16];
+    int64_t fault_every[2]; /* [read, write] */
+    int fault_err[2];
+    int64_t fault_count[2]; /* atomic */
+    int64_t delay_ns;       /* atomic */
+    pthread_t threads[];
+} ao_pool;
+
+static uint64_t ao_tmp_counter; /* atomic */
+
+static void ao_wake(int fd) {
+    if (fd < 0) return;
+    uint64_t one = 1;
+    /* A full pipe or counter already wakes the reader: ignore EAGAIN. */
+    ssize_t r = write(fd, &one, sizeof one);
+    (void)r;
+}
+
+static int64_t ao_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+static void ao_sleep_ns(int64_t ns) {
+    struct timespec ts = {(time_t)(ns / 1000000000LL), (long)(ns % 1000000000LL)};
+    while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {
+    }
+}
+
+static void ao_put32(uint8_t *p, uint32_t v) {
+    for (int i = 0; i < 4; i++) p[i] = (uint8_t)(v >> (8 * i));
+}
+static void ao_put64(uint8_t *p, uint64_t v) {
+    for (int i = 0; i < 8; i++) p[i] = (uint8_t)(v >> (8 * i));
+}
+static uint32_t ao_get32(const uint8_t *p) {
+    uint32_t v = 0;
+    for (int i = 3; i >= 0; i--) v = (v << 8) | p[i];
+    return v;
+}
+static uint64_t ao_get64(const uint8_t *p) {
+    uint64_t v = 0;
+    for (int i = 7; i >= 0; i--) v = (v << 8) | p[i];
+    return v;
+}
+
+static void ao_build_header(const ao_pool *pool, const ao_op *op, uint8_t *h, uint32_t crc) {
+    memset(h, 0, AO_HEADER);
+    memcpy(h, AO_MAGIC, 8);
+    ao_put32(h + 8, AO_VERSION);
+    ao_put32(h + 12, AO_HEADER);
+    memcpy(h + 16, pool->identity, 16);
+    ao_put64(h + 32, (uint64_t)pool->payload_len);
+    ao_put32(h + 40, crc);
+    ao_put32(h + 44, (uint32_t)op->key_len);
+    memcpy(h + 48, op->key, (size_t)op->key_len);
+    ao_put32(h + 4092, ao_crc32c(0, h, 4092));
+}
+
+/* Checks a block's header against the pool and the op: 0, or the -errno of the read. */
+static int64_t ao_check_header(const ao_pool *pool, const ao_op *op, const uint8_t *h) {
+    if (memcmp(h, AO_MAGIC, 8) != 0 || ao_get32(h + 8) != AO_VERSION ||
+        ao_get32(h + 12) != AO_HEADER || ao_get32(h + 4092) != ao_crc32c(0, h, 4092))
+        return -EBADMSG;
+    if (ao_get64(h + 32) != (uint64_t)pool->payload_len) return -EBADMSG;
+    if (memcmp(h + 16, pool->identity, 16) != 0) return -ESTALE;
+    uint32_t key_len = ao_get32(h + 44);
+    if (key_len != (uint32_t)op->key_len || memcmp(h + 48, op->key, key_len) != 0)
+        return -EKEYREJECTED;
+    return 0;
+}
+
+/* All of iov (count cnt) at offset, looping on short transfers and EINTR. Returns the
+ * bytes moved (short only at end of file, for reads) or -errno. The iovecs are consumed. */
+static int64_t ao_full_io(int fd, int write, struct iovec *iov, int cnt, int64_t offset) {
+    int64_t done = 0;
+    while (cnt > 0) {
+        ssize_t r = write ? pwritev(fd, iov, cnt, (off_t)(offset + done))
+                          : preadv(fd, iov, cnt, (off_t)(offset + done));
+        if (r < 0) {
+            if (errno == EINTR) continue;
+            return -(int64_t)errno;
+        }
+        if (r == 0) {
+            if (write) return -EIO; /* no progress: never loop forever */
+            break;                  /* end of file */
+        }
+        done += r;
+        size_t left = (size_t)r;
+        while (cnt > 0 && left >= iov->iov_len) {
+            left -= iov->iov_len;
+            iov++;
+            cnt--;
+        }
+        if (cnt > 0) {
+            iov->iov_base = (char *)iov->iov_base + left;
+            iov->iov_len -= left;
+        }
+    }
+    return done;
+}
+
+typedef struct {
+    ao_pool *pool;
+    uint8_t *stage; /* slot_bytes, 4096-aligned: header, payload, padding */
+} ao_worker;
+
+/* Whether the payload can move straight between host memory and the file. */
+static int ao_direct_ok(const ao_pool *pool, const ao_op *op) {
+    return (op->host % AO_ALIGN) == 0 && (pool->payload_len % AO_ALIGN) == 0;
+}
+
+static int ao_open(const char *path, int flags, int direct) {
+    int fd;
+    if (direct && O_DIRECT) {
+        do fd = open(path, flags | O_DIRECT, 0600);
+        while (fd < 0 && errno == EINTR);
+        if (fd >= 0 || errno != EINVAL) return fd;
+        /* The file system refuses O_DIRECT (tmpfs of old kernels ...): buffered I/O. */
+    }
+    do fd = open(path, flags, 0600);
+    while (fd < 0 && errno == EINTR);
+    return fd;
+}
+
+static int64_t ao_do_write(ao_worker *w, const ao_op *op) {
+    ao_pool *pool = w->pool;
+    size_t plen = (size_t)pool->payload_len;
+    size_t slot = (size_t)pool->slot_bytes;
+    const uint8_t *host = (const uint8_t *)(intptr_t)op->host;
+    uint8_t *stage = w->stage;
+    struct iovec iov[2];
+    int cnt;
+    if (ao_direct_ok(pool, op)) {
+        ao_build_header(pool, op, stage, ao_crc32c(0, host, plen));
+        iov[0].iov_base = stage;
+        iov[0].iov_len = AO_HEADER;
+        iov[1].iov_base = (void *)host;
+        iov[1].iov_len = plen;
+        cnt = plen ? 2 : 1;
+    } else {
+        memcpy(stage + AO_HEADER, host, plen);
+        memset(stage + AO_HEADER + plen, 0, slot - AO_HEADER - plen);
+        ao_build_header(pool, op, stage, ao_crc32c(0, stage + AO_HEADER, plen));
+        iov[0].iov_base = stage;
+        iov[0].iov_len = slot;
+        cnt = 1;
+    }
+    if (op->path == NULL) {
+        int64_t r = ao_full_io(op->fd, 1, iov, cnt, op->offset);
+        return r < 0 ? r : pool->payload_len;
+    }
+    /* Files mode: a temporary name of this thread's, renamed into place when whole. */
+    size_t plen_path = strlen(op->path);
+    char *tmp = (char *)malloc(plen_path + 80);
+    if (tmp == NULL) return -ENOMEM;
+    snprintf(tmp, plen_path + 80, "%s.tmp.%ld.%ld.%llu", op->path, (long)getpid(),
+             (long)syscall(SYS_gettid),
+             (unsigned long long)__atomic_fetch_add(&ao_tmp_counter, 1, __ATOMIC_RELAXED));
+    int fd = ao_open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, pool->flags & 1);
+    if (fd < 0) {
+        int64_t e = -(int64_t)errno;
+        free(tmp);
+        return e;
+    }
+    int64_t r = ao_full_io(fd, 1, iov, cnt, 0);
+    if (close(fd) != 0 && r >= 0 && errno != EINTR) r = -(int64_t)errno;
+    if (r >= 0 && rename(tmp, op->path) != 0) r = -(int64_t)errno;
+    if (r < 0) unlink(tmp);
+    free(tmp);
+    return r < 0 ? r : pool->payload_len;
+}
+
+static int64_t ao_do_read(ao_worker *w, const ao_op *op) {
+    ao_pool *pool = w->pool;
+    size_t plen = (size_t)pool->payload_len;
+    size_t slot = (size_t)pool->slot_bytes;
+    uint8_t *host = (uint8_t *)(intptr_t)op->host;
+    uint8_t *stage = w->stage;
+    int direct = ao_direct_ok(pool, op);
+    struct iovec iov[2];
+    int cnt;
+    if (direct) {
+        /* payload_len % 4096 == 0: the host slot takes the whole padded payload. */
+        iov[0].iov_base = stage;
+        iov[0].iov_len = AO_HEADER;
+        iov[1].iov_base = host;
+        iov[1].iov_len = plen;
+        cnt = plen ? 2 : 1;
+    } else {
+        iov[0].iov_base = stage;
+        iov[0].iov_len = slot;
+        cnt = 1;
+    }
+    int fd = op->fd;
+    if (op->path != NULL) {
+        fd = ao_open(op->path, O_RDONLY | O_CLOEXEC, pool->flags & 1);
+        if (fd < 0) return -(int64_t)errno;
+    }
+    int64_t r = ao_full_io(fd, 0, iov, cnt, op->path ? 0 : op->offset);
+    if (op->path != NULL) close(fd);
+    if (r < 0) return r;
+    if ((uint64_t)r < (uint64_t)AO_HEADER + plen) return -ENODATA;
+    int64_t bad = ao_check_header(pool, op, stage);
+    if (bad) return bad;
+    const uint8_t *payload = direct ? host : stage + AO_HEADER;
+    if (ao_get32(stage + 40) != ao_crc32c(0, payload, plen)) return -EBADMSG;
+    if (!direct) memcpy(host, payload, plen);
+    return pool->payload_len;
+}
+
+static int64_t ao_run_op(ao_worker *w, const ao_iojob *job, const ao_op *op) {
+    ao_pool *pool = w->pool;
+    if (job->deadline > 0 && ao_now() > job->deadline) return -ETIMEDOUT;
+    int64_t delay = __atomic_load_n(&pool->delay_ns, __ATOMIC_RELAXED);
+    if (delay > 0) ao_sleep_ns(delay);
+    int dir = job->write ? 1 : 0;
+    int64_t every = __atomic_load_n(&pool->fault_every[dir], __ATOMIC_RELAXED);
+    if (every > 0) {
+        int64_t k = __atomic_add_fetch(&pool->fault_count[dir], 1, __ATOMIC_RELAXED);
+        if (k % every == 0) return -(int64_t)__atomic_load_n(&pool->fault_err[dir], __ATOMIC_RELAXED);
+    }
+    if (w->stage == NULL) {
+        void *mem = NULL;
+        if (posix_memalign(&mem, AO_ALIGN, (size_t)pool->slot_bytes) != 0) return -ENOMEM;
+        w->stage = (uint8_t *)mem;
+    }
+    return job->write ? ao_do_write(w, op) : ao_do_read(w, op);
+}
+
+/* Under the pool mutex: the job is over (every op ended or discarded). */
+static void ao_job_end_locked(ao_pool *pool, ao_iojob *job, int64_t state) {
+    job->status[1] = ao_now();
+    __atomic_store_n(&job->status[0], state, __ATOMIC_RELEASE);
+    free(job);
+    /* Under the mutex: once ao_io_set_wake_fd has returned, the fd it replaced is never
+     * written again (its owner may close it). */
+    ao_wake(pool->wake_fd);
+}
+
+static void ao_op_ended(ao_pool *pool, ao_iojob *job, int64_t n) {
+    if (__atomic_sub_fetch(&job->remaining, n, __ATOMIC_ACQ_REL) == 0) {
+        pthread_mutex_lock(&pool->mutex);
+        ao_job_end_locked(pool, job, 1);
+        pthread_mutex_unlock(&pool->mutex);
+    }
+}
+
+/* Under the mutex: the next op to run (reads first), or NULL. */
+static ao_iojob *ao_take(ao_pool *pool, int64_t *index) {
+    ao_queue *q = pool->reads.head ? &pool->reads : &pool->writes;
+    ao_iojob *job = q->head;
+    if (job == NULL) return NULL;
+    *index = job->taken++;
+    if (job->taken == job->n) {
+        q->head = job->next;
+        if (q->head == NULL) q->tail = NULL;
+    }
+    return job;
+}
+
+static void *ao_worker_main(void *arg) {
+    ao_worker w = {(ao_pool *)arg, NULL};
+    ao_pool *pool = w.pool;
+    for (;;) {
+        pthread_mutex_lock(&pool->mutex);
+        int64_t i = 0;
+        ao_iojob *job;
+        while ((job = ao_take(pool, &i)) == NULL && !pool->stopping)
+            pthread_cond_wait(&pool->cond, &pool->mutex);
+        pthread_mutex_unlock(&pool->mutex);
+        if (job == NULL) break; /* stopping and drained */
+        if (i == 0) job->status[2] = ao_now();
+        job->results[i] = ao_run_op(&w, job, &job->ops[i]);
+        ao_op_ended(pool, job, 1);
+    }
+    free(w.stage);
+    return NULL;
+}
+
+void *ao_io_create(int nthreads, int wake_fd, int64_t payload_len, const uint8_t *identity16,
+                   int flags) {
+    if (nthreads < 1 || payload_len < 0 || identity16 == NULL) return NULL;
+    pthread_once(&ao_crc_once, ao_crc_init);
+    ao_pool *pool = (ao_pool *)calloc(1, sizeof *pool + (size_t)nthreads * sizeof(pthread_t));
+    if (pool == NULL) return NULL;
+    pool->wake_fd = wake_fd;
+    pool->flags = flags;
+    pool->payload_len = payload_len;
+    pool->slot_bytes = AO_HEADER + (payload_len + AO_ALIGN - 1) / AO_ALIGN * AO_ALIGN;
+    memcpy(pool->identity, identity16, 16);
+    pthread_mutex_init(&pool->mutex, NULL);
+    pthread_cond_init(&pool->cond, NULL);
+    for (int t = 0; t < nthreads; t++) {
+        if (pthread_create(&pool->threads[t], NULL, ao_worker_main, pool) != 0) {
+            pthread_mutex_lock(&pool->mutex);
+            pool->stopping = 1;
+            pthread_cond_broadcast(&pool->cond);
+            pthread_mutex_unlock(&pool->mutex);
+            for (int u = 0; u < t; u++) pthread_join(pool->threads[u], NULL);
+            pthread_mutex_destroy(&pool->mutex);
+            pthread_cond_destroy(&pool->cond);
+            free(pool);
+            return NULL;
+        }
+        pool->nthreads = t + 1;
+    }
+    return pool;
+}
+
+void ao_io_set_wake_fd(void *handle, int fd) {
+    ao_pool *pool = (ao_pool *)handle;
+    pthread_mutex_lock(&pool->mutex);
+    pool->wake_fd = fd;
+    pthread_mutex_unlock(&pool->mutex);
+}
+
+/*
+ * Queue a job of n ops (write: 1 writes, 0 reads). The ops, keys and paths are copied
+ * now; the host memory, the fds, status (3 words, zeroed) and results (n words) must
+ * stay valid until the job's state is set. Returns 0, -1 out of memory, -2 when the
+ * pool is stopping, -3 for bad arguments.
+ */
+int ao_io_submit(void *handle, int write, int64_t n, const ao_io_op *ops, int64_t deadline_ns,
+                 int64_t *status, int64_t *results) {
+    ao_pool *pool = (ao_pool *)handle;
+    if (n < 0 || status == NULL || (n > 0 && (ops == NULL || results == NULL))) return -3;
+    size_t extra = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const ao_io_op *op = &ops[i];
+        if (op->key_len < 1 || op->key_len > AO_KEY_MAX || op->key == NULL) return -3;
+        if (op->host == 0 && pool->payload_len > 0) return -3;
+        extra += (size_t)op->key_len;
+        if (op->path) extra += strlen(op->path) + 1;
+    }
+    ao_iojob *job = (ao_iojob *)malloc(sizeof *job + (size_t)n * sizeof(ao_op) + extra);
+    if (job == NULL) return -1;
+    job->next = NULL;
+    job->status = status;
+    job->results = results;
+    job->n = n;
+    job->taken = 0;
+    job->remaining = n;
+    job->deadline = deadline_ns;
+    job->write = write ? 1 : 0;
+    char *blob = (char *)&job->ops[n];
+    for (int64_t i = 0; i < n; i++) {
+        const ao_io_op *src = &ops[i];
+        ao_op *dst = &job->ops[i];
+        dst->host = src->host;
+        dst->offset = src->offset;
+        dst->fd = src->fd;
+        dst->key_len = src->key_len;
+        memcpy(blob, src->key, (size_t)src->key_len);
+        dst->key = (const uint8_t *)blob;
+        blob += src->key_len;
+        dst->path = NULL;
+        if (src->path) {
+            size_t len = strlen(src->path) + 1;
+            memcpy(blob, src->path, len);
+            dst->path = blob;
+            blob += len;
+        }
+        results[i] = 0;
+    }
+    pthread_mutex_lock(&pool->mutex);
+    if (pool->stopping) {
+        pthread_mutex_unlock(&pool->mutex);
+        free(job);
+        return -2;
+    }
+    if (n == 0) {
+        status[2] = ao_now();
+        ao_job_end_locked(pool, job, 1);
+        pthread_mutex_unlock(&pool->mutex);
+        return 0;
+    }
+    ao_queue *q = job->write ? &pool->writes : &pool->reads;
+    if (q->tail) q->tail->next = job; else q->head = job;
+    q->tail = job;
+    if (n == 1) pthread_cond_signal(&pool->cond); else pthread_cond_broadcast(&pool->cond);
+    pthread_mutex_unlock(&pool->mutex);
+    return 0;
+}
+
+int64_t ao_io_status_load(const int64_t *status) {
+    return __atomic_load_n(&status[0], __ATOMIC_ACQUIRE);
+}
+
+/*
+ * Discard the ops still queued (not those running): each gets -ECANCELED. A job none of
+ * whose ops had started ends with the state -ECANCELED; one partly started ends (state
+ * 1) when its running ops end. Returns how many jobs lost ops.
+ */
+int64_t ao_io_cancel(void *handle) {
+    ao_pool *pool = (ao_pool *)handle;
+    int64_t count = 0;
+    pthread_mutex_lock(&pool->mutex);
+    ao_queue *queues[2] = {&pool->reads, &pool->writes};
+    for (int qi = 0; qi < 2; qi++) {
+        ao_iojob *job = queues[qi]->head;
+        queues[qi]->head = queues[qi]->tail = NULL;
+        while (job != NULL) {
+            ao_iojob *next = job->next;
+            int64_t untaken = job->n - job->taken;
+            for (int64_t i = job->taken; i < job->n; i++) job->results[i] = -ECANCELED;
+            int unrun = job->taken == 0;
+            job->taken = job->n;
+            if (__atomic_sub_fetch(&job->remaining, untaken, __ATOMIC_ACQ_REL) == 0) {
+                if (unrun) job->status[2] = ao_now();
+                ao_job_end_locked(pool, job, unrun ? -(int64_t)ECANCELED : 1);
+            }
+            count++;
+            job = next;
+        }
+    }
+    pthread_mutex_unlock(&pool->mutex);
+    return count;
+}
+
+/* Finish the queued jobs, stop and join the threads, free the pool. */
+void ao_io_destroy(void *handle) {
+    ao_pool *pool = (ao_pool *)handle;
+    pthread_mutex_lock(&pool->mutex);
+    pool->stopping = 1;
+    pthread_cond_broadcast(&pool->cond);
+    pthread_mutex_unlock(&pool->mutex);
+    for (int t = 0; t < pool->nthreads; t++) pthread_join(pool->threads[t], NULL);
+    pthread_mutex_destroy(&pool->mutex);
+    pthread_cond_destroy(&pool->cond);
+    free(pool);
+}
+
+/* Tests: from now on every every_nth-th op of that direction (1: each, 0: none) ends
+ * with -err without touching the file. */
+void ao_io_set_fault(void *handle, int write, int64_t every_nth, int err) {
+    ao_pool *pool = (ao_pool *)handle;
+    int dir = write ? 1 : 0;
+    pthread_mutex_lock(&pool->mutex);
+    __atomic_store_n(&pool->fault_err[dir], err, __ATOMIC_RELAXED);
+    __atomic_store_n(&pool->fault_count[dir], 0, __ATOMIC_RELAXED);
+    __atomic_store_n(&pool->fault_every[dir], every_nth > 0 ? every_nth : 0, __ATOMIC_RELAXED);
+    pthread_mutex_unlock(&pool->mutex);
+}
+
+/* Tests: sleep delay_ns before each op (a slow disk). */
+void ao_io_set_delay(void *handle, int64_t delay_ns) {
+    ao_pool *pool = (ao_pool *)handle;
+    __atomic_store_n(&pool->delay_ns, delay_ns > 0 ? delay_ns : 0, __ATOMIC_RELAXED);
+}

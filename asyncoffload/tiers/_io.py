@@ -1,0 +1,413 @@
+"""Native disk I/O lanes: a pool of native threads that write blocks of host memory to
+disk and read them back (``pread``/``pwrite``), each block checked by CRC32C, with no
+Python thread on the I/O path (asyncoffload/_native/disk_io.c).
+
+A block on disk is a 4096-byte header (magic, format version, the pool's 16-byte
+identity, the payload length, the payload's CRC32C, the key, and the header's own
+CRC32C) followed by the payload, zero-padded to a multiple of 4096: :func:`slot_bytes`.
+It lives either in a slab (an open fd, at an offset: ``IoOp.fd``/``IoOp.offset``) or in
+a file of its own (``IoOp.path``: written to a temporary name, then renamed into place).
+
+A job's ops end one by one, each with a result: ``payload_len`` when it worked, else
+``-errno``: a read of a block that fails its checks ends with ``-EBADMSG`` (damaged:
+magic, version, header or payload CRC, payload length), ``-ESTALE`` (another identity),
+``-EKEYREJECTED`` (another key's block), ``-ENODATA`` (truncated) or ``-ENOENT`` (no
+file); an op that had not started by the job's deadline ends with ``-ETIMEDOUT``.
+
+Reads go before writes: a worker always takes the next op of the oldest read job with
+ops left before any write. A finished job writes 1 to the bound wake fd.
+
+**Fork.** The pool's threads exist only in the process that made it: in a fork's child
+``submit`` raises ``RuntimeError`` and ``close`` touches nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import functools
+import os
+import time
+import weakref
+from collections import deque
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from asyncoffload._native import load_disk_io, native_disabled
+from asyncoffload.transfer.base import CopyJob, check_process, forked_since
+
+__all__ = [
+    "HEADER_BYTES",
+    "IoJob",
+    "IoOp",
+    "IoPool",
+    "available",
+    "crc32c",
+    "slot_bytes",
+]
+
+#: The header that precedes every block's payload on disk.
+HEADER_BYTES = 4096
+#: The longest key a block may carry.
+MAX_KEY_BYTES = 256
+_ALIGN = 4096
+
+
+def slot_bytes(payload_len: int) -> int:
+    """The bytes one block takes on disk: the header, then the payload padded to 4096."""
+    return HEADER_BYTES + (payload_len + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+class IoOp(NamedTuple):
+    """One block to write or read: ``payload_len`` bytes at address ``host``. In a slab:
+    ``fd`` and ``offset`` (of the header), ``path`` None; in files mode: ``path`` (the
+    block file's final path), ``fd`` -1, ``offset`` 0."""
+
+    host: int
+    offset: int
+    path: str | None
+    key: bytes
+    fd: int
+
+
+class _Op(ctypes.Structure):
+    _fields_ = [
+        ("host", ctypes.c_int64),
+        ("offset", ctypes.c_int64),
+        ("path", ctypes.c_char_p),
+        ("key", ctypes.c_char_p),
+        ("key_len", ctypes.c_int32),
+        ("fd", ctypes.c_int32),
+    ]
+
+
+_Status = ctypes.c_int64 * 3
+
+
+class IoJob(CopyJob):
+    """A submitted disk job; ``query()`` is True once every op has ended. Then
+    ``results`` holds each op's outcome (``payload_len`` or ``-errno``) and ``error`` is
+    ``None``, unless the whole job was discarded unrun (the pool closed under it:
+    ``error`` is an ``OSError(ECANCELED)``)."""
+
+    __slots__ = ("_lib", "_results", "_status", "results")
+
+    def __init__(self, n: int, payload_len: int, lib: ctypes.CDLL) -> None:
+        super().__init__(n, n * payload_len)
+        self._lib = lib
+        self._status = _Status()
+        self._results = (ctypes.c_int64 * n)()
+        self.results: list[int] = []
+
+    @property
+    def status_address(self) -> int:
+        return ctypes.addressof(self._status)
+
+    def query(self) -> bool:
+        if not self._done:
+            state = self._lib.ao_io_status_load(self.status_address)
+            if state:
+                self.results = list(self._results)
+                self.error = None if state > 0 else _discarded(-state)
+                # time.perf_counter_ns is CLOCK_MONOTONIC, the clock the pool stamped.
+                self.finished_ns = self._status[1]
+                self._done = True
+        return self._done
+
+    @property
+    def first_op_ns(self) -> int:
+        """When the first op started (CLOCK_MONOTONIC ns; 0 before, or if none did)."""
+        return int(self._status[2])
+
+    @property
+    def failed(self) -> list[int]:
+        """The indices of the ops that failed (after ``query()`` returned True)."""
+        return [i for i, r in enumerate(self.results) if r < 0]
+
+    def __repr__(self) -> str:
+        state = "running"
+        if self._done:
+            state = "discarded" if self.error is not None else f"done, {len(self.failed)} failed"
+        return f"<IoJob {self.num_blocks} ops {self.nbytes} B {state}>"
+
+
+def _discarded(code: int) -> OSError:
+    return OSError(code, "the disk job was discarded unrun: its pool was closed or dropped")
+
+
+def _unavailable_reason() -> str:
+    if native_disabled():
+        return "ASYNCOFFLOAD_NO_NATIVE is set"
+    if load_disk_io.building:
+        return (
+            "it is being built on a background thread (asyncoffload._native.build_all() "
+            "builds it ahead of time)"
+        )
+    return "it could not be built or loaded (no C compiler? see the log)"
+
+
+def available() -> bool:
+    """Whether the native disk I/O library loads here."""
+    return load_disk_io() is not None
+
+
+def _library() -> ctypes.CDLL:
+    lib = load_disk_io()
+    if lib is None:
+        raise RuntimeError(f"the native disk I/O library is unavailable: {_unavailable_reason()}")
+    return lib
+
+
+def crc32c(data: bytes | bytearray | memoryview, crc: int = 0) -> int:
+    """CRC32C (Castagnoli) of ``data``, continuing from ``crc``: chainable,
+    ``crc32c(b, crc32c(a)) == crc32c(a + b)``."""
+    lib = _library()
+    if isinstance(data, bytes):
+        return int(lib.ao_crc32c(crc, data, len(data)))
+    view = memoryview(data)
+    if not view.c_contiguous:
+        raise ValueError("crc32c needs a contiguous buffer")
+    view = view.cast("B")
+    n = len(view)
+    if n == 0:
+        return int(lib.ao_crc32c(crc, None, 0))
+    if view.readonly:
+        return int(lib.ao_crc32c(crc, bytes(view), n))
+    buf = (ctypes.c_char * n).from_buffer(view)
+    try:
+        return int(lib.ao_crc32c(crc, ctypes.addressof(buf), n))
+    finally:
+        del buf
+
+
+def _release_pool(
+    lib: ctypes.CDLL,
+    pid: int,
+    owned: list[int | None],
+    pending: deque[tuple[ctypes.Array[ctypes.c_int64], ctypes.Array[ctypes.c_int64]]],
+    fds: list[int],
+    *,
+    discard: bool,
+) -> None:
+    """Stop the native pool (finishing its queued jobs, or with ``discard`` dropping
+    them) and join its threads; only then let go of the status words the threads write
+    and close the wake fd. In a fork's child the pool is the parent's: left alone."""
+    if not forked_since(pid):
+        while owned:
+            handle = owned[-1]
+            if handle:
+                if discard:
+                    lib.ao_io_cancel(handle)
+                lib.ao_io_destroy(handle)  # ends the running ops, joins the threads
+            owned.pop()
+        pending.clear()
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    fds.clear()
+
+
+class IoPool:
+    """``threads`` native threads moving blocks of ``payload_len`` bytes between host
+    memory and disk, stamping and checking ``identity`` (16 bytes) in every block.
+    ``direct_files``: open files-mode files with ``O_DIRECT`` (where the file system
+    refuses it, buffered I/O). The native threads start with the first submission: a
+    pool never used holds none. Raises ``RuntimeError`` (saying why) where the native
+    library is unavailable."""
+
+    def __init__(
+        self, *, threads: int, payload_len: int, identity: bytes, direct_files: bool
+    ) -> None:
+        if threads < 1:
+            raise ValueError(f"threads must be at least 1, got {threads}")
+        if payload_len < 0:
+            raise ValueError(f"payload_len must not be negative, got {payload_len}")
+        if len(identity) != 16:
+            raise ValueError(f"identity must be 16 bytes, got {len(identity)}")
+        self._lib = _library()
+        self.threads = threads
+        self.payload_len = payload_len
+        self.identity = bytes(identity)
+        self.direct_files = direct_files
+        self.slot_bytes = slot_bytes(payload_len)
+        self.pid = os.getpid()
+        self._closed = False
+        #: The native pool, once created (one handle at most).
+        self._owned: list[int | None] = []
+        self._handle: int | None = None
+        self._fds: list[int] = []  # our duplicate of the bound wake fd
+        self._wake_fd = -1
+        self._faults: dict[int, tuple[int, int]] = {}
+        self._delay_ns = 0
+        self._pending: deque[tuple[ctypes.Array[ctypes.c_int64], ctypes.Array[ctypes.c_int64]]] = (
+            deque()
+        )
+        # Dropped unclosed, the pool is released by this; it refers only to what the
+        # native threads touch, never to the pool object.
+        self._finalizer = weakref.finalize(
+            self,
+            _release_pool,
+            self._lib,
+            self.pid,
+            self._owned,
+            self._pending,
+            self._fds,
+            discard=True,
+        )
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def started(self) -> bool:
+        """Whether the native pool (and its threads) exists."""
+        return bool(self._owned)
+
+    def bind(self, wake_fd: int | None) -> None:
+        """Write 1 (8 bytes) to ``wake_fd`` when a job ends (``None``: signal nothing).
+        The pool writes a duplicate of it, so the caller may close its own; once this
+        returns, the fd bound before is never written again."""
+        if self._closed or forked_since(self.pid):
+            return
+        fds = self._fds
+        stale = fds[:]
+        fd = -1
+        if wake_fd is not None:
+            # Filed by the C call that makes it: an interrupt cannot leak it.
+            fds.extend(map(os.dup, (wake_fd,)))
+            fd = fds[-1]
+        self._wake_fd = fd
+        for handle in self._owned:
+            if handle:
+                self._lib.ao_io_set_wake_fd(handle, fd)
+        for old in stale:  # the pool no longer writes these
+            fds.remove(old)
+            os.close(old)
+
+    def _start(self) -> int:
+        owned = self._owned
+        if not owned:
+            create = functools.partial(
+                self._lib.ao_io_create,
+                self.threads,
+                self._wake_fd,
+                self.payload_len,
+                self.identity,
+            )
+            # extend(map(...)) files the handle before any bytecode runs after the C
+            # call: an interrupt cannot come between starting the threads and owning them.
+            owned.extend(map(create, (1 if self.direct_files else 0,)))
+        handle = owned[0]
+        if not handle:
+            owned.clear()
+            raise OSError("ao_io_create failed")
+        for write, (every, err) in self._faults.items():
+            self._lib.ao_io_set_fault(handle, write, every, err)
+        if self._delay_ns:
+            self._lib.ao_io_set_delay(handle, self._delay_ns)
+        self._handle = handle
+        return int(handle)
+
+    def submit(self, write: bool, ops: Sequence[IoOp], deadline_s: float | None = None) -> IoJob:
+        """Queue ``ops`` (all writes or all reads); ``deadline_s``: seconds from now
+        after which ops not yet started end with ``-ETIMEDOUT``. The host memory and
+        slab fds must stay valid until the job has ended."""
+        check_process(self.pid, "IoPool")
+        if self._closed:
+            raise RuntimeError("IoPool is closed")
+        n = len(ops)
+        array = (_Op * n)()
+        for i, op in enumerate(ops):
+            key = bytes(op.key)
+            if not 1 <= len(key) <= MAX_KEY_BYTES:
+                raise ValueError(f"a key must be 1 to {MAX_KEY_BYTES} bytes, got {len(key)}")
+            if op.path is None and op.fd < 0:
+                raise ValueError("an op needs a path (files mode) or an fd (slab mode)")
+            if op.host == 0 and self.payload_len:
+                raise ValueError("an op needs a host address")
+            c = array[i]
+            c.host = op.host
+            c.offset = op.offset if op.path is None else 0
+            c.path = None if op.path is None else os.fsencode(op.path)
+            c.key = key
+            c.key_len = len(key)
+            c.fd = op.fd if op.path is None else -1
+        deadline_ns = 0
+        if deadline_s is not None:
+            deadline_ns = max(1, time.monotonic_ns() + int(deadline_s * 1e9))
+        handle = self._handle
+        if handle is None:
+            handle = self._start()
+        pending = self._pending
+        while pending and pending[0][0][0]:  # ended: the pool no longer writes these
+            pending.popleft()
+        if len(pending) > 256:
+            kept = [p for p in pending if not p[0][0]]
+            pending.clear()
+            pending.extend(kept)
+        job = IoJob(n, self.payload_len, self._lib)
+        rc = self._lib.ao_io_submit(
+            handle,
+            1 if write else 0,
+            n,
+            ctypes.addressof(array),
+            deadline_ns,
+            job.status_address,
+            ctypes.addressof(job._results),
+        )
+        if rc != 0:
+            reason = {-1: "out of memory", -2: "the pool is stopping", -3: "bad arguments"}
+            raise RuntimeError(
+                f"the native disk pool refused the job: {reason.get(rc, f'code {rc}')}"
+            )
+        pending.append((job._status, job._results))
+        return job
+
+    def set_fault(self, write: bool, every_nth: int, err: int) -> None:
+        """Tests: from now on every ``every_nth``-th op of that direction (1: each, 0:
+        none) ends with ``-err`` without touching the file."""
+        direction = 1 if write else 0
+        self._faults[direction] = (every_nth, err)
+        if self._handle is not None:
+            self._lib.ao_io_set_fault(self._handle, direction, every_nth, err)
+
+    def set_delay(self, seconds: float) -> None:
+        """Tests: sleep ``seconds`` before each op (a slow disk)."""
+        self._delay_ns = max(0, int(seconds * 1e9))
+        if self._handle is not None:
+            self._lib.ao_io_set_delay(self._handle, self._delay_ns)
+
+    def close(self) -> None:
+        """Finish the queued jobs, join the threads, free the pool. Idempotent. In a
+        fork's child: only marks the pool closed (its threads are the parent's)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._handle = None
+        detached = self._finalizer.detach()
+        if detached is not None:
+            _, release, args, _ = detached
+            release(*args, discard=False)
+
+    def __enter__(self) -> IoPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else ("running" if self._owned else "idle")
+        return f"<IoPool {self.threads} threads, {self.payload_len} B blocks, {state}>"
+
+
+#: errno values a read's result may carry, by what they mean (documentation and tests).
+READ_ERRORS = {
+    "damaged": errno.EBADMSG,
+    "other identity": errno.ESTALE,
+    "other key": errno.EKEYREJECTED,
+    "truncated": errno.ENODATA,
+    "missing": errno.ENOENT,
+    "deadline": errno.ETIMEDOUT,
+}

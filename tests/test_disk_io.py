@@ -1,0 +1,626 @@
+"""The native disk I/O lanes (asyncoffload/_native/disk_io.c, asyncoffload.tiers._io):
+real files, real threads."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import gc
+import mmap
+import os
+import select
+import struct
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from asyncoffload.tiers import _io
+from asyncoffload.tiers._io import HEADER_BYTES, IoJob, IoOp, IoPool, crc32c, slot_bytes
+
+pytestmark = pytest.mark.skipif(not _io.available(), reason="native disk I/O unavailable")
+
+IDENTITY = bytes(range(16))
+OTHER_IDENTITY = bytes(range(16, 32))
+
+
+def _crc32c_reference(data: bytes, crc: int = 0) -> int:
+    table = []
+    for n in range(256):
+        c = n
+        for _ in range(8):
+            c = (c >> 1) ^ 0x82F63B78 if c & 1 else c >> 1
+        table.append(c)
+    crc ^= 0xFFFFFFFF
+    for b in data:
+        crc = table[(crc ^ b) & 0xFF] ^ (crc >> 8)
+    return crc ^ 0xFFFFFFFF
+
+
+class Host:
+    """``size`` bytes of host memory at an address that is 4096-aligned (``aligned``)
+    or odd."""
+
+    def __init__(self, size: int, aligned: bool) -> None:
+        self.size = size
+        self._map = mmap.mmap(-1, max(size, 1) + 4096)
+        self._buf = (ctypes.c_char * len(self._map)).from_buffer(self._map)
+        base = ctypes.addressof(self._buf)
+        assert base % 4096 == 0
+        self.address = base if aligned else base + 1
+
+    def write(self, data: bytes) -> None:
+        assert len(data) == self.size
+        ctypes.memmove(self.address, data, len(data))
+
+    def read(self) -> bytes:
+        return ctypes.string_at(self.address, self.size)
+
+
+def wait(job: IoJob, timeout: float = 10.0) -> IoJob:
+    deadline = time.monotonic() + timeout
+    while not job.query():
+        assert time.monotonic() < deadline, "the disk job did not end"
+        time.sleep(0.001)
+    return job
+
+
+def tasks() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def wait_tasks(expected: int, timeout: float = 5.0) -> int:
+    deadline = time.monotonic() + timeout
+    while tasks() != expected and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return tasks()
+
+
+@pytest.fixture
+def pools() -> Iterator[list[IoPool]]:
+    made: list[IoPool] = []
+    yield made
+    for pool in made:
+        pool.close()
+
+
+def make_pool(
+    made: list[IoPool],
+    payload_len: int,
+    *,
+    threads: int = 1,
+    identity: bytes = IDENTITY,
+    direct: bool = False,
+) -> IoPool:
+    pool = IoPool(threads=threads, payload_len=payload_len, identity=identity, direct_files=direct)
+    made.append(pool)
+    return pool
+
+
+def parse_header(block: bytes) -> dict[str, object]:
+    h = block[:HEADER_BYTES]
+    magic, version, hlen = struct.unpack_from("<8sII", h, 0)
+    payload_len, payload_crc, key_len = struct.unpack_from("<QII", h, 32)
+    (header_crc,) = struct.unpack_from("<I", h, 4092)
+    return {
+        "magic": magic,
+        "version": version,
+        "header_len": hlen,
+        "identity": h[16:32],
+        "payload_len": payload_len,
+        "payload_crc": payload_crc,
+        "key": h[48 : 48 + key_len],
+        "key_pad": h[48 + key_len : 304],
+        "zeros": h[304:4092],
+        "header_crc": header_crc,
+        "header_crc_ok": header_crc == _crc32c_reference(h[:4092]),
+    }
+
+
+def check_block(block: bytes, payload: bytes, key: bytes, identity: bytes = IDENTITY) -> None:
+    assert len(block) == slot_bytes(len(payload))
+    h = parse_header(block)
+    assert h["magic"] == b"AOKVBLK\0"
+    assert h["version"] == 1
+    assert h["header_len"] == 4096
+    assert h["identity"] == identity
+    assert h["payload_len"] == len(payload)
+    assert h["payload_crc"] == crc32c(payload) == _crc32c_reference(payload)
+    assert h["key"] == key
+    assert h["key_pad"] == bytes(256 - len(key))
+    assert h["zeros"] == bytes(4092 - 304)
+    assert h["header_crc_ok"]
+    assert block[HEADER_BYTES : HEADER_BYTES + len(payload)] == payload
+    assert block[HEADER_BYTES + len(payload) :] == bytes(len(block) - HEADER_BYTES - len(payload))
+
+
+# --- CRC32C -------------------------------------------------------------------------------
+
+
+def test_crc32c_known_vectors_chaining_and_buffer_kinds() -> None:
+    assert crc32c(b"") == 0
+    assert crc32c(b"123456789") == 0xE3069283
+    assert crc32c(b"a") == _crc32c_reference(b"a") == 0xC1D04330
+    assert crc32c(bytes(32)) == 0x8A9136AA  # iSCSI test vector: 32 zero bytes
+    assert crc32c(b"\xff" * 32) == 0x62A8AB43
+    assert crc32c(bytes(range(32))) == 0x46DD794E
+    big = os.urandom(1 << 20)
+    small = big[:70001]
+    assert crc32c(small) == _crc32c_reference(small)
+    lib = _io._library()
+    whole = crc32c(big)
+    assert whole == lib.ao_crc32c_soft(0, big, len(big))
+    for cut in (1, 7, 8, 255, 4096, 24577, 1 << 19):
+        assert crc32c(big[cut:], crc32c(big[:cut])) == whole
+    for skew in range(1, 9):  # unaligned starts and odd lengths, hardware vs table
+        part = big[skew : skew + 100_003]
+        assert crc32c(part) == lib.ao_crc32c_soft(0, part, len(part))
+    assert crc32c(bytearray(big)) == whole
+    assert crc32c(memoryview(big)) == whole
+    assert crc32c(memoryview(bytearray(big))[10:]) == crc32c(big[10:])
+
+
+# --- slab mode -------------------------------------------------------------------------------
+
+
+def _open_slab(path: Path, direct: bool) -> int:
+    flags = os.O_RDWR | os.O_CREAT
+    if direct:
+        try:
+            return os.open(path, flags | os.O_DIRECT, 0o600)
+        except OSError as exc:
+            if exc.errno == errno.EINVAL:
+                pytest.skip(f"O_DIRECT is refused on {path.parent}")
+            raise
+    return os.open(path, flags, 0o600)
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["o_direct", "buffered"])
+@pytest.mark.parametrize(
+    ("payload_len", "aligned"), [(8192, True), (1000, False), (8192, False), (1000, True)]
+)
+def test_slab_round_trip_is_byte_exact_with_the_documented_header(
+    tmp_path: Path, pools: list[IoPool], payload_len: int, aligned: bool, direct: bool
+) -> None:
+    pool = make_pool(pools, payload_len, threads=2)
+    slot = slot_bytes(payload_len)
+    fd = _open_slab(tmp_path / "slab", direct)
+    try:
+        blocks = 3
+        hosts = [Host(payload_len, aligned) for _ in range(blocks)]
+        payloads = [os.urandom(payload_len) for _ in range(blocks)]
+        keys = [f"key-{i}".encode() * (i + 1) for i in range(blocks)]
+        for h, p in zip(hosts, payloads):
+            h.write(p)
+        ops = [IoOp(h.address, i * slot, None, k, fd) for i, (h, k) in enumerate(zip(hosts, keys))]
+        job = wait(pool.submit(True, ops))
+        assert job.error is None and job.results == [payload_len] * blocks and job.failed == []
+        assert job.nbytes == blocks * payload_len and job.num_blocks == blocks
+
+        data = (tmp_path / "slab").read_bytes()
+        assert len(data) == blocks * slot
+        for i in range(blocks):
+            check_block(data[i * slot : (i + 1) * slot], payloads[i], keys[i])
+
+        back = [Host(payload_len, aligned) for _ in range(blocks)]
+        ops = [IoOp(h.address, i * slot, None, k, fd) for i, (h, k) in enumerate(zip(back, keys))]
+        job = wait(pool.submit(False, list(reversed(ops))))
+        assert job.results == [payload_len] * blocks
+        assert [h.read() for h in back] == payloads
+    finally:
+        os.close(fd)
+
+
+def test_many_ops_run_in_parallel_and_round_trip(tmp_path: Path, pools: list[IoPool]) -> None:
+    payload_len = 8192
+    count = 256
+    pool = make_pool(pools, payload_len, threads=4)
+    slot = slot_bytes(payload_len)
+    src = Host(payload_len * count, aligned=True)
+    data = os.urandom(payload_len * count)
+    src.write(data)
+    dst = Host(payload_len * count, aligned=True)
+    fd = os.open(tmp_path / "slab", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        keys = [i.to_bytes(4, "little") for i in range(count)]
+        ops = [
+            IoOp(src.address + i * payload_len, i * slot, None, keys[i], fd) for i in range(count)
+        ]
+        assert wait(pool.submit(True, ops)).results == [payload_len] * count
+        ops = [
+            IoOp(dst.address + i * payload_len, i * slot, None, keys[i], fd) for i in range(count)
+        ]
+        job = wait(pool.submit(False, ops))
+        assert job.results == [payload_len] * count
+        assert dst.read() == data
+    finally:
+        os.close(fd)
+
+
+def test_an_empty_job_ends_at_once_and_bad_ops_are_refused(
+    tmp_path: Path, pools: list[IoPool]
+) -> None:
+    pool = make_pool(pools, 100)
+    job = wait(pool.submit(True, []))
+    assert job.results == [] and job.error is None
+    host = Host(100, aligned=False)
+    with pytest.raises(ValueError, match="key"):
+        pool.submit(True, [IoOp(host.address, 0, str(tmp_path / "a"), b"", -1)])
+    with pytest.raises(ValueError, match="key"):
+        pool.submit(True, [IoOp(host.address, 0, str(tmp_path / "a"), b"k" * 257, -1)])
+    with pytest.raises(ValueError, match="path"):
+        pool.submit(True, [IoOp(host.address, 0, None, b"k", -1)])
+    with pytest.raises(ValueError, match="16 bytes"):
+        IoPool(threads=1, payload_len=1, identity=b"short", direct_files=False)
+
+
+# --- files mode ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["o_direct", "buffered"])
+@pytest.mark.parametrize(("payload_len", "aligned"), [(4096, True), (1000, False)])
+def test_files_round_trip_leave_no_temporary_file_and_replace_atomically(
+    tmp_path: Path, pools: list[IoPool], payload_len: int, aligned: bool, direct: bool
+) -> None:
+    pool = make_pool(pools, payload_len, threads=2, direct=direct)
+    host = Host(payload_len, aligned)
+    first = os.urandom(payload_len)
+    host.write(first)
+    path = tmp_path / "blk"
+    job = wait(pool.submit(True, [IoOp(host.address, 0, str(path), b"the-key", -1)]))
+    assert job.results == [payload_len]
+    assert os.listdir(tmp_path) == ["blk"]
+    assert path.stat().st_mode & 0o777 == 0o600 & ~_umask()
+    check_block(path.read_bytes(), first, b"the-key")
+    inode = path.stat().st_ino
+
+    second = os.urandom(payload_len)
+    host.write(second)
+    job = wait(pool.submit(True, [IoOp(host.address, 0, str(path), b"the-key", -1)]))
+    assert job.results == [payload_len]
+    assert os.listdir(tmp_path) == ["blk"]
+    assert path.stat().st_ino != inode  # a new file renamed over the old one
+    check_block(path.read_bytes(), second, b"the-key")
+
+    back = Host(payload_len, aligned)
+    job = wait(pool.submit(False, [IoOp(back.address, 0, str(path), b"the-key", -1)]))
+    assert job.results == [payload_len]
+    assert back.read() == second
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def test_a_failed_files_write_leaves_no_temporary_file(tmp_path: Path, pools: list[IoPool]) -> None:
+    pool = make_pool(pools, 100)
+    host = Host(100, aligned=False)
+    missing_dir = tmp_path / "nope" / "blk"
+    target_dir = tmp_path / "dir"
+    target_dir.mkdir()
+    job = wait(
+        pool.submit(
+            True,
+            [
+                IoOp(host.address, 0, str(missing_dir), b"k", -1),
+                IoOp(host.address, 0, str(target_dir), b"k", -1),  # rename onto a folder
+            ],
+        )
+    )
+    assert job.results == [-errno.ENOENT, -errno.EISDIR]
+    assert job.failed == [0, 1]
+    assert sorted(os.listdir(tmp_path)) == ["dir"] and os.listdir(target_dir) == []
+
+
+# --- integrity ---------------------------------------------------------------------------------
+
+
+def _write_one(pool: IoPool, path: Path, key: bytes, aligned: bool) -> bytes:
+    host = Host(pool.payload_len, aligned)
+    payload = os.urandom(pool.payload_len)
+    host.write(payload)
+    assert wait(pool.submit(True, [IoOp(host.address, 0, str(path), key, -1)])).results == [
+        pool.payload_len
+    ]
+    return payload
+
+
+def _read_one(pool: IoPool, path: Path, key: bytes, aligned: bool) -> tuple[int, Host]:
+    host = Host(pool.payload_len, aligned)
+    host.write(b"\xaa" * pool.payload_len)
+    job = wait(pool.submit(False, [IoOp(host.address, 0, str(path), key, -1)]))
+    return job.results[0], host
+
+
+def _patch(path: Path, offset: int, data: bytes | None = None) -> None:
+    raw = bytearray(path.read_bytes())
+    if data is None:
+        raw[offset] ^= 0x01
+    else:
+        raw[offset : offset + len(data)] = data
+    path.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize(("payload_len", "aligned"), [(1000, False), (8192, True)])
+def test_damaged_stale_foreign_truncated_and_missing_blocks_are_refused(
+    tmp_path: Path, pools: list[IoPool], payload_len: int, aligned: bool
+) -> None:
+    pool = make_pool(pools, payload_len, threads=2)
+    staged = not aligned
+    untouched = b"\xaa" * payload_len
+
+    # a flipped payload byte
+    path = tmp_path / "payload"
+    _write_one(pool, path, b"k1", aligned)
+    _patch(path, HEADER_BYTES + payload_len // 2)
+    result, host = _read_one(pool, path, b"k1", aligned)
+    assert result == -errno.EBADMSG
+    if staged:
+        assert host.read() == untouched
+
+    # a flipped header byte (the header CRC catches it), in several places
+    for offset in (0, 8, 12, 20, 33, 41, 50, 1000, 4093):
+        path = tmp_path / f"header{offset}"
+        _write_one(pool, path, b"k1", aligned)
+        _patch(path, offset)
+        result, host = _read_one(pool, path, b"k1", aligned)
+        assert result == -errno.EBADMSG, offset
+        if staged:
+            assert host.read() == untouched
+
+    # truncated: in the payload, and inside the header
+    for size in (HEADER_BYTES + payload_len - 1, 100, 0):
+        path = tmp_path / f"short{size}"
+        _write_one(pool, path, b"k1", aligned)
+        os.truncate(path, size)
+        result, host = _read_one(pool, path, b"k1", aligned)
+        assert result == -errno.ENODATA, size
+        if staged:
+            assert host.read() == untouched
+
+    # the block of another identity (another namespace)
+    path = tmp_path / "other-identity"
+    other = make_pool(pools, payload_len, identity=OTHER_IDENTITY)
+    _write_one(other, path, b"k1", aligned)
+    result, host = _read_one(pool, path, b"k1", aligned)
+    assert result == -errno.ESTALE
+    if staged:
+        assert host.read() == untouched
+
+    # another key's block moved to this key's path
+    wrong = tmp_path / "k2"
+    _write_one(pool, tmp_path / "k3", b"k3", aligned)
+    os.rename(tmp_path / "k3", wrong)
+    result, host = _read_one(pool, wrong, b"k2", aligned)
+    assert result == -errno.EKEYREJECTED
+    if staged:
+        assert host.read() == untouched
+
+    # another payload length, with a valid header CRC
+    path = tmp_path / "length"
+    other_len = make_pool(pools, payload_len + 1)
+    _write_one(other_len, path, b"k1", aligned)
+    result, _ = _read_one(pool, path, b"k1", aligned)
+    assert result == -errno.EBADMSG
+
+    result, host = _read_one(pool, tmp_path / "missing", b"k1", aligned)
+    assert result == -errno.ENOENT
+    if staged:
+        assert host.read() == untouched
+
+    # and an intact block still reads
+    path = tmp_path / "good"
+    payload = _write_one(pool, path, b"k1", aligned)
+    result, host = _read_one(pool, path, b"k1", aligned)
+    assert result == payload_len and host.read() == payload
+
+
+# --- scheduling, deadlines, faults -----------------------------------------------------------
+
+
+def test_reads_go_before_queued_writes(tmp_path: Path, pools: list[IoPool]) -> None:
+    pool = make_pool(pools, 100, threads=1)
+    host = Host(100, aligned=False)
+    host.write(os.urandom(100))
+    wait(pool.submit(True, [IoOp(host.address, 0, str(tmp_path / "r"), b"r", -1)]))
+    pool.set_delay(0.03)
+    writes = [
+        pool.submit(True, [IoOp(host.address, 0, str(tmp_path / f"w{i}"), b"w", -1)])
+        for i in range(4)
+    ]
+    read = pool.submit(False, [IoOp(host.address, 0, str(tmp_path / "r"), b"r", -1)])
+    for job in [*writes, read]:
+        wait(job)
+    assert read.results == [100]
+    assert all(w.results == [100] for w in writes)
+    # The first write was running when the read came; the read went before the others.
+    assert read.finished_ns < writes[1].finished_ns
+    assert [w.finished_ns for w in writes] == sorted(w.finished_ns for w in writes)
+
+
+def test_ops_not_started_by_the_deadline_time_out_without_io(
+    tmp_path: Path, pools: list[IoPool]
+) -> None:
+    pool = make_pool(pools, 100, threads=1)
+    pool.set_delay(0.05)
+    host = Host(100, aligned=False)
+    slow = pool.submit(
+        True, [IoOp(host.address, 0, str(tmp_path / f"a{i}"), b"a", -1) for i in range(2)]
+    )
+    late = pool.submit(
+        True,
+        [IoOp(host.address, 0, str(tmp_path / f"b{i}"), b"b", -1) for i in range(3)],
+        deadline_s=0.01,
+    )
+    wait(slow)
+    wait(late)
+    assert slow.results == [100, 100]
+    assert late.results == [-errno.ETIMEDOUT] * 3 and late.failed == [0, 1, 2]
+    assert late.error is None
+    assert sorted(os.listdir(tmp_path)) == ["a0", "a1"]
+    # A generous deadline changes nothing.
+    pool.set_delay(0)
+    ok = wait(pool.submit(True, [IoOp(host.address, 0, str(tmp_path / "c"), b"c", -1)], 30.0))
+    assert ok.results == [100]
+
+
+def test_the_fault_hook_fails_every_nth_op_without_touching_the_file(
+    tmp_path: Path, pools: list[IoPool]
+) -> None:
+    pool = make_pool(pools, 100, threads=1)
+    pool.set_fault(True, 2, errno.ENOSPC)
+    host = Host(100, aligned=False)
+    ops = [IoOp(host.address, 0, str(tmp_path / f"f{i}"), b"f", -1) for i in range(6)]
+    job = wait(pool.submit(True, ops))
+    assert job.results == [100, -errno.ENOSPC] * 3
+    assert job.failed == [1, 3, 5]
+    assert sorted(os.listdir(tmp_path)) == ["f0", "f2", "f4"]
+    # reads are not affected; then every read fails
+    assert wait(pool.submit(False, ops[:1])).results == [100]
+    pool.set_fault(False, 1, errno.EIO)
+    assert wait(pool.submit(False, ops[:2])).results == [-errno.EIO] * 2
+    pool.set_fault(False, 0, 0)
+    pool.set_fault(True, 0, 0)
+    assert wait(pool.submit(True, ops)).results == [100] * 6
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    proc = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip() or proc.returncode}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False, capture_output=True)
+
+
+def test_a_full_disk_ends_ops_with_enospc(small_tmpfs: Path, pools: list[IoPool]) -> None:
+    pool = make_pool(pools, 8192, threads=2)
+    host = Host(8192, aligned=True)
+    host.write(os.urandom(8192))
+    ops = [IoOp(host.address, 0, str(small_tmpfs / f"b{i}"), b"b", -1) for i in range(12)]
+    job = wait(pool.submit(True, ops))
+    assert -errno.ENOSPC in job.results
+    assert set(job.results) <= {8192, -errno.ENOSPC}
+    written = sorted(os.listdir(small_tmpfs))
+    assert written == sorted(f"b{i}" for i, r in enumerate(job.results) if r > 0)  # no tmp left
+    # and a slab on the full disk
+    fd = os.open(small_tmpfs / "slab", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        slab_ops = [IoOp(host.address, i * slot_bytes(8192), None, b"s", fd) for i in range(8)]
+        assert -errno.ENOSPC in wait(pool.submit(True, slab_ops)).results
+    finally:
+        os.close(fd)
+
+
+# --- wake-ups and lifetime ---------------------------------------------------------------------
+
+
+def test_a_finished_job_writes_the_bound_wake_fd(tmp_path: Path, pools: list[IoPool]) -> None:
+    pool = make_pool(pools, 100, threads=2)
+    efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+    try:
+        pool.bind(efd)
+        host = Host(100, aligned=False)
+        job = pool.submit(True, [IoOp(host.address, 0, str(tmp_path / "w"), b"w", -1)])
+        readable, _, _ = select.select([efd], [], [], 10.0)
+        assert readable == [efd]
+        assert os.eventfd_read(efd) >= 1
+        assert job.query() and job.results == [100]
+        # Rebinding to None: nothing is written any more.
+        pool.bind(None)
+        wait(pool.submit(True, [IoOp(host.address, 0, str(tmp_path / "x"), b"x", -1)]))
+        assert select.select([efd], [], [], 0.05)[0] == []
+    finally:
+        os.close(efd)
+
+
+def test_close_finishes_queued_jobs_and_joins_the_threads(
+    tmp_path: Path, pools: list[IoPool]
+) -> None:
+    before = tasks()
+    pool = make_pool(pools, 100, threads=3)
+    assert not pool.started and tasks() == before  # a pool never used holds no threads
+    pool.set_delay(0.005)
+    host = Host(100, aligned=False)
+    jobs = [
+        pool.submit(
+            True, [IoOp(host.address, 0, str(tmp_path / f"{j}-{i}"), b"k", -1) for i in range(4)]
+        )
+        for j in range(4)
+    ]
+    assert pool.started and tasks() == before + 3
+    pool.close()
+    assert tasks() == before
+    for job in jobs:
+        assert job.query() and job.results == [100] * 4
+    with pytest.raises(RuntimeError, match="closed"):
+        pool.submit(True, [])
+    pool.close()  # idempotent
+
+    idle = make_pool(pools, 100, threads=2)
+    idle.close()
+    assert tasks() == before
+
+
+def test_a_dropped_pool_discards_its_queued_jobs_and_joins_its_threads(tmp_path: Path) -> None:
+    before = tasks()
+    pool = IoPool(threads=2, payload_len=100, identity=IDENTITY, direct_files=False)
+    pool.set_delay(0.01)
+    host = Host(100, aligned=False)
+    jobs = [
+        pool.submit(True, [IoOp(host.address, 0, str(tmp_path / f"{j}"), b"k", -1)])
+        for j in range(20)
+    ]
+    assert tasks() == before + 2
+    del pool
+    gc.collect()
+    assert wait_tasks(before) == before
+    cancelled = 0
+    for job in jobs:
+        assert job.query()
+        if job.error is not None:
+            assert isinstance(job.error, OSError) and job.error.errno == errno.ECANCELED
+            assert job.results == [-errno.ECANCELED]
+            cancelled += 1
+        else:
+            assert job.results == [100]
+    assert cancelled > 0
+
+
+def test_a_forked_child_cannot_submit(tmp_path: Path, pools: list[IoPool]) -> None:
+    pool = make_pool(pools, 100, threads=1)
+    host = Host(100, aligned=False)
+    wait(pool.submit(True, [IoOp(host.address, 0, str(tmp_path / "p"), b"p", -1)]))
+    pid = os.fork()
+    if pid == 0:  # the child
+        code = 1
+        with contextlib.suppress(BaseException):
+            try:
+                pool.submit(True, [IoOp(host.address, 0, str(tmp_path / "c"), b"c", -1)])
+            except RuntimeError:
+                pool.close()  # touches nothing of the parent's
+                code = 0 if pool.closed else 2
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert not (tmp_path / "c").exists()
+    # the parent's pool still works
+    assert wait(
+        pool.submit(True, [IoOp(host.address, 0, str(tmp_path / "q"), b"q", -1)])
+    ).results == [100]
