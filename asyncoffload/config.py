@@ -29,6 +29,7 @@ from pydantic_settings import (
 
 from asyncoffload.manager.admission import available_admissions
 from asyncoffload.manager.policies import available_policies
+from asyncoffload.tiers.disk import DiskTier
 
 __all__ = ["EngineConfig", "known_admission", "known_policy", "parse_bytes"]
 
@@ -187,6 +188,25 @@ class EngineConfig(BaseModel):
     max_tracker_size: int = Field(
         64_000, gt=0, description="Keys whose offers store_threshold remembers."
     )
+    tiers: list[DiskTier] = Field(
+        default_factory=list,
+        description="Tiers below the CPU tier, highest first: DiskTier(path, capacity, "
+        "mode). Stores write through to them after the CPU copy; loads of keys found only "
+        "there promote them (see docs/tiers.md). From the environment: a JSON list.",
+    )
+    model: str = Field(
+        "",
+        description="Names the model weights (path or hub id, with a revision): part of "
+        "the identity of blocks in lower tiers. Required by files-mode disk tiers.",
+    )
+    tokens_per_block: int = Field(0, ge=0, description="Tokens per KV block (identity).")
+    rank: int = Field(0, ge=0, description="Tensor-parallel rank of this KV shard (identity).")
+    world_size: int = Field(1, gt=0, description="Tensor-parallel world size (identity).")
+    tenant: str = Field(
+        "",
+        description="Tenant of this engine (a cache salt): lower-tier blocks of other "
+        "tenants are never read. Per request: ReqContext.tenant.",
+    )
     log_summary_s: float | None = Field(
         None,
         gt=0,
@@ -243,6 +263,31 @@ class EngineConfig(BaseModel):
             )
         # Already validated; model_copy keeps cpu_bytes (what was asked) next to the blocks.
         return self.model_copy(update={"cpu_blocks": blocks})
+
+    @field_validator("tiers", mode="before")
+    @classmethod
+    def _tiers_json(cls, value: object) -> object:
+        if isinstance(value, str):  # from the environment
+            import json
+
+            try:
+                return json.loads(value)
+            except ValueError as exc:
+                raise ValueError(f"tiers: expected a JSON list of tiers: {exc}") from None
+        return value
+
+    @model_validator(mode="after")
+    def _tier_identity(self) -> EngineConfig:
+        for i, tier in enumerate(self.tiers):
+            if tier.mode == "files" and not self.model:
+                raise ValueError(
+                    f"tiers[{i}] is a files-mode disk tier, whose blocks outlive the engine "
+                    "and are shared: set model= to name the weights, so that another "
+                    "model's blocks are never read"
+                )
+        if self.rank >= self.world_size:
+            raise ValueError(f"rank {self.rank} is outside world_size {self.world_size}")
+        return self
 
     @field_validator("admission", mode="before")
     @classmethod

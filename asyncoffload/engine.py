@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import errno
 import logging
 import math
 import operator
@@ -28,9 +29,13 @@ import torch
 from asyncoffload.config import EngineConfig
 from asyncoffload.errors import (
     BlockIdError,
+    DuplicateKeyError,
     EngineClosedError,
+    KeyNotReadyError,
     LengthMismatchError,
+    PromotionError,
     TransferError,
+    UnknownKeyError,
 )
 from asyncoffload.events import EventHub, EventSubscription, SubscriptionStats
 from asyncoffload.handles import Transfer, TransferResult
@@ -42,13 +47,16 @@ from asyncoffload.histogram import (
     HistogramSnapshot,
 )
 from asyncoffload.hostmem import format_bytes
-from asyncoffload.keys import GROUP_IDX_BYTES, BlockTokens, IntArray, OffloadKey
+from asyncoffload.keys import GROUP_IDX_BYTES, BlockTokens, IntArray, OffloadKey, tenant_key
 from asyncoffload.layout import KVLayout
 from asyncoffload.manager import CPUOffloadingManager, ManagerStats, OffloadingEvent, ReqContext
+from asyncoffload.tiers.base import LowerTier, TierCounters
+from asyncoffload.tiers.format import MAX_KEY_BYTES, Namespace
 from asyncoffload.transfer import CompletionBridge, CopyJob, CpuCopyBackend, TransferBackend
 from asyncoffload.transfer.base import FailedJob
+from asyncoffload.transfer.completion import CopyLane
 
-__all__ = ["AsyncOffloadEngine", "EngineStats"]
+__all__ = ["AsyncOffloadEngine", "EngineStats", "TierStats"]
 
 log = logging.getLogger("asyncoffload")
 
@@ -167,6 +175,67 @@ class EngineStats:
     callback_latency: HistogramSnapshot
     #: Each live event subscription: buffered events (its lag), drops, deliveries.
     subscriptions: tuple[SubscriptionStats, ...]
+    #: Each tier below the CPU tier, highest first.
+    tiers: tuple[TierStats, ...] = ()
+
+
+@dataclass(frozen=True)
+class TierStats:
+    """A tier below the CPU tier: what it holds and what it did."""
+
+    name: str
+    medium: str
+    #: Tier details: mode, path, O_DIRECT, capacity, ...
+    info: dict[str, object]
+    manager: ManagerStats
+    #: Leading keys of ``lookup`` calls found only here.
+    lookup_hits: int
+    #: Blocks written (write-through) and bytes; writes that failed, per block.
+    blocks_written: int
+    bytes_written: int
+    write_failures: int
+    #: Blocks read back (promotions) and bytes; reads that failed, per block (each a miss).
+    blocks_read: int
+    bytes_read: int
+    read_failures: int
+    #: Blocks dropped from the index because a read failed its checks.
+    dropped: int
+    #: Failures by cause: "corrupt", "stale", "wrong_key", "short", "missing", "timeout",
+    #: or the errno name ("ENOSPC", "EIO", ...).
+    failures: dict[str, int]
+
+
+@dataclass
+class _Tier:
+    store: LowerTier
+    counters: TierCounters
+    read_lane: CopyLane | None = None
+    write_lane: CopyLane | None = None
+
+
+_CAUSES = {
+    errno.EBADMSG: "corrupt",
+    errno.ESTALE: "stale",
+    errno.EKEYREJECTED: "wrong_key",
+    errno.ENODATA: "short",
+    errno.ENOENT: "missing",
+    errno.ETIMEDOUT: "timeout",
+}
+
+
+def _cause(code: int) -> str:
+    code = -code
+    return _CAUSES.get(code) or errno.errorcode.get(code, f"errno {code}")
+
+
+def _outcomes(job: CopyJob, n: int) -> list[int]:
+    """Per block of an I/O job: bytes moved, or ``-errno``."""
+    results = getattr(job, "results", None)
+    if results is None or job.error is not None:
+        err = job.error
+        code = err.errno if isinstance(err, OSError) and err.errno else errno.EIO
+        return [-code] * n
+    return list(results)
 
 
 def _make_backend(
@@ -248,6 +317,10 @@ class AsyncOffloadEngine:
                 f"config.cpu_blocks is {cfg.cpu_blocks}"
             )
         self._backend = backend
+        self._tiers: list[_Tier] = []
+        self._seq = 0
+        if cfg.tiers:
+            self._open_tiers(cfg)
         self._hub = EventHub()
         self._bridge: CompletionBridge | None = None
         self._loop_thread: int | None = None
@@ -288,6 +361,50 @@ class AsyncOffloadEngine:
     def loop(self) -> asyncio.AbstractEventLoop | None:
         """The event loop the engine is bound to (None before its first use)."""
         return self._bridge.loop if self._bridge is not None else None
+
+    @property
+    def namespace(self) -> Namespace:
+        """The identity of this engine's blocks in lower tiers (see docs/tiers.md)."""
+        cfg, layout = self.config, self.layout
+        return Namespace(
+            model=cfg.model,
+            kv_dtype=str(layout.dtype).removeprefix("torch."),
+            layout=(
+                f"layers={layout.num_layers},kv_split={int(layout.kv_split)},"
+                f"fragment_bytes={layout.fragment_bytes}"
+            ),
+            block_bytes=layout.block_bytes,
+            tokens_per_block=cfg.tokens_per_block,
+            rank=cfg.rank,
+            world_size=cfg.world_size,
+            tenant=cfg.tenant,
+        )
+
+    @property
+    def tiers(self) -> tuple[LowerTier, ...]:
+        """The running tiers below the CPU tier, highest first."""
+        return tuple(t.store for t in self._tiers)
+
+    def _open_tiers(self, cfg: EngineConfig) -> None:
+        try:
+            self._backend.host_address(0)
+        except NotImplementedError as exc:
+            raise ValueError(f"lower tiers need host slot addresses: {exc}") from None
+        namespace = self.namespace
+        try:
+            for i, tier_cfg in enumerate(cfg.tiers):
+                store = tier_cfg.open(namespace, f"{tier_cfg.kind}{i}")
+                self._tiers.append(_Tier(store, TierCounters()))
+        except BaseException:
+            self._close_tiers()
+            raise
+
+    def _close_tiers(self) -> None:
+        for tier in self._tiers:
+            try:
+                tier.store.close()
+            except Exception:
+                log.exception("closing tier %s failed", tier.store.name)
 
     # --- lifecycle -------------------------------------------------------------------
 
@@ -339,6 +456,7 @@ class AsyncOffloadEngine:
         self._closed = True
         self._publish_events()
         self._hub.close()
+        self._close_tiers()  # joins I/O lanes, which read and write host memory
         self._backend.close()  # joins copy threads: nothing signals the bridge after this
         if self._bridge is not None:
             self._bridge.close()
@@ -367,6 +485,7 @@ class AsyncOffloadEngine:
         # Nothing is in flight (a pending job's callback would keep the engine alive):
         # release the copy threads, then the wake-up fd they signal.
         try:
+            self._close_tiers()
             self._backend.close()
             if self._bridge is not None:
                 self._bridge.close()
@@ -411,6 +530,10 @@ class AsyncOffloadEngine:
             bridge = CompletionBridge(loop, mode, self.config.poll_interval_s)
             self._store_lane = bridge.lane("store")
             self._load_lane = bridge.lane("load")
+            for tier in self._tiers:
+                tier.read_lane = bridge.lane(f"{tier.store.name}-read")
+                tier.write_lane = bridge.lane(f"{tier.store.name}-write")
+                tier.store.bind(bridge.wake_fd)
             self._backend.bind(bridge.notify, bridge.wake_fd)
             self._bridge = bridge
             self._loop_thread = threading.get_ident()
@@ -552,19 +675,54 @@ class AsyncOffloadEngine:
         self._check_usable()
         keys = self._check_keys(keys, "lookup")
         ctx = self._check_ctx(ctx, "lookup")
+        keys = self._filed(keys, ctx)
         n = self._manager.lookup_prefix(keys, ctx)
+        if self._tiers and n < len(keys):
+            n = self._lookup_lower(keys, n)
         self._lookups += 1
         self._lookup_keys += len(keys)
         self._lookup_hits += n
         return n
+
+    def _lookup_lower(self, keys: list[OffloadKey], n: int) -> int:
+        """Extend a CPU prefix of ``n`` keys through the lower tiers: a key counts if it
+        is ready in the CPU tier, or absent there and ready in a lower tier."""
+        get = self._manager.block_of
+        tiers = self._tiers
+        for key in keys[n:]:
+            block = get(key)
+            if block is not None:
+                if block.ref_cnt < 0:
+                    break
+            else:
+                for tier in tiers:
+                    if tier.store.manager.ready(key):
+                        tier.counters.lookup_hits += 1
+                        break
+                else:
+                    break
+            n += 1
+        return n
+
+    def _filed(self, keys: list[OffloadKey], ctx: ReqContext) -> list[OffloadKey]:
+        """The keys as every tier files them: per tenant when the request has one."""
+        tenant = ctx.tenant
+        if tenant is None:
+            return keys
+        if not isinstance(tenant, str):
+            raise TypeError(f"ctx.tenant must be a str or None, got {type(tenant).__name__}")
+        return [tenant_key(key, tenant) for key in keys]
 
     def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext | None = None) -> None:
         """Mark ``keys`` recently used; ``keys[0]`` becomes the most recently used."""
         self._check_usable()
         keys = self._check_keys(keys, "touch")
         ctx = self._check_ctx(ctx, "touch")
+        keys = self._filed(keys, ctx)
         with _InterruptsHeld():
             self._manager.touch(keys, ctx)
+            for tier in self._tiers:
+                tier.store.manager.touch(keys, ctx)
 
     async def prepare_load(
         self,
@@ -594,7 +752,12 @@ class AsyncOffloadEngine:
         keys = self._check_keys(keys, "prepare_load")
         ids = self._check_block_ids(gpu_blocks, len(keys), "prepare_load", unique=True)
         ctx = self._check_ctx(ctx, "prepare_load")
+        keys = self._filed(keys, ctx)
         bridge = self._ensure_bridge()
+        if self._tiers:
+            lower = self._lower_sources(keys)
+            if lower:
+                return self._promote(keys, ids, ctx, lower, bridge)
         spec = self._manager.prepare_load(keys, ctx)
         # From here the slots are pinned: every way out unpins them or hands them to a
         # job whose completion does (an interrupt included; see _abandon).
@@ -662,6 +825,13 @@ class AsyncOffloadEngine:
         keys = self._check_keys(keys, "prepare_store")
         ids = self._check_block_ids(gpu_blocks, len(keys), "prepare_store", unique=False)
         ctx = self._check_ctx(ctx, "prepare_store")
+        if ctx.tenant is not None and (tokens is not None or ctx.tokens is not None):
+            raise ValueError(
+                "prepare_store: tokens describe the caller's keys, and a request with a "
+                "tenant files its blocks under tenant keys: derive the keys with the salt "
+                "(BlockTokens.from_tokens(..., salt=)) instead of ctx.tenant"
+            )
+        keys = self._filed(keys, ctx)
         if tokens is not None:
             if not isinstance(tokens, BlockTokens):
                 raise TypeError(
@@ -686,6 +856,14 @@ class AsyncOffloadEngine:
             self._stores_rejected += 1
             return None
         to_store = out.keys_to_store
+        if self._tiers and len(to_store) < len(keys):
+            # Keys already in the CPU tier are offered to the lower tiers again (their
+            # admission counts offers): written from their slots now.
+            fresh = set(to_store)
+            ready = [
+                k for k in keys if k not in fresh and (b := manager.block_of(k)) and b.ref_cnt >= 0
+            ]
+            self._write_through(list(dict.fromkeys(ready)), ctx)
         # From here the slots are being written: every way out frees them or hands them
         # to a job whose completion does (an interrupt included; see _abandon).
         fut: asyncio.Future[TransferResult] | None = None
@@ -739,20 +917,21 @@ class AsyncOffloadEngine:
         self._publish_events()
         initial: list[OffloadingEvent] = []
         if snapshot:
-            manager = self._manager
-            keys = list(manager.resident_keys())
-            seq = manager.last_seq
-            for i in range(0, len(keys), _SNAPSHOT_CHUNK):
-                initial.append(
-                    OffloadingEvent(
-                        tuple(keys[i : i + _SNAPSHOT_CHUNK]),
-                        manager.medium,
-                        False,
-                        seq,
-                        0.0,
-                        snapshot=True,
+            seq = self._seq if self._tiers else self._manager.last_seq
+            managers = [self._manager, *(t.store.manager for t in self._tiers)]
+            for manager in managers:
+                keys = list(manager.resident_keys())
+                for i in range(0, len(keys), _SNAPSHOT_CHUNK):
+                    initial.append(
+                        OffloadingEvent(
+                            tuple(keys[i : i + _SNAPSHOT_CHUNK]),
+                            manager.medium,
+                            False,
+                            seq,
+                            0.0,
+                            snapshot=True,
+                        )
                     )
-                )
         size = self.config.event_buffer if max_buffer is None else max_buffer
         return self._hub.subscribe(size, initial)
 
@@ -796,6 +975,7 @@ class AsyncOffloadEngine:
             load_throughput=self._load_rate.snapshot(),
             callback_latency=callbacks.snapshot(),
             subscriptions=tuple(sub.statistics() for sub in subs),
+            tiers=tuple(_tier_stats(t) for t in self._tiers),
         )
 
     def __repr__(self) -> str:
@@ -811,8 +991,17 @@ class AsyncOffloadEngine:
     # --- internals -------------------------------------------------------------------
 
     def _publish_events(self) -> None:
-        for event in self._manager.take_events():
-            self._hub.publish(event)
+        events = self._manager.take_events()
+        if not self._tiers:
+            for event in events:
+                self._hub.publish(event)
+            return
+        # Several managers: one seq for the engine's stream, in publication order.
+        for tier in self._tiers:
+            events += tier.store.manager.take_events()
+        for event in events:
+            self._seq += 1
+            self._hub.publish(dataclasses.replace(event, seq=self._seq))
 
     def _track(self, fut: asyncio.Future[TransferResult]) -> None:
         self._inflight.add(fut)
@@ -888,6 +1077,258 @@ class AsyncOffloadEngine:
                 if not fut.done():
                     fut.set_exception(error)
 
+    # --- lower tiers: promotion and write-through -------------------------------------
+
+    def _lower_sources(self, keys: list[OffloadKey]) -> dict[OffloadKey, _Tier]:
+        """The keys of a load that are absent from the CPU tier, with the highest tier
+        that has each ready; raises (changing nothing) for a key no tier can give."""
+        if len(set(keys)) != len(keys):
+            seen: set[OffloadKey] = set()
+            for key in keys:
+                if key in seen:
+                    raise DuplicateKeyError(f"prepare_load: key {key.hex()} is listed twice")
+                seen.add(key)
+        get = self._manager.block_of
+        out: dict[OffloadKey, _Tier] = {}
+        for key in keys:
+            block = get(key)
+            if block is not None:
+                if block.ref_cnt < 0:
+                    raise KeyNotReadyError(f"prepare_load: key {key.hex()} is still being stored")
+                continue
+            for tier in self._tiers:
+                if tier.store.manager.ready(key):
+                    out[key] = tier
+                    break
+            else:
+                raise UnknownKeyError(f"prepare_load: key {key.hex()} is not stored in any tier")
+        return out
+
+    def _promote(
+        self,
+        keys: list[OffloadKey],
+        ids: list[int],
+        ctx: ReqContext,
+        lower: dict[OffloadKey, _Tier],
+        bridge: CompletionBridge,
+    ) -> Transfer:
+        """A load with keys found only in lower tiers: reserve CPU slots for them, read
+        them in, and only when every block passed its checks copy all ``keys`` into the
+        KV blocks, as one :class:`Transfer`. A block that fails is a miss: dropped from
+        its tier in the same step, its CPU slot freed, the handle failed, nothing copied."""
+        cpu = self._manager
+        cpu_keys = [key for key in keys if key not in lower]
+        lower_keys = [key for key in keys if key in lower]
+        cpu.prepare_load(cpu_keys, ctx)  # pinned: the reservation cannot evict them
+        try:
+            out = cpu.reserve(lower_keys)
+        except BaseException:
+            cpu.complete_load(cpu_keys)
+            raise
+        if out is None:
+            cpu.complete_load(cpu_keys)
+            raise PromotionError(
+                f"prepare_load: {len(lower_keys)} blocks must come from lower tiers and the "
+                "CPU tier has no idle slot to bring them into (every slot is pinned or being "
+                "written); retry later, or recompute"
+            )
+        slot_of = dict(zip(lower_keys, out.store_spec.block_ids))
+        by_tier: dict[int, tuple[_Tier, list[OffloadKey]]] = {}
+        for key in lower_keys:
+            tier = lower[key]
+            by_tier.setdefault(id(tier), (tier, []))[1].append(key)
+        fut = bridge.loop.create_future()
+        handle = Transfer(fut, "load", keys)
+        state = _Promotion(keys, ids, ctx, cpu_keys, lower_keys, handle, len(by_tier))
+        self._loads += 1
+        self._track(fut)
+        self._publish_events()  # the reservation's evictions
+        for tier, tkeys in by_tier.values():
+            spec = tier.store.manager.prepare_load(tkeys)
+            host = [self._backend.host_address(slot_of[key]) for key in tkeys]
+            job = self._start_io(tier.store.submit_read, tkeys, list(spec.block_ids), host)
+            tier.counters.reads += 1
+            assert tier.read_lane is not None
+            bridge.watch(
+                tier.read_lane,
+                job,
+                lambda j, tier=tier, tkeys=tkeys: self._promoted(j, tier, tkeys, state),
+            )
+        return handle
+
+    def _start_io(
+        self,
+        submit: Callable[[list[OffloadKey], list[int], list[int]], CopyJob],
+        keys: list[OffloadKey],
+        slots: list[int],
+        host: list[int],
+    ) -> CopyJob:
+        try:
+            return submit(keys, slots, host)
+        except Exception as exc:
+            log.warning("a tier I/O submission failed: %r", exc)
+            return FailedJob(len(keys), exc.with_traceback(None))
+
+    def _promoted(
+        self, job: CopyJob, tier: _Tier, tkeys: list[OffloadKey], state: _Promotion
+    ) -> None:
+        with _InterruptsHeld():
+            if id(job) in state.seen:
+                return  # a rerun after an interrupt
+            state.seen.add(id(job))
+            try:
+                self._promoted_held(job, tier, tkeys, state)
+            except Exception as exc:
+                log.exception("a promotion's completion failed")
+                state.error = state.error or exc
+            state.left -= 1
+            if state.left == 0:
+                self._finish_promotion(state)
+
+    def _promoted_held(
+        self, job: CopyJob, tier: _Tier, tkeys: list[OffloadKey], state: _Promotion
+    ) -> None:
+        outcomes = _outcomes(job, len(tkeys))
+        good = [key for key, r in zip(tkeys, outcomes) if r >= 0]
+        bad = [key for key, r in zip(tkeys, outcomes) if r < 0]
+        manager = tier.store.manager
+        counters = tier.counters
+        manager.complete_load(good)
+        counters.blocks_read += len(good)
+        counters.bytes_read += len(good) * self.layout.block_bytes
+        cpu = self._manager
+        if good:
+            cpu.complete_store(good, state.ctx, success=True)
+        if bad:
+            causes: dict[str, int] = {}
+            for r in outcomes:
+                if r < 0:
+                    cause = _cause(r)
+                    causes[cause] = causes.get(cause, 0) + 1
+                    counters.failures[cause] = counters.failures.get(cause, 0) + 1
+            counters.read_failures += len(bad)
+            manager.drop(bad)
+            tier.store.forget(bad)
+            cpu.complete_store(bad, state.ctx, success=False)
+            state.bad += len(bad)
+            state.causes.append(f"{tier.store.name}: {causes}")
+            log.warning(
+                "%d of %d blocks read from %s failed (%s): misses, dropped from its index",
+                len(bad),
+                len(tkeys),
+                tier.store.name,
+                ", ".join(f"{k} {v}" for k, v in causes.items()),
+            )
+        self._publish_events()
+
+    def _finish_promotion(self, state: _Promotion) -> None:
+        """Every read ended: copy the whole load into the KV blocks, or fail it."""
+        cpu = self._manager
+        handle = state.handle
+        fut = handle._future
+        if state.bad or state.error is not None or self._forked:
+            cpu.complete_load(state.cpu_keys)
+            self._inflight.discard(fut)
+            if fut.done():
+                return
+            self._failed += 1
+            if state.error is not None:
+                err = TransferError(f"load of {len(state.keys)} blocks failed: {state.error!r}")
+                err.__cause__ = state.error
+            else:
+                err = TransferError(
+                    f"load of {len(state.keys)} blocks: {state.bad} could not be read from a "
+                    f"lower tier ({'; '.join(state.causes)}); they are misses (dropped from "
+                    "the index), and no block was copied: look up again and recompute the rest"
+                )
+            fut.set_exception(err)
+            return
+        bridge = self._bridge
+        assert bridge is not None
+        step = [0]
+        spec = cpu.prepare_load(state.lower_keys, state.ctx)  # pinned like the others
+        slot = dict(zip(state.lower_keys, spec.block_ids))
+        src = [slot[key] if key in slot else _slot_of(cpu, key) for key in state.keys]
+        keys, ctx = state.keys, state.ctx
+        job = self._start(self._backend.submit_load, src, state.ids)
+        bridge.watch(self._load_lane, job, lambda j: self._load_done(j, handle, keys, ctx, step))
+
+    def _write_through(self, keys: list[OffloadKey], ctx: ReqContext) -> None:
+        """Offer CPU-ready ``keys`` to each lower tier; those its admission takes are
+        written from their CPU slots, which stay pinned until the write ends."""
+        keys = [key for key in keys if len(key) <= MAX_KEY_BYTES]
+        if not keys:
+            return
+        bridge = self._bridge
+        assert bridge is not None
+        cpu = self._manager
+        for tier in self._tiers:
+            manager = tier.store.manager
+            out = manager.prepare_store(keys, ctx)
+            if out is None:  # the tier is full of blocks being read or written
+                tier.counters.failures["full"] = tier.counters.failures.get("full", 0) + 1
+                continue
+            if out.evicted_keys:
+                tier.store.forget(out.evicted_keys)
+            chosen = out.keys_to_store
+            if not chosen:
+                continue
+            spec = cpu.pin(chosen)
+            host = [self._backend.host_address(b) for b in spec.block_ids]
+            job = self._start_io(
+                tier.store.submit_write, chosen, list(out.store_spec.block_ids), host
+            )
+            tier.counters.writes += 1
+            done = [False]
+            assert tier.write_lane is not None
+            bridge.watch(
+                tier.write_lane,
+                job,
+                lambda j, tier=tier, chosen=chosen, done=done: self._written(
+                    j, tier, chosen, ctx, done
+                ),
+            )
+        self._publish_events()
+
+    def _written(
+        self, job: CopyJob, tier: _Tier, keys: list[OffloadKey], ctx: ReqContext, done: list[bool]
+    ) -> None:
+        with _InterruptsHeld():
+            if done[0]:
+                return
+            done[0] = True
+            try:
+                outcomes = _outcomes(job, len(keys))
+                good = [key for key, r in zip(keys, outcomes) if r >= 0]
+                bad = [key for key, r in zip(keys, outcomes) if r < 0]
+                manager = tier.store.manager
+                counters = tier.counters
+                if good:
+                    manager.complete_store(good, ctx, success=True)
+                    counters.blocks_written += len(good)
+                    counters.bytes_written += len(good) * self.layout.block_bytes
+                if bad:
+                    manager.complete_store(bad, ctx, success=False)
+                    counters.write_failures += len(bad)
+                    causes: dict[str, int] = {}
+                    for r in outcomes:
+                        if r < 0:
+                            cause = _cause(r)
+                            causes[cause] = causes.get(cause, 0) + 1
+                            counters.failures[cause] = counters.failures.get(cause, 0) + 1
+                    _warn_limited(
+                        log,
+                        f"tier-write-{tier.store.name}",
+                        "%d of %d blocks could not be written to %s (%s): skipped",
+                        len(bad),
+                        len(keys),
+                        tier.store.name,
+                        ", ".join(f"{k} {v}" for k, v in causes.items()),
+                    )
+            finally:
+                self._manager.complete_load(keys)
+                self._publish_events()
+
     # A completion callback may run twice: when an interrupt (KeyboardInterrupt,
     # SystemExit) cuts a run short, the bridge runs it again at once, before the interrupt
     # goes on (see CompletionBridge.drain). ``step[0]`` says how far earlier runs got: 0
@@ -915,6 +1356,8 @@ class AsyncOffloadEngine:
                 self._manager.complete_store(handle.keys_to_store, ctx, success=error is None)
                 step[0] = 2
                 self._publish_events()
+                if error is None and self._tiers:
+                    self._write_through(handle.keys_to_store, ctx)
                 if error is None:
                     self._bytes_stored += job.nbytes
                     _observe(self._store_hist, self._store_rate, job)
@@ -1012,3 +1455,57 @@ def _observe(durations: Histogram, rates: Histogram, job: CopyJob) -> None:
 def _retrieve(fut: asyncio.Future[TransferResult]) -> None:
     if not fut.cancelled():
         fut.exception()
+
+
+@dataclass(eq=False)
+class _Promotion:
+    """A load that brings blocks up from lower tiers (see ``_promote``)."""
+
+    keys: list[OffloadKey]
+    ids: list[int]
+    ctx: ReqContext
+    cpu_keys: list[OffloadKey]
+    lower_keys: list[OffloadKey]
+    handle: Transfer
+    left: int
+    bad: int = 0
+    causes: list[str] = dataclasses.field(default_factory=list)
+    error: BaseException | None = None
+    seen: set[int] = dataclasses.field(default_factory=set)
+
+
+def _slot_of(manager: CPUOffloadingManager, key: OffloadKey) -> int:
+    block = manager.block_of(key)
+    assert block is not None
+    return block.block_id
+
+
+_last_warned: dict[str, float] = {}
+
+
+def _warn_limited(logger: logging.Logger, topic: str, msg: str, *args: object) -> None:
+    """A warning at most every 10 s per topic (a full disk fails every write)."""
+    now = time.monotonic()
+    if now - _last_warned.get(topic, -1e9) >= 10.0:
+        _last_warned[topic] = now
+        logger.warning(msg, *args)
+
+
+def _tier_stats(tier: _Tier) -> TierStats:
+    c = tier.counters
+    m = tier.store.manager
+    return TierStats(
+        name=tier.store.name,
+        medium=tier.store.medium.value,
+        info=tier.store.describe(),
+        manager=m.stats(),
+        lookup_hits=c.lookup_hits,
+        blocks_written=c.blocks_written,
+        bytes_written=c.bytes_written,
+        write_failures=c.write_failures,
+        blocks_read=c.blocks_read,
+        bytes_read=c.bytes_read,
+        read_failures=c.read_failures,
+        dropped=m.dropped,
+        failures=dict(c.failures),
+    )

@@ -10,6 +10,7 @@ __all__ = [
     "HostMemoryError",
     "KeyNotReadyError",
     "LengthMismatchError",
+    "PromotionError",
     "TransferError",
     "UnknownKeyError",
 ]
@@ -56,3 +57,9 @@ class LengthMismatchError(AsyncOffloadError, ValueError):
 
 class BlockIdError(AsyncOffloadError, ValueError):
     """A block id is not an int, is out of range, or is repeated where it must be unique."""
+
+
+class PromotionError(TransferError):
+    """A load needs blocks from a lower tier, and the CPU tier has no slot to bring them
+    into (every slot is pinned or being written); nothing changed. Retry later or
+    recompute."""

@@ -27,6 +27,7 @@ __all__ = [
     "hash_token_blocks",
     "keys_for_tokens",
     "make_offload_key",
+    "tenant_key",
 ]
 
 OffloadKey = NewType("OffloadKey", bytes)
@@ -51,6 +52,20 @@ def make_offload_key(block_hash: bytes, group_idx: int = 0) -> OffloadKey:
     if not raw:
         raise ValueError("block_hash is empty")
     return OffloadKey(raw + group_idx.to_bytes(GROUP_IDX_BYTES, "big", signed=False))
+
+
+def tenant_key(key: OffloadKey, tenant: str) -> OffloadKey:
+    """``key`` as filed for ``tenant``: its block hash mixed with the tenant (BLAKE2b,
+    as long as the hash, 16 to 64 bytes), the group index kept. Equal keys of different
+    tenants never meet in any tier."""
+    if not isinstance(tenant, str):
+        raise TypeError(f"tenant must be a str, got {type(tenant).__name__}")
+    block_hash = key[:-GROUP_IDX_BYTES]
+    size = min(max(len(block_hash), 16), 64)
+    mixed = hashlib.blake2b(
+        tenant.encode() + b"\0" + block_hash, digest_size=size, person=b"ao-tenant"
+    ).digest()
+    return OffloadKey(mixed + key[-GROUP_IDX_BYTES:])
 
 
 def get_offload_block_hash(key: OffloadKey) -> bytes:

@@ -40,9 +40,11 @@ __all__ = [
 
 
 class Medium(str, enum.Enum):
-    """The tier a block lives in. Later tiers add members."""
+    """The tier a block lives in: the pinned host pool, a local disk, a shared server."""
 
     CPU = "CPU"
+    DISK = "DISK"
+    REMOTE = "REMOTE"
 
 
 class LookupResult(enum.Enum):
@@ -60,13 +62,16 @@ class ReqContext:
     ``kv_transfer_params`` carries connector parameters as vLLM does; ``tokens``
     describes the request's blocks (token ids, parent hash, block size) so that the
     stored events of its keys describe them too; ``extra`` is free for policies and
-    integrations.
+    integrations. ``tenant`` (a cache salt) keeps the request's blocks apart from other
+    tenants' in every tier: the engine files them under :func:`~asyncoffload.tenant_key`
+    of each key.
     """
 
     req_id: str
     kv_transfer_params: dict[str, Any] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     tokens: BlockTokens | None = None
+    tenant: str | None = None
 
 
 class BlockStatus:

@@ -316,16 +316,34 @@ class CPUOffloadingManager(OffloadingManager):
                 if block.ref_cnt < 0:
                     raise KeyNotReadyError(f"prepare_load: key {key.hex()} is still being stored")
         blocks = cast(list[BlockStatus], found)
+        self._pin_blocks(blocks)
+        self._loaded += len(blocks)
+        if self._requests is not None and ctx is not None and keys:
+            loaded = tuple(keys)
+            self._request(ctx.req_id).calls.append((loaded, loaded, ()))
+        return CPULoadStoreSpec(tuple(map(_block_id, blocks)))
+
+    def _pin_blocks(self, blocks: list[BlockStatus]) -> None:
         idle = 0
         for block in blocks:
             if not block.ref_cnt:
                 idle += 1
             block.ref_cnt += 1
         self._num_idle -= idle
-        self._loaded += len(blocks)
-        if self._requests is not None and ctx is not None and keys:
-            loaded = tuple(keys)
-            self._request(ctx.req_id).calls.append((loaded, loaded, ()))
+
+    def pin(self, keys: Sequence[OffloadKey]) -> CPULoadStoreSpec:
+        """Pin ready blocks that something other than a load reads (a write to a lower
+        tier): like :meth:`prepare_load` without counting a load; unpin them with
+        :meth:`complete_load`. ``KeyNotReadyError`` / ``UnknownKeyError``, pinning
+        nothing, if one is not ready."""
+        found = list(map(self._policy.get, keys))
+        for key, block in zip(keys, found):
+            if block is None:
+                raise UnknownKeyError(f"pin: key {key.hex()} is not stored")
+            if block.ref_cnt < 0:
+                raise KeyNotReadyError(f"pin: key {key.hex()} is still being stored")
+        blocks = cast(list[BlockStatus], found)
+        self._pin_blocks(blocks)
         return CPULoadStoreSpec(tuple(map(_block_id, blocks)))
 
     def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext | None = None) -> None:
@@ -402,23 +420,10 @@ class CPUOffloadingManager(OffloadingManager):
             self._record_offers(offered, to_store)
             return PrepareStoreOutput([], _EMPTY_SPEC, [])
 
-        evicted: list[OffloadKey] = []
-        shortfall = len(to_store) - self.num_free
-        if shortfall > 0:
-            # A refused call (``None``) changes no slot, offer counts included.
-            if shortfall > self._num_idle:
-                return None
-            victims = self._policy.evict(shortfall, set(keys))
-            if victims is None:
-                return None
-            free_list = self._free_list
-            for key, block in victims:
-                free_list.append(block.block_id)
-                evicted.append(key)
-            self._num_idle -= len(victims)
-            self._num_ready -= len(victims)
-            self._evicted += len(victims)
-            self._emit(evicted, removed=True)
+        # A refused call (``None``) changes no slot, offer counts included.
+        evicted = self._make_room(len(to_store), keys)
+        if evicted is None:
+            return None
 
         self._record_offers(offered, to_store)
         if admission is not None and evicted:
@@ -431,6 +436,51 @@ class CPUOffloadingManager(OffloadingManager):
             seen, reused, _ = calls[-1]
             calls[-1] = (seen, reused, to_store)
         return PrepareStoreOutput(to_store, CPULoadStoreSpec(tuple(ids)), evicted)
+
+    def reserve(self, keys: Sequence[OffloadKey]) -> PrepareStoreOutput | None:
+        """Take slots for ``keys``, none of which may be present, evicting idle blocks as
+        needed (one removed event): the way a promotion from a lower tier comes in. It
+        skips admission and offer counting (the block earned its place when it was
+        stored). ``None``, changing nothing, when too few idle blocks can be evicted.
+        Finish it with :meth:`complete_store` like a store."""
+        _reject_duplicates(keys, "reserve")
+        get = self._policy.get
+        for key in keys:
+            if get(key) is not None:
+                raise ValueError(f"reserve: key {key.hex()} is already present")
+        to_store = list(keys)
+        if not to_store:
+            return PrepareStoreOutput([], _EMPTY_SPEC, [])
+        evicted = self._make_room(len(to_store), keys)
+        if evicted is None:
+            return None
+        if self._admission is not None and evicted:
+            self._admission.on_evict(evicted)
+        ids = self._allocate(len(to_store))
+        self._policy.insert_many(list(zip(to_store, map(BlockStatus, ids))))
+        self._num_pending += len(to_store)
+        return PrepareStoreOutput(to_store, CPULoadStoreSpec(tuple(ids)), evicted)
+
+    def _make_room(self, n: int, protect: Sequence[OffloadKey]) -> list[OffloadKey] | None:
+        """Evict idle blocks (never one of ``protect``) until ``n`` slots are free; the
+        evicted keys (one removed event), or ``None``, changing nothing, if it can't."""
+        evicted: list[OffloadKey] = []
+        shortfall = n - self.num_free
+        if shortfall > 0:
+            if shortfall > self._num_idle:
+                return None
+            victims = self._policy.evict(shortfall, set(protect))
+            if victims is None:
+                return None
+            free_list = self._free_list
+            for key, block in victims:
+                free_list.append(block.block_id)
+                evicted.append(key)
+            self._num_idle -= len(victims)
+            self._num_ready -= len(victims)
+            self._evicted += len(victims)
+            self._emit(evicted, removed=True)
+        return evicted
 
     def _partition(
         self, keys: Sequence[OffloadKey]

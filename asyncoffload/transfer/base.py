@@ -184,6 +184,12 @@ class TransferBackend(ABC):
     def read_host_block(self, host_id: int) -> bytes:
         """The bytes of one host slot (for tests, lower tiers and debugging)."""
 
+    def host_address(self, host_id: int) -> int:
+        """The address of host slot ``host_id`` (``block_bytes`` bytes, in host memory
+        that stays put for the backend's life): where lower tiers read and write. A
+        backend that cannot say raises ``NotImplementedError`` (no lower tiers then)."""
+        raise NotImplementedError(f"{type(self).__name__} does not expose host slot addresses")
+
     def describe(self) -> dict[str, object]:
         """Backend details for stats and logs (copy methods, memory, ...)."""
         return {}

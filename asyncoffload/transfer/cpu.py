@@ -66,6 +66,18 @@ class _NativeJob(CopyJob):
         return self._done
 
 
+_PAGE = 4096
+
+
+def _page_aligned(rows: int, row_bytes: int) -> torch.Tensor:
+    """A zeroed ``[rows, row_bytes]`` uint8 tensor starting on a 4096-byte boundary, so
+    that lower tiers can read and write host slots with ``O_DIRECT`` (no bounce copy
+    when ``row_bytes`` is a multiple of 4096 too)."""
+    raw = torch.zeros(rows * row_bytes + _PAGE, dtype=torch.uint8)
+    skip = -raw.data_ptr() % _PAGE
+    return raw[skip : skip + rows * row_bytes].view(rows, row_bytes)
+
+
 def _discarded(errno: int) -> OSError:
     return OSError(errno, "the copy was discarded unrun: its backend was dropped")
 
@@ -311,7 +323,7 @@ class CpuCopyBackend(TransferBackend):
             f"the CPU tier ({num_host_blocks} blocks of {format_bytes(layout.block_bytes)}: "
             "cpu_blocks)",
         )
-        self.host = torch.zeros((num_host_blocks, layout.block_bytes), dtype=torch.uint8)
+        self.host = _page_aligned(num_host_blocks, layout.block_bytes)
         frag = layout.fragment_bytes
         self._host_columns = [
             self.host[:, i * frag : (i + 1) * frag] for i in range(len(self._fragments))
@@ -444,6 +456,9 @@ class CpuCopyBackend(TransferBackend):
 
     def read_host_block(self, host_id: int) -> bytes:
         return host_bytes(self.host[host_id])
+
+    def host_address(self, host_id: int) -> int:
+        return int(self.host[host_id].data_ptr())
 
     def close(self) -> None:
         """Finish queued copies, then stop the copy threads. Idempotent. In a fork's

@@ -590,6 +590,9 @@ class CudaCopyBackend(TransferBackend):
     def read_host_block(self, host_id: int) -> bytes:
         return host_bytes(self.pool.block(host_id))
 
+    def host_address(self, host_id: int) -> int:
+        return int(self.pool.block(host_id).data_ptr())
+
     def describe(self) -> dict[str, object]:
         return {
             "device": str(self.device),

@@ -1,0 +1,179 @@
+"""What every tier below the CPU tier shares: its bookkeeping (index, policy, admission,
+events) and the runtime protocol the engine drives.
+
+The pinned host pool is the hub: a lower tier reads into host slots and writes out of
+them, and never touches KV tensors. Each tier keeps its own index on the loop thread, with
+the CPU tier's rules: a slot is pinned while it is read or written, evicted only when
+idle, and every change is an event of the tier's medium. I/O lanes (and servers) only
+move bytes and signal the completion bridge.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+from asyncoffload.keys import OffloadKey
+from asyncoffload.manager.admission import AdmissionFilter
+from asyncoffload.manager.base import Medium
+from asyncoffload.manager.cpu import CPUOffloadingManager
+from asyncoffload.manager.policies import CachePolicy
+from asyncoffload.transfer.base import CopyJob
+
+__all__ = ["LowerTier", "TierCounters", "TierManager"]
+
+
+class TierManager(CPUOffloadingManager):
+    """The index of one lower tier: :class:`CPUOffloadingManager`'s slots, policy,
+    admission and events, with the tier's medium, plus :meth:`drop` for blocks that
+    turned out unreadable (a failed check, a vanished file): they leave the index in the
+    same step and one removed event says so, so a retry never finds them again."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        medium: Medium,
+        policy: str | CachePolicy = "lru",
+        store_threshold: int = 0,
+        *,
+        admission: str | AdmissionFilter | None = None,
+        max_tracker_size: int = 64_000,
+    ) -> None:
+        super().__init__(
+            num_blocks,
+            policy,
+            store_threshold,
+            enable_events=True,
+            max_tracker_size=max_tracker_size,
+            admission=admission,
+        )
+        self.medium = medium
+        #: Keys found bad while other reads still pin them: gone for lookups, freed when
+        #: the last pin goes.
+        self._bad: set[OffloadKey] = set()
+        self.dropped = 0
+
+    def ready(self, key: OffloadKey) -> bool:
+        """Whether ``key`` is stored here and readable now (does not change recency)."""
+        block = self._policy.get(key)
+        return block is not None and block.ref_cnt >= 0 and not (self._bad and key in self._bad)
+
+    def lookup_prefix(self, keys: Sequence[OffloadKey], ctx: object = None) -> int:
+        n = 0
+        for key in keys:
+            if not self.ready(key):
+                break
+            n += 1
+        return n
+
+    def complete_load(self, keys: Sequence[OffloadKey], ctx: object = None) -> None:
+        super().complete_load(keys)
+        if self._bad:
+            self._free_bad(keys)
+
+    def drop(self, keys: Sequence[OffloadKey], pinned: bool = True) -> None:
+        """Remove ``keys`` found unreadable. ``pinned``: each is pinned once by the read
+        that failed (that pin goes too). A key other reads still pin stops being
+        readable now and leaves when they end. One removed event for those present."""
+        gone: list[OffloadKey] = []
+        for key in dict.fromkeys(keys):
+            block = self._policy.get(key)
+            if block is None or block.ref_cnt < 0:
+                continue
+            if pinned and block.ref_cnt > 0:
+                block.ref_cnt -= 1
+                idle = False  # counted pinned until now
+            else:
+                idle = block.ref_cnt == 0
+            if key in self._bad:  # already dropped, with its event
+                if block.ref_cnt == 0:
+                    self._bad.discard(key)
+                    self._remove(key, idle)
+                continue
+            gone.append(key)
+            if block.ref_cnt:
+                self._bad.add(key)  # other readers: freed with their last pin
+            else:
+                self._remove(key, idle)
+        self.dropped += len(gone)
+        self._emit(gone, removed=True)
+
+    def _free_bad(self, keys: Sequence[OffloadKey]) -> None:
+        """After ``complete_load``: dropped keys whose last pin just went leave."""
+        for key in keys:
+            if key in self._bad:
+                block = self._policy.get(key)
+                if block is not None and block.ref_cnt == 0:
+                    self._bad.discard(key)
+                    self._remove(key, idle=True)
+
+    def _remove(self, key: OffloadKey, idle: bool) -> None:
+        """Free a ready block with no pins, with no event (the caller emits one).
+        ``idle``: whether it was counted idle."""
+        block = self._policy.get(key)
+        assert block is not None and block.ref_cnt == 0
+        self._policy.remove(key)
+        self._free_list.append(block.block_id)
+        self._num_ready -= 1
+        if idle:
+            self._num_idle -= 1
+
+    def resident_keys(self) -> Iterator[OffloadKey]:
+        bad = self._bad
+        return (key for key, block in self._policy.items() if block.ref_cnt >= 0 and key not in bad)
+
+
+@dataclass
+class TierCounters:
+    """What a tier did, for stats: offers written and refused, reads and their failures
+    by cause."""
+
+    writes: int = 0
+    blocks_written: int = 0
+    bytes_written: int = 0
+    write_failures: int = 0
+    reads: int = 0
+    blocks_read: int = 0
+    bytes_read: int = 0
+    read_failures: int = 0
+    lookup_hits: int = 0
+    #: Failures by cause ("corrupt", "stale", "missing", "short", "timeout", "ENOSPC", ...).
+    failures: dict[str, int] = field(default_factory=dict)
+
+
+class LowerTier(ABC):
+    """A tier below the CPU tier, opened by the engine for one namespace and host pool."""
+
+    name: str
+    medium: Medium
+    manager: TierManager
+    block_bytes: int
+
+    @abstractmethod
+    def bind(self, wake_fd: int | None) -> None:
+        """Signal ``wake_fd`` (the completion bridge's) when a job ends."""
+
+    @abstractmethod
+    def submit_read(
+        self, keys: Sequence[OffloadKey], slots: Sequence[int], host: Sequence[int]
+    ) -> CopyJob:
+        """Read the blocks of ``keys`` (in tier slots ``slots``) into host addresses
+        ``host``; the job's ``results`` say, per block, ``block_bytes`` or ``-errno``."""
+
+    @abstractmethod
+    def submit_write(
+        self, keys: Sequence[OffloadKey], slots: Sequence[int], host: Sequence[int]
+    ) -> CopyJob:
+        """Write host addresses ``host`` as the blocks of ``keys`` (tier slots ``slots``)."""
+
+    @abstractmethod
+    def forget(self, keys: Sequence[OffloadKey]) -> None:
+        """The index let ``keys`` go (evicted, dropped): release what they hold."""
+
+    def describe(self) -> dict[str, object]:
+        return {}
+
+    @abstractmethod
+    def close(self) -> None:
+        """Finish queued I/O, stop the lanes, close files. Idempotent."""
