@@ -461,6 +461,18 @@ class AsyncOffloadEngine:
         if self._bridge is not None:
             self._bridge.close()
 
+    async def flush(self) -> None:
+        """Wait until nothing is in flight: every transfer resolved and every write to a
+        lower tier ended (stores resolve when the CPU copy is done; their write-through
+        goes on after). Must be awaited on the engine's event loop."""
+        self._check_usable()
+        bridge = self._ensure_bridge()
+        while self._inflight or bridge.pending:
+            if self._inflight:
+                await asyncio.wait(list(self._inflight), timeout=_ORPHAN_CHECK_S)
+            else:
+                await asyncio.sleep(_FENCE_POLL_S)
+
     def _fail_orphans(self) -> None:
         """Resolve, with an error, in-flight handles whose job no lane holds any more
         (it can never complete), so that closing never waits forever."""
