@@ -12,7 +12,9 @@ import os
 import select
 import struct
 import subprocess
+import threading
 import time
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -257,6 +259,23 @@ def test_an_empty_job_ends_at_once_and_bad_ops_are_refused(
         IoPool(threads=1, payload_len=1, identity=b"short", direct_files=False)
 
 
+def test_a_pool_says_why_when_the_native_library_is_unavailable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from asyncoffload import _native
+
+    monkeypatch.setenv("ASYNCOFFLOAD_NO_NATIVE", "1")
+    _native.load_disk_io.cache_clear()
+    try:
+        assert not _io.available()
+        with pytest.raises(RuntimeError, match="ASYNCOFFLOAD_NO_NATIVE"):
+            IoPool(threads=1, payload_len=1, identity=IDENTITY, direct_files=False)
+    finally:
+        monkeypatch.delenv("ASYNCOFFLOAD_NO_NATIVE")
+        _native.load_disk_io.cache_clear()
+    assert _io.available()
+
+
 # --- files mode ------------------------------------------------------------------------------
 
 
@@ -420,7 +439,44 @@ def test_damaged_stale_foreign_truncated_and_missing_blocks_are_refused(
     assert result == payload_len and host.read() == payload
 
 
+@pytest.mark.parametrize("size", [0, 100, 5000, HEADER_BYTES, HEADER_BYTES + 8191])
+def test_a_truncated_block_read_with_o_direct_is_short_not_invalid(
+    tmp_path: Path, pools: list[IoPool], size: int
+) -> None:
+    pool = make_pool(pools, 8192, direct=True)
+    path = tmp_path / "blk"
+    payload = _write_one(pool, path, b"k", aligned=True)
+    os.truncate(path, size)
+    assert _read_one(pool, path, b"k", aligned=True)[0] == -errno.ENODATA
+    fd = _open_slab(tmp_path / "slab", direct=True)
+    try:
+        host = Host(8192, aligned=True)
+        host.write(payload)
+        op = IoOp(host.address, 0, None, b"k", fd)
+        assert wait(pool.submit(True, [op])).results == [8192]
+        os.ftruncate(fd, size)
+        assert wait(pool.submit(False, [op])).results == [-errno.ENODATA]
+    finally:
+        os.close(fd)
+
+
 # --- scheduling, deadlines, faults -----------------------------------------------------------
+
+
+class Blocker:
+    """Read ops on FIFOs: each holds a worker in ``open()`` until :meth:`release`."""
+
+    def __init__(self, pool: IoPool, folder: Path, count: int) -> None:
+        self.fifos = [folder / f"fifo{i}" for i in range(count)]
+        for fifo in self.fifos:
+            os.mkfifo(fifo)
+        self.host = Host(pool.payload_len, aligned=False)
+        ops = [IoOp(self.host.address, 0, str(f), b"fifo", -1) for f in self.fifos]
+        self.job = pool.submit(False, ops)
+
+    def release(self) -> None:
+        for fifo in self.fifos:
+            os.close(os.open(fifo, os.O_WRONLY))  # waits for the worker's open
 
 
 def test_reads_go_before_queued_writes(tmp_path: Path, pools: list[IoPool]) -> None:
@@ -428,18 +484,20 @@ def test_reads_go_before_queued_writes(tmp_path: Path, pools: list[IoPool]) -> N
     host = Host(100, aligned=False)
     host.write(os.urandom(100))
     wait(pool.submit(True, [IoOp(host.address, 0, str(tmp_path / "r"), b"r", -1)]))
-    pool.set_delay(0.03)
+    blocker = Blocker(pool, tmp_path, 1)  # the one worker is busy until released
     writes = [
         pool.submit(True, [IoOp(host.address, 0, str(tmp_path / f"w{i}"), b"w", -1)])
         for i in range(4)
     ]
     read = pool.submit(False, [IoOp(host.address, 0, str(tmp_path / "r"), b"r", -1)])
-    for job in [*writes, read]:
+    blocker.release()
+    for job in [blocker.job, *writes, read]:
         wait(job)
+    assert blocker.job.results[0] < 0  # a FIFO is no block file
     assert read.results == [100]
     assert all(w.results == [100] for w in writes)
-    # The first write was running when the read came; the read went before the others.
-    assert read.finished_ns < writes[1].finished_ns
+    assert read.finished_ns < min(w.finished_ns for w in writes)
+    assert read.first_op_ns <= read.finished_ns
     assert [w.finished_ns for w in writes] == sorted(w.finished_ns for w in writes)
 
 
@@ -447,26 +505,28 @@ def test_ops_not_started_by_the_deadline_time_out_without_io(
     tmp_path: Path, pools: list[IoPool]
 ) -> None:
     pool = make_pool(pools, 100, threads=1)
-    pool.set_delay(0.05)
     host = Host(100, aligned=False)
-    slow = pool.submit(
-        True, [IoOp(host.address, 0, str(tmp_path / f"a{i}"), b"a", -1) for i in range(2)]
-    )
+    blocker = Blocker(pool, tmp_path, 1)
     late = pool.submit(
         True,
         [IoOp(host.address, 0, str(tmp_path / f"b{i}"), b"b", -1) for i in range(3)],
         deadline_s=0.01,
     )
-    wait(slow)
+    fine = pool.submit(True, [IoOp(host.address, 0, str(tmp_path / "a"), b"a", -1)], 60.0)
+    time.sleep(0.03)
+    blocker.release()
     wait(late)
-    assert slow.results == [100, 100]
+    wait(fine)
     assert late.results == [-errno.ETIMEDOUT] * 3 and late.failed == [0, 1, 2]
     assert late.error is None
-    assert sorted(os.listdir(tmp_path)) == ["a0", "a1"]
-    # A generous deadline changes nothing.
-    pool.set_delay(0)
-    ok = wait(pool.submit(True, [IoOp(host.address, 0, str(tmp_path / "c"), b"c", -1)], 30.0))
-    assert ok.results == [100]
+    assert fine.results == [100]
+    assert sorted(os.listdir(tmp_path)) == ["a", "fifo0"]
+    # Against a slow disk: the ops queued behind a slow one miss a short deadline.
+    pool.set_delay(0.05)
+    slow = pool.submit(True, [IoOp(host.address, 0, str(tmp_path / "s"), b"s", -1)])
+    behind = pool.submit(True, [IoOp(host.address, 0, str(tmp_path / "t"), b"t", -1)], 0.01)
+    assert wait(slow).results == [100]
+    assert wait(behind).results == [-errno.ETIMEDOUT]
 
 
 def test_the_fault_hook_fails_every_nth_op_without_touching_the_file(
@@ -581,26 +641,33 @@ def test_close_finishes_queued_jobs_and_joins_the_threads(
 def test_a_dropped_pool_discards_its_queued_jobs_and_joins_its_threads(tmp_path: Path) -> None:
     before = tasks()
     pool = IoPool(threads=2, payload_len=100, identity=IDENTITY, direct_files=False)
-    pool.set_delay(0.01)
+    blocker = Blocker(pool, tmp_path, 2)  # both workers busy until released
     host = Host(100, aligned=False)
     jobs = [
         pool.submit(True, [IoOp(host.address, 0, str(tmp_path / f"{j}"), b"k", -1)])
-        for j in range(20)
+        for j in range(5)
     ]
     assert tasks() == before + 2
+    gone = weakref.ref(pool)
+
+    def release_once_dropped() -> None:
+        while gone() is not None:
+            time.sleep(0.005)
+        time.sleep(0.05)  # the finalizer discards the queued jobs, then joins
+        blocker.release()
+
+    releaser = threading.Thread(target=release_once_dropped)
+    releaser.start()
     del pool
     gc.collect()
+    releaser.join(10)
     assert wait_tasks(before) == before
-    cancelled = 0
+    assert wait(blocker.job).error is None
     for job in jobs:
         assert job.query()
-        if job.error is not None:
-            assert isinstance(job.error, OSError) and job.error.errno == errno.ECANCELED
-            assert job.results == [-errno.ECANCELED]
-            cancelled += 1
-        else:
-            assert job.results == [100]
-    assert cancelled > 0
+        assert isinstance(job.error, OSError) and job.error.errno == errno.ECANCELED
+        assert job.results == [-errno.ECANCELED]
+    assert sorted(os.listdir(tmp_path)) == ["fifo0", "fifo1"]
 
 
 def test_a_forked_child_cannot_submit(tmp_path: Path, pools: list[IoPool]) -> None:

@@ -348,6 +348,10 @@ class IoPool:
             pending.clear()
             pending.extend(kept)
         job = IoJob(n, self.payload_len, self._lib)
+        # Filed before the C call: the threads may write these as soon as it returns, and
+        # an interrupt right after it must not let them go.
+        entry = (job._status, job._results)
+        pending.append(entry)
         rc = self._lib.ao_io_submit(
             handle,
             1 if write else 0,
@@ -358,11 +362,11 @@ class IoPool:
             ctypes.addressof(job._results),
         )
         if rc != 0:
+            pending.remove(entry)
             reason = {-1: "out of memory", -2: "the pool is stopping", -3: "bad arguments"}
             raise RuntimeError(
                 f"the native disk pool refused the job: {reason.get(rc, f'code {rc}')}"
             )
-        pending.append((job._status, job._results))
         return job
 
     def set_fault(self, write: bool, every_nth: int, err: int) -> None:
