@@ -17,7 +17,7 @@ warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category
 
 from asyncoffload import logs as _logs
 from asyncoffload.config import EngineConfig
-from asyncoffload.engine import AsyncOffloadEngine, EngineStats
+from asyncoffload.engine import AsyncOffloadEngine, EngineStats, TierStats
 from asyncoffload.errors import (
     AsyncOffloadError,
     BlockIdError,
@@ -26,6 +26,7 @@ from asyncoffload.errors import (
     HostMemoryError,
     KeyNotReadyError,
     LengthMismatchError,
+    PromotionError,
     TransferError,
     UnknownKeyError,
 )
@@ -40,6 +41,7 @@ from asyncoffload.keys import (
     hash_token_blocks,
     keys_for_tokens,
     make_offload_key,
+    tenant_key,
 )
 from asyncoffload.layout import KVLayout
 from asyncoffload.loops import new_event_loop, run
@@ -63,6 +65,8 @@ from asyncoffload.manager.admission import (
     register_admission,
 )
 from asyncoffload.manager.policies.kv import KVPolicy
+from asyncoffload.tiers.disk import DiskTier
+from asyncoffload.tiers.format import Namespace
 from asyncoffload.transfer import (
     CopyJob,
     CpuCopyBackend,
@@ -85,6 +89,7 @@ __all__ = [
     "CachePolicy",
     "CopyJob",
     "CpuCopyBackend",
+    "DiskTier",
     "DuplicateKeyError",
     "EngineClosedError",
     "EngineConfig",
@@ -103,12 +108,15 @@ __all__ = [
     "LookupResult",
     "ManagerStats",
     "Medium",
+    "Namespace",
     "OffloadKey",
     "OffloadingEvent",
     "OffloadingManager",
     "PrepareStoreOutput",
+    "PromotionError",
     "ReqContext",
     "SubscriptionStats",
+    "TierStats",
     "Transfer",
     "TransferBackend",
     "TransferError",
@@ -126,6 +134,7 @@ __all__ = [
     "register_admission",
     "register_policy",
     "run",
+    "tenant_key",
 ]
 
 _logs.apply_env_level()  # ASYNCOFFLOAD_LOG_LEVEL sets the package logger's level

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import errno
+import functools
 import logging
 import math
 import operator
@@ -1164,7 +1165,7 @@ class AsyncOffloadEngine:
             bridge.watch(
                 tier.read_lane,
                 job,
-                lambda j, tier=tier, tkeys=tkeys: self._promoted(j, tier, tkeys, state),
+                functools.partial(self._promoted, tier=tier, tkeys=tkeys, state=state),
             )
         return handle
 
@@ -1291,14 +1292,11 @@ class AsyncOffloadEngine:
                 tier.store.submit_write, chosen, list(out.store_spec.block_ids), host
             )
             tier.counters.writes += 1
-            done = [False]
             assert tier.write_lane is not None
             bridge.watch(
                 tier.write_lane,
                 job,
-                lambda j, tier=tier, chosen=chosen, done=done: self._written(
-                    j, tier, chosen, ctx, done
-                ),
+                functools.partial(self._written, tier=tier, keys=chosen, ctx=ctx, done=[False]),
             )
         self._publish_events()
 
