@@ -312,8 +312,9 @@ def _run_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 DEFAULT_SHARES = "1%,5%,10%,20%,50%"
 
 
-def capacity_shares(text: str) -> list[float]:
-    """``"1%,5%"`` or ``"0.01,0.05"`` -> ``[0.01, 0.05]``."""
+def capacity_shares(text: str, *, at_most_all: bool = True) -> list[float]:
+    """``"1%,5%"`` or ``"0.01,0.05"`` -> ``[0.01, 0.05]``; above 100% only where
+    ``at_most_all`` is false (a disk tier may hold more than the workload's blocks)."""
     shares: list[float] = []
     for part in text.split(","):
         part = part.strip()
@@ -325,9 +326,13 @@ def capacity_shares(text: str) -> list[float]:
             raise argparse.ArgumentTypeError(
                 f"expected capacities like 5% or 0.05, got {part!r}"
             ) from None
-        if not 0 < value <= 1 or value != value:
+        if at_most_all and (not 0 < value <= 1 or value != value):
             raise argparse.ArgumentTypeError(
                 f"a capacity is a share of the unique blocks in (0, 100%], got {part!r}"
+            )
+        if not at_most_all and (not 0 < value < float("inf") or value != value):
+            raise argparse.ArgumentTypeError(
+                f"a capacity is a positive share of the unique blocks, got {part!r}"
             )
         shares.append(value)
     if not shares:
@@ -382,10 +387,70 @@ def _add_replay(parser: argparse.ArgumentParser) -> None:
         default="block",
         help="hit rate shown in the table: prefix hits in blocks or tokens (%(default)s)",
     )
+    parser.add_argument(
+        "--disk-shares",
+        nargs="+",
+        action="extend",
+        metavar="SHARE",
+        help="model a disk tier below the CPU tier (write-through, promotion on a disk "
+        "hit) at these capacities, shares of the unique blocks (may exceed 100%%: 0.5,1,2); "
+        "the table then shows hit rate CPU / disk / total and GB written to disk for "
+        "every CPU x disk capacity",
+    )
+    parser.add_argument(
+        "--disk-policy",
+        metavar="NAME",
+        default=None,
+        help="the disk tier's eviction policy (default: lru)",
+    )
+    parser.add_argument(
+        "--disk-admission",
+        metavar="RULE",
+        default=None,
+        help="which blocks the disk tier writes: frequency2 (default: a block's second "
+        "offer), frequencyN, none (every block), or a filter (ghost, adaptive)",
+    )
     parser.add_argument("--plot", metavar="PNG", help="write a plot of hit rate vs capacity")
     parser.add_argument("--json", metavar="PATH", help="write every result as JSON")
     parser.add_argument("--seed", type=int, default=0, help="seed of 'synthetic' (%(default)s)")
     _add_progress_options(parser)
+
+
+def _disk_options(
+    args: argparse.Namespace, parser: argparse.ArgumentParser
+) -> tuple[list[float] | None, str, str | None]:
+    """``--disk-shares`` / ``--disk-policy`` / ``--disk-admission``, checked: the disk
+    shares (``None``: no disk tier), the disk policy and admission."""
+    from asyncoffload.manager.policies import get_policy_cls
+    from asyncoffload.replay import BELADY, DISK_ADMISSION, parse_disk_admission
+
+    if args.disk_shares is None:
+        for option, value in (
+            ("--disk-policy", args.disk_policy),
+            ("--disk-admission", args.disk_admission),
+        ):
+            if value is not None:
+                parser.error(f"{option}: needs --disk-shares (the disk tier's capacities)")
+        return None, "lru", DISK_ADMISSION
+    try:
+        disk = sorted(set(capacity_shares(",".join(args.disk_shares), at_most_all=False)))
+    except argparse.ArgumentTypeError as exc:
+        parser.error(f"--disk-shares: {exc}")
+    if args.engine:
+        parser.error("--disk-shares: not with --engine (the engine replay is the CPU tier's)")
+    policy = args.disk_policy if args.disk_policy is not None else "lru"
+    try:
+        if policy == BELADY:
+            raise ValueError("the offline bound is no policy a disk tier can run")
+        get_policy_cls(policy)
+    except ValueError as exc:
+        parser.error(f"--disk-policy: {exc}")
+    admission = args.disk_admission if args.disk_admission is not None else DISK_ADMISSION
+    try:
+        parse_disk_admission(admission)
+    except ValueError as exc:
+        parser.error(f"--disk-admission: {exc}")
+    return disk, policy, None if admission == "none" else admission
 
 
 ALL_SPECS_EXTRA = ("lru+ghost", "lru+adaptive", "kv+adaptive")
@@ -486,11 +551,43 @@ def _check_output(
         parser.error(f"{option} {path}: the file is not writable")
 
 
+#: What --json writes of a result with a disk tier, besides its fields.
+_TIER_RATES = (
+    "cpu_hit_blocks",
+    "cpu_hit_tokens",
+    "cpu_block_hit_rate",
+    "cpu_token_hit_rate",
+    "disk_block_hit_rate",
+    "disk_token_hit_rate",
+)
+
+
+def _json_row(result: Any, disk: bool) -> dict[str, Any]:
+    """A result for --json: its fields and rates; the disk tier's only with ``disk``."""
+    import dataclasses
+
+    row = {
+        **result.__dict__,
+        "label": result.label,
+        "block_hit_rate": result.block_hit_rate,
+        "token_hit_rate": result.token_hit_rate,
+    }
+    defaults = {f.name for f in dataclasses.fields(result) if f.name.startswith("disk_")}
+    defaults.add("promoted")
+    if not disk:
+        for name in defaults:
+            del row[name]
+    else:
+        row.update({name: getattr(result, name) for name in _TIER_RATES})
+    return row
+
+
 def _run_replay(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     import json
 
     from asyncoffload.replay import (
         BELADY,
+        LLAMA3_8B_BYTES_PER_TOKEN,
         format_table,
         infinite_tier_hit_rate,
         parse_spec,
@@ -503,6 +600,7 @@ def _run_replay(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
         shares = sorted(set(capacity_shares(",".join(args.capacity or [DEFAULT_SHARES]))))
     except argparse.ArgumentTypeError as exc:
         parser.error(f"--capacity: {exc}")
+    disk_shares, disk_policy, disk_admission = _disk_options(args, parser)
     specs = _policy_specs(args.policy)
     if not args.no_bound and BELADY not in specs:
         specs.append(BELADY)
@@ -526,7 +624,16 @@ def _run_replay(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
     show = args.progress == "always" or (args.progress == "auto" and sys.stderr.isatty())
     bar = _ProgressBar(sys.stderr) if show else None
     try:
-        results = replay_matrix(requests, shares, specs, progress=bar, engine=args.engine)
+        results = replay_matrix(
+            requests,
+            shares,
+            specs,
+            progress=bar,
+            engine=args.engine,
+            disk_shares=None if disk_shares is None else [None, *disk_shares],
+            disk_policy=disk_policy,
+            disk_admission=disk_admission,
+        )
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
@@ -539,11 +646,21 @@ def _run_replay(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
         f"of the {args.metric}s)"
     )
     print(textwrap.fill(headline, terminal_columns() - 1, subsequent_indent="  ") + "\n")
-    print(f"prefix hit rate ({args.metric}s) / blocks written, by tier capacity:\n")
+    if disk_shares is None:
+        print(f"prefix hit rate ({args.metric}s) / blocks written, by tier capacity:\n")
+    else:
+        what = (
+            f"prefix hit rate ({args.metric}s) served from the CPU tier / disk / both, and "
+            f"GB written to disk (10^9 bytes at {LLAMA3_8B_BYTES_PER_TOKEN:,} a token), by "
+            f"CPU x disk capacity (disk: {disk_policy}, admission "
+            f"{disk_admission or 'none: every block'}; disk none: the CPU tier alone"
+            f"{'; belady: the CPU tier alone' if not args.no_bound else ''}):"
+        )
+        print(textwrap.fill(what, terminal_columns() - 1) + "\n")
     print(format_table(results, args.metric))
     costs: dict[str, list[float]] = {}
     for r in results:
-        if r.policy != BELADY:
+        if r.policy != BELADY and not r.has_disk:
             costs.setdefault(r.label, []).append(r.us_per_block)
     if "lru" in costs:
         base = sum(costs["lru"]) / len(costs["lru"])
@@ -559,20 +676,12 @@ def _run_replay(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
         if bad:
             return 1
     if args.json:
-        rows = [
-            {
-                **r.__dict__,
-                "label": r.label,
-                "block_hit_rate": r.block_hit_rate,
-                "token_hit_rate": r.token_hit_rate,
-            }
-            for r in results
-        ]
+        rows = [_json_row(r, disk_shares is not None) for r in results]
         with open(args.json, "w") as fh:
             json.dump({"trace": args.trace, "results": rows}, fh, indent=1)
     if args.plot:
         plot(
-            results,
+            [r for r in results if not r.has_disk],
             args.plot,
             title=f"{args.trace.rsplit('/', 1)[-1]}: hit rate and blocks written vs capacity",
             metric=args.metric,

@@ -13,6 +13,17 @@ It reports prefix hits in tokens and blocks, blocks written / evicted / held bac
 admission, and the bytes the copies would move. :func:`replay_engine` runs the same
 sequence through the full async engine on the CPU backend, with real bytes.
 
+With ``disk_capacity``, a disk tier sits below the CPU tier, indexed by a second
+:class:`~asyncoffload.manager.CPUOffloadingManager` (the bookkeeping the engine's tier
+uses), driven as the engine drives its tiers: the prefix walk goes on while each key is
+ready in the CPU tier or on disk, and each hit counts in the tier it is served from, the
+CPU tier first; the touch goes to both tiers; blocks served from disk are promoted, read
+back into slots the CPU tier reserves for them (``CPUOffloadingManager.reserve``:
+possibly evicting there, past the CPU tier's admission, not written to disk again);
+blocks the CPU tier stores are written through to disk (inclusive), gated by the disk's
+admission (default :data:`DISK_ADMISSION`, a block's second offer; ``None``: every
+block).
+
 :func:`belady` is the offline bound over the same access stream: Belady's MIN (evict the
 block whose next use is furthest away), which also declines to store a block that is
 never used again. It needs the future, so it is not a registered policy.
@@ -44,6 +55,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BELADY",
+    "DISK_ADMISSION",
     "LLAMA3_8B_BYTES_PER_TOKEN",
     "BeladyPolicy",
     "NeverAgainAdmission",
@@ -53,6 +65,7 @@ __all__ = [
     "figure",
     "format_table",
     "infinite_tier_hit_rate",
+    "parse_disk_admission",
     "parse_spec",
     "plot",
     "replay",
@@ -62,6 +75,9 @@ __all__ = [
 
 #: Name under which :func:`replay_matrix` reports the offline bound.
 BELADY = "belady"
+#: Default admission of the disk tier: a block is written to disk on its second offer
+#: (like Dynamo KVBM's frequency filter). ``"frequencyN"`` writes on the N-th offer.
+DISK_ADMISSION = "frequency2"
 #: KV bytes per token of a Llama-3-8B-like model (32 layers x K,V x 8 heads x 128 x bf16).
 LLAMA3_8B_BYTES_PER_TOKEN = 32 * 2 * 8 * 128 * 2
 
@@ -98,6 +114,33 @@ class ReplayResult:
     #: Seconds spent in manager calls.
     manager_seconds: float
     extra: dict[str, float] = field(default_factory=dict)
+    # The disk tier (``disk_capacity is None``: none modelled, the rest reads 0 / None).
+    # ``hit_blocks`` / ``hit_tokens`` count the hits of both tiers; ``stored``, ``evicted``
+    # and ``skipped`` stay the CPU tier's (``stored``: blocks written from the GPU side,
+    # promotions apart).
+    #: Slots of the disk tier, and their share of the workload's unique blocks.
+    disk_capacity: int | None = None
+    disk_capacity_share: float | None = None
+    disk_policy: str | None = None
+    #: The disk's admission: ``"frequencyN"`` (write on the N-th offer), a filter's
+    #: name, or ``None`` (every block offered).
+    disk_admission: str | None = None
+    #: Prefix hits served from disk (found there and not in the CPU tier).
+    disk_hit_blocks: int = 0
+    disk_hit_tokens: int = 0
+    #: Blocks written to disk (write-through of CPU stores), and their bytes.
+    disk_stored: int = 0
+    disk_bytes_stored: int = 0
+    disk_evicted: int = 0
+    #: Blocks offered to disk and held back by its admission.
+    disk_skipped: int = 0
+    #: Disk stores refused for lack of evictable room.
+    disk_refused: int = 0
+    #: Disk hits read back into the CPU tier.
+    promoted: int = 0
+    #: Requests whose disk hits found no idle CPU slot to come into: the engine fails
+    #: such a load, so they hit nothing and recompute their prompt.
+    promote_failed: int = 0
 
     @property
     def label(self) -> str:
@@ -105,12 +148,52 @@ class ReplayResult:
         return f"{self.policy}+{self.admission}" if self.admission else self.policy
 
     @property
+    def has_disk(self) -> bool:
+        """Whether a disk tier was modelled."""
+        return self.disk_capacity is not None
+
+    @property
     def block_hit_rate(self) -> float:
+        """Prefix hits over prompt blocks, both tiers together."""
         return self.hit_blocks / self.blocks if self.blocks else 0.0
 
     @property
     def token_hit_rate(self) -> float:
+        """Prefix hits over prompt tokens, both tiers together."""
         return self.hit_tokens / self.tokens if self.tokens else 0.0
+
+    @property
+    def cpu_hit_blocks(self) -> int:
+        """Prefix hits served from the CPU tier."""
+        return self.hit_blocks - self.disk_hit_blocks
+
+    @property
+    def cpu_hit_tokens(self) -> int:
+        return self.hit_tokens - self.disk_hit_tokens
+
+    @property
+    def cpu_block_hit_rate(self) -> float:
+        return self.cpu_hit_blocks / self.blocks if self.blocks else 0.0
+
+    @property
+    def cpu_token_hit_rate(self) -> float:
+        return self.cpu_hit_tokens / self.tokens if self.tokens else 0.0
+
+    @property
+    def disk_block_hit_rate(self) -> float:
+        return self.disk_hit_blocks / self.blocks if self.blocks else 0.0
+
+    @property
+    def disk_token_hit_rate(self) -> float:
+        return self.disk_hit_tokens / self.tokens if self.tokens else 0.0
+
+    def hit_rates(self, metric: str = "block") -> tuple[float, float, float]:
+        """(CPU, disk, total) prefix hit rates in ``metric`` (``"block"``/``"token"``)."""
+        if metric == "block":
+            return self.cpu_block_hit_rate, self.disk_block_hit_rate, self.block_hit_rate
+        if metric == "token":
+            return self.cpu_token_hit_rate, self.disk_token_hit_rate, self.token_hit_rate
+        raise ValueError(f"metric must be 'block' or 'token', got {metric!r}")
 
     @property
     def us_per_block(self) -> float:
@@ -125,9 +208,39 @@ def capacity_blocks(share: float, unique_blocks: int) -> int:
     return max(1, round(share * unique_blocks))
 
 
-def _check_capacity(capacity: int) -> None:
+def _check_capacity(capacity: int, what: str = "capacity") -> None:
     if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity <= 0:
-        raise ValueError(f"capacity must be a positive number of blocks, got {capacity!r}")
+        raise ValueError(f"{what} must be a positive number of blocks, got {capacity!r}")
+
+
+def parse_disk_admission(spec: str | None) -> tuple[int, str | None]:
+    """The disk tier's admission ``spec`` as ``(store_threshold, filter name)`` for its
+    :class:`~asyncoffload.manager.CPUOffloadingManager`: ``"frequencyN"`` (N >= 2) writes
+    a block on its N-th offer (``"frequency"``: the second, as ``DiskTier``'s default),
+    a registered filter name (``"ghost"``...) uses that filter, ``None`` or ``"none"``
+    writes every block. ``ValueError`` naming the choices otherwise."""
+    from asyncoffload.manager.admission import available_admissions, get_admission_cls
+
+    if spec is None or spec == "none":
+        return 0, None
+    if spec == "frequency":  # DiskTier's name for it (min_offers=2)
+        return 2, None
+    if spec.startswith("frequency"):
+        count = spec[len("frequency") :]
+        if count.isdigit() and int(count) >= 2:
+            return int(count), None
+    elif spec:
+        try:
+            get_admission_cls(spec)
+        except ValueError:
+            pass
+        else:
+            return 0, spec
+    raise ValueError(
+        f"unknown disk admission {spec!r}: use frequencyN (a block is written on its N-th "
+        f"offer, N >= 2; default {DISK_ADMISSION}), none (every block), or a filter: "
+        f"{', '.join(available_admissions())}"
+    )
 
 
 class _Tally:
@@ -140,20 +253,40 @@ class _Tally:
         self.every = max(1, total // 200)
         self.done = self.blocks = self.hit_blocks = self.tokens = self.hit_tokens = 0
         self.refused = self.stored_tokens = 0
+        self.disk_hit_blocks = self.disk_hit_tokens = self.disk_stored_tokens = 0
+        self.disk_refused = self.promoted = self.promote_failed = 0
         self.seconds = 0.0
 
-    def add(self, req: Request, hits: int, stored: Sequence[OffloadKey] | None, dt: float) -> None:
-        """Request ``req`` hit ``hits`` blocks and wrote ``stored`` (``None``: refused)."""
+    def add(
+        self,
+        req: Request,
+        hits: int,
+        stored: Sequence[OffloadKey] | None,
+        dt: float,
+        disk_hits: Sequence[int] = (),
+        disk_stored: Sequence[OffloadKey] = (),
+    ) -> None:
+        """Request ``req`` hit ``hits`` blocks and wrote ``stored`` (``None``: refused);
+        ``disk_hits`` are the positions of the hits served from disk, ``disk_stored``
+        the keys written to disk."""
         tokens = req.block_tokens()
         self.blocks += len(req.keys)
         self.hit_blocks += hits
         self.tokens += req.input_tokens
         self.hit_tokens += sum(tokens[:hits])
+        if disk_hits:
+            self.disk_hit_blocks += len(disk_hits)
+            self.disk_hit_tokens += sum(tokens[i] for i in disk_hits)
         if stored is None:
             self.refused += 1
         elif stored:
             written = set(stored)
             self.stored_tokens += sum(
+                t for key, t in zip(req.keys[hits:], tokens[hits:]) if key in written
+            )
+        if disk_stored:
+            written = set(disk_stored)
+            self.disk_stored_tokens += sum(
                 t for key, t in zip(req.keys[hits:], tokens[hits:]) if key in written
             )
         self.seconds += dt
@@ -213,6 +346,10 @@ def replay(
     share: float | None = None,
     progress: Progress | None = None,
     before_request: Callable[[int], None] | None = None,
+    disk_capacity: int | None = None,
+    disk_policy: str = "lru",
+    disk_admission: str | None = DISK_ADMISSION,
+    disk_share: float | None = None,
 ) -> ReplayResult:
     """Replay ``requests`` in order through a manager of ``capacity`` slots.
 
@@ -220,8 +357,31 @@ def replay(
     capacity share to report (default: ``capacity`` over the unique blocks). ``progress`` is
     called as ``progress(done, total)`` every few hundred requests; ``before_request(i)``
     before request ``i`` (the offline bound uses it to advance its clock).
+
+    ``disk_capacity`` (blocks) adds a disk tier below the CPU tier, with its own
+    ``disk_policy`` and ``disk_admission`` (see :func:`parse_disk_admission`; default: write a
+    block on its second offer; ``None``: every block); ``disk_share`` is its capacity
+    share to report (default: ``disk_capacity`` over the unique blocks). Without it the
+    replay is the CPU tier's alone, as it always was.
     """
     _check_capacity(capacity)
+    if disk_capacity is not None:
+        _check_capacity(disk_capacity, "disk capacity")
+        return _replay_tiers(
+            requests,
+            capacity,
+            policy=policy,
+            admission=admission,
+            store_threshold=store_threshold,
+            bytes_per_token=bytes_per_token,
+            unique_blocks=unique_blocks,
+            share=share,
+            progress=progress,
+            disk_capacity=disk_capacity,
+            disk_policy=disk_policy,
+            disk_admission_spec=disk_admission,
+            disk_share=disk_share,
+        )
     manager = CPUOffloadingManager(
         capacity,
         policy,
@@ -257,6 +417,137 @@ def replay(
         manager.stats(),
         tally.stored_tokens * bytes_per_token,
         tally.hit_tokens * bytes_per_token,
+    )
+
+
+def _write_through(
+    disk: CPUOffloadingManager, keys: Sequence[OffloadKey], tally: _Tally
+) -> list[OffloadKey]:
+    """Offer ``keys`` to the disk tier; the ones its admission takes are written."""
+    if not keys:
+        return []
+    out = disk.prepare_store(keys)
+    if out is None:  # no evictable room on disk
+        tally.disk_refused += 1
+        return []
+    if out.keys_to_store:
+        disk.complete_store(out.keys_to_store)
+    return out.keys_to_store
+
+
+def _replay_tiers(
+    requests: Sequence[Request],
+    capacity: int,
+    *,
+    policy: str | CachePolicy,
+    admission: str | AdmissionFilter | None,
+    store_threshold: int,
+    bytes_per_token: int,
+    unique_blocks: int | None,
+    share: float | None,
+    progress: Progress | None,
+    disk_capacity: int,
+    disk_policy: str,
+    disk_admission_spec: str | None,
+    disk_share: float | None,
+) -> ReplayResult:
+    """:func:`replay` with a disk tier below the CPU tier (inclusive, write-through)."""
+    threshold, disk_filter = parse_disk_admission(disk_admission_spec)
+    cpu = CPUOffloadingManager(
+        capacity, policy, store_threshold, enable_events=False, admission=admission
+    )
+    disk = CPUOffloadingManager(
+        disk_capacity, disk_policy, threshold, enable_events=False, admission=disk_filter
+    )
+    tally = _Tally(len(requests), progress)
+    cpu_get, disk_get = cpu.policy.get, disk.policy.get
+    clock = time.perf_counter
+    for req in requests:
+        keys = req.keys
+        t0 = clock()
+        # The prefix walk: on while each key is ready in one tier, the CPU tier first.
+        n = cpu.lookup_prefix(keys)
+        from_disk: list[int] = []
+        for key in keys[n:]:
+            block = cpu_get(key)
+            if block is None or block.ref_cnt < 0:
+                block = disk_get(key)
+                if block is None or block.ref_cnt < 0:
+                    break
+                from_disk.append(n)
+            n += 1
+        # The engine's touch goes to every tier.
+        cpu.touch(keys)
+        disk.touch(keys)
+        if from_disk:
+            on_disk = [keys[i] for i in from_disk]
+            in_cpu = [key for key in keys[:n] if cpu_get(key) is not None]
+            # As the engine's promotion: the CPU hits pinned, CPU slots reserved for the
+            # disk hits (past the CPU tier's admission, evicting idle blocks), read in.
+            cpu.prepare_load(in_cpu)
+            promote = cpu.reserve(on_disk)
+            if promote is None:
+                # No idle CPU slot to bring them into: the engine fails the load, and
+                # the request recomputes (and stores) its whole prompt.
+                cpu.complete_load(in_cpu)
+                tally.promote_failed += 1
+                n, from_disk = 0, []
+            else:
+                disk.prepare_load(on_disk)
+                cpu.complete_store(promote.keys_to_store)
+                tally.promoted += len(promote.keys_to_store)
+                disk.complete_load(on_disk)
+                cpu.complete_load(in_cpu)
+        elif n:
+            hits = keys[:n]
+            cpu.prepare_load(hits)
+            cpu.complete_load(hits)
+        rest = keys[n:]
+        out = cpu.prepare_store(rest)
+        written: list[OffloadKey] = []
+        if out is not None:
+            fresh = out.keys_to_store
+            # Write-through, as the engine's: blocks of the store already in the CPU tier
+            # are offered to disk at once, the ones it writes when they are written.
+            if len(fresh) < len(rest):
+                new = set(fresh)
+                ready = [key for key in rest if key not in new and cpu_get(key) is not None]
+                written += _write_through(disk, ready, tally)
+            if fresh:
+                cpu.complete_store(fresh)
+                written += _write_through(disk, fresh, tally)
+        stored = None if out is None else out.keys_to_store
+        tally.add(req, n, stored, clock() - t0, from_disk, written)
+    cpu_stats, disk_stats = cpu.stats(), disk.stats()
+    unique = unique_blocks
+    if share is None or disk_share is None:
+        unique = unique if unique is not None else summarize(requests).unique_blocks
+    result = tally.result(
+        cpu.policy_name,
+        cpu.admission_name if store_threshold < 2 else f"threshold{store_threshold}",
+        capacity,
+        _share(share, capacity, requests, unique),
+        cpu_stats,
+        tally.stored_tokens * bytes_per_token,
+        tally.hit_tokens * bytes_per_token,
+    )
+    return dataclasses.replace(
+        result,
+        # The CPU tier's own: promotions are not stores from the GPU side.
+        stored=cpu_stats.stored - tally.promoted,
+        disk_capacity=disk_capacity,
+        disk_capacity_share=_share(disk_share, disk_capacity, requests, unique),
+        disk_policy=disk.policy_name,
+        disk_admission=(f"frequency{threshold}" if threshold >= 2 else disk.admission_name),
+        disk_hit_blocks=tally.disk_hit_blocks,
+        disk_hit_tokens=tally.disk_hit_tokens,
+        disk_stored=disk_stats.stored,
+        disk_bytes_stored=tally.disk_stored_tokens * bytes_per_token,
+        disk_evicted=disk_stats.evicted,
+        disk_skipped=disk_stats.store_skipped,
+        disk_refused=tally.disk_refused,
+        promoted=tally.promoted,
+        promote_failed=tally.promote_failed,
     )
 
 
@@ -508,23 +799,49 @@ def replay_matrix(
     bytes_per_token: int = LLAMA3_8B_BYTES_PER_TOKEN,
     progress: Callable[[str, int, int], None] | None = None,
     engine: bool = False,
+    disk_shares: Sequence[float | None] | None = None,
+    disk_policy: str = "lru",
+    disk_admission: str | None = DISK_ADMISSION,
 ) -> list[ReplayResult]:
     """Replay every ``policy[+admission]`` spec (or ``"belady"``) at every capacity share.
 
     Specs are checked before anything runs. ``engine=True`` runs the online policies
     through the async engine with real bytes (:func:`replay_engine`); each result's
-    ``extra["mismatches"]`` counts loaded blocks whose bytes were wrong."""
+    ``extra["mismatches"]`` counts loaded blocks whose bytes were wrong.
+
+    ``disk_shares`` (shares of the unique blocks, above 1 allowed; ``None`` in the list:
+    no disk tier) runs every online spec at every CPU share x disk share, with a disk
+    tier of ``disk_policy`` and ``disk_admission`` (see :func:`replay`); the offline
+    bound runs once per CPU share, for the CPU tier alone. Not with ``engine``."""
     from asyncoffload.loops import run
+    from asyncoffload.manager.policies import get_policy_cls
 
     parsed = [parse_spec(spec) for spec in specs]
     unique = summarize(requests).unique_blocks
-    runs = [(share, name, adm) for share in shares for name, adm in parsed]
+    disks: list[float | None] = [None]
+    if disk_shares is not None:
+        if engine:
+            raise ValueError("the engine replay models the CPU tier only: no disk_shares")
+        if disk_policy == BELADY:
+            raise ValueError("the disk tier takes an online policy, not the offline bound")
+        get_policy_cls(disk_policy)
+        parse_disk_admission(disk_admission)
+        disks = list(dict.fromkeys(disk_shares))
+    runs = [
+        (share, name, adm, disk)
+        for share in shares
+        for name, adm in parsed
+        for disk in ([None] if name == BELADY else disks)
+    ]
     caps = {share: capacity_blocks(share, unique) for share in shares}
+    disk_caps = {d: capacity_blocks(d, unique) for d in disks if d is not None}
     results: list[ReplayResult] = []
     total = len(runs) * len(requests)
-    for j, (share, name, adm) in enumerate(runs):
+    for j, (share, name, adm, disk) in enumerate(runs):
         cap = caps[share]
         label = f"{name}{'+' + adm if adm else ''} @ {_share_label(share)}"
+        if disk is not None:
+            label += f" + disk {_share_label(disk)}"
         base = j * len(requests)
 
         def step(done: int, _total: int, base: int = base, label: str = label) -> None:
@@ -563,6 +880,10 @@ def replay_matrix(
                 unique_blocks=unique,
                 share=share,
                 progress=step,
+                disk_capacity=None if disk is None else disk_caps[disk],
+                disk_policy=disk_policy,
+                disk_admission=disk_admission,
+                disk_share=disk,
             )
         results.append(res)
     return results
@@ -581,6 +902,8 @@ def format_table(
     is cut into blocks of policies, stacked, each repeating the capacity column."""
     if metric not in ("block", "token"):
         raise ValueError(f"metric must be 'block' or 'token', got {metric!r}")
+    if any(r.has_disk for r in results):
+        return _format_tiers_table(results, metric, columns)
     policies: list[str] = []
     for r in results:
         if r.label not in policies:
@@ -601,6 +924,67 @@ def format_table(
             row.append(f"{rate:.3f} / {found.stored:,}")
         rows.append(row)
     return fitted_table(rows, columns)
+
+
+def _gb(n: int) -> str:
+    gb = n / 1e9
+    return f"{gb:,.0f}" if gb >= 100 else f"{gb:.1f}"
+
+
+def _format_tiers_table(results: Sequence[ReplayResult], metric: str, columns: int | None) -> str:
+    """:func:`format_table` with a disk tier: one row per CPU capacity x disk capacity
+    (``none``: the CPU tier alone), per policy the hit rates served from CPU / disk /
+    both and the GB (10^9 bytes) written to disk; the offline bound is the CPU tier's."""
+    policies: list[str] = []
+    for r in results:
+        if r.policy != BELADY and r.label not in policies:
+            policies.append(r.label)
+    bound = {r.capacity_share: r for r in results if r.policy == BELADY}
+    slots = {r.capacity_share: r.capacity for r in results}
+    disk_slots = {r.disk_capacity_share: r.disk_capacity for r in results if r.has_disk}
+    by = {
+        (r.label, r.capacity_share, r.disk_capacity_share): r for r in results if r.policy != BELADY
+    }
+    cells = sorted(
+        {(share, disk) for _, share, disk in by},
+        key=lambda c: (c[0], -1.0 if c[1] is None else c[1]),
+    )
+    head = ["cpu", "disk"] + [f"{p} cpu / disk / total, GB to disk" for p in policies]
+    if bound:
+        head.append(f"{BELADY} (cpu only)")
+    rows = [head]
+    for share, disk in cells:
+        row = [
+            f"{_share_label(share)} ({slots[share]:,})",
+            "none" if disk is None else f"{_share_label(disk)} ({disk_slots[disk]:,})",
+        ]
+        for p in policies:
+            found = by.get((p, share, disk))
+            if found is None:
+                row.append("-")
+            elif not found.has_disk:
+                rate = found.block_hit_rate if metric == "block" else found.token_hit_rate
+                row.append(f"{rate:.3f} / - / {rate:.3f}, -")
+            else:
+                cpu, on_disk, total = found.hit_rates(metric)
+                row.append(
+                    f"{cpu:.3f} / {on_disk:.3f} / {total:.3f}, {_gb(found.disk_bytes_stored)}"
+                )
+        if bound:
+            b = bound.get(share)
+            if b is None:
+                row.append("-")
+            else:
+                row.append(f"{b.block_hit_rate if metric == 'block' else b.token_hit_rate:.3f}")
+        rows.append(row)
+    return _fitted_two_key_table(rows, columns)
+
+
+def _fitted_two_key_table(rows: list[list[str]], columns: int | None) -> str:
+    """:func:`fitted_table` keyed by the first two columns (CPU and disk capacity): they
+    are joined into one, which every stacked block repeats."""
+    joined = [[f"{row[0]}  {row[1].rjust(max(len(r[1]) for r in rows))}", *row[2:]] for row in rows]
+    return fitted_table(joined, columns)
 
 
 def infinite_tier_hit_rate(requests: Sequence[Request], metric: str = "block") -> float:

@@ -469,3 +469,235 @@ def test_the_kv_policy_beats_lru_on_the_conversation_trace(conversation: list[Re
         assert kv.stored <= lru.stored, share
     cap = capacity_blocks(0.05, unique)
     assert replay(conversation, cap, policy="kv").block_hit_rate >= 0.22
+
+
+# --- a disk tier below the CPU tier --------------------------------------------------------
+
+
+def test_a_disk_tier_turns_cpu_misses_into_disk_hits_promoted_back() -> None:
+    reqs = [req([1, 2]), req([3, 4]), req([1, 2]), req([3, 4, 5]), req([5, 1])]
+    # CPU tier alone (2 slots): 3,4 push out 1,2 and back; [3,4,5] does not fit; 5 and 1
+    # are gone when [5,1] comes: no hit at all.
+    assert replay(reqs, 2).hit_blocks == 0
+    res = replay(reqs, 2, disk_capacity=10, disk_admission=None, bytes_per_token=1)
+    # Every CPU store is written through: 1,2 then 3,4, then 5. [1,2] finds both on disk
+    # (promoted, evicting 3,4); [3,4,5] finds 3,4 on disk (promoted, evicting 1,2), and
+    # stores 5 (evicting 3 or 4); [5,1] finds 5 in the CPU tier and 1 on disk, promoted
+    # in place of the other of 3,4.
+    assert (res.cpu_hit_blocks, res.disk_hit_blocks, res.hit_blocks) == (1, 5, 6)
+    assert (res.cpu_hit_tokens, res.disk_hit_tokens, res.hit_tokens) == (4, 20, 24)
+    assert res.blocks == 11 and res.promoted == 5
+    assert res.stored == 5  # misses stored from the GPU side; promotions apart
+    assert res.evicted == 2 + 2 + (2 + 1) + 1
+    assert (res.disk_stored, res.disk_evicted, res.disk_skipped) == (5, 0, 0)
+    assert res.disk_bytes_stored == 5 * 4
+    assert res.disk_capacity == 10 and res.disk_policy == "lru" and res.disk_admission is None
+    assert res.cpu_block_hit_rate == pytest.approx(1 / 11)
+    assert res.disk_block_hit_rate == pytest.approx(5 / 11)
+    assert res.block_hit_rate == pytest.approx(6 / 11)
+    assert res.hit_rates("token") == pytest.approx((4 / 44, 20 / 44, 24 / 44))
+
+
+def test_without_a_disk_tier_nothing_reads_differently() -> None:
+    reqs = small_workload(8)
+    res = replay(reqs, 40)
+    assert not res.has_disk and res.disk_capacity is None
+    assert (res.disk_hit_blocks, res.disk_stored, res.promoted) == (0, 0, 0)
+    assert res.cpu_hit_blocks == res.hit_blocks
+    assert res.hit_rates() == (res.block_hit_rate, 0.0, res.block_hit_rate)
+    assert "disk" not in format_table([res])
+
+
+def test_the_disk_writes_every_stored_block_or_only_those_offered_twice() -> None:
+    # Block 2 holds 2 tokens: bytes count each block's tokens, as bytes_stored does.
+    reqs = [req([1, 2], tokens=6), req([3, 4]), req([1, 2], tokens=6)]
+    every = replay(reqs, 2, disk_capacity=10, disk_admission=None, bytes_per_token=3)
+    # Everything the CPU tier stores goes to disk: 1,2 (6 tokens), 3,4 (8 tokens);
+    # the third request is served from disk.
+    assert every.disk_stored == 4 and every.disk_bytes_stored == (6 + 8) * 3
+    assert every.disk_hit_blocks == 2 and every.disk_skipped == 0
+    second = replay(reqs, 2, disk_capacity=10, bytes_per_token=3)  # the default
+    assert second.disk_admission == "frequency2"
+    # First offers of 1,2 and 3,4 are held back; 1,2 come back (a miss, as no tier has
+    # them), the CPU tier stores them again, and this second offer goes to disk.
+    assert second.disk_stored == 2 and second.disk_bytes_stored == 6 * 3
+    assert second.disk_skipped == 4 and second.disk_hit_blocks == 0
+
+
+def test_a_promotion_skips_the_cpu_tiers_admission() -> None:
+    reqs = [req([1, 2]), req([1, 2]), req([3, 4]), req([3, 4]), req([1, 2]), req([1, 2])]
+    res = replay(reqs, 2, store_threshold=2, disk_capacity=10, disk_admission=None)
+    # The CPU tier stores 1,2 and 3,4 on their second offers (4 held back), evicting
+    # 1,2; their write-through put them on disk. The fifth request finds 1,2 on disk
+    # and promotes them at once (an offer would be held back again), so the sixth finds
+    # them in the CPU tier.
+    assert (res.skipped, res.stored, res.disk_stored) == (4, 4, 4)
+    assert (res.disk_hit_blocks, res.promoted, res.cpu_hit_blocks) == (2, 2, 2)
+
+
+@pytest.mark.parametrize(
+    ("policy", "admission"),
+    [("lru", None), ("kv", None), ("arc", None), ("lru", "ghost"), ("kv", "adaptive")],
+)
+@pytest.mark.parametrize("seed", range(3))
+def test_a_disk_tier_never_lowers_the_total_hit_rate(
+    seed: int, policy: str, admission: str | None
+) -> None:
+    reqs = small_workload(seed)
+    unique = summarize(reqs).unique_blocks
+    for share in (0.02, 0.1):
+        cap = capacity_blocks(share, unique)
+        alone = replay(reqs, cap, policy=policy, admission=admission)
+        for disk in (0.1, 1.0, 2.0):
+            for disk_admission in (None, "frequency2"):
+                res = replay(
+                    reqs,
+                    cap,
+                    policy=policy,
+                    admission=admission,
+                    disk_capacity=capacity_blocks(disk, unique),
+                    disk_admission=disk_admission,
+                )
+                assert res.block_hit_rate >= alone.block_hit_rate, (share, disk, disk_admission)
+                assert res.hit_blocks == res.cpu_hit_blocks + res.disk_hit_blocks
+        big = replay(
+            reqs,
+            cap,
+            policy=policy,
+            admission=admission,
+            disk_capacity=2 * unique,
+            disk_admission=None,
+        )
+        assert big.block_hit_rate > alone.block_hit_rate
+        assert big.disk_evicted == 0
+
+
+def test_disk_tier_arguments_are_checked() -> None:
+    reqs = [req([1])]
+    for bad in (0, -3):
+        with pytest.raises(ValueError, match="disk capacity must be a positive number of blocks"):
+            replay(reqs, 4, disk_capacity=bad)
+    with pytest.raises(ValueError, match="unknown cache policy 'nope'"):
+        replay(reqs, 4, disk_capacity=4, disk_policy="nope")
+    with pytest.raises(ValueError, match="unknown disk admission 'frequency1'"):
+        replay(reqs, 4, disk_capacity=4, disk_admission="frequency1")
+    with pytest.raises(ValueError, match="capacity share"):
+        replay_matrix(reqs, [0.5], ["lru"], disk_shares=[0.0])
+    with pytest.raises(ValueError, match="CPU tier only"):
+        replay_matrix(reqs, [0.5], ["lru"], disk_shares=[1.0], engine=True)
+    assert replay(reqs, 4, disk_capacity=4, disk_admission="ghost").disk_admission == "ghost"
+    assert replay(reqs, 4, disk_capacity=4, disk_admission="frequency3").disk_admission == (
+        "frequency3"
+    )
+
+
+def test_matrix_with_a_disk_tier_and_its_table() -> None:
+    reqs = small_workload(7, n=200)
+    results = replay_matrix(reqs, [0.05], ["lru", BELADY], disk_shares=[None, 0.5, 2.0])
+    # The online policy at each disk capacity (none included); the bound once, CPU only.
+    assert [(r.label, r.disk_capacity_share) for r in results] == [
+        ("lru", None),
+        ("lru", 0.5),
+        ("lru", 2.0),
+        (BELADY, None),
+    ]
+    text = format_table(results, columns=200)
+    assert "lru cpu / disk / total, GB to disk" in text and "belady (cpu only)" in text
+    assert "none" in text and "50% (" in text and "200% (" in text
+    for narrow in (60, 80):
+        assert max(map(len, format_table(results, columns=narrow).splitlines())) < narrow
+
+
+def test_command_models_a_disk_tier_on_the_real_trace(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if not TRACE.exists():
+        pytest.skip(f"the Mooncake trace is not at {TRACE}")
+    monkeypatch.setenv("COLUMNS", "100")
+    js = tmp_path / "d.json"
+    argv = ["replay", str(TRACE), "--limit", "1500", "--capacity", "5%", "--policy", "lru"]
+    argv += ["--disk-shares", "0.5,1", "--json", str(js), "--no-progress"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "1,500 requests" in out and "GB written to disk" in out
+    assert "lru cpu / disk / total, GB to disk" in out and "belady (cpu only)" in out
+    assert max(len(line) for line in out.splitlines()) < 100
+    rows = json.loads(js.read_text())["results"]
+    lru = [r for r in rows if r["label"] == "lru"]
+    assert sorted(r["disk_capacity_share"] or 0 for r in lru) == [0, 0.5, 1.0]
+    for r in lru:
+        for name in (
+            "disk_hit_blocks",
+            "disk_hit_tokens",
+            "cpu_block_hit_rate",
+            "disk_block_hit_rate",
+            "block_hit_rate",
+            "disk_stored",
+            "disk_bytes_stored",
+            "disk_evicted",
+            "disk_capacity",
+            "promoted",
+        ):
+            assert name in r, name
+        assert r["cpu_block_hit_rate"] + r["disk_block_hit_rate"] == pytest.approx(
+            r["block_hit_rate"]
+        )
+    disk = next(r for r in lru if r["disk_capacity_share"] == 1.0)
+    assert disk["disk_admission"] == "frequency2" and disk["disk_policy"] == "lru"
+    assert disk["disk_bytes_stored"] > 0 and disk["disk_hit_blocks"] > 0
+    # The rows print what the JSON holds.
+    cpu, on_disk, total = (disk[f"{t}block_hit_rate"] for t in ("cpu_", "disk_", ""))
+    assert f"{cpu:.3f} / {on_disk:.3f} / {total:.3f}" in out
+
+
+def test_command_without_disk_shares_writes_no_disk_fields(tmp_path: Path) -> None:
+    trace = tiny_trace(tmp_path)
+    js = tmp_path / "o.json"
+    argv = ["replay", str(trace), "--block-size", "16", "--capacity", "20%", "--policy", "lru"]
+    assert main([*argv, "--json", str(js), "--no-progress"]) == 0
+    (lru, _bound) = json.loads(js.read_text())["results"]
+    assert not any(name.startswith("disk_") or name == "promoted" for name in lru)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--disk-shares", "0"], "--disk-shares"),
+        (["--disk-shares", "-1"], "--disk-shares"),
+        (["--disk-shares", "abc"], "--disk-shares"),
+        (["--disk-shares", "1", "--disk-policy", "nope"], "--disk-policy"),
+        (["--disk-shares", "1", "--disk-policy", "belady"], "--disk-policy"),
+        (["--disk-shares", "1", "--disk-admission", "often"], "--disk-admission"),
+        (["--disk-policy", "lru"], "--disk-policy: needs --disk-shares"),
+        (["--disk-admission", "none"], "--disk-admission: needs --disk-shares"),
+        (["--disk-shares", "1", "--engine"], "--disk-shares"),
+    ],
+)
+def test_command_rejects_bad_disk_options(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], message: str
+) -> None:
+    trace = tiny_trace(tmp_path)
+    with pytest.raises(SystemExit) as exc:
+        main(["replay", str(trace), "--block-size", "16", *args])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_disk_tier_raises_the_conversation_trace_hit_rate(conversation: list[Request]) -> None:
+    unique = summarize(conversation).unique_blocks
+    cap = capacity_blocks(0.05, unique)
+    alone = replay(conversation, cap)
+    disk = replay(conversation, cap, disk_capacity=capacity_blocks(1.0, unique))
+    assert disk.block_hit_rate > alone.block_hit_rate + 0.05
+    assert disk.cpu_block_hit_rate == pytest.approx(alone.block_hit_rate, abs=0.01)
+    assert disk.disk_hit_blocks > 0 and disk.disk_stored < disk.stored
+
+
+def test_disk_hits_with_no_cpu_room_to_come_into_fail_as_the_engine_fails_them() -> None:
+    reqs = [req([1, 2]), req([3, 4]), req([3, 1, 2])]
+    res = replay(reqs, 2, disk_capacity=10, disk_admission=None)
+    # The third request finds 3 in the CPU tier (pinned for its load) and 1,2 on disk,
+    # and two CPU slots must be freed with only 4 to evict: the load fails, the
+    # request hits nothing, and its store of 1,2 finds no room either.
+    assert res.promote_failed == 1 and res.promoted == 0
+    assert res.hit_blocks == 0 and res.refused == 1
