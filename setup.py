@@ -1,11 +1,11 @@
 """Builds the native helpers (asyncoffload/_native/*.c) when the package is built, so that
 a wheel carries them compiled; the metadata is in pyproject.toml.
 
-Two of them are plain C shared libraries that asyncoffload loads with ctypes
+Three of them are plain C shared libraries that asyncoffload loads with ctypes
 (``lib<name>.so``: no Python API, no ``PyInit_``), two are CPython extension modules
-(``<name><EXT_SUFFIX>``). All four are optional: where a compile fails (no compiler, no
+(``<name><EXT_SUFFIX>``). All five are optional: where a compile fails (no compiler, no
 Python headers) the build goes on without that library, and asyncoffload compiles it at
-first use instead, or takes its Python fallback. Beside each library goes a digest file
+first use instead, or takes its Python fallback (the disk tier has none). Beside each library goes a digest file
 (``<file>.sha256``: its SHA-256, its size and the SHA-256 of the C source it was built
 from) that the loader checks before it maps the file (asyncoffload/_native/__init__.py).
 

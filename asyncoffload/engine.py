@@ -1156,6 +1156,10 @@ class AsyncOffloadEngine:
         self._loads += 1
         self._track(fut)
         self._publish_events()  # the reservation's evictions
+        deadline = max(tier.store.deadline_s for tier, _ in by_tier.values())
+        state.timer = bridge.loop.call_later(
+            deadline + _STALL_GRACE_S, self._promotion_stalled, state, deadline
+        )
         for tier, tkeys in by_tier.values():
             spec = tier.store.manager.prepare_load(tkeys)
             host = [self._backend.host_address(slot_of[key]) for key in tkeys]
@@ -1234,12 +1238,33 @@ class AsyncOffloadEngine:
             )
         self._publish_events()
 
+    def _promotion_stalled(self, state: _Promotion, deadline: float) -> None:
+        """A read is still running past its deadline (a stalled disk or mount: a system
+        call no deadline can interrupt): fail the handle now. The reserved CPU slots stay
+        reserved until the read really ends; then its completion frees them."""
+        state.timer = None
+        fut = state.handle._future
+        if fut.done() or state.left == 0:
+            return
+        self._failed += 1
+        self._inflight.discard(fut)
+        fut.set_exception(
+            TransferError(
+                f"load of {len(state.keys)} blocks: a lower tier read is still running "
+                f"{deadline + _STALL_GRACE_S:.1f}s after submission (the disk or its mount "
+                "is stalled); treat the blocks as misses and recompute"
+            )
+        )
+
     def _finish_promotion(self, state: _Promotion) -> None:
         """Every read ended: copy the whole load into the KV blocks, or fail it."""
         cpu = self._manager
         handle = state.handle
         fut = handle._future
-        if state.bad or state.error is not None or self._forked:
+        if state.timer is not None:
+            state.timer.cancel()
+            state.timer = None
+        if state.bad or state.error is not None or self._forked or fut.done():
             cpu.complete_load(state.cpu_keys)
             self._inflight.discard(fut)
             if fut.done():
@@ -1482,6 +1507,7 @@ class _Promotion:
     causes: list[str] = dataclasses.field(default_factory=list)
     error: BaseException | None = None
     seen: set[int] = dataclasses.field(default_factory=set)
+    timer: asyncio.TimerHandle | None = None
 
 
 def _slot_of(manager: CPUOffloadingManager, key: OffloadKey) -> int:
@@ -1491,6 +1517,8 @@ def _slot_of(manager: CPUOffloadingManager, key: OffloadKey) -> int:
 
 
 _last_warned: dict[str, float] = {}
+#: A promotion's handle fails this long after its tier's deadline if a read still runs.
+_STALL_GRACE_S = 1.0
 
 
 def _warn_limited(logger: logging.Logger, topic: str, msg: str, *args: object) -> None:

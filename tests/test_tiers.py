@@ -434,6 +434,30 @@ async def test_an_operation_past_its_deadline_fails(tmp_path: Path) -> None:
         assert eng.stats().tiers[0].failures.get("timeout", 0) >= 1
 
 
+async def test_a_stalled_read_fails_its_load_without_waiting_for_the_disk(tmp_path: Path) -> None:
+    """A read stuck in the kernel (a hung mount) cannot be interrupted: the load fails
+    once the deadline and a grace second have passed; its slots stay reserved until the
+    read really ends, and then everything is released."""
+    cfg = config(tmp_path, tier={"deadline_s": 0.05, "io_threads": 1})
+    kv = kv_caches()
+    async with engine(cfg, kv) as eng:
+        ks = keys(2)
+        await store_to_disk_only(eng, ks, [0, 1])
+        tier = eng.tiers[0]
+        assert isinstance(tier, DiskStore)
+        tier.pool.set_delay(3.0)  # the first read starts at once, then takes 3 s
+        before = [t[5:7].clone() for t in kv]
+        handle = await eng.prepare_load(ks, [5, 6])
+        with pytest.raises(ao.TransferError, match="stalled"):
+            await handle
+        assert tier.manager.stats().pinned == 2  # the read still runs: slots held
+        assert eng.stats().manager.write_pending == 2
+        tier.pool.set_delay(0)
+        await eng.flush()
+        assert tier.manager.stats().pinned == 0 and eng.stats().manager.write_pending == 0
+        assert all(torch.equal(t[5:7], b) for t, b in zip(kv, before))
+
+
 # --- admission, eviction, events -----------------------------------------------------
 
 

@@ -149,6 +149,9 @@ class LowerTier(ABC):
     medium: Medium
     manager: TierManager
     block_bytes: int
+    #: Seconds an operation may wait to start; a read still running well past it fails
+    #: its load (the engine does not wait on a stalled disk).
+    deadline_s: float
 
     @abstractmethod
     def bind(self, wake_fd: int | None) -> None:

@@ -160,8 +160,13 @@ class DiskStore(LowerTier):
     medium = Medium.DISK
 
     def __init__(self, config: DiskTier, namespace: Namespace, name: str = "disk") -> None:
+        from asyncoffload._native import compile_timeout_s, load_disk_io
         from asyncoffload.tiers._io import IoPool, available
 
+        if not available() and load_disk_io.building:
+            # Made on an event loop before the lanes were built: the tier cannot run
+            # without them (no fallback here), so start-up waits for the build.
+            load_disk_io.wait_for_build(compile_timeout_s())
         if not available():
             raise RuntimeError(
                 "the disk tier needs the native I/O lanes, which could not be built (a C "
@@ -169,6 +174,7 @@ class DiskStore(LowerTier):
             )
         self.config = config
         self.name = name
+        self.deadline_s = config.deadline_s
         self.namespace = namespace
         self.block_bytes = namespace.block_bytes
         self.slot_bytes = block_file_bytes(self.block_bytes)
