@@ -23,20 +23,22 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Literal, TextIO
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from asyncoffload._term import terminal_columns, two_column_table
-from asyncoffload.config import EngineConfig
+from asyncoffload.config import EngineConfig, parse_bytes
 from asyncoffload.engine import AsyncOffloadEngine, EngineStats
-from asyncoffload.errors import HostMemoryError, TransferError
+from asyncoffload.errors import HostMemoryError, PromotionError, TransferError
 from asyncoffload.events import EventSubscription, Lagged
 from asyncoffload.hostmem import check_host_bytes, format_bytes
 from asyncoffload.integrations import check_endpoint, shift_tcp_port
 from asyncoffload.keys import OffloadKey
 from asyncoffload.manager import ReqContext, available_policies
+from asyncoffload.tiers.disk import DiskTier
 from asyncoffload.workloads import Request, summarize, synthetic_chat
 
 if TYPE_CHECKING:
@@ -82,6 +84,14 @@ class DemoConfig(BaseModel):
     policy: str = Field("lru", description="Cache policy of the CPU tier.")
     completion: Literal["auto", "eventfd", "poll"] = "auto"
     event_buffer: int = Field(1 << 16, gt=0, description="The subscriber's event buffer.")
+    disk_path: Path | None = Field(
+        None,
+        description="A disk tier below the CPU tier, its files in this directory (a "
+        "slab, unlinked once open); None: no disk tier.",
+    )
+    disk_bytes: int = Field(
+        256 << 20, gt=0, description="Capacity of the disk tier, bytes (or '256MiB')."
+    )
     # The simulated model and server.
     layers: int = Field(8, ge=1, description="KV layers.")
     block_size: int = Field(16, ge=1, description="Tokens per block.")
@@ -135,6 +145,13 @@ class DemoConfig(BaseModel):
         if value not in known:
             raise ValueError(f"unknown cache policy {value!r}; known: {', '.join(known)}")
         return value
+
+    @field_validator("disk_bytes", mode="before")
+    @classmethod
+    def _byte_size(cls, value: object) -> object:
+        if isinstance(value, bool):
+            raise ValueError(f"expected a byte size, got {value!r}")
+        return parse_bytes(value, "disk_bytes")
 
     @field_validator("publish", "publish_replay")
     @classmethod
@@ -304,6 +321,7 @@ class _Progress:
     computed_blocks: int = 0
     bytes_moved: int = 0
     stores_rejected: int = 0
+    promotions_refused: int = 0
     verified_blocks: int = 0
     mismatches: int = 0
     latencies_s: list[float] = field(default_factory=list)
@@ -349,11 +367,23 @@ class DemoReport:
     publish_endpoints: tuple[str, str | None] | None = None
     #: Where the Prometheus metrics were served (``config.metrics_port``).
     metrics_url: str | None = None
+    #: Loads of disk hits refused for want of an idle CPU slot (then recomputed).
+    promotions_refused: int = 0
 
     @property
     def hit_rate(self) -> float:
         """Prefix-hit rate in tokens: tokens loaded / prompt tokens."""
         return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def disk_hit_blocks(self) -> int:
+        """Blocks that lookups found only in the disk tier (promoted from disk)."""
+        return sum(t.lookup_hits for t in self.stats.tiers)
+
+    @property
+    def cpu_hit_blocks(self) -> int:
+        """Blocks that lookups found in the CPU tier."""
+        return self.stats.lookup_hits - self.disk_hit_blocks
 
     @property
     def bytes_moved(self) -> int:
@@ -391,6 +421,7 @@ class DemoReport:
                 "prefix-hit rate (tokens)",
                 f"{self.hit_rate:.1%}  ({self.hit_tokens:,} of {self.prompt_tokens:,})",
             ),
+            *self._tier_hit_rows(),
             (
                 "blocks stored / loaded / evicted",
                 f"{s.blocks_stored:,} / {s.blocks_loaded:,} / {s.blocks_evicted:,}",
@@ -428,12 +459,45 @@ class DemoReport:
                 f"{cfg.cpu_blocks:,} blocks x {cfg.block_bytes // 1024} KiB, policy "
                 f"{cfg.policy}  (workload: {self.unique_blocks:,} distinct blocks)",
             ),
+            *self._disk_rows(),
             (
                 "verification",
                 f"{verdict}: verified {self.verified_blocks:,} blocks, "
                 f"{self.mismatches} mismatches",
             ),
         ]
+
+    def _tier_hit_rows(self) -> list[tuple[str, str]]:
+        if not self.stats.tiers:
+            return []
+        return [
+            (
+                "hits by tier (blocks)",
+                f"CPU {self.cpu_hit_blocks:,} / disk {self.disk_hit_blocks:,}",
+            )
+        ]
+
+    def _disk_rows(self) -> list[tuple[str, str]]:
+        rows = []
+        for t in self.stats.tiers:
+            failed = t.read_failures + t.write_failures
+            failures = f", {failed:,} failed I/Os {t.failures}" if failed else ""
+            if self.promotions_refused:
+                failures += (
+                    f", {self.promotions_refused:,} loads recomputed (no idle CPU slot to "
+                    "promote into)"
+                )
+            direct = "O_DIRECT" if t.info.get("direct_io") else "buffered"
+            rows.append(
+                (
+                    "disk tier",
+                    f"{t.manager.num_blocks:,} blocks ({format_bytes(self.config.disk_bytes)}, "
+                    f"{t.info.get('mode')}, {direct}) in {t.info.get('path')}: written "
+                    f"{t.blocks_written:,} ({t.bytes_written / _GB:.2f} GB), read "
+                    f"{t.blocks_read:,} ({t.bytes_read / _GB:.2f} GB){failures}",
+                )
+            )
+        return rows
 
     def _integration_rows(self) -> list[tuple[str, str]]:
         rows = []
@@ -548,7 +612,15 @@ class _Server:
                 # No await between the lookup and prepare_load: the hits stay resident.
                 n = engine.lookup(keys, ctx)
                 if n:
-                    await (await engine.prepare_load(keys[:n], blocks[:n], ctx))
+                    try:
+                        handle = await engine.prepare_load(keys[:n], blocks[:n], ctx)
+                    except PromotionError:
+                        # Disk hits need CPU slots to come up through, and every slot
+                        # is pinned or being written: recompute, as the engine advises.
+                        p.promotions_refused += 1
+                        n = 0
+                if n:
+                    await handle
                     # Checks and writes run off the loop, as a GPU's kernels would.
                     # (Not `p.mismatches += await ...`: that reads the counter before
                     # the await and loses the updates of concurrent requests.)
@@ -671,8 +743,15 @@ async def _run(cfg: DemoConfig, progress_stream: TextIO | None) -> DemoReport:
         policy=cfg.policy,
         completion=cfg.completion,
         event_buffer=cfg.event_buffer,
+        tiers=_disk_tiers(cfg),
+        model="asyncoffload-demo",
     )
-    engine = AsyncOffloadEngine(kv.kv_caches, engine_cfg)
+    try:
+        engine = AsyncOffloadEngine(kv.kv_caches, engine_cfg)
+    except (OSError, RuntimeError, ValueError) as exc:
+        if not engine_cfg.tiers:
+            raise
+        raise DemoConfigError(f"the disk tier in {cfg.disk_path}: {exc}") from None
     state = _Progress()
     counts = EventCounts()
     finished = asyncio.Event()
@@ -725,7 +804,24 @@ async def _run(cfg: DemoConfig, progress_stream: TextIO | None) -> DemoReport:
         publisher=integrations.publisher.stats() if integrations.publisher else None,
         publish_endpoints=integrations.endpoints,
         metrics_url=integrations.metrics_url,
+        promotions_refused=state.promotions_refused,
     )
+
+
+def _disk_tiers(cfg: DemoConfig) -> list[DiskTier]:
+    """The disk tier of ``cfg.disk_path``: a slab that writes every block the CPU tier
+    stores (no admission filter: the demo stores each block once, so the default
+    second-offer rule would write almost nothing)."""
+    if cfg.disk_path is None:
+        return []
+    from asyncoffload.tiers.format import block_file_bytes
+
+    slot = block_file_bytes(cfg.block_bytes)
+    if cfg.disk_bytes < slot:
+        raise DemoConfigError(
+            f"--disk-bytes {cfg.disk_bytes} holds no block: one takes {format_bytes(slot)} on disk"
+        )
+    return [DiskTier(cfg.disk_path, cfg.disk_bytes, "slab", admission=None)]
 
 
 class _Integrations:
