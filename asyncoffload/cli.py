@@ -177,6 +177,17 @@ def _add_demo(parser: argparse.ArgumentParser) -> None:
         default=d.completion,
         help="how the loop learns that copies finished (%(default)s)",
     )
+    eng.add_argument(
+        "--disk",
+        metavar="PATH",
+        help="add a disk tier below the CPU tier, its slab in this directory (every "
+        "stored block is written to it; blocks evicted from the CPU tier come back from it)",
+    )
+    eng.add_argument(
+        "--disk-bytes",
+        metavar="SIZE",
+        help=f"capacity of the disk tier, e.g. 64MiB or 1GB (default: {d.disk_bytes >> 20}MiB)",
+    )
 
     srv = parser.add_argument_group("simulated server")
     srv.add_argument(
@@ -258,6 +269,13 @@ def _run_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from asyncoffload.loops import run
 
     use_uvloop = _check_loop(args, parser)
+    if args.disk_bytes is not None and args.disk is None:
+        parser.error("--disk-bytes: needs --disk (the disk tier's directory)")
+    disk: dict[str, object] = {}
+    if args.disk is not None:
+        disk["disk_path"] = args.disk
+        if args.disk_bytes is not None:
+            disk["disk_bytes"] = args.disk_bytes
     try:
         cfg = DemoConfig(
             requests=args.requests,
@@ -279,9 +297,12 @@ def _run_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             publish_replay=args.publish_replay,
             publish_topic=args.publish_topic,
             metrics_port=args.metrics_port,
+            **disk,
         )
     except ValidationError as exc:
-        parser.error(_options_message(exc, parser, {"think_time_s": "think_time"}))
+        parser.error(
+            _options_message(exc, parser, {"think_time_s": "think_time", "disk_path": "disk"})
+        )
     try:
         report = run(run_demo(cfg, progress=args.progress), use_uvloop=use_uvloop)
     except DemoConfigError as exc:
@@ -651,10 +672,10 @@ def _run_replay(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
     else:
         what = (
             f"prefix hit rate ({args.metric}s) served from the CPU tier / disk / both, and "
-            f"GB written to disk (10^9 bytes at {LLAMA3_8B_BYTES_PER_TOKEN:,} a token), by "
-            f"CPU x disk capacity (disk: {disk_policy}, admission "
-            f"{disk_admission or 'none: every block'}; disk none: the CPU tier alone"
-            f"{'; belady: the CPU tier alone' if not args.no_bound else ''}):"
+            f"GB written to disk (10^9 bytes, at {LLAMA3_8B_BYTES_PER_TOKEN:,} bytes a "
+            f"token), by CPU x disk capacity (disk: {disk_policy}, admission "
+            f"{disk_admission or 'none: every block'}; disk none: no disk tier"
+            f"{'; belady: the bound of the CPU tier alone' if not args.no_bound else ''}):"
         )
         print(textwrap.fill(what, terminal_columns() - 1) + "\n")
     print(format_table(results, args.metric))
