@@ -613,14 +613,14 @@ class _Server:
                 n = engine.lookup(keys, ctx)
                 if n:
                     try:
-                        handle = await engine.prepare_load(keys[:n], blocks[:n], ctx)
+                        load = await engine.prepare_load(keys[:n], blocks[:n], ctx)
                     except PromotionError:
                         # Disk hits need CPU slots to come up through, and every slot
                         # is pinned or being written: recompute, as the engine advises.
                         p.promotions_refused += 1
                         n = 0
                 if n:
-                    await handle
+                    await load
                     # Checks and writes run off the loop, as a GPU's kernels would.
                     # (Not `p.mismatches += await ...`: that reads the counter before
                     # the await and loses the updates of concurrent requests.)
