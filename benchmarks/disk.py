@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import ctypes
 import itertools
 import json
 import mmap
@@ -48,6 +49,7 @@ import torch
 
 import asyncoffload as ao
 from asyncoffload.config import parse_bytes
+from asyncoffload.tiers._io import IoJob, IoOp, IoPool
 from asyncoffload.tiers.disk import DiskTier
 from asyncoffload.tiers.format import block_file_bytes
 
@@ -127,6 +129,57 @@ def raw_run(directory: Path, total: int, block: int, threads: int) -> dict[str, 
     finally:
         os.close(fd)
         path.unlink()
+
+
+# --- the native lanes alone (no engine) -------------------------------------------------
+
+
+def lanes_run(
+    directory: Path, total: int, block: int, io_threads: int, batch: int
+) -> dict[str, float]:
+    """The tier's I/O lanes without the engine: an ``IoPool`` writing then reading
+    ``total`` bytes of blocks (headers and CRC32C included) to a fallocated O_DIRECT slab,
+    jobs of ``batch`` blocks, up to 4 jobs queued, from page-aligned host memory. Splits
+    the tier's cost into the lanes' (this) and the engine's (the rest)."""
+    n = total // block
+    slot = block_file_bytes(block)
+    path = directory / f"lanes-{os.getpid()}.slab"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o600)
+    host = mmap.mmap(-1, batch * block)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(host))
+    wake = os.eventfd(0, os.EFD_CLOEXEC)
+    pool = IoPool(
+        threads=io_threads, payload_len=block, identity=b"benchmarks/disk!", direct_files=True
+    )
+    pool.bind(wake)
+    out: dict[str, float] = {}
+    try:
+        os.posix_fallocate(fd, 0, n * slot)
+        for write in (True, False):
+            queued: deque[IoJob] = deque()
+            c0, t0 = cpu_seconds(), time.perf_counter()
+            for start in range(0, n, batch):
+                ops = [
+                    IoOp(base + j * block, (start + j) * slot, None, b"k%d" % (start + j), fd)
+                    for j in range(min(batch, n - start))
+                ]
+                queued.append(pool.submit(write, ops))
+                while len(queued) >= 4 or (start + batch >= n and queued):
+                    if queued[0].query():
+                        job = queued.popleft()
+                        assert not job.failed, job.results[:4]
+                    else:
+                        os.eventfd_read(wake)  # blocks until some job ends
+            t1, c1 = time.perf_counter(), cpu_seconds()
+            name = "write" if write else "read"
+            out[name] = t1 - t0
+            out[f"{name}_cpu"] = c1 - c0
+    finally:
+        pool.close()
+        os.close(wake)
+        os.close(fd)
+        path.unlink()
+    return out
 
 
 # --- the tier ---------------------------------------------------------------------------
@@ -235,9 +288,13 @@ def measure(args: argparse.Namespace, directory: Path) -> list[dict[str, Any]]:
         for io_threads in args.io_threads:
             raws: list[dict[str, float]] = []
             tiers: list[dict[str, Any]] = []
+            lanes: list[dict[str, float]] = []
+            raw_threads = args.raw_threads or io_threads
             for _ in range(args.repeat):
                 # Raw and tier alternate, so both see the same drift of the disk.
-                raws.append(raw_run(directory, total, block, args.raw_threads))
+                raws.append(raw_run(directory, total, block, raw_threads))
+                if args.lanes:
+                    lanes.append(lanes_run(directory, total, block, io_threads, batch))
                 run += 1
                 tiers.append(
                     ao.run(
@@ -259,9 +316,10 @@ def measure(args: argparse.Namespace, directory: Path) -> list[dict[str, Any]]:
             raw_r = total / median_of(raws, "read") / 1e9
             tier_w = statistics.median(t["write_bytes"] / t["write"] for t in tiers) / 1e9
             tier_r = statistics.median(t["read_bytes"] / t["read"] for t in tiers) / 1e9
-            row = {
+            row: dict[str, Any] = {
                 "block_bytes": block,
                 "io_threads": io_threads,
+                "raw_threads": raw_threads,
                 "batch_blocks": batch,
                 "raw_write_gbps": raw_w,
                 "raw_read_gbps": raw_r,
@@ -287,6 +345,19 @@ def measure(args: argparse.Namespace, directory: Path) -> list[dict[str, Any]]:
                 "raw_runs": raws,
                 "tier_runs": tiers,
             }
+            if lanes:
+                for name in ("write", "read"):
+                    row[f"lanes_{name}_gbps"] = total / median_of(lanes, name) / 1e9
+                    row[f"lanes_{name}_cpu_s_per_gb"] = statistics.median(
+                        r[f"{name}_cpu"] / (total / 1e9) for r in lanes
+                    )
+                row["lanes_runs"] = lanes
+                print(
+                    f"  lanes alone (IoPool, no engine): write {row['lanes_write_gbps']:.2f} GB/s "
+                    f"({row['lanes_write_cpu_s_per_gb']:.3f} CPU s/GB), read "
+                    f"{row['lanes_read_gbps']:.2f} GB/s ({row['lanes_read_cpu_s_per_gb']:.3f})",
+                    flush=True,
+                )
             rows.append(row)
             print(
                 f"block {fmt_bytes(block):>8} io_threads {io_threads}: write raw {raw_w:.2f} "
@@ -301,19 +372,21 @@ def mark(ratio: float) -> str:
     return "" if ratio >= GOAL else " (below goal)"
 
 
-def table(rows: list[dict[str, Any]], raw_threads: int) -> str:
+def table(rows: list[dict[str, Any]]) -> str:
     lines = [
-        f"raw: O_DIRECT, {raw_threads} block(s) in flight; ratios tier/raw (goal >= {GOAL}); "
+        f"raw: O_DIRECT, raw_threads blocks in flight; ratios tier/raw (goal >= {GOAL}); "
         "CPU: process CPU seconds per GB moved",
         "",
-        "| block | io_threads | blocks/call | write raw GB/s | write tier GB/s | write ratio "
+        "| block | io_threads | raw_threads | blocks/call | write raw GB/s | write tier GB/s "
+        "| write ratio "
         "| read raw GB/s | read tier GB/s | read ratio | CPU s/GB write raw / tier "
         "| CPU s/GB read raw / tier |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {fmt_bytes(r['block_bytes'])} | {r['io_threads']} | {r['batch_blocks']} "
+            f"| {fmt_bytes(r['block_bytes'])} | {r['io_threads']} | {r['raw_threads']} "
+            f"| {r['batch_blocks']} "
             f"| {r['raw_write_gbps']:.2f} | {r['tier_write_gbps']:.2f} "
             f"| {r['write_ratio']:.2f}{mark(r['write_ratio'])} "
             f"| {r['raw_read_gbps']:.2f} | {r['tier_read_gbps']:.2f} "
@@ -321,6 +394,24 @@ def table(rows: list[dict[str, Any]], raw_threads: int) -> str:
             f"| {r['raw_write_cpu_s_per_gb']:.3f} / {r['tier_write_cpu_s_per_gb']:.3f} "
             f"| {r['raw_read_cpu_s_per_gb']:.3f} / {r['tier_read_cpu_s_per_gb']:.3f} |"
         )
+    lanes = [r for r in rows if "lanes_write_gbps" in r]
+    if lanes:
+        lines += [
+            "",
+            "The native lanes alone (IoPool, no engine), same bytes, same run:",
+            "",
+            "| block | io_threads | lanes write GB/s (/ raw) | lanes read GB/s (/ raw) "
+            "| CPU s/GB write / read |",
+            "|---|---|---|---|---|",
+        ]
+        for r in lanes:
+            lw, lr = r["lanes_write_gbps"], r["lanes_read_gbps"]
+            lines.append(
+                f"| {fmt_bytes(r['block_bytes'])} | {r['io_threads']} "
+                f"| {lw:.2f} ({lw / r['raw_write_gbps']:.2f}) "
+                f"| {lr:.2f} ({lr / r['raw_read_gbps']:.2f}) "
+                f"| {r['lanes_write_cpu_s_per_gb']:.3f} / {r['lanes_read_cpu_s_per_gb']:.3f} |"
+            )
     return "\n".join(lines)
 
 
@@ -344,7 +435,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block-bytes", type=byte_list, default=byte_list("64KiB,256KiB,1MiB"))
     parser.add_argument("--total-bytes", type=byte_size, default=1 << 30)
     parser.add_argument("--io-threads", type=int_list, default=[4])
-    parser.add_argument("--raw-threads", type=int, default=1, help="raw blocks in flight")
+    parser.add_argument(
+        "--raw-threads",
+        type=int,
+        default=1,
+        help="raw blocks in flight (1: plain sequential; 0: as many as --io-threads)",
+    )
+    parser.add_argument(
+        "--lanes", action="store_true", help="also time the native lanes alone (no engine)"
+    )
     parser.add_argument(
         "--batch-bytes",
         type=byte_size,
@@ -382,7 +481,7 @@ def main(argv: list[str] | None = None) -> int:
         if made:
             shutil.rmtree(directory, ignore_errors=True)
     print()
-    print(table(rows, args.raw_threads))
+    print(table(rows))
     if args.json is not None:
         with contextlib.suppress(FileExistsError):
             args.json.parent.mkdir(parents=True, exist_ok=True)
