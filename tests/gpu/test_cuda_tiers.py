@@ -33,6 +33,7 @@ async def store(engine: ao.AsyncOffloadEngine, ks: list[ao.OffloadKey], ids: lis
     handle = await engine.prepare_store(ks, ids)
     assert handle is not None
     await handle
+    await engine.flush()  # CPU slots stay pinned until their disk write ends
 
 
 def keys(n: int, start: int = 0) -> list[ao.OffloadKey]:
