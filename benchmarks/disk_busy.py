@@ -4,8 +4,10 @@ A task keeps the loop busy: ``--busy-ms`` of pure-Python work, then ``await
 asyncio.sleep(0)``, over and over. Meanwhile another coroutine reads blocks of
 ``--block-bytes`` from a file on ``--dir`` (``O_DIRECT``), one at a time, each submitted
 at a random point of a busy chunk (so reads end at random phases of the busy cycle), and
-awaits each. Per read, the delivery latency: "the I/O ended" -> "the awaiting coroutine
-resumed", in time and in busy-loop iterations (busy chunks started in between).
+awaits each. Per read, the delivery latency: "the I/O ended" -> "its completion ran on
+the loop" (the callback that resolves the read's future), in time and in busy-loop
+iterations (busy chunks started in between); and "the awaiting coroutine resumed",
+which asyncio schedules one iteration after the callback, whatever the path.
 
 Paths:
 
@@ -16,10 +18,11 @@ Paths:
   ``IoJob.finished_ns``, stamped by the native thread (``CLOCK_MONOTONIC``, the clock of
   ``time.perf_counter_ns``).
 - ``executor``: ``loop.run_in_executor(None, read)``, where ``read`` does ``os.preadv``
-  of the same bytes and stamps ``time.perf_counter_ns()`` right after it. That stamp is
-  taken once the worker holds the GIL again, so it is late by however long the worker
-  waited for the GIL; "submit -> resume" (minus the I/O's idle duration) shows the
-  whole cost for both paths.
+  of the same bytes, stamps ``time.perf_counter_ns()`` right after it and hands the
+  result to the loop with ``call_soon_threadsafe`` (run_in_executor's own path). That
+  stamp is taken once the worker holds the GIL again, so it is late by however long the
+  worker waited for the GIL; "submit -> resume" (minus the I/O's idle duration) shows
+  the whole cost for both paths.
 
 Each on asyncio and uvloop (``--loops``). Output: a table and ``--json PATH``.
 
@@ -82,7 +85,10 @@ class Row:
     deliver_iters: list[float] = field(default_factory=list)  # p50, p99, max
     total_us: list[float] = field(default_factory=list)  # submit -> resume: p50, p99, max
     busy_chunk_ms_p50: float = 0.0
-    within_one: float = 0.0  # share of reads resumed within one loop iteration
+    within_one: float = 0.0  # share of reads delivered within one loop iteration
+    # I/O end -> the awaiting coroutine resumed, in busy iterations: asyncio runs a
+    # future's waiter one iteration after the callback that set it, whatever the path.
+    resume_iters: list[float] = field(default_factory=list)
 
 
 class Reader:
@@ -94,7 +100,8 @@ class Reader:
     def open(self, loop: asyncio.AbstractEventLoop) -> None:
         pass
 
-    def read(self, i: int) -> Awaitable[int]:
+    def read(self, i: int) -> Awaitable[tuple[int, int]]:
+        """An awaitable of (I/O end, completion delivered on the loop), perf_counter_ns."""
         raise NotImplementedError
 
     def close(self) -> None:
@@ -132,16 +139,17 @@ class NativeReader(Reader):
         self.lane = self.bridge.lane("disk-read")
         self.pool.bind(self.bridge.wake_fd)
 
-    def read(self, i: int) -> Awaitable[int]:
+    def read(self, i: int) -> Awaitable[tuple[int, int]]:
         bridge = self.bridge
         assert bridge is not None
-        fut: asyncio.Future[int] = bridge.loop.create_future()
+        fut: asyncio.Future[tuple[int, int]] = bridge.loop.create_future()
         op = IoOp(self.host, i * self.slot, None, self.key(i), self.fd)
         job = self.pool.submit(False, [op])
 
         def done(j: Any) -> None:
+            delivered = now_ns()  # the bridge runs this on the loop
             assert isinstance(j, IoJob) and not j.failed, j.results
-            fut.set_result(j.finished_ns)
+            fut.set_result((j.finished_ns, delivered))
 
         bridge.watch(self.lane, job, done)
         return fut
@@ -171,15 +179,24 @@ class ExecutorReader(Reader):
     def open(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
 
-    def _read(self, i: int) -> int:
+    def _read(self, i: int, fut: asyncio.Future[tuple[int, int]]) -> None:
         got = os.preadv(self.fd, [self.buf], i * self.block)
         end = now_ns()
         assert got == self.block
-        return end
-
-    def read(self, i: int) -> Awaitable[int]:
         assert self.loop is not None
-        return self.loop.run_in_executor(None, self._read, i)
+        # run_in_executor's own path: the worker hands the result to the loop with
+        # call_soon_threadsafe (it needs the GIL for that).
+        self.loop.call_soon_threadsafe(_deliver, fut, end)
+
+    def read(self, i: int) -> Awaitable[tuple[int, int]]:
+        assert self.loop is not None
+        fut: asyncio.Future[tuple[int, int]] = self.loop.create_future()
+        self.loop.run_in_executor(None, self._read, i, fut)
+        return fut
+
+
+def _deliver(fut: asyncio.Future[tuple[int, int]], end: int) -> None:
+    fut.set_result((end, now_ns()))  # on the loop: the completion is delivered
 
 
 def ao_address(buf: mmap.mmap) -> int:
@@ -191,7 +208,7 @@ def ao_address(buf: mmap.mmap) -> int:
 class _Busy:
     def __init__(self) -> None:
         self.stop = False
-        self.request: asyncio.Future[tuple[int, Awaitable[int]]] | None = None
+        self.request: asyncio.Future[tuple[int, Awaitable[tuple[int, int]]]] | None = None
         self.steps = array("q")
         self.block_index = 0
 
@@ -220,7 +237,7 @@ async def idle_io_us(reader: Reader, blocks: int, n: int) -> float:
     out = []
     for i in range(n):
         t0 = now_ns()
-        end = await reader.read(i % blocks)
+        end, _ = await reader.read(i % blocks)
         out.append((end - t0) / 1e3)
     return statistics.median(out)
 
@@ -233,18 +250,18 @@ async def measure(reader: Reader, row: Row, n: int, blocks: int, busy_ms: float)
         state = _Busy()
         chunk_ns = int(busy_ms * 1e6)
         task = loop.create_task(_busy_task(state, reader, chunk_ns, blocks, random.Random(1)))
-        done: list[tuple[int, int, int]] = []  # (submit, I/O end, resumed)
+        done: list[tuple[int, int, int, int]] = []  # (submit, I/O end, delivered, resumed)
         try:
             for _ in range(3):
                 await asyncio.sleep(0)
             for k in range(n + 3):
-                req: asyncio.Future[tuple[int, Awaitable[int]]] = loop.create_future()
+                req: asyncio.Future[tuple[int, Awaitable[tuple[int, int]]]] = loop.create_future()
                 state.request = req
                 t_submit, pending = await req
-                t_end = await pending
+                t_end, t_deliv = await pending
                 t_res = now_ns()
                 if k >= 3:  # warm-up
-                    done.append((t_submit, t_end, t_res))
+                    done.append((t_submit, t_end, t_deliv, t_res))
         finally:
             state.stop = True
             with contextlib.suppress(Exception):
@@ -256,14 +273,16 @@ async def measure(reader: Reader, row: Row, n: int, blocks: int, busy_ms: float)
     def iters(t_end: int, t_res: int) -> int:
         return max(0, bisect.bisect_left(steps, t_res) - bisect.bisect_right(steps, t_end))
 
-    deliver = [(r - e) / 1e3 for _, e, r in done]
-    its = [float(iters(e, r)) for _, e, r in done]
-    total = [(r - s) / 1e3 for s, _, r in done]
+    deliver = [(d - e) / 1e3 for _, e, d, _ in done]
+    its = [float(iters(e, d)) for _, e, d, _ in done]
+    resume_its = [float(iters(e, r)) for _, e, _, r in done]
+    total = [(r - s) / 1e3 for s, _, _, r in done]
     row.n = len(done)
     row.deliver_us = [percentile(deliver, q) for q in (50, 99, 100)]
     row.deliver_iters = [percentile(its, q) for q in (50, 99, 100)]
     row.total_us = [percentile(total, q) for q in (50, 99, 100)]
     row.within_one = sum(1 for x in its if x <= 1) / len(its)
+    row.resume_iters = [percentile(resume_its, q) for q in (50, 99, 100)]
     row.busy_chunk_ms_p50 = statistics.median(b - a for a, b in itertools.pairwise(steps)) / 1e6
 
 
@@ -279,16 +298,18 @@ def run_on(loop_name: str, coro_fn: Callable[[], Any]) -> None:
 def table(rows: list[Row]) -> str:
     lines = [
         "| loop | path | reads | idle read us | deliver us p50 / p99 / max "
-        "| loop iterations p50 / p99 / max | within 1 iteration | submit->resume ms p50 / p99 "
-        "/ max |",
-        "|---|---|---|---|---|---|---|---|",
+        "| loop iterations p50 / p99 / max | within 1 iteration | resumed after (iterations) "
+        "p50 / p99 / max | submit->resume ms p50 / p99 / max |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         d, it, t = r.deliver_us, r.deliver_iters, r.total_us
         lines.append(
             f"| {r.loop} | {r.path} | {r.n} | {r.idle_io_us_p50:.0f} "
             f"| {d[0]:.0f} / {d[1]:.0f} / {d[2]:.0f} | {it[0]:.0f} / {it[1]:.0f} / {it[2]:.0f} "
-            f"| {100 * r.within_one:.0f}% | {t[0] / 1e3:.2f} / {t[1] / 1e3:.2f} / "
+            f"| {100 * r.within_one:.0f}% "
+            f"| {r.resume_iters[0]:.0f} / {r.resume_iters[1]:.0f} / {r.resume_iters[2]:.0f} "
+            f"| {t[0] / 1e3:.2f} / {t[1] / 1e3:.2f} / "
             f"{t[2] / 1e3:.2f} |"
         )
     return "\n".join(lines)
