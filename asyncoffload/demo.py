@@ -90,7 +90,10 @@ class DemoConfig(BaseModel):
         "slab, unlinked once open); None: no disk tier.",
     )
     disk_bytes: int = Field(
-        256 << 20, gt=0, description="Capacity of the disk tier, bytes (or '256MiB')."
+        2 << 30,
+        gt=0,
+        description="Capacity of the disk tier, bytes (or '2GiB'). The tier is inclusive: "
+        "it must be larger than the CPU tier to add hits.",
     )
     # The simulated model and server.
     layers: int = Field(8, ge=1, description="KV layers.")

@@ -396,6 +396,16 @@ class AsyncOffloadEngine:
             for i, tier_cfg in enumerate(cfg.tiers):
                 store = tier_cfg.open(namespace, f"{tier_cfg.kind}{i}")
                 self._tiers.append(_Tier(store, TierCounters()))
+                above = self._tiers[-2].store.manager.num_blocks if i else cfg.cpu_blocks
+                if store.manager.num_blocks <= above:
+                    log.warning(
+                        "tier %s holds %d blocks, no more than the %d of the tier above: "
+                        "tiers are inclusive (every block below is also above until "
+                        "evicted there), so it adds few hits; give it more capacity",
+                        store.name,
+                        store.manager.num_blocks,
+                        above,
+                    )
         except BaseException:
             self._close_tiers()
             raise

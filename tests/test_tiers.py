@@ -3,6 +3,7 @@ recovery, corruption attacks, a full disk, tenants, eviction per tier, deadlines
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import errno
 import logging
@@ -569,6 +570,23 @@ async def test_buffered_io_fallback_warns_once(
     assert sum("refuses O_DIRECT" in r.message for r in caplog.records) == 1
     with pytest.raises(OSError, match="refuses O_DIRECT"):
         ao.AsyncOffloadEngine(kv, config(tmp_path, tier={"direct_io": True}))
+
+
+def test_a_tier_no_larger_than_the_one_above_warns(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, "asyncoffload")
+    eng = ao.AsyncOffloadEngine(kv_caches(), config(tmp_path, cpu_blocks=16, blocks=16))
+    try:
+        assert any("tiers are inclusive" in r.message for r in caplog.records)
+    finally:
+        asyncio.run(eng.aclose())
+    caplog.clear()
+    eng = ao.AsyncOffloadEngine(kv_caches(), config(tmp_path, cpu_blocks=4, blocks=16))
+    try:
+        assert not any("tiers are inclusive" in r.message for r in caplog.records)
+    finally:
+        asyncio.run(eng.aclose())
 
 
 async def test_promotion_without_cpu_room_raises_and_changes_nothing(tmp_path: Path) -> None:
