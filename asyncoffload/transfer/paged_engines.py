@@ -13,14 +13,22 @@ independent fallback path that a failed copy is retried on.
 
 Jobs are :class:`~asyncoffload.transfer.base.CopyJob` objects: ``query()`` polls,
 ``engine.wait(job)`` blocks without spinning in Python.
+
+Both engines keep their host slots in private anonymous memory, or, given ``host_file``,
+in a :class:`SharedHostFile`: a shared-memory file another process (the scheduler side
+of a serving engine, which moves slots to and from a disk tier) maps too.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import errno
 import logging
 import mmap
 import os
+import secrets
+import struct
 import weakref
 from collections import deque
 from collections.abc import Sequence
@@ -32,7 +40,15 @@ from asyncoffload._native import load_copy_engine, load_cuda_helpers
 from asyncoffload.transfer.base import CopyJob, check_process, forked_since, host_bytes
 from asyncoffload.transfer.paged import CopyPlan, GroupSpan, PageLayout, _cat
 
-__all__ = ["LOAD", "STORE", "CpuCopyEngine", "CpuPagedEngine", "CudaPagedEngine", "PagedEngine"]
+__all__ = [
+    "LOAD",
+    "STORE",
+    "CpuCopyEngine",
+    "CpuPagedEngine",
+    "CudaPagedEngine",
+    "PagedEngine",
+    "SharedHostFile",
+]
 
 log = logging.getLogger("asyncoffload.transfer")
 
@@ -40,6 +56,167 @@ log = logging.getLogger("asyncoffload.transfer")
 STORE, LOAD = 0, 1
 
 CpuCopyEngine = Literal["auto", "native", "threads", "torch"]
+
+
+#: The header page of a :class:`SharedHostFile`: magic, version, header bytes, slot bytes,
+#: slots, the creator's pid. The slots follow it, so slot 0 is page-aligned.
+_HOST_FILE_MAGIC = b"AOHPOOL\x00"
+_HOST_FILE_VERSION = 1
+_HOST_FILE_HEADER = 4096
+_HOST_FILE_STRUCT = struct.Struct("<8sIIQQQ")
+
+
+def _round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+def _unlink_quietly(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+
+
+class SharedHostFile:
+    """Host slots in a shared-memory file (``/dev/shm`` or any directory), mapped
+    ``MAP_SHARED`` by the process that made it (:meth:`create`, a worker) and by others
+    (:meth:`open`, the scheduler side) at once.
+
+    Layout: a 4096-byte header page (magic ``AOHPOOL\\0``, version, header bytes, slot
+    bytes, number of slots, the creator's pid), then ``num_slots`` slots of
+    ``slot_bytes``, back to back: slot ``i`` starts at ``4096 + i * slot_bytes``, so
+    slots are 4096-aligned whenever ``slot_bytes`` is a multiple of 4096. The file is
+    mode 0600 and appears whole: it is made under a temporary name, sized, given its
+    header, and renamed to ``path``. The creator unlinks it at :meth:`close` (and when
+    collected); an opener may unlink it once it has mapped it (``unlink=True``), so that
+    a crash of both leaves nothing behind. Mappings outlive the name.
+    """
+
+    def __init__(
+        self,
+        path: str,
+        mm: mmap.mmap,
+        num_slots: int,
+        slot_bytes: int,
+        owner: bool,
+        creator_pid: int | None = None,
+    ) -> None:
+        self.path = path
+        #: The pid of the process that made the file (from its header).
+        self.creator_pid = os.getpid() if creator_pid is None else creator_pid
+        self.map: mmap.mmap | None = mm
+        self.num_slots = num_slots
+        self.slot_bytes = slot_bytes
+        self.owner = owner
+        # Unlinks the name (the creator's), not the memory: views of the map go with
+        # their last reference.
+        self._finalizer = weakref.finalize(self, _unlink_quietly, path) if owner else None
+
+    @staticmethod
+    def file_bytes(num_slots: int, slot_bytes: int) -> int:
+        return _HOST_FILE_HEADER + _round_up(num_slots * slot_bytes, mmap.PAGESIZE)
+
+    @classmethod
+    def create(
+        cls, path: str | os.PathLike[str], num_slots: int, slot_bytes: int
+    ) -> SharedHostFile:
+        """Make the file at ``path`` (replacing a stale one) and map it. ``OSError``
+        (``ENOSPC`` naming the sizes) where its directory has too little room."""
+        path = os.fspath(path)
+        size = cls.file_bytes(num_slots, slot_bytes)
+        folder = os.path.dirname(path) or "."
+        try:
+            st = os.statvfs(folder)
+        except OSError:
+            pass
+        else:
+            if st.f_bavail * st.f_frsize < size:
+                raise OSError(
+                    errno.ENOSPC,
+                    f"{folder} has {st.f_bavail * st.f_frsize} bytes free, too few for a "
+                    f"{size}-byte shared host pool ({num_slots} slots of {slot_bytes} B)",
+                )
+        tmp = os.path.join(
+            folder, f".{os.path.basename(path)}.{os.getpid()}.{secrets.token_hex(4)}"
+        )
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+        flags |= getattr(os, "O_NOFOLLOW", 0)
+        fd = os.open(tmp, flags, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            header = _HOST_FILE_STRUCT.pack(
+                _HOST_FILE_MAGIC,
+                _HOST_FILE_VERSION,
+                _HOST_FILE_HEADER,
+                slot_bytes,
+                num_slots,
+                os.getpid(),
+            )
+            os.pwrite(fd, header, 0)
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            os.replace(tmp, path)
+        except BaseException:
+            _unlink_quietly(tmp)
+            raise
+        finally:
+            os.close(fd)
+        return cls(path, mm, num_slots, slot_bytes, owner=True)
+
+    @classmethod
+    def open(
+        cls, path: str | os.PathLike[str], num_slots: int, slot_bytes: int, *, unlink: bool = False
+    ) -> SharedHostFile:
+        """Map the file a creator made at ``path``. ``FileNotFoundError`` while it does
+        not exist yet; ``ValueError`` if it is not a host pool of ``num_slots`` slots of
+        ``slot_bytes``. ``unlink``: remove the name once mapped."""
+        path = os.fspath(path)
+        fd = os.open(path, os.O_RDWR | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0))
+        try:
+            size = os.fstat(fd).st_size
+            raw = os.pread(fd, _HOST_FILE_STRUCT.size, 0)
+            if len(raw) < _HOST_FILE_STRUCT.size:
+                raise ValueError(f"{path} is not a host pool file (too short)")
+            magic, version, header, slots_b, slots_n, pid = _HOST_FILE_STRUCT.unpack(raw)
+            if magic != _HOST_FILE_MAGIC or version != _HOST_FILE_VERSION:
+                raise ValueError(f"{path} is not a host pool file (magic or version)")
+            if header != _HOST_FILE_HEADER or (slots_b, slots_n) != (slot_bytes, num_slots):
+                raise ValueError(
+                    f"{path} holds {slots_n} slots of {slots_b} B; expected {num_slots} "
+                    f"slots of {slot_bytes} B"
+                )
+            want = cls.file_bytes(num_slots, slot_bytes)
+            if size < want:
+                raise ValueError(f"{path} has {size} bytes, fewer than {want}")
+            mm = mmap.mmap(fd, want, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        if unlink:
+            _unlink_quietly(path)
+        return cls(path, mm, num_slots, slot_bytes, owner=False, creator_pid=pid)
+
+    def tensor(self) -> torch.Tensor:
+        """The slots as a ``[num_slots, slot_bytes]`` uint8 tensor viewing the map."""
+        assert self.map is not None, "the host file is closed"
+        return torch.frombuffer(
+            self.map,
+            dtype=torch.uint8,
+            offset=_HOST_FILE_HEADER,
+            count=self.num_slots * self.slot_bytes,
+        ).view(self.num_slots, self.slot_bytes)
+
+    def close(self) -> None:
+        """Unlink the name (the creator) and unmap; a view still alive keeps the memory
+        until it goes. Idempotent."""
+        if self._finalizer is not None:
+            self._finalizer()
+        mm, self.map = self.map, None
+        if mm is not None:
+            with contextlib.suppress(BufferError):  # a live view: unmapped with it
+                mm.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"<SharedHostFile {self.path} {self.num_slots} slots of {self.slot_bytes} B"
+            f"{' (creator)' if self.owner else ''}{' closed' if self.map is None else ''}>"
+        )
 
 
 class PagedEngine(Protocol):
@@ -273,9 +450,18 @@ class CpuPagedEngine:
     with torch index copies on the calling thread), ``"threads"`` or ``"torch"`` (torch
     index copies on the calling thread, the retry being the same once more), ``"auto"``
     (native where the C helper builds).
+
+    ``host_file``: keep the slots in a :class:`SharedHostFile` made at that path
+    (unlinked at :meth:`close`) instead of private memory.
     """
 
-    def __init__(self, layout: PageLayout, num_slots: int, copy_engine: CpuCopyEngine) -> None:
+    def __init__(
+        self,
+        layout: PageLayout,
+        num_slots: int,
+        copy_engine: CpuCopyEngine,
+        host_file: str | os.PathLike[str] | None = None,
+    ) -> None:
         if layout.device.type != "cpu":
             raise ValueError(f"CpuPagedEngine needs CPU tensors, got {layout.device}")
         if copy_engine not in ("auto", "native", "threads", "torch"):
@@ -285,10 +471,16 @@ class CpuPagedEngine:
         self.layout = layout
         self.num_slots = num_slots
         nbytes = num_slots * layout.slot_bytes
-        self._map: mmap.mmap | None = mmap.mmap(-1, nbytes)
-        self.host = torch.frombuffer(self._map, dtype=torch.uint8).view(
-            num_slots, layout.slot_bytes
-        )
+        self.shared: SharedHostFile | None = None
+        if host_file is None:
+            self._map: mmap.mmap | None = mmap.mmap(-1, nbytes)
+            self.host = torch.frombuffer(self._map, dtype=torch.uint8).view(
+                num_slots, layout.slot_bytes
+            )
+        else:
+            self.shared = SharedHostFile.create(host_file, num_slots, layout.slot_bytes)
+            self._map = self.shared.map
+            self.host = self.shared.tensor()
         self._host_base = self.host.data_ptr()
         self._pages = _HostPages(layout, [self.host], num_slots)
         lib = None if copy_engine in ("threads", "torch") else load_copy_engine()
@@ -309,7 +501,7 @@ class CpuPagedEngine:
             _release_lanes,
             self.pid,
             self._lanes,
-            (self._map, self.host, list(layout.tensors)),
+            (self._map, self.host, list(layout.tensors), self.shared),
             discard=True,
         )
 
@@ -369,6 +561,8 @@ class CpuPagedEngine:
         self.host = torch.empty((0, self.layout.slot_bytes), dtype=torch.uint8)
         self._pages = _HostPages(self.layout, [], 1)
         self._map = None
+        if self.shared is not None:
+            self.shared.close()  # unlinks the file; the memory goes with the last view
 
 
 class _RefSet(NamedTuple):
@@ -393,6 +587,92 @@ class _GroupRuns(NamedTuple):
     part_off: torch.Tensor  # [P, 1]
     part_page: torch.Tensor  # [P, 1]
     part_bytes: torch.Tensor  # [P, 1]
+
+
+class _SharedPinnedPool:
+    """:class:`~asyncoffload.transfer.cuda.PinnedHostPool`'s interface over a
+    :class:`SharedHostFile`: the file's slots in chunks of about ``chunk_bytes`` rows,
+    each registered with CUDA (``cudaHostRegister``, portable and mapped) so copies from
+    it are asynchronous DMAs; a chunk that cannot be registered stays pageable (logged).
+    :meth:`close` unregisters every chunk before the file is unlinked and unmapped."""
+
+    def __init__(
+        self, shared: SharedHostFile, chunk_bytes: int = 1 << 30, pin: bool = True
+    ) -> None:
+        from asyncoffload.transfer.cuda import _current_pid, _Registrar, _unpin
+
+        self.shared = shared
+        num_blocks, block_bytes = shared.num_slots, shared.slot_bytes
+        self.num_blocks = num_blocks
+        self.block_bytes = block_bytes
+        self.rows_per_chunk = max(1, chunk_bytes // block_bytes)
+        self.chunks: list[torch.Tensor] = []
+        self._registered: list[int] = []
+        self.pinned_chunks = 0
+        self.pageable_chunks = 0
+        self._registrar = _Registrar() if pin else None
+        # Unpins before the memory goes (the file and its map are held until then).
+        self._finalizer = weakref.finalize(
+            self, _unpin, _current_pid(), self._registrar, self._registered, []
+        )
+        whole = shared.tensor()
+        device_bases: list[int] = []
+        for first in range(0, num_blocks, self.rows_per_chunk):
+            chunk = whole[first : first + self.rows_per_chunk]
+            ptr, nbytes = chunk.data_ptr(), chunk.numel()
+            err = self._registrar.register(ptr, nbytes) if self._registrar else None
+            if err == 0:
+                assert self._registrar is not None
+                self._registered.append(ptr)
+                self.pinned_chunks += 1
+                device_bases.append(self._registrar.device_pointer(ptr))
+            else:
+                self.pageable_chunks += 1
+                device_bases.append(ptr)
+                if err is not None:
+                    log.warning(
+                        "could not pin a %d MiB chunk of the shared host pool %s (CUDA error "
+                        "%s): pageable, copies from it are slower and synchronous",
+                        nbytes >> 20,
+                        shared.path,
+                        err,
+                    )
+            self.chunks.append(chunk)
+        ids = torch.arange(num_blocks, dtype=torch.int64)
+        row_offset = (ids % self.rows_per_chunk) * block_bytes
+        chunk_of = ids // self.rows_per_chunk
+        self.block_address = (
+            torch.tensor([c.data_ptr() for c in self.chunks], dtype=torch.int64)[chunk_of]
+            + row_offset
+        )
+        self.device_block_address = (
+            torch.tensor(device_bases, dtype=torch.int64)[chunk_of] + row_offset
+        )
+
+    @property
+    def pinned(self) -> bool:
+        return self.pageable_chunks == 0
+
+    def block(self, host_id: int) -> torch.Tensor:
+        return self.chunks[host_id // self.rows_per_chunk][host_id % self.rows_per_chunk]
+
+    def runs(self, host_ids: Sequence[int]) -> list[tuple[int, int, int]]:
+        from asyncoffload.transfer.cuda import PinnedHostPool
+
+        return PinnedHostPool.runs(self, host_ids)  # type: ignore[arg-type]
+
+    def view(self, first: int, length: int) -> torch.Tensor:
+        rows = self.rows_per_chunk
+        row = first % rows
+        return self.chunks[first // rows][row : row + length]
+
+    def close(self) -> None:
+        """Unpin, then unlink and unmap the file. The caller has synchronized every
+        stream that touches it. Idempotent."""
+        self._finalizer()
+        self.chunks.clear()
+        self.block_address = self.device_block_address = torch.empty(0, dtype=torch.int64)
+        self.shared.close()
 
 
 class CudaPagedEngine:
@@ -426,6 +706,10 @@ class CudaPagedEngine:
     ``staged``. The kernels and the staged path send the job's ids to the device (two
     small arrays), never one descriptor per (block, ref), so submitting costs about the
     same for any job size.
+
+    ``host_file``: keep the slots in a :class:`SharedHostFile` made at that path (each
+    chunk of it registered with ``cudaHostRegister``, unregistered and the file unlinked
+    at :meth:`close`) instead of private pinned memory.
     """
 
     def __init__(
@@ -439,6 +723,7 @@ class CudaPagedEngine:
         kernel_max_fragment_bytes: int = 16 << 10,
         small_copies: int = 64,
         kernel_programs: int | None = None,
+        host_file: str | os.PathLike[str] | None = None,
     ) -> None:
         from asyncoffload.transfer.cuda import (
             PinnedHostPool,
@@ -457,7 +742,16 @@ class CudaPagedEngine:
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         with torch.cuda.device(device):
-            self.pool = PinnedHostPool(num_slots, layout.slot_bytes, chunk_bytes, pin)
+            self.pool: PinnedHostPool | _SharedPinnedPool
+            if host_file is None:
+                self.pool = PinnedHostPool(num_slots, layout.slot_bytes, chunk_bytes, pin)
+            else:
+                shared = SharedHostFile.create(host_file, num_slots, layout.slot_bytes)
+                try:
+                    self.pool = _SharedPinnedPool(shared, chunk_bytes, pin)
+                except BaseException:
+                    shared.close()
+                    raise
             self.streams = (_new_stream(device), _new_stream(device))
             self.kernel_streams = (_new_stream(device), _new_stream(device))
         helpers = load_cuda_helpers()
@@ -533,7 +827,7 @@ class CudaPagedEngine:
             _release_streams,
             self.pid,
             (*self.kernel_streams, *self.streams),
-            self.pool,
+            self.pool,  # type: ignore[arg-type]  # a _SharedPinnedPool closes alike
             [],
             (self._staging, self._rings, list(layout.tensors)),
         )

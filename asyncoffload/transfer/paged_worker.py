@@ -200,7 +200,9 @@ class PagedTransferWorker:
     engine: CPU tensors use :class:`CpuPagedEngine` (``copy_engine``), CUDA tensors
     :class:`CudaPagedEngine` (``pin``, ``chunk_bytes``, ``staging_bytes``: device
     memory per direction for its staged copies, allocated on first use). The worker keeps
-    the tensors until :meth:`shutdown`.
+    the tensors until :meth:`shutdown`. ``host_file``: the host slots live in a
+    :class:`~asyncoffload.transfer.paged_engines.SharedHostFile` made at that path
+    (another process may map it; unlinked at :meth:`shutdown`) instead of private memory.
 
     Job ids are ints chosen by the caller; an id may be used again once its job has been
     reported by :meth:`get_finished`. See the module docstring for ordering, failure and
@@ -219,6 +221,7 @@ class PagedTransferWorker:
         pin: bool = True,
         chunk_bytes: int = 1 << 30,
         staging_bytes: int = 256 << 20,
+        host_file: str | os.PathLike[str] | None = None,
     ) -> None:
         self.layout = PageLayout(tensors, page_bytes, group_refs, blocks_per_chunk)
         if isinstance(num_slots, bool) or not isinstance(num_slots, int):
@@ -229,7 +232,7 @@ class PagedTransferWorker:
         device = self.layout.device
         self._engine: PagedEngine
         if device.type == "cpu":
-            self._engine = CpuPagedEngine(self.layout, num_slots, copy_engine)
+            self._engine = CpuPagedEngine(self.layout, num_slots, copy_engine, host_file)
         elif device.type == "cuda":
             if chunk_bytes <= 0:
                 raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
@@ -241,6 +244,7 @@ class PagedTransferWorker:
                 pin=pin,
                 chunk_bytes=chunk_bytes,
                 staging_bytes=staging_bytes,
+                host_file=host_file,
             )
         else:
             raise ValueError(f"no copy engine for KV tensors on {device} (want cpu or cuda)")
