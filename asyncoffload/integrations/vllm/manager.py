@@ -16,8 +16,9 @@ builds vLLM's objects from that.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Mapping
-from typing import Any, Protocol, cast
+import os
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     OffloadingConnectorStats,
@@ -36,6 +37,7 @@ from vllm.v1.kv_offload.base import (
     PrepareStoreOutput,
     ReqContext,
     RequestOffloadingContext,
+    ScheduleEndContext,
 )
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -51,6 +53,11 @@ from asyncoffload.manager.native import (
     native_manager_available,
     native_unsupported,
 )
+
+if TYPE_CHECKING:
+    from asyncoffload.engine import TierStats
+    from asyncoffload.integrations.vllm.tiers import SchedulerTiers
+    from asyncoffload.tiers.base import LowerTier
 
 __all__ = ["AsyncOffloadManager", "metric_definitions"]
 
@@ -72,6 +79,13 @@ LOOKUPS = _OURS + "lookups"
 LOOKUP_HITS = _OURS + "lookup_hits"
 READY_BLOCKS = _OURS + "ready_blocks"
 FREE_BLOCKS = _OURS + "free_blocks"
+# Lower tiers (summed over them), with tiers only.
+TIER_BLOCKS_WRITTEN = _OURS + "tier_blocks_written"
+TIER_BLOCKS_READ = _OURS + "tier_blocks_read"
+TIER_WRITE_FAILURES = _OURS + "tier_write_failures"
+TIER_READ_FAILURES = _OURS + "tier_read_failures"
+TIER_SKIPPED = _OURS + "tier_skipped"
+TIER_READY_BLOCKS = _OURS + "tier_ready_blocks"
 
 # Counter metric -> the ManagerStats field it reports (as increments).
 _COUNTERS: dict[str, str] = {
@@ -92,8 +106,11 @@ _LOOKUP = {
 _VLLM_RESULTS = (LookupResult.MISS, LookupResult.HIT, LookupResult.HIT_PENDING)
 
 
-def metric_definitions(store_threshold: int = 0) -> dict[str, OffloadingMetricMetadata]:
-    """Every metric :meth:`AsyncOffloadManager.get_stats` reports, for vLLM's registry."""
+def metric_definitions(
+    store_threshold: int = 0, tiers: bool = False
+) -> dict[str, OffloadingMetricMetadata]:
+    """Every metric :meth:`AsyncOffloadManager.get_stats` reports, for vLLM's registry
+    (``tiers``: with lower tiers configured)."""
     definitions: dict[str, OffloadingMetricMetadata] = {
         CPU_CACHE_USAGE_PERC: OffloadingGaugeMetadata(
             "Fraction of the CPU tier's slots held by transfers in flight (stores being "
@@ -123,6 +140,29 @@ def metric_definitions(store_threshold: int = 0) -> dict[str, OffloadingMetricMe
         READY_BLOCKS: OffloadingGaugeMetadata("Loadable blocks in the CPU tier."),
         FREE_BLOCKS: OffloadingGaugeMetadata("Free slots of the CPU tier."),
     }
+    if tiers:
+        definitions.update(
+            {
+                TIER_BLOCKS_WRITTEN: OffloadingCounterMetadata(
+                    "Blocks written through to the lower tiers (disk)."
+                ),
+                TIER_BLOCKS_READ: OffloadingCounterMetadata(
+                    "Blocks read back from the lower tiers into the CPU tier (promotions)."
+                ),
+                TIER_WRITE_FAILURES: OffloadingCounterMetadata(
+                    "Blocks whose write to a lower tier failed (skipped)."
+                ),
+                TIER_READ_FAILURES: OffloadingCounterMetadata(
+                    "Blocks whose read from a lower tier failed its checks or the system "
+                    "call (misses, dropped from the tier)."
+                ),
+                TIER_SKIPPED: OffloadingCounterMetadata(
+                    "Lower-tier I/O skipped: no CPU slot for a promotion, the host pool "
+                    "not mapped yet, the tier full of blocks in flight."
+                ),
+                TIER_READY_BLOCKS: OffloadingGaugeMetadata("Loadable blocks in the lower tiers."),
+            }
+        )
     if store_threshold >= 2:
         definitions[STORES_SKIPPED] = OffloadingCounterMetadata(
             "Blocks not stored because store_threshold was not reached, as in vLLM's CPU spec."
@@ -243,10 +283,17 @@ class AsyncOffloadManager(OffloadingManager):
         max_tracker_size: int = 64_000,
         admission: str | None = None,
         native: bool | None = None,
+        tiers: Sequence[LowerTier] = (),
+        host_pool: tuple[str | os.PathLike[str], int] | None = None,
     ) -> None:
         self.medium = Medium.CPU
         self.store_threshold = store_threshold
+        self._enable_events = enable_events
         why_not = native_unsupported(policy, store_threshold, admission)
+        if tiers:
+            if host_pool is None:
+                raise ValueError("lower tiers need host_pool=(path, slot_bytes)")
+            why_not = why_not or "lower tiers run on the Python manager"
         if native and why_not is not None:
             raise ValueError(why_not)
         if native and not native_manager_available():
@@ -279,11 +326,43 @@ class AsyncOffloadManager(OffloadingManager):
         self.complete_store = calls.complete_store  # type: ignore[method-assign]
         self._allocation_sizes: list[int] = []
         self._reported = self._manager.stats()
+        self._tiers: SchedulerTiers | None = None
+        self._tier_reported: tuple[int, ...] = (0, 0, 0, 0, 0)
+        if tiers:
+            from asyncoffload.integrations.vllm.tiers import SchedulerTiers
+
+            assert host_pool is not None and isinstance(self._manager, CPUOffloadingManager)
+            path, slot_bytes = host_pool
+            self._tiers = SchedulerTiers(self._manager, tiers, path, num_chunks, slot_bytes)
+            # Every call first finishes the tier I/O that ended (see _tick).
+            del self.lookup, self.touch, self.complete_load, self.complete_store
 
     @property
     def manager(self) -> CPUOffloadingManager | NativeManager:
         """The asyncoffload manager behind the adapter (inspect, do not mutate)."""
         return self._manager
+
+    @property
+    def tiers(self) -> SchedulerTiers | None:
+        """The lower tiers, driven from here (None without tiers)."""
+        return self._tiers
+
+    def tier_stats(self) -> tuple[TierStats, ...]:
+        """Each lower tier's contents and counters, highest first."""
+        if self._tiers is None:
+            return ()
+        self._tick()
+        return self._tiers.stats()
+
+    def _tick(self) -> None:
+        """With tiers: finish the I/O that ended, submit the promotions found by the
+        lookups since the last call. Cheap when nothing is in flight."""
+        tiers = self._tiers
+        if tiers is not None:
+            tiers.poll()
+            tiers.flush()
+            if not self._enable_events:
+                tiers.take_events()  # nobody drains them
 
     @property
     def native(self) -> bool:
@@ -296,28 +375,42 @@ class AsyncOffloadManager(OffloadingManager):
     # --- requests ------------------------------------------------------------------
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        self._tick()
         self._calls.on_new_request(req_context)
         return RequestOffloadingContext()
 
     def on_request_finished(self, req_context: ReqContext) -> None:
+        self._tick()
         positions = getattr(req_context, "_offload_key_positions", None)
         self._calls.on_request_finished(req_context, positions or None)
 
     # --- lookups and loads ---------------------------------------------------------
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        return self._calls.lookup(key, req_context)
+        tiers = self._tiers
+        if tiers is None:
+            return self._calls.lookup(key, req_context)
+        # Promotions found now are submitted together at the step's end (on_schedule_end)
+        # or at the next other call.
+        tiers.poll()
+        result = self._calls.lookup(key, req_context)
+        if result is LookupResult.MISS and tiers.promote(cast(OurOffloadKey, key)):
+            return LookupResult.HIT_PENDING
+        return result
 
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
         return CacheHitSource.HOST
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
+        self._tick()
         return CPULoadStoreSpec(self._calls.prepare_load(keys, req_context))
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        self._tick()
         self._calls.touch(keys, req_context)
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        self._tick()
         self._calls.complete_load(keys, req_context)
 
     # --- stores --------------------------------------------------------------------
@@ -325,6 +418,7 @@ class AsyncOffloadManager(OffloadingManager):
     def prepare_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext
     ) -> PrepareStoreOutput | None:
+        self._tick()
         calls = self._calls
         out = calls.prepare_store(keys, req_context)
         size = calls.last_store_size
@@ -333,6 +427,13 @@ class AsyncOffloadManager(OffloadingManager):
         if out is None:
             return None
         to_store, slots, evicted = out
+        tiers = self._tiers
+        if tiers is not None and len(to_store) < len(keys):
+            # Keys the CPU tier already holds are offered to the lower tiers again (their
+            # admission counts offers), as the engine does.
+            fresh = set(to_store)
+            offered = cast(list[OurOffloadKey], list(dict.fromkeys(keys)))
+            tiers.write_through([k for k in offered if k not in fresh])
         return PrepareStoreOutput(
             keys_to_store=cast(list[OffloadKey], to_store),
             store_spec=CPULoadStoreSpec(slots),
@@ -342,21 +443,55 @@ class AsyncOffloadManager(OffloadingManager):
     def complete_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
     ) -> None:
+        self._tick()
         self._calls.complete_store(keys, req_context, success)
+        if success and self._tiers is not None:
+            self._tiers.write_through(_seq(keys))
 
     # --- events, stats, lifecycle --------------------------------------------------
 
     def take_events(self) -> Iterable[OffloadingEvent]:
-        return [
+        self._tick()
+        events = [
             OffloadingEvent(keys=cast(list[OffloadKey], keys), medium=Medium.CPU, removed=removed)
             for keys, removed in self._calls.take_events()
         ]
+        if self._tiers is not None:
+            # Lower tiers publish their own removals (evictions, dropped blocks).
+            events += [
+                OffloadingEvent(
+                    keys=cast(list[OffloadKey], keys),
+                    medium=Medium.STORAGE,
+                    removed=removed,
+                    removal_expected=not removed,
+                )
+                for keys, removed in self._tiers.take_events()
+            ]
+        return events
+
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        self._tick()  # submits the promotions this step's lookups found
+
+    def has_pending_work(self) -> bool:
+        if self._tiers is None:
+            return False
+        self._tick()
+        return self._tiers.pending()
 
     def reset_cache(self) -> None:
-        # vLLM's scheduler fences every in-flight job and drops their completions.
+        # vLLM's scheduler fences every in-flight job and drops their completions. Tier
+        # I/O reads and writes CPU slots: it ends first (the lower tiers keep their blocks).
+        if self._tiers is not None:
+            self._tiers.drain()
         self._calls.reset_cache(True)
 
+    def shutdown(self) -> None:
+        """Finish the tiers' I/O, close them (their lanes joined), unmap the host pool."""
+        if self._tiers is not None:
+            self._tiers.close()
+
     def get_stats(self) -> OffloadingConnectorStats:
+        self._tick()
         now = self._manager.stats()
         stats = OffloadingConnectorStats()
         num = now.num_blocks
@@ -378,6 +513,32 @@ class AsyncOffloadManager(OffloadingManager):
         if self.store_threshold >= 2:
             stats.increase_counter(STORES_SKIPPED, now.store_skipped - before.store_skipped)
         self._reported = now
+        if self._tiers is not None:
+            tier_stats = self._tiers.stats()
+            totals = (
+                sum(t.blocks_written for t in tier_stats),
+                sum(t.blocks_read for t in tier_stats),
+                sum(t.write_failures for t in tier_stats),
+                sum(t.read_failures for t in tier_stats),
+                sum(
+                    n
+                    for t in tier_stats
+                    for cause, n in t.failures.items()
+                    if cause in ("no_slot", "no_pool", "full")
+                ),
+            )
+            names = (
+                TIER_BLOCKS_WRITTEN,
+                TIER_BLOCKS_READ,
+                TIER_WRITE_FAILURES,
+                TIER_READ_FAILURES,
+                TIER_SKIPPED,
+            )
+            for name, value, was in zip(names, totals, self._tier_reported):
+                if value - was:
+                    stats.increase_counter(name, value - was)
+            self._tier_reported = totals
+            stats.set_gauge(TIER_READY_BLOCKS, sum(t.manager.ready for t in tier_stats))
         return stats
 
     def stats(self) -> ManagerStats:

@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from asyncoffload.config import known_admission, known_policy
+from asyncoffload.tiers.disk import DiskTier
 
 __all__ = ["VLLM_KEYS", "VllmOffloadSettings"]
 
@@ -74,6 +75,20 @@ class VllmOffloadSettings(BaseModel):
         description="CUDA: device memory per direction for staged copies (a Triton gather "
         "into rows laid out like host slots, then one DMA per run), allocated on first use.",
     )
+    tiers: list[DiskTier] = Field(
+        default_factory=list,
+        description="Tiers below the CPU tier, highest first, as EngineConfig.tiers: "
+        '[{"kind": "disk", "path": ..., "capacity": "64GiB", "mode": "slab", ...}]. '
+        "The worker's host pool then lives in a shared-memory file that the scheduler "
+        "maps (see docs/vllm.md, Tiers under vLLM). One worker per engine (world_size 1).",
+    )
+    host_pool_dir: str = Field(
+        "/dev/shm",
+        description="With tiers: the directory of the shared host pool files (a tmpfs).",
+    )
+    tenant: str = Field(
+        "", description="With tiers: this engine's tenant, part of the blocks' identity."
+    )
     # vLLM's own keys, accepted so that strictness stays useful.
     spec_name: str | None = None
     spec_module_path: str | None = None
@@ -96,6 +111,18 @@ class VllmOffloadSettings(BaseModel):
     @classmethod
     def _known_admission(cls, value: object) -> object:
         return known_admission(value)
+
+    @field_validator("tiers", mode="before")
+    @classmethod
+    def _tiers_list(cls, value: object) -> object:
+        if isinstance(value, str):  # a JSON list, as EngineConfig takes from the environment
+            import json
+
+            try:
+                return json.loads(value)
+            except ValueError as exc:
+                raise ValueError(f"expected a JSON list of tiers: {exc}") from None
+        return value
 
     @field_validator("canonical_layout")
     @classmethod

@@ -7,6 +7,8 @@ own CPU spec, it runs on vLLM's CPU platform as well as on CUDA.
 
 from __future__ import annotations
 
+import hashlib
+from pathlib import Path
 from typing import Any
 
 from vllm.v1.kv_offload.base import (
@@ -21,6 +23,8 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from asyncoffload.integrations.vllm.manager import AsyncOffloadManager, metric_definitions
 from asyncoffload.integrations.vllm.settings import VllmOffloadSettings
 from asyncoffload.integrations.vllm.worker import AsyncOffloadWorker
+from asyncoffload.tiers.base import LowerTier
+from asyncoffload.tiers.format import Namespace
 
 __all__ = ["AsyncOffloadSpec"]
 
@@ -32,6 +36,11 @@ class AsyncOffloadSpec(OffloadingSpec):
     ``world_size`` workers keeps ``num_chunks`` host slots of its own share of a chunk
     (``blocks_per_chunk`` blocks), and the scheduler's manager tracks ``num_chunks``.
     Settings are checked when the spec is built; an error names the key.
+
+    ``tiers`` (as ``EngineConfig.tiers``) adds disk tiers below the CPU tier: the worker
+    then keeps its host slots in a shared-memory file (:meth:`host_pool_path`) that the
+    manager maps, to write blocks through to disk and promote them back (see
+    docs/vllm.md, "Tiers under vLLM"). One worker per engine only (world_size 1).
     """
 
     @classmethod
@@ -39,7 +48,7 @@ class AsyncOffloadSpec(OffloadingSpec):
         cls, extra_config: dict[str, Any]
     ) -> dict[str, OffloadingMetricMetadata]:
         settings = VllmOffloadSettings.from_extra_config(extra_config)
-        return dict(metric_definitions(settings.store_threshold))
+        return dict(metric_definitions(settings.store_threshold, bool(settings.tiers)))
 
     def __init__(self, config: OffloadingConfig) -> None:
         super().__init__(config)
@@ -57,8 +66,57 @@ class AsyncOffloadSpec(OffloadingSpec):
                 f"{self.settings.cpu_bytes_to_use} holds no chunk: one chunk takes "
                 f"{self.chunk_bytes} B on each of {world} worker(s)"
             )
+        if self.settings.tiers and world > 1:
+            raise ValueError(
+                f"kv_connector_extra_config['tiers']: lower tiers under vLLM support one "
+                f"worker per engine (world_size 1), this engine has {world}: the scheduler "
+                "maps one worker's host pool (see docs/vllm.md, Tiers under vLLM)"
+            )
         self._manager: AsyncOffloadManager | None = None
         self._worker: AsyncOffloadWorker | None = None
+
+    def host_pool_path(self, rank: int | None = None) -> Path:
+        """The shared host pool file of worker ``rank`` (this spec's rank by default)."""
+        from asyncoffload.integrations.vllm.tiers import host_pool_path
+
+        if rank is None:
+            rank = self.config.parallel.rank
+        return host_pool_path(self.settings.host_pool_dir, self.config.engine_id, rank)
+
+    def namespace(self) -> Namespace:
+        """The identity of this engine's blocks in lower tiers: the model, the KV dtype
+        and layout, the bytes and tokens of a chunk, the rank, the tenant."""
+        config = self.config
+        layers = [name for group in config.groups for name in group.layer_names]
+        layer_hash = hashlib.blake2b("\0".join(layers).encode(), digest_size=8).hexdigest()
+        layout = (
+            f"vllm,groups={len(config.groups)},layers={len(layers)}:{layer_hash},"
+            f"kv_cache_layout={config.kv_cache_layout},"
+            f"bytes_per_block={config.worker_kv_bytes_per_block},"
+            f"blocks_per_chunk={self.blocks_per_chunk}"
+        )
+        return Namespace(
+            model=config.model.name,
+            kv_dtype=str(config.model.dtype),
+            layout=layout,
+            block_bytes=self.chunk_bytes,
+            tokens_per_block=self.tokens_per_hash * self.blocks_per_chunk,
+            rank=config.parallel.rank,
+            world_size=max(1, config.parallel.world_size),
+            tenant=self.settings.tenant,
+        )
+
+    def _open_tiers(self) -> list[LowerTier]:
+        namespace = self.namespace()
+        stores: list[LowerTier] = []
+        try:
+            for i, tier in enumerate(self.settings.tiers):
+                stores.append(tier.open(namespace, f"{tier.kind}{i}"))
+        except BaseException:
+            for store in stores:
+                store.close()
+            raise
+        return stores
 
     def get_manager(self) -> OffloadingManager:
         if self._manager is None:
@@ -70,12 +128,18 @@ class AsyncOffloadSpec(OffloadingSpec):
                 store_threshold=s.store_threshold,
                 max_tracker_size=s.max_tracker_size,
                 admission=s.admission,
+                tiers=self._open_tiers() if s.tiers else (),
+                host_pool=(self.host_pool_path(), self.chunk_bytes) if s.tiers else None,
             )
         return self._manager
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if self._worker is None:
             self._worker = AsyncOffloadWorker(
-                kv_caches, self.blocks_per_chunk, self.num_chunks, self.settings
+                kv_caches,
+                self.blocks_per_chunk,
+                self.num_chunks,
+                self.settings,
+                host_file=self.host_pool_path() if self.settings.tiers else None,
             )
         return self._worker

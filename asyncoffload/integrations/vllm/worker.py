@@ -15,6 +15,7 @@ blocks and why; success is never reported for bytes that did not land.
 from __future__ import annotations
 
 import logging
+import os
 
 from vllm.v1.kv_offload.base import (
     BlockIDsLoadStoreSpec,
@@ -35,7 +36,9 @@ log = logging.getLogger("asyncoffload.vllm")
 
 class AsyncOffloadWorker(OffloadingWorker):
     """Copies between vLLM's canonical KV caches and ``num_chunks`` host slots of this
-    worker (block-major: a slot holds a chunk's pages of every tensor, contiguous)."""
+    worker (block-major: a slot holds a chunk's pages of every tensor, contiguous).
+    ``host_file``: the slots live in a shared-memory file at that path (with lower
+    tiers: the scheduler maps it), unlinked at :meth:`shutdown`."""
 
     def __init__(
         self,
@@ -43,6 +46,7 @@ class AsyncOffloadWorker(OffloadingWorker):
         blocks_per_chunk: int,
         num_chunks: int,
         settings: VllmOffloadSettings,
+        host_file: str | os.PathLike[str] | None = None,
     ) -> None:
         if not kv_caches.tensors:
             raise ValueError("vLLM registered no KV cache tensors to offload")
@@ -62,6 +66,7 @@ class AsyncOffloadWorker(OffloadingWorker):
             pin=settings.pin_memory,
             chunk_bytes=settings.host_chunk_bytes,
             staging_bytes=settings.staging_bytes,
+            host_file=host_file,
         )
         log.info(
             "asyncoffload worker: %d host slots of %d B on %s (%s)",

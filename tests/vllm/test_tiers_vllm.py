@@ -1,0 +1,315 @@
+"""Disk tiers under vLLM's offloading contract, driven by hand as vLLM does: the spec
+from vLLM's factory, the manager (scheduler side) and the worker (its host pool in a
+shared-memory file the manager maps) on canonical CPU KV caches."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from vllm.v1.kv_offload.base import (
+    GPULoadStoreSpec,
+    LookupResult,
+    Medium,
+    OffloadKey,
+    ReqContext,
+    ScheduleEndContext,
+)
+from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+
+from asyncoffload.integrations.vllm import AsyncOffloadManager, AsyncOffloadSpec, AsyncOffloadWorker
+from asyncoffload.integrations.vllm.settings import VllmOffloadSettings
+from asyncoffload.tiers.disk import DiskStore
+from tests.vllm.test_spec import LAYERS, PAGE, _block, _caches, _config, _extra, _finish, _keys
+
+CHUNK = 2 * LAYERS * PAGE  # bytes of one host slot (one block, every layer's K and V)
+CPU_CHUNKS = 4
+
+
+def _tier(path: Path, **over: Any) -> dict[str, Any]:
+    return {"kind": "disk", "path": str(path), "capacity": "1MiB", "admission": None, **over}
+
+
+def _tier_spec(tmp_path: Path, cpu_chunks: int = CPU_CHUNKS, **tier: Any) -> AsyncOffloadSpec:
+    extra = _extra(
+        cpu_bytes_to_use=cpu_chunks * CHUNK,
+        tiers=[_tier(tmp_path / "disk", **tier)],
+        host_pool_dir=str(tmp_path / "shm"),
+    )
+    (tmp_path / "shm").mkdir(exist_ok=True)
+    spec = OffloadingSpecFactory.create_spec(_config(extra))
+    assert isinstance(spec, AsyncOffloadSpec)
+    return spec
+
+
+def _parts(spec: AsyncOffloadSpec, num_blocks: int = 16) -> tuple[Any, AsyncOffloadWorker, Any]:
+    caches = _caches(num_blocks=num_blocks)
+    worker = spec.get_worker(caches)
+    assert isinstance(worker, AsyncOffloadWorker)
+    manager = spec.get_manager()
+    assert isinstance(manager, AsyncOffloadManager)
+    return caches, worker, manager
+
+
+def _settle(manager: AsyncOffloadManager, timeout: float = 20.0) -> None:
+    """Step until the tiers have nothing in flight (vLLM keeps stepping while
+    has_pending_work says so)."""
+    deadline = time.monotonic() + timeout
+    while manager.has_pending_work():
+        assert time.monotonic() < deadline, "tier I/O did not end"
+        time.sleep(0.001)
+
+
+_job = iter(range(1000, 100000))
+
+
+def _store(
+    manager: AsyncOffloadManager,
+    worker: AsyncOffloadWorker,
+    keys: list[OffloadKey],
+    gpu_ids: list[int],
+    ctx: ReqContext,
+) -> None:
+    out = manager.prepare_store(keys, ctx)
+    assert out is not None and list(out.keys_to_store) == keys
+    job = next(_job)
+    worker.submit_store(job, GPULoadStoreSpec(gpu_ids, [len(gpu_ids)], [0]), out.store_spec)
+    (result,) = _finish(worker, {job})
+    assert result.success
+    manager.complete_store(keys, ctx)
+    _settle(manager)  # the write-through ended: the CPU slots are idle again
+
+
+def _lookup_until_settled(
+    manager: AsyncOffloadManager, key: OffloadKey, ctx: ReqContext, timeout: float = 20.0
+) -> list[LookupResult]:
+    """Look ``key`` up once per step, as vLLM does for a deferred request, until the
+    answer is no longer HIT_PENDING; every answer, in order."""
+    answers = [manager.lookup(key, ctx)]
+    deadline = time.monotonic() + timeout
+    while answers[-1] is LookupResult.HIT_PENDING:
+        assert time.monotonic() < deadline, "the promotion never ended"
+        manager.on_schedule_end(ScheduleEndContext(new_req_ids=set(), preempted_req_ids=set()))
+        time.sleep(0.001)
+        answers.append(manager.lookup(key, ctx))
+    return answers
+
+
+def _fill(
+    manager: AsyncOffloadManager, worker: AsyncOffloadWorker, caches: Any, n: int = 8
+) -> tuple[list[OffloadKey], list[list[bytes]]]:
+    """Store ``n`` keys from GPU blocks 0..n-1, two at a time: the CPU tier keeps the
+    last CPU_CHUNKS, the disk all of them."""
+    ctx = ReqContext(req_id="fill")
+    manager.on_new_request(ctx)
+    keys = _keys(*(chr(ord("a") + i) for i in range(n)))
+    expected = [_block(caches, 0, b) for b in range(n)]
+    for i in range(0, n, 2):
+        _store(manager, worker, keys[i : i + 2], [i, i + 1], ctx)
+    manager.on_request_finished(ctx)
+    return keys, expected
+
+
+# --- settings -------------------------------------------------------------------------
+
+
+def test_tiers_are_validated_with_the_key_named(tmp_path: Path) -> None:
+    settings = VllmOffloadSettings.from_extra_config(_extra(tiers=[_tier(tmp_path)]))
+    (tier,) = settings.tiers
+    assert tier.capacity == 1 << 20 and tier.mode == "slab" and tier.admission is None
+    bad: list[tuple[dict[str, Any], str]] = [
+        ({"capacity": "lots"}, r"\['tiers\.0\.capacity'\]: .*not a byte size"),
+        ({"mode": "tape"}, r"\['tiers\.0\.mode'\]"),
+        ({"admision": None}, r"\['tiers\.0\.admision'\]: unknown key"),
+        ({"admission": "nope"}, r"\['tiers\.0\.admission'\]: unknown admission filter"),
+    ]
+    for over, message in bad:
+        with pytest.raises(ValueError, match=message):
+            AsyncOffloadSpec(_config(_extra(tiers=[_tier(tmp_path, **over)])))
+
+
+def test_tiers_with_several_workers_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"\['tiers'\]: .*world_size 1.*has 2"):
+        AsyncOffloadSpec(_config(_extra(tiers=[_tier(tmp_path)]), world_size=2))
+    AsyncOffloadSpec(_config(_extra(), world_size=2))  # without tiers: as before
+
+
+def test_tier_metrics_are_defined_only_with_tiers(tmp_path: Path) -> None:
+    with_tiers = AsyncOffloadSpec.build_metric_definitions(_extra(tiers=[_tier(tmp_path)]))
+    assert "vllm:asyncoffload_tier_blocks_read" in with_tiers
+    assert "vllm:asyncoffload_tier_blocks_read" not in AsyncOffloadSpec.build_metric_definitions(
+        _extra()
+    )
+
+
+# --- the shared host pool -------------------------------------------------------------
+
+
+def test_the_worker_pool_is_a_shared_file_the_manager_maps_and_nothing_is_left(
+    tmp_path: Path,
+) -> None:
+    spec = _tier_spec(tmp_path)
+    path = spec.host_pool_path()
+    assert path.parent == tmp_path / "shm" and "engine-0" in path.name
+    caches, worker, manager = _parts(spec)
+    assert path.exists() and (path.stat().st_mode & 0o777) == 0o600
+    assert manager.tiers is not None and not manager.tiers.pool_mapped
+    _fill(manager, worker, caches, n=2)
+    assert manager.tiers.pool_mapped
+    assert not path.exists()  # mapped by both: the name is gone
+    worker.shutdown()
+    manager.shutdown()
+    assert os.listdir(tmp_path / "shm") == []
+
+
+def test_without_tiers_the_pool_stays_private(tmp_path: Path) -> None:
+    spec = OffloadingSpecFactory.create_spec(
+        _config(_extra(host_pool_dir=str(tmp_path)))  # ignored without tiers
+    )
+    assert isinstance(spec, AsyncOffloadSpec)
+    worker = spec.get_worker(_caches(num_blocks=4))
+    assert os.listdir(tmp_path) == []
+    worker.shutdown()
+
+
+def test_a_pool_that_never_appears_skips_tier_io_and_counts_it(tmp_path: Path) -> None:
+    spec = _tier_spec(tmp_path)
+    manager = spec.get_manager()  # no worker: its pool file never appears
+    assert isinstance(manager, AsyncOffloadManager)
+    ctx = ReqContext(req_id="r")
+    out = manager.prepare_store(_keys("a", "b"), ctx)
+    assert out is not None
+    manager.complete_store(out.keys_to_store, ctx)  # the write-through is skipped
+    assert not manager.has_pending_work()
+    (tier,) = manager.tier_stats()
+    assert tier.failures == {"no_pool": 2} and tier.blocks_written == 0
+    assert manager.lookup(_keys("a")[0], ctx) is LookupResult.HIT
+    manager.shutdown()
+
+
+# --- promotions -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["slab", "files"])
+def test_blocks_evicted_from_cpu_come_back_from_disk_byte_exact(tmp_path: Path, mode: str) -> None:
+    spec = _tier_spec(tmp_path, mode=mode)
+    caches, worker, manager = _parts(spec)
+    keys, expected = _fill(manager, worker, caches)
+    (tier,) = manager.tier_stats()
+    assert tier.blocks_written == 8 and tier.manager.ready == 8
+    ctx = ReqContext(req_id="again")
+    manager.on_new_request(ctx)
+    # The first CPU_CHUNKS keys left the CPU tier: a lookup starts their promotion.
+    assert manager.lookup(keys[0], ctx) is LookupResult.HIT_PENDING
+    assert manager.lookup(keys[1], ctx) is LookupResult.HIT_PENDING
+    assert manager.lookup(keys[2], ctx) is LookupResult.HIT_PENDING
+    answers = _lookup_until_settled(manager, keys[0], ctx)
+    assert answers[-1] is LookupResult.HIT
+    assert _lookup_until_settled(manager, keys[1], ctx)[-1] is LookupResult.HIT
+    assert _lookup_until_settled(manager, keys[2], ctx)[-1] is LookupResult.HIT
+    for t in caches.tensors:  # the KV blocks are reused for something else
+        t.tensor.zero_()
+    load = manager.prepare_load(keys[:3], ctx)
+    worker.submit_load(1, load, GPULoadStoreSpec([10, 11, 12], [3], [0]))
+    (result,) = _finish(worker, {1})
+    assert result.success
+    manager.complete_load(keys[:3], ctx)
+    assert [_block(caches, 0, b) for b in (10, 11, 12)] == expected[:3]
+    (tier,) = manager.tier_stats()
+    assert (tier.blocks_read, tier.read_failures, tier.lookup_hits) == (3, 0, 3)
+    values = manager.get_stats().reduce()
+    assert values["vllm:asyncoffload_tier_blocks_read"] == 3
+    assert values["vllm:asyncoffload_tier_blocks_written"] == 8
+    # Events: the disk's stores as STORAGE, the promoted blocks stored in the CPU tier.
+    events = list(manager.take_events())
+    disk_stored = [
+        k for e in events if e.medium is Medium.STORAGE and not e.removed for k in e.keys
+    ]
+    assert sorted(disk_stored) == sorted(keys)
+    cpu_stored = {k for e in events if e.medium is Medium.CPU and not e.removed for k in e.keys}
+    assert set(keys[:3]) <= cpu_stored
+    worker.shutdown()
+    manager.shutdown()
+
+
+def test_a_corrupt_disk_block_is_a_miss_dropped_and_never_a_hit(tmp_path: Path) -> None:
+    spec = _tier_spec(tmp_path, mode="files")
+    caches, worker, manager = _parts(spec)
+    keys, expected = _fill(manager, worker, caches)
+    assert manager.tiers is not None
+    store = manager.tiers.tiers[0].store
+    assert isinstance(store, DiskStore)
+    victim = store.path_of(keys[0])  # type: ignore[arg-type]
+    with open(victim, "r+b") as f:  # flip one payload byte
+        f.seek(4096 + 100)
+        byte = f.read(1)
+        f.seek(4096 + 100)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    ctx = ReqContext(req_id="again")
+    manager.on_new_request(ctx)
+    answers = _lookup_until_settled(manager, keys[0], ctx)
+    assert answers[0] is LookupResult.HIT_PENDING and answers[-1] is LookupResult.MISS
+    for _ in range(3):  # never offered again: no livelock
+        assert manager.lookup(keys[0], ctx) is LookupResult.MISS
+        manager.on_schedule_end(ScheduleEndContext(new_req_ids=set(), preempted_req_ids=set()))
+    assert not manager.has_pending_work()
+    (tier,) = manager.tier_stats()
+    assert tier.failures == {"corrupt": 1} and tier.read_failures == 1 and tier.dropped == 1
+    assert not victim.exists()
+    events = list(manager.take_events())
+    assert any(e.medium is Medium.STORAGE and e.removed and keys[0] in e.keys for e in events)
+    # The next block is fine and still comes back.
+    assert _lookup_until_settled(manager, keys[1], ctx)[-1] is LookupResult.HIT
+    load = manager.prepare_load(keys[1:2], ctx)
+    worker.submit_load(2, load, GPULoadStoreSpec([13], [1], [0]))
+    _finish(worker, {2})
+    assert _block(caches, 0, 13) == expected[1]
+    manager.complete_load(keys[1:2], ctx)
+    worker.shutdown()
+    manager.shutdown()
+
+
+def test_no_cpu_slot_for_a_promotion_is_a_miss(tmp_path: Path) -> None:
+    spec = _tier_spec(tmp_path)
+    caches, worker, manager = _parts(spec)
+    keys, _ = _fill(manager, worker, caches)
+    ctx = ReqContext(req_id="busy")
+    manager.on_new_request(ctx)
+    # Every CPU slot is pinned by loads in flight: nothing can make room.
+    cpu = manager.manager
+    resident = [k for k in keys if cpu.block_of(k) is not None]
+    assert len(resident) == CPU_CHUNKS
+    manager.prepare_load(resident, ctx)
+    assert manager.lookup(keys[0], ctx) is LookupResult.MISS
+    (tier,) = manager.tier_stats()
+    assert tier.failures == {"no_slot": 1}
+    manager.complete_load(resident, ctx)
+    assert manager.lookup(keys[0], ctx) is LookupResult.HIT_PENDING
+    assert _lookup_until_settled(manager, keys[0], ctx)[-1] is LookupResult.HIT
+    worker.shutdown()
+    manager.shutdown()
+
+
+def test_reset_cache_waits_for_tier_io_and_keeps_the_disk(tmp_path: Path) -> None:
+    spec = _tier_spec(tmp_path)
+    caches, worker, manager = _parts(spec)
+    keys, expected = _fill(manager, worker, caches)
+    ctx = ReqContext(req_id="r")
+    manager.on_new_request(ctx)
+    assert manager.lookup(keys[0], ctx) is LookupResult.HIT_PENDING
+    manager.on_schedule_end(ScheduleEndContext(new_req_ids=set(), preempted_req_ids=set()))
+    manager.reset_cache()  # the read in flight ends first
+    assert not manager.has_pending_work()
+    assert manager.manager.stats().ready == 0
+    (tier,) = manager.tier_stats()
+    assert tier.manager.ready == 8  # the disk keeps its blocks
+    assert _lookup_until_settled(manager, keys[5], ctx)[-1] is LookupResult.HIT
+    load = manager.prepare_load(keys[5:6], ctx)
+    worker.submit_load(3, load, GPULoadStoreSpec([14], [1], [0]))
+    _finish(worker, {3})
+    assert _block(caches, 0, 14) == expected[5]
+    worker.shutdown()
+    manager.shutdown()
