@@ -10,6 +10,7 @@ tests in test_harness.py show that a spec which copies nothing would not).
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -108,3 +109,31 @@ def test_chunks_of_two_blocks_serve_the_repeated_prompt(
     assert events["counts"] == {"BlockStored:CPU": 3 + 6 + 3 + 2 + 9}
     (changed_late,) = requests_of(result, 3)[1:]
     assert changed_late["num_cached_tokens"] == 2 * BLOCK_SIZE
+
+
+@pytest.mark.timeout(VLLM_TIMEOUT)
+def test_a_prefix_evicted_from_the_cpu_tier_is_served_from_disk(
+    run_vllm: RunVLLM, reuse_baseline: dict[str, Any], tmp_path: Path
+) -> None:
+    """A CPU tier of 8 chunks under a disk tier: the fillers of round 1 evict A's blocks
+    from the CPU tier, so round 2's A is promoted from disk (through the worker's host
+    pool in /dev/shm, which the scheduler maps) and must give the baseline's outputs."""
+    shm_before = set(Path("/dev/shm").glob("asyncoffload-*.pool"))
+    config = asyncoffload_kv_transfer_config(
+        policy="lru",
+        cpu_bytes_to_use=8 * BLOCK_BYTES,
+        tiers=[{"kind": "disk", "path": str(tmp_path), "capacity": "64MiB", "admission": None}],
+    )
+    result = run_vllm(baseline_rounds(), name="ours-disk", kv_transfer_config=config)
+
+    _assert_same_outputs(result, reuse_baseline)
+    (a_again,) = requests_of(result, 2)
+    assert a_again["num_cached_tokens"] == A_BLOCKS * BLOCK_SIZE
+    metrics = result["metrics"]
+    assert metrics["vllm:asyncoffload_tier_blocks_read"] >= A_BLOCKS
+    assert metrics["vllm:asyncoffload_tier_blocks_written"] >= 3 * A_BLOCKS
+    assert metrics.get("vllm:asyncoffload_tier_read_failures", 0) == 0
+    events = summarize_events(result)
+    assert events["counts"]["BlockStored:STORAGE"] >= 3 * A_BLOCKS
+    # The pool file was unlinked (once mapped by both sides, and at shutdown).
+    assert set(Path("/dev/shm").glob("asyncoffload-*.pool")) <= shm_before
