@@ -53,6 +53,7 @@ import itertools
 import json
 import logging
 import math
+import mmap
 import os
 import random
 import sys
@@ -734,7 +735,7 @@ class Leaker:
     def __init__(self, kinds: Sequence[str]) -> None:
         self.kinds = tuple(kinds)
         self.fds: list[int] = []
-        self.blobs: list[bytes] = []
+        self.blobs: list[mmap.mmap] = []
         self.gate = threading.Event()
         self.threads: list[threading.Thread] = []
 
@@ -746,7 +747,12 @@ class Leaker:
             thread.start()
             self.threads.append(thread)
         if "memory" in self.kinds:
-            self.blobs.append(os.urandom(MIB))
+            # Fresh anonymous pages, every one touched: RSS must grow by the full MiB.
+            # (A bytes object could land in heap memory the process had freed, already
+            # resident, and RSS would not show the leak.)
+            blob = mmap.mmap(-1, MIB)
+            blob.write(b"\x5a" * MIB)
+            self.blobs.append(blob)
 
     def release(self) -> None:
         for fd in self.fds:
@@ -755,6 +761,8 @@ class Leaker:
         for thread in self.threads:
             thread.join()
         self.fds.clear()
+        for blob in self.blobs:
+            blob.close()
         self.blobs.clear()
         self.threads.clear()
 
