@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,6 +28,18 @@ from asyncoffload.transfer.paged_worker import PagedTransferWorker
 from tests.gpu.conftest import GPU
 
 pytestmark = GPU
+
+
+@pytest.fixture
+def shm() -> Iterator[Path]:
+    """A folder in /dev/shm: the kernel pins shared memory (tmpfs) for CUDA, but refuses
+    long-term pins of writable mappings of files on other file systems."""
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm")
+    path = Path(tempfile.mkdtemp(prefix="ao-test-", dir="/dev/shm"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
 
 PAGE = 4096
 TENSORS = 4  # two layers, K and V apart
@@ -70,10 +85,8 @@ def _copy(
 
 
 @pytest.mark.parametrize("chunk_bytes", [1 << 30, 3 * SLOT])
-def test_the_shared_pool_is_pinned_and_seen_by_the_other_side(
-    tmp_path: Path, chunk_bytes: int
-) -> None:
-    path = tmp_path / "pool"
+def test_the_shared_pool_is_pinned_and_seen_by_the_other_side(shm: Path, chunk_bytes: int) -> None:
+    path = shm / "pool"
     worker, kv = _worker(path, chunk_bytes=chunk_bytes)
     pool = worker.engine.pool  # type: ignore[attr-defined]
     assert pool.pinned and len(pool.chunks) == -(-NUM_SLOTS // max(1, chunk_bytes // SLOT))
@@ -110,8 +123,10 @@ def _settle(tiers: SchedulerTiers, timeout: float = 20.0) -> None:
 
 
 @pytest.mark.parametrize("device", ["cuda"])
-def test_blocks_go_to_disk_and_come_back_to_the_gpu_byte_exact(tmp_path: Path, device: str) -> None:
-    path = host_pool_path(tmp_path, "engine-gpu", 0)
+def test_blocks_go_to_disk_and_come_back_to_the_gpu_byte_exact(
+    tmp_path: Path, shm: Path, device: str
+) -> None:
+    path = host_pool_path(shm, "engine-gpu", 0)
     worker, kv = _worker(path, device)
     cpu = CPUOffloadingManager(NUM_SLOTS, "lru")
     store = _tier(tmp_path)
@@ -125,6 +140,8 @@ def test_blocks_go_to_disk_and_come_back_to_the_gpu_byte_exact(tmp_path: Path, d
     tiers.write_through(keys)
     _settle(tiers)
     assert tiers.pool_mapped and not path.exists()
+    if device == "cuda":
+        assert worker.engine.pool.pinned  # type: ignore[attr-defined]
     (stats,) = tiers.stats()
     assert stats.blocks_written == 4 and stats.failures == {}
     assert tiers.drain()
@@ -151,5 +168,5 @@ def test_blocks_go_to_disk_and_come_back_to_the_gpu_byte_exact(tmp_path: Path, d
     assert _block(kv, 14) == before
     tiers.close()
     worker.shutdown()
-    assert not any(p.name.endswith(".pool") for p in tmp_path.iterdir())
+    assert os.listdir(shm) == []
     assert os.listdir(tmp_path / "disk") == []  # the slab was unlinked at open
