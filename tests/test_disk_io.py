@@ -474,9 +474,22 @@ class Blocker:
         ops = [IoOp(self.host.address, 0, str(f), b"fifo", -1) for f in self.fifos]
         self.job = pool.submit(False, ops)
 
-    def release(self) -> None:
+    def release(self, patience_s: float = 5.0) -> None:
+        """Open each FIFO for writing, which lets its worker's open return. A FIFO no
+        worker opened within ``patience_s`` (its op was discarded unrun) is skipped: a
+        blocking open would wait for a reader forever."""
         for fifo in self.fifos:
-            os.close(os.open(fifo, os.O_WRONLY))  # waits for the worker's open
+            deadline = time.monotonic() + patience_s
+            while True:
+                try:
+                    fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+                except OSError as exc:
+                    if exc.errno != errno.ENXIO or time.monotonic() > deadline:
+                        break  # no reader: nothing waits on this one
+                    time.sleep(0.002)
+                else:
+                    os.close(fd)
+                    break
 
 
 def test_reads_go_before_queued_writes(tmp_path: Path, pools: list[IoPool]) -> None:
@@ -656,7 +669,7 @@ def test_a_dropped_pool_discards_its_queued_jobs_and_joins_its_threads(tmp_path:
         time.sleep(0.05)  # the finalizer discards the queued jobs, then joins
         blocker.release()
 
-    releaser = threading.Thread(target=release_once_dropped)
+    releaser = threading.Thread(target=release_once_dropped, daemon=True)
     releaser.start()
     del pool
     gc.collect()
