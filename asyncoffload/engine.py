@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import errno
 import functools
 import logging
 import math
@@ -51,7 +50,7 @@ from asyncoffload.hostmem import format_bytes
 from asyncoffload.keys import GROUP_IDX_BYTES, BlockTokens, IntArray, OffloadKey, tenant_key
 from asyncoffload.layout import KVLayout
 from asyncoffload.manager import CPUOffloadingManager, ManagerStats, OffloadingEvent, ReqContext
-from asyncoffload.tiers.base import LowerTier, TierCounters
+from asyncoffload.tiers.base import LowerTier, TierCounters, count_failures, outcomes
 from asyncoffload.tiers.format import MAX_KEY_BYTES, Namespace
 from asyncoffload.transfer import CompletionBridge, CopyJob, CpuCopyBackend, TransferBackend
 from asyncoffload.transfer.base import FailedJob
@@ -212,31 +211,6 @@ class _Tier:
     counters: TierCounters
     read_lane: CopyLane | None = None
     write_lane: CopyLane | None = None
-
-
-_CAUSES = {
-    errno.EBADMSG: "corrupt",
-    errno.ESTALE: "stale",
-    errno.EKEYREJECTED: "wrong_key",
-    errno.ENODATA: "short",
-    errno.ENOENT: "missing",
-    errno.ETIMEDOUT: "timeout",
-}
-
-
-def _cause(code: int) -> str:
-    code = -code
-    return _CAUSES.get(code) or errno.errorcode.get(code, f"errno {code}")
-
-
-def _outcomes(job: CopyJob, n: int) -> list[int]:
-    """Per block of an I/O job: bytes moved, or ``-errno``."""
-    results = getattr(job, "results", None)
-    if results is None or job.error is not None:
-        err = job.error
-        code = err.errno if isinstance(err, OSError) and err.errno else errno.EIO
-        return [-code] * n
-    return list(results)
 
 
 def _make_backend(
@@ -1215,9 +1189,9 @@ class AsyncOffloadEngine:
     def _promoted_held(
         self, job: CopyJob, tier: _Tier, tkeys: list[OffloadKey], state: _Promotion
     ) -> None:
-        outcomes = _outcomes(job, len(tkeys))
-        good = [key for key, r in zip(tkeys, outcomes) if r >= 0]
-        bad = [key for key, r in zip(tkeys, outcomes) if r < 0]
+        results = outcomes(job, len(tkeys))
+        good = [key for key, r in zip(tkeys, results) if r >= 0]
+        bad = [key for key, r in zip(tkeys, results) if r < 0]
         manager = tier.store.manager
         counters = tier.counters
         manager.complete_load(good)
@@ -1227,12 +1201,7 @@ class AsyncOffloadEngine:
         if good:
             cpu.complete_store(good, state.ctx, success=True)
         if bad:
-            causes: dict[str, int] = {}
-            for r in outcomes:
-                if r < 0:
-                    cause = _cause(r)
-                    causes[cause] = causes.get(cause, 0) + 1
-                    counters.failures[cause] = counters.failures.get(cause, 0) + 1
+            causes = count_failures(counters, results)
             counters.read_failures += len(bad)
             manager.drop(bad)
             tier.store.forget(bad)
@@ -1343,9 +1312,9 @@ class AsyncOffloadEngine:
                 return
             done[0] = True
             try:
-                outcomes = _outcomes(job, len(keys))
-                good = [key for key, r in zip(keys, outcomes) if r >= 0]
-                bad = [key for key, r in zip(keys, outcomes) if r < 0]
+                results = outcomes(job, len(keys))
+                good = [key for key, r in zip(keys, results) if r >= 0]
+                bad = [key for key, r in zip(keys, results) if r < 0]
                 manager = tier.store.manager
                 counters = tier.counters
                 if good:
@@ -1355,12 +1324,7 @@ class AsyncOffloadEngine:
                 if bad:
                     manager.complete_store(bad, ctx, success=False)
                     counters.write_failures += len(bad)
-                    causes: dict[str, int] = {}
-                    for r in outcomes:
-                        if r < 0:
-                            cause = _cause(r)
-                            causes[cause] = causes.get(cause, 0) + 1
-                            counters.failures[cause] = counters.failures.get(cause, 0) + 1
+                    causes = count_failures(counters, results)
                     _warn_limited(
                         log,
                         f"tier-write-{tier.store.name}",

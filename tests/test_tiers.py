@@ -619,3 +619,18 @@ async def test_two_engines_share_a_files_directory(tmp_path: Path) -> None:
         await b.aclose()
     async with engine(config(tmp_path, "files"), kv) as eng:
         assert eng.lookup(ks) == 4
+
+
+def test_reserve_never_evicts_what_it_protects() -> None:
+    manager = ao.CPUOffloadingManager(2)
+    a, b, c = keys(3)
+    for key in (a, b):
+        out = manager.prepare_store([key])
+        assert out is not None
+        manager.complete_store([key])
+    manager.touch([b])  # a is the least recently used: LRU would take it
+    out = manager.reserve([c], protect=[a])
+    assert out is not None and out.evicted_keys == [b]
+    assert manager.reserve([keys(1, start=9)[0]], protect=[a, c]) is None  # c is pending
+    with pytest.raises(ValueError, match="already present"):
+        manager.reserve([a])

@@ -437,12 +437,15 @@ class CPUOffloadingManager(OffloadingManager):
             calls[-1] = (seen, reused, to_store)
         return PrepareStoreOutput(to_store, CPULoadStoreSpec(tuple(ids)), evicted)
 
-    def reserve(self, keys: Sequence[OffloadKey]) -> PrepareStoreOutput | None:
+    def reserve(
+        self, keys: Sequence[OffloadKey], protect: Sequence[OffloadKey] = ()
+    ) -> PrepareStoreOutput | None:
         """Take slots for ``keys``, none of which may be present, evicting idle blocks as
-        needed (one removed event): the way a promotion from a lower tier comes in. It
-        skips admission and offer counting (the block earned its place when it was
-        stored). ``None``, changing nothing, when too few idle blocks can be evicted.
-        Finish it with :meth:`complete_store` like a store."""
+        needed (one removed event), never one of ``protect`` (the rest of the request's
+        prefix): the way a promotion from a lower tier comes in. It skips admission and
+        offer counting (the block earned its place when it was stored). ``None``,
+        changing nothing, when too few idle blocks can be evicted. Finish it with
+        :meth:`complete_store` like a store."""
         _reject_duplicates(keys, "reserve")
         get = self._policy.get
         for key in keys:
@@ -451,7 +454,7 @@ class CPUOffloadingManager(OffloadingManager):
         to_store = list(keys)
         if not to_store:
             return PrepareStoreOutput([], _EMPTY_SPEC, [])
-        evicted = self._make_room(len(to_store), keys)
+        evicted = self._make_room(len(to_store), [*keys, *protect] if protect else keys)
         if evicted is None:
             return None
         if self._admission is not None and evicted:

@@ -10,6 +10,7 @@ move bytes and signal the completion bridge.
 
 from __future__ import annotations
 
+import errno
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -21,7 +22,14 @@ from asyncoffload.manager.cpu import CPUOffloadingManager
 from asyncoffload.manager.policies import CachePolicy
 from asyncoffload.transfer.base import CopyJob
 
-__all__ = ["LowerTier", "TierCounters", "TierManager"]
+__all__ = [
+    "LowerTier",
+    "TierCounters",
+    "TierManager",
+    "count_failures",
+    "failure_cause",
+    "outcomes",
+]
 
 
 class TierManager(CPUOffloadingManager):
@@ -180,3 +188,41 @@ class LowerTier(ABC):
     @abstractmethod
     def close(self) -> None:
         """Finish queued I/O, stop the lanes, close files. Idempotent."""
+
+
+_CAUSES = {
+    errno.EBADMSG: "corrupt",
+    errno.ESTALE: "stale",
+    errno.EKEYREJECTED: "wrong_key",
+    errno.ENODATA: "short",
+    errno.ENOENT: "missing",
+    errno.ETIMEDOUT: "timeout",
+}
+
+
+def failure_cause(code: int) -> str:
+    """The name of a failed block's ``-errno``: a cause of tiers' stats."""
+    code = -code
+    return _CAUSES.get(code) or errno.errorcode.get(code, f"errno {code}")
+
+
+def outcomes(job: CopyJob, n: int) -> list[int]:
+    """Per block of an I/O job: bytes moved, or ``-errno``."""
+    results = getattr(job, "results", None)
+    if results is None or job.error is not None:
+        err = job.error
+        code = err.errno if isinstance(err, OSError) and err.errno else errno.EIO
+        return [-code] * n
+    return list(results)
+
+
+def count_failures(counters: TierCounters, results: Sequence[int]) -> dict[str, int]:
+    """Count the failed blocks of ``results`` by cause, into ``counters.failures`` too;
+    the causes of this job."""
+    causes: dict[str, int] = {}
+    for r in results:
+        if r < 0:
+            cause = failure_cause(r)
+            causes[cause] = causes.get(cause, 0) + 1
+            counters.failures[cause] = counters.failures.get(cause, 0) + 1
+    return causes

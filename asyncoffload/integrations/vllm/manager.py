@@ -327,6 +327,8 @@ class AsyncOffloadManager(OffloadingManager):
         self._allocation_sizes: list[int] = []
         self._reported = self._manager.stats()
         self._tiers: SchedulerTiers | None = None
+        #: The current lookup walk: a request id and the keys it looked up, in order.
+        self._walk: tuple[object, dict[OurOffloadKey, None]] = (None, {})
         self._tier_reported: tuple[int, ...] = (0, 0, 0, 0, 0)
         if tiers:
             from asyncoffload.integrations.vllm.tiers import SchedulerTiers
@@ -394,8 +396,16 @@ class AsyncOffloadManager(OffloadingManager):
         # or at the next other call.
         tiers.poll()
         result = self._calls.lookup(key, req_context)
-        if result is LookupResult.MISS and tiers.promote(cast(OurOffloadKey, key)):
-            return LookupResult.HIT_PENDING
+        # The keys this request's lookup walk found so far: a promotion must not evict
+        # them (vLLM looks a request's keys up one by one, in order).
+        ours = cast(OurOffloadKey, key)
+        req_id = getattr(req_context, "req_id", None)
+        walk = self._walk
+        if walk[0] != req_id or ours in walk[1]:  # another request, or a new pass
+            walk = self._walk = (req_id, {})
+        if result is LookupResult.MISS and tiers.promote(ours, list(walk[1])):
+            result = LookupResult.HIT_PENDING
+        walk[1][ours] = None
         return result
 
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:

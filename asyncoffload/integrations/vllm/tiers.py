@@ -36,10 +36,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from asyncoffload.engine import TierStats, _cause, _outcomes
+from asyncoffload.engine import TierStats
 from asyncoffload.keys import OffloadKey
 from asyncoffload.manager import CPUOffloadingManager
-from asyncoffload.tiers.base import LowerTier, TierCounters
+from asyncoffload.tiers.base import LowerTier, TierCounters, count_failures, outcomes
 from asyncoffload.tiers.format import MAX_KEY_BYTES
 from asyncoffload.transfer.base import CopyJob, FailedJob
 from asyncoffload.transfer.paged_engines import SharedHostFile
@@ -92,16 +92,6 @@ class _Io:
     job: CopyJob
     tier: _Tier
     keys: list[OffloadKey]
-
-
-def _count(counters: TierCounters, outcomes: Sequence[int]) -> dict[str, int]:
-    causes: dict[str, int] = {}
-    for r in outcomes:
-        if r < 0:
-            cause = _cause(r)
-            causes[cause] = causes.get(cause, 0) + 1
-            counters.failures[cause] = counters.failures.get(cause, 0) + 1
-    return causes
 
 
 class SchedulerTiers:
@@ -237,9 +227,10 @@ class SchedulerTiers:
 
     # --- promotions -----------------------------------------------------------------
 
-    def promote(self, key: OffloadKey) -> bool:
+    def promote(self, key: OffloadKey, protect: Sequence[OffloadKey] = ()) -> bool:
         """``key`` is absent from the CPU tier: if a lower tier has it ready, reserve a
-        CPU slot and queue its read (True: the caller answers ``HIT_PENDING``)."""
+        CPU slot (never evicting one of ``protect``: the keys of the same lookup walk
+        found before it) and queue its read (True: the caller answers ``HIT_PENDING``)."""
         for tier in self.tiers:
             manager = tier.store.manager
             if not manager.ready(key):
@@ -247,7 +238,7 @@ class SchedulerTiers:
             if self._pool_base() is None:
                 self._skip(tier, "no_pool", 1)
                 return False
-            out = self.cpu.reserve([key])
+            out = self.cpu.reserve([key], protect)
             if out is None:
                 self._skip(tier, "no_slot", 1)
                 return False
@@ -263,9 +254,9 @@ class SchedulerTiers:
 
     def _read_done(self, io: _Io) -> None:
         tier, keys = io.tier, io.keys
-        outcomes = _outcomes(io.job, len(keys))
-        good = [key for key, r in zip(keys, outcomes) if r >= 0]
-        bad = [key for key, r in zip(keys, outcomes) if r < 0]
+        results = outcomes(io.job, len(keys))
+        good = [key for key, r in zip(keys, results) if r >= 0]
+        bad = [key for key, r in zip(keys, results) if r < 0]
         manager = tier.store.manager
         counters = tier.counters
         manager.complete_load(good)
@@ -274,7 +265,7 @@ class SchedulerTiers:
         if good:
             self.cpu.complete_store(good, None, success=True)
         if bad:
-            causes = _count(counters, outcomes)
+            causes = count_failures(counters, results)
             counters.read_failures += len(bad)
             manager.drop(bad)
             tier.store.forget(bad)
@@ -338,9 +329,9 @@ class SchedulerTiers:
     def _written(self, io: _Io) -> None:
         tier, keys = io.tier, io.keys
         try:
-            outcomes = _outcomes(io.job, len(keys))
-            good = [key for key, r in zip(keys, outcomes) if r >= 0]
-            bad = [key for key, r in zip(keys, outcomes) if r < 0]
+            results = outcomes(io.job, len(keys))
+            good = [key for key, r in zip(keys, results) if r >= 0]
+            bad = [key for key, r in zip(keys, results) if r < 0]
             manager = tier.store.manager
             counters = tier.counters
             if good:
@@ -350,7 +341,7 @@ class SchedulerTiers:
             if bad:
                 manager.complete_store(bad, None, success=False)
                 counters.write_failures += len(bad)
-                causes = _count(counters, outcomes)
+                causes = count_failures(counters, results)
                 log.warning(
                     "%d of %d blocks could not be written to %s (%s): skipped",
                     len(bad),
