@@ -67,6 +67,7 @@ from asyncoffload.manager.admission import (
 from asyncoffload.manager.policies.kv import KVPolicy
 from asyncoffload.tiers.disk import DiskTier
 from asyncoffload.tiers.format import Namespace
+from asyncoffload.tiers.remote import RemoteTier
 from asyncoffload.transfer import (
     CopyJob,
     CpuCopyBackend,
@@ -114,6 +115,7 @@ __all__ = [
     "OffloadingManager",
     "PrepareStoreOutput",
     "PromotionError",
+    "RemoteTier",
     "ReqContext",
     "SubscriptionStats",
     "TierStats",

@@ -8,7 +8,7 @@ import re
 from collections.abc import Mapping
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -30,6 +30,7 @@ from pydantic_settings import (
 from asyncoffload.manager.admission import available_admissions
 from asyncoffload.manager.policies import available_policies
 from asyncoffload.tiers.disk import DiskTier
+from asyncoffload.tiers.remote import RemoteTier
 
 __all__ = ["EngineConfig", "known_admission", "known_policy", "parse_bytes"]
 
@@ -188,7 +189,7 @@ class EngineConfig(BaseModel):
     max_tracker_size: int = Field(
         64_000, gt=0, description="Keys whose offers store_threshold remembers."
     )
-    tiers: list[DiskTier] = Field(
+    tiers: list[Annotated[DiskTier | RemoteTier, Field(discriminator="kind")]] = Field(
         default_factory=list,
         description="Tiers below the CPU tier, highest first: DiskTier(path, capacity, "
         "mode). Stores write through to them after the CPU copy; loads of keys found only "
@@ -271,15 +272,24 @@ class EngineConfig(BaseModel):
             import json
 
             try:
-                return json.loads(value)
+                value = json.loads(value)
             except ValueError as exc:
                 raise ValueError(f"tiers: expected a JSON list of tiers: {exc}") from None
+        if isinstance(value, list):
+            # A tier given as a mapping without its kind: a disk tier has a path, a
+            # remote one a url.
+            value = [
+                dict(t, kind="remote" if "url" in t else "disk")
+                if isinstance(t, dict) and "kind" not in t
+                else t
+                for t in value
+            ]
         return value
 
     @model_validator(mode="after")
     def _tier_identity(self) -> EngineConfig:
         for i, tier in enumerate(self.tiers):
-            if tier.mode == "files" and not self.model:
+            if isinstance(tier, DiskTier) and tier.mode == "files" and not self.model:
                 raise ValueError(
                     f"tiers[{i}] is a files-mode disk tier, whose blocks outlive the engine "
                     "and are shared: set model= to name the weights, so that another "

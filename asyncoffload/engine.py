@@ -441,7 +441,12 @@ class AsyncOffloadEngine:
         self._closed = True
         self._publish_events()
         self._hub.close()
-        self._close_tiers()  # joins I/O lanes, which read and write host memory
+        for tier in self._tiers:  # joins I/O lanes (they read and write host memory)
+            try:
+                await tier.store.aclose()
+            except Exception:
+                log.exception("closing tier %s failed", tier.store.name)
+        self._close_tiers()
         self._backend.close()  # joins copy threads: nothing signals the bridge after this
         if self._bridge is not None:
             self._bridge.close()
@@ -709,6 +714,45 @@ class AsyncOffloadEngine:
         if not isinstance(tenant, str):
             raise TypeError(f"ctx.tenant must be a str or None, got {type(tenant).__name__}")
         return [tenant_key(key, tenant) for key in keys]
+
+    async def alookup(self, keys: Sequence[OffloadKey], ctx: ReqContext | None = None) -> int:
+        """:meth:`lookup` that also asks the shared tiers (a Redis / Valkey server) about
+        keys this engine does not know of, such as blocks another engine stored: those
+        found join the tier's index (a stored event), and count. Never blocks the loop;
+        a server that does not answer in time counts as a miss."""
+        self._check_usable()
+        checked = self._check_keys(keys, "alookup")
+        ctx = self._check_ctx(ctx, "alookup")
+        n = self.lookup(checked, ctx)
+        remote = [t for t in self._tiers if hasattr(t.store, "exists")]
+        if n >= len(checked) or not remote:
+            return n
+        filed = self._filed(checked, ctx)
+        for tier in remote:
+            manager = tier.store.manager
+            unknown = [k for k in filed[n:] if manager.block_of(k) is None]
+            if not unknown:
+                continue
+            try:
+                found = await tier.store.exists(unknown)  # type: ignore[attr-defined]
+            except Exception as exc:
+                log.warning("alookup: tier %s did not answer: %r", tier.store.name, exc)
+                continue
+            self._check_usable()
+            new = [k for k, hit in zip(unknown, found) if hit and manager.block_of(k) is None]
+            if new:
+                with _InterruptsHeld():
+                    out = manager.reserve(new)
+                    if out is not None:
+                        manager.complete_store(new)
+                        if out.evicted_keys:
+                            tier.store.forget(out.evicted_keys)
+                self._publish_events()
+        # Counted once, as one lookup: undo the first pass's counts.
+        self._lookups -= 1
+        self._lookup_keys -= len(checked)
+        self._lookup_hits -= n
+        return self.lookup(checked, ctx)
 
     def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext | None = None) -> None:
         """Mark ``keys`` recently used; ``keys[0]`` becomes the most recently used."""

@@ -551,7 +551,11 @@ def test_bad_tier_settings_are_named(tmp_path: Path) -> None:
     cfg = ao.EngineConfig.from_env(
         prefix="X_", tiers=f'[{{"path": "{tmp_path}", "capacity": "1MiB"}}]'
     )
-    assert cfg.tiers[0].capacity == 1 << 20
+    assert isinstance(cfg.tiers[0], DiskTier) and cfg.tiers[0].capacity == 1 << 20
+    remote = ao.EngineConfig(
+        tiers=[{"url": "redis://127.0.0.1:7/0"}, {"path": str(tmp_path), "capacity": 1 << 20}]
+    )
+    assert [type(t).__name__ for t in remote.tiers] == ["RemoteTier", "DiskTier"]
 
 
 async def test_buffered_io_fallback_warns_once(

@@ -185,6 +185,11 @@ class LowerTier(ABC):
     def describe(self) -> dict[str, object]:
         return {}
 
+    async def aclose(self) -> None:
+        """Close on the event loop (a network client's connections); by default
+        :meth:`close`."""
+        self.close()
+
     @abstractmethod
     def close(self) -> None:
         """Finish queued I/O, stop the lanes, close files. Idempotent."""
