@@ -45,3 +45,21 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         keep = max(room - 3, 20)
         reason = reason[: keep // 2] + "..." + reason[len(reason) - (keep - keep // 2) :]
     report.longrepr = (path, lineno, reason)  # type: ignore[assignment]
+
+
+# Real Redis / Valkey servers for the shared tier (issue 14), started by the fixtures
+# (tests/servers.py says what each gives).
+from tests import servers as _servers  # noqa: E402
+
+valkey_server = _servers.valkey_server
+make_valkey = _servers.make_valkey
+redis_server = _servers.redis_server
+server_kind = _servers.server_kind
+make_server = _servers.make_server
+any_server = _servers.any_server
+valkey_cluster = _servers.valkey_cluster
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Every skip for a missing redis-server on one summary line.
+    config.pluginmanager.register(_servers.FoldMissingRedisSkips(), "tests.servers.skips")
