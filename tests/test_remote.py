@@ -1,0 +1,337 @@
+"""The shared tier on a real Valkey server (and a real 3-node cluster), on 127.0.0.1:
+engines share blocks, every bad value is a miss, a dead server is survived."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import asyncoffload as ao
+from asyncoffload.keys import make_offload_key
+from asyncoffload.manager.base import Medium
+from asyncoffload.tiers.format import HEADER_BYTES, Namespace, pack_header
+from asyncoffload.tiers.remote import RemoteStore, RemoteTier
+
+redis = pytest.importorskip("redis", reason="the remote tier's tests need redis-py")
+
+NUM_KV = 64
+FRAG = 4096
+BLOCK = 2 * FRAG
+
+
+@pytest.fixture
+def valkey_server_small(make_valkey: Any) -> Any:
+    """A server holding about 256 KiB, dropping the least recently used keys beyond."""
+    return make_valkey(maxmemory=256 * 1024 + 1024 * 1024, policy="allkeys-lru")
+
+
+def kv_caches(seed: int = 5) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        torch.randint(0, 256, (NUM_KV, FRAG), dtype=torch.uint8, generator=gen) for _ in range(2)
+    ]
+
+
+def keys(n: int, start: int = 0) -> list[ao.OffloadKey]:
+    return [make_offload_key(i.to_bytes(4, "big") * 8) for i in range(start, start + n)]
+
+
+def block(kv: list[torch.Tensor], i: int) -> bytes:
+    return b"".join(bytes(t[i].numpy().tobytes()) for t in kv)
+
+
+def config(url: str, cpu_blocks: int = 8, **kw: Any) -> ao.EngineConfig:
+    tier = kw.pop("tier", {})
+    return ao.EngineConfig(
+        cpu_blocks=cpu_blocks, tiers=[RemoteTier(url, **tier)], model=kw.pop("model", "m"), **kw
+    )
+
+
+async def store(eng: ao.AsyncOffloadEngine, ks: list[ao.OffloadKey], ids: list[int]) -> None:
+    handle = await eng.prepare_store(ks, ids)
+    assert handle is not None
+    await handle
+    await eng.flush()
+
+
+async def collect(eng: ao.AsyncOffloadEngine, sub: ao.EventSubscription) -> list[Any]:
+    await eng.aclose()
+    return [e async for e in sub if isinstance(e, ao.OffloadingEvent)]
+
+
+async def test_two_engines_share_blocks_byte_exact(any_server: Any) -> None:
+    valkey_server = any_server  # Valkey, and Redis where redis-server is installed
+    kv = kv_caches()
+    want = [block(kv, i) for i in range(8)]
+    ks = keys(8)
+    async with ao.AsyncOffloadEngine(kv, config(valkey_server.url)) as a:
+        await store(a, ks, list(range(8)))
+        assert a.stats().tiers[0].blocks_written == 8
+    fresh = [torch.zeros_like(t) for t in kv]
+    async with ao.AsyncOffloadEngine(fresh, config(valkey_server.url)) as b:
+        sub = b.events()
+        assert b.lookup(ks) == 0  # local knowledge only
+        assert await b.alookup(ks) == 8
+        assert b.lookup(ks) == 8  # now known
+        await (await b.prepare_load(ks, list(range(16, 24))))
+        assert [block(fresh, 16 + i) for i in range(8)] == want
+        assert b.stats().tiers[0].blocks_read == 8
+        events = await collect(b, sub)
+    found = {k for e in events if e.medium is Medium.REMOTE and not e.removed for k in e.keys}
+    assert found == set(ks)
+
+
+def test_an_engine_in_another_process_loads_what_this_one_stored(
+    valkey_server: Any, tmp_path: Path
+) -> None:
+    kv = kv_caches()
+    ks = keys(4)
+
+    async def write() -> None:
+        async with ao.AsyncOffloadEngine(kv, config(valkey_server.url)) as eng:
+            await store(eng, ks, [0, 1, 2, 3])
+
+    asyncio.run(write())
+    script = f"""
+import asyncio, sys, torch
+import asyncoffload as ao
+from asyncoffload.keys import make_offload_key
+from asyncoffload.tiers.remote import RemoteTier
+ks = [make_offload_key(i.to_bytes(4, "big") * 8) for i in range(4)]
+kv = [torch.zeros({NUM_KV}, {FRAG}, dtype=torch.uint8) for _ in range(2)]
+async def main():
+    cfg = ao.EngineConfig(cpu_blocks=8, tiers=[RemoteTier({valkey_server.url!r})], model="m")
+    async with ao.AsyncOffloadEngine(kv, cfg) as eng:
+        assert await eng.alookup(ks) == 4
+        await (await eng.prepare_load(ks, [10, 11, 12, 13]))
+    out = [bytes(t[10 + i].numpy().tobytes()) for i in range(4) for t in kv]
+    sys.stdout.buffer.write(b"".join(out))
+asyncio.run(main())
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, timeout=120, cwd=tmp_path
+    )
+    assert out.returncode == 0, out.stderr.decode()[-2000:]
+    assert out.stdout == b"".join(block(kv, i) for i in range(4))
+
+
+async def test_other_identities_and_tenants_find_nothing(valkey_server: Any) -> None:
+    ks = keys(2)
+    async with ao.AsyncOffloadEngine(kv_caches(), config(valkey_server.url)) as eng:
+        await store(eng, ks, [0, 1])
+        alice = ao.ReqContext("a", tenant="alice")
+        h = await eng.prepare_store(keys(2, start=60), [4, 5], alice)
+        assert h is not None
+        await h
+        await eng.flush()
+    async with ao.AsyncOffloadEngine(kv_caches(), config(valkey_server.url, model="other")) as e:
+        assert await e.alookup(ks) == 0
+    async with ao.AsyncOffloadEngine(kv_caches(), config(valkey_server.url)) as e:
+        assert await e.alookup(keys(2, start=60)) == 0  # alice's, asked without a tenant
+        assert await e.alookup(keys(2, start=60), ao.ReqContext("b", tenant="bob")) == 0
+        assert await e.alookup(keys(2, start=60), ao.ReqContext("a2", tenant="alice")) == 2
+
+
+async def _raw(url: str) -> Any:
+    return redis.asyncio.Redis.from_url(url)
+
+
+@pytest.mark.parametrize("how", ["payload", "header", "truncate", "foreign", "evicted"])
+async def test_a_bad_value_is_a_miss_with_a_removed_event(any_server: Any, how: str) -> None:
+    valkey_server = any_server
+    kv = kv_caches()
+    ks = keys(2)
+    async with ao.AsyncOffloadEngine(kv_caches(), config(valkey_server.url)) as a:
+        await store(a, ks, [0, 1])
+        rkey = a.tiers[0].redis_key(ks[0])  # type: ignore[attr-defined]
+    client = await _raw(valkey_server.url)
+    try:
+        value = await client.get(rkey)
+        assert value is not None and len(value) == HEADER_BYTES + BLOCK
+        if how == "payload":
+            await client.setrange(rkey, HEADER_BYTES + 77, bytes([value[HEADER_BYTES + 77] ^ 1]))
+        elif how == "header":
+            await client.setrange(rkey, 40, bytes([value[40] ^ 1]))
+        elif how == "truncate":
+            await client.set(rkey, value[: HEADER_BYTES + 100])
+        elif how == "foreign":
+            other = Namespace("other", "uint8", "x", BLOCK).identity()
+            payload = os.urandom(BLOCK)
+            await client.set(rkey, pack_header(other, ks[0], payload) + payload)
+        else:
+            await client.delete(rkey)
+    finally:
+        await client.aclose()
+    async with ao.AsyncOffloadEngine(kv, config(valkey_server.url)) as b:
+        sub = b.events()
+        assert await b.alookup(ks) == (2 if how != "evicted" else 0)
+        if how == "evicted":
+            # Known locally (say from an earlier alookup) and gone on the server.
+            tier = b.tiers[0]
+            assert isinstance(tier, RemoteStore)
+            gone = [k for k in ks if tier.manager.block_of(k) is None]
+            assert gone == [ks[0]]  # alookup found the other one
+            out = tier.manager.reserve(gone)
+            assert out is not None
+            tier.manager.complete_store(gone)
+        before = [t[30:32].clone() for t in kv]
+        with pytest.raises(ao.TransferError, match="could not be read"):
+            await (await b.prepare_load(ks, [30, 31]))
+        assert all(torch.equal(t[30:32], x) for t, x in zip(kv, before))
+        assert b.lookup(ks) == 0
+        cause = {"truncate": "short", "foreign": "stale", "evicted": "missing"}.get(how, "corrupt")
+        assert b.stats().tiers[0].failures == {cause: 1}
+        events = await collect(b, sub)
+    assert ks[0] in {k for e in events if e.removed and e.medium is Medium.REMOTE for k in e.keys}
+
+
+async def test_server_eviction_gives_misses_never_wrong_bytes(valkey_server_small: Any) -> None:
+    """maxmemory + allkeys-lru: the server drops blocks on its own."""
+    kv = kv_caches()
+    n = 48  # ~400 KiB of blocks into a 256 KiB server
+    ks = keys(n)
+    want = {}
+    async with ao.AsyncOffloadEngine(kv, config(valkey_server_small.url, cpu_blocks=n)) as a:
+        for i in range(0, n, 16):
+            ids = list(range(16))
+            for j in ids:
+                for t in kv:
+                    t[j].fill_((i + j) % 251)
+            for j in ids:
+                want[ks[i + j]] = block(kv, j)
+            await store(a, ks[i : i + 16], ids)
+    fresh = kv_caches(seed=9)
+    async with ao.AsyncOffloadEngine(fresh, config(valkey_server_small.url, cpu_blocks=n)) as b:
+        hits = misses = 0
+        for key in ks:
+            if await b.alookup([key]) != 1:
+                misses += 1
+                continue
+            try:
+                await (await b.prepare_load([key], [40]))
+            except ao.TransferError:
+                misses += 1  # evicted between the lookup and the read
+            else:
+                hits += 1
+                assert block(fresh, 40) == want[key]
+        assert misses > 0 and hits > 0
+
+
+async def test_a_dead_server_is_survived_and_rejoined(valkey_server: Any) -> None:
+    kv = kv_caches()
+    cfg = config(valkey_server.url, cpu_blocks=16, tier={"timeout_s": 1.0})
+    async with ao.AsyncOffloadEngine(kv, cfg) as eng:
+        ks = keys(4)
+        await store(eng, ks[:2], [0, 1])
+        valkey_server.kill()
+        # Stores still resolve (the CPU tier takes them); their write-through fails.
+        await store(eng, ks[2:], [2, 3])
+        st = eng.stats().tiers[0]
+        assert st.write_failures == 2 and st.blocks_written == 2
+        # Blocks only the dead server has: misses, quickly, and the engine serves on.
+        for _ in range(16 // 2):
+            await store(eng, keys(2, start=100 + _ * 2), [4, 5])
+        assert eng.manager.block_of(ks[0]) is None
+        with pytest.raises(ao.TransferError):
+            await asyncio.wait_for(await eng.prepare_load(ks[:1], [8]), 10)
+        assert await asyncio.wait_for(eng.alookup(keys(1, start=500)), 10) == 0
+        valkey_server.start()  # back, empty
+        await store(eng, keys(2, start=200), [6, 7])
+        assert eng.stats().tiers[0].blocks_written == 4  # reconnected by itself
+
+
+async def test_a_server_killed_mid_batch_leaves_no_hang_and_no_lost_state(
+    valkey_server: Any,
+) -> None:
+    kv = [t[:, :1024].contiguous() for t in kv_caches()]
+    n = 512
+    ks = keys(n)
+    cfg = ao.EngineConfig(
+        cpu_blocks=n,
+        tiers=[RemoteTier(valkey_server.url, batch_blocks=8, timeout_s=1.0)],
+        model="m",
+    )
+    async with ao.AsyncOffloadEngine(kv, cfg) as eng:
+        handles = []
+        for i in range(0, n, 64):
+            h = await eng.prepare_store(ks[i : i + 64], [j % NUM_KV for j in range(64)])
+            assert h is not None
+            handles.append(h)
+        await asyncio.sleep(0)  # the first write-through pipelines are on the wire
+        valkey_server.kill()
+        await asyncio.wait_for(asyncio.gather(*handles), 30)  # the CPU stores resolve
+        await asyncio.wait_for(eng.flush(), 30)  # every write ended, well or not
+        st = eng.stats()
+        tier = st.tiers[0]
+        assert tier.blocks_written + tier.write_failures == n
+        assert tier.manager.write_pending == 0 and tier.manager.pinned == 0
+        assert st.manager.pinned == 0 and st.manager.ready == n
+        valkey_server.start()
+        await store(eng, keys(4, start=9000), [0, 1, 2, 3])
+        assert eng.stats().tiers[0].blocks_written >= tier.blocks_written + 4
+
+
+async def test_thousands_of_blocks_in_flight(valkey_server: Any) -> None:
+    kv = [t[:, :1024].contiguous() for t in kv_caches()]
+    n = 2048
+    ks = keys(n)
+    cfg = ao.EngineConfig(
+        cpu_blocks=n, tiers=[RemoteTier(valkey_server.url, max_connections=8)], model="m"
+    )
+    async with ao.AsyncOffloadEngine(kv, cfg) as eng:
+        handles = []
+        for i in range(0, n, 32):
+            h = await eng.prepare_store(ks[i : i + 32], [j % NUM_KV for j in range(i, i + 32)])
+            assert h is not None
+            handles.append(h)
+        await asyncio.gather(*handles)
+        await eng.flush()
+        assert eng.stats().tiers[0].blocks_written == n
+    fresh = [torch.zeros_like(t) for t in kv]
+    async with ao.AsyncOffloadEngine(fresh, cfg) as other:
+        assert await other.alookup(ks) == n
+        loads = [other.prepare_load(ks[i : i + 32], list(range(32))) for i in range(0, 256, 32)]
+        for coro in loads:
+            await (await coro)
+        assert block(fresh, 5) == block(kv, (224 + 5) % NUM_KV)
+
+
+async def test_a_cluster_spreads_blocks_across_its_nodes(valkey_cluster: Any) -> None:
+    kv = kv_caches()
+    ks = keys(32)
+    cfg = config(valkey_cluster.url, cpu_blocks=32, tier={"cluster": True})
+    async with ao.AsyncOffloadEngine(kv, cfg) as a:
+        await store(a, ks, list(range(32)))
+        assert a.stats().tiers[0].blocks_written == 32
+        rkeys = [a.tiers[0].redis_key(k) for k in ks]  # type: ignore[attr-defined]
+    client = redis.asyncio.cluster.RedisCluster.from_url(valkey_cluster.url)
+    await client.initialize()
+    try:
+        slots = {client.keyslot(k) for k in rkeys}
+        nodes = {client.get_node_from_key(k).name for k in rkeys}
+    finally:
+        await client.aclose()
+    assert len(slots) > 16 and len(nodes) == 3
+    fresh = [torch.zeros_like(t) for t in kv]
+    async with ao.AsyncOffloadEngine(fresh, cfg) as b:
+        assert await b.alookup(ks) == 32
+        await (await b.prepare_load(ks, list(range(32, 64))))
+        assert [block(fresh, 32 + i) for i in range(32)] == [block(kv, i) for i in range(32)]
+
+
+def test_bad_settings_are_named() -> None:
+    with pytest.raises(ValueError, match="url must start with"):
+        RemoteTier("http://127.0.0.1:6379")
+    with pytest.raises(ValueError, match="unknown cache policy"):
+        RemoteTier(policy="nope")
+    tier = RemoteTier("redis://u:secret@127.0.0.1:1/0")
+    assert "secret" not in repr(tier) and "secret" not in str(tier.model_dump())
+    assert tier.password is not None and tier.password.get_secret_value() == "secret"
+    assert tier.username == "u" and tier.url == "redis://u@127.0.0.1:1/0"
