@@ -638,3 +638,14 @@ def test_reserve_never_evicts_what_it_protects() -> None:
     assert manager.reserve([keys(1, start=9)[0]], protect=[a, c]) is None  # c is pending
     with pytest.raises(ValueError, match="already present"):
         manager.reserve([a])
+
+
+def test_a_header_written_in_place_equals_the_packed_one() -> None:
+    from asyncoffload.tiers.format import pack_header, pack_header_into
+
+    identity, key, payload = b"i" * 16, b"some-key", os.urandom(5000)
+    block_ = bytearray(HEADER_BYTES) + bytearray(payload)
+    pack_header_into(block_, identity, key)
+    assert bytes(block_) == pack_header(identity, key, payload) + payload
+    header = parse_header(bytes(block_[:HEADER_BYTES]))
+    assert (header.identity, header.key, header.payload_len) == (identity, key, 5000)

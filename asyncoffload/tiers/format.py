@@ -47,6 +47,7 @@ __all__ = [
     "Namespace",
     "block_file_bytes",
     "pack_header",
+    "pack_header_into",
     "parse_header",
 ]
 
@@ -134,7 +135,7 @@ class BlockHeader:
     version: int = FORMAT_VERSION
 
 
-def _crc32c(data: bytes) -> int:
+def _crc32c(data: bytes | memoryview) -> int:
     from asyncoffload.tiers._io import crc32c
 
     return crc32c(data)
@@ -152,6 +153,31 @@ def pack_header(identity: bytes, key: bytes, payload: bytes) -> bytes:
     body = head + key.ljust(MAX_KEY_BYTES, b"\0")
     body = body.ljust(HEADER_BYTES - 4, b"\0")
     return body + struct.pack("<I", _crc32c(body))
+
+
+def pack_header_into(block: bytearray, identity: bytes, key: bytes) -> None:
+    """Write the header of the block in ``block`` (``HEADER_BYTES`` of room, then the
+    payload) in place: one buffer, no copy of the payload."""
+    if len(identity) != 16:
+        raise ValueError(f"identity must be 16 bytes, got {len(identity)}")
+    if not 1 <= len(key) <= MAX_KEY_BYTES:
+        raise ValueError(f"a key must have 1..{MAX_KEY_BYTES} bytes, got {len(key)}")
+    view = memoryview(block)
+    payload = view[HEADER_BYTES:]
+    view[:HEADER_BYTES] = bytes(HEADER_BYTES)
+    _FIXED.pack_into(
+        view,
+        0,
+        MAGIC,
+        FORMAT_VERSION,
+        HEADER_BYTES,
+        identity,
+        len(payload),
+        _crc32c(payload),
+        len(key),
+    )
+    view[_FIXED.size : _FIXED.size + len(key)] = key
+    struct.pack_into("<I", view, HEADER_BYTES - 4, _crc32c(view[: HEADER_BYTES - 4]))
 
 
 def parse_header(raw: bytes) -> BlockHeader:

@@ -32,7 +32,13 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, m
 from asyncoffload.keys import OffloadKey
 from asyncoffload.manager.base import Medium
 from asyncoffload.tiers.base import LowerTier, TierManager
-from asyncoffload.tiers.format import FORMAT_VERSION, HEADER_BYTES, MAGIC, Namespace, pack_header
+from asyncoffload.tiers.format import (
+    FORMAT_VERSION,
+    HEADER_BYTES,
+    MAGIC,
+    Namespace,
+    pack_header_into,
+)
 from asyncoffload.transfer.base import CopyJob
 
 __all__ = ["RemoteStore", "RemoteTier"]
@@ -261,13 +267,16 @@ class RemoteStore(LowerTier):
         size = self.block_bytes
         # The bytes are taken now, on the loop: the CPU slots are pinned until the job
         # ends anyway, but a value must be one bytes object for the client.
-        values = []
+        values: list[bytearray] = []
         for key, addr in zip(keys, host):
-            payload = ctypes.string_at(addr, size)
-            values.append(pack_header(self.identity, key, payload) + payload)
+            value = bytearray(HEADER_BYTES + size)
+            target = ctypes.addressof(ctypes.c_char.from_buffer(value, HEADER_BYTES))
+            ctypes.memmove(target, addr, size)  # the one copy: slot -> value
+            pack_header_into(value, self.identity, key)
+            values.append(value)
         return self._start(job, self._write(list(keys), values))
 
-    async def _write(self, keys: list[OffloadKey], values: list[bytes]) -> list[int]:
+    async def _write(self, keys: list[OffloadKey], values: list[bytearray]) -> list[int]:
         client = self._connect()
         ttl = self.config.ttl_s
         px = int(ttl * 1000) if ttl is not None else None
@@ -333,10 +342,12 @@ class RemoteStore(LowerTier):
             return -errno.ESTALE
         if bytes(view[_FIXED.size : _FIXED.size + key_len]) != key:
             return -errno.EKEYREJECTED
-        payload = view[HEADER_BYTES : HEADER_BYTES + size]
-        if crc32c(payload) != crc:
+        if crc32c(view[HEADER_BYTES : HEADER_BYTES + size]) != crc:
             return -errno.EBADMSG
-        ctypes.memmove(addr, bytes(payload), size)
+        # Straight from the reply's buffer into the slot: no intermediate copy.
+        source = ctypes.cast(ctypes.c_char_p(value), ctypes.c_void_p).value
+        assert source is not None
+        ctypes.memmove(addr, source + HEADER_BYTES, size)
         return size
 
     async def exists(self, keys: Sequence[OffloadKey]) -> list[bool]:
