@@ -723,6 +723,7 @@ class AsyncOffloadEngine:
         self._check_usable()
         checked = self._check_keys(keys, "alookup")
         ctx = self._check_ctx(ctx, "alookup")
+        tier_hits = [t.counters.lookup_hits for t in self._tiers]
         n = self.lookup(checked, ctx)
         remote = [t for t in self._tiers if hasattr(t.store, "exists")]
         if n >= len(checked) or not remote:
@@ -752,6 +753,8 @@ class AsyncOffloadEngine:
         self._lookups -= 1
         self._lookup_keys -= len(checked)
         self._lookup_hits -= n
+        for tier, hits in zip(self._tiers, tier_hits):
+            tier.counters.lookup_hits = hits
         return self.lookup(checked, ctx)
 
     def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext | None = None) -> None:

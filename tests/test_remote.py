@@ -79,6 +79,9 @@ async def test_two_engines_share_blocks_byte_exact(any_server: Any) -> None:
         sub = b.events()
         assert b.lookup(ks) == 0  # local knowledge only
         assert await b.alookup(ks) == 8
+        st = b.stats()
+        assert (st.lookups, st.lookup_keys, st.lookup_hits) == (2, 16, 8)  # one each
+        assert st.tiers[0].lookup_hits == 8
         assert b.lookup(ks) == 8  # now known
         await (await b.prepare_load(ks, list(range(16, 24))))
         assert [block(fresh, 16 + i) for i in range(8)] == want
