@@ -188,6 +188,14 @@ def _add_demo(parser: argparse.ArgumentParser) -> None:
         metavar="SIZE",
         help=f"capacity of the disk tier, e.g. 64MiB or 1GB (default: {d.disk_bytes >> 20}MiB)",
     )
+    eng.add_argument(
+        "--remote",
+        metavar="URL",
+        help="add a shared tier on Redis / Valkey at this URL, e.g. redis://127.0.0.1:6390/0, "
+        "below the CPU tier (and the disk tier): every stored block is written to it, and "
+        "prompts are looked up there first, so a second demo process with the same --seed "
+        "loads what the first stored",
+    )
 
     srv = parser.add_argument_group("simulated server")
     srv.add_argument(
@@ -276,6 +284,8 @@ def _run_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         disk["disk_path"] = args.disk
         if args.disk_bytes is not None:
             disk["disk_bytes"] = args.disk_bytes
+    if args.remote is not None:
+        disk["remote_url"] = args.remote
     try:
         cfg = DemoConfig(
             requests=args.requests,
@@ -301,7 +311,11 @@ def _run_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         )
     except ValidationError as exc:
         parser.error(
-            _options_message(exc, parser, {"think_time_s": "think_time", "disk_path": "disk"})
+            _options_message(
+                exc,
+                parser,
+                {"think_time_s": "think_time", "disk_path": "disk", "remote_url": "remote"},
+            )
         )
     try:
         report = run(run_demo(cfg, progress=args.progress), use_uvloop=use_uvloop)

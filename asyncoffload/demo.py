@@ -7,6 +7,12 @@ bit, "computes" the rest (writes their deterministic content and sleeps for a ti
 proportional to the tokens), and stores its new blocks. An event subscriber counts
 what the engine publishes. The result is a :class:`DemoReport`.
 
+Below the CPU tier there may be a disk tier (``disk_path``) and a shared tier on Redis /
+Valkey (``remote_url``, below the disk tier). With a shared tier, every prompt is first
+looked up with :meth:`~asyncoffload.AsyncOffloadEngine.alookup`, so blocks that another
+demo process (same seed, same model settings) stored are found and loaded from the
+server, checked bit for bit like the others.
+
 Every block's content is a function of its key, so a load is checked exactly: block
 ``b`` of layer ``l``, half ``h`` (K or V) holds the int64 words
 ``(w(key) XOR salt[l, h]) + j``
@@ -39,6 +45,7 @@ from asyncoffload.integrations import check_endpoint, shift_tcp_port
 from asyncoffload.keys import OffloadKey
 from asyncoffload.manager import ReqContext, available_policies
 from asyncoffload.tiers.disk import DiskTier
+from asyncoffload.tiers.remote import RemoteTier
 from asyncoffload.workloads import Request, summarize, synthetic_chat
 
 if TYPE_CHECKING:
@@ -94,6 +101,12 @@ class DemoConfig(BaseModel):
         gt=0,
         description="Capacity of the disk tier, bytes (or '2GiB'). The tier is inclusive: "
         "it must be larger than the CPU tier to add hits.",
+    )
+    remote_url: str | None = Field(
+        None,
+        description="A shared tier on Redis / Valkey at this URL (redis://host:port/db), "
+        "below the CPU tier and the disk tier; every stored block is written to it, and "
+        "prompts are looked up there first. None: no shared tier.",
     )
     # The simulated model and server.
     layers: int = Field(8, ge=1, description="KV layers.")
@@ -155,6 +168,13 @@ class DemoConfig(BaseModel):
         if isinstance(value, bool):
             raise ValueError(f"expected a byte size, got {value!r}")
         return parse_bytes(value, "disk_bytes")
+
+    @field_validator("remote_url")
+    @classmethod
+    def _remote_url(cls, value: str | None) -> str | None:
+        if value is not None:
+            RemoteTier(value)  # its own checks (the scheme)
+        return value
 
     @field_validator("publish", "publish_replay")
     @classmethod
@@ -372,21 +392,47 @@ class DemoReport:
     metrics_url: str | None = None
     #: Loads of disk hits refused for want of an idle CPU slot (then recomputed).
     promotions_refused: int = 0
+    #: The shared tier's lookup before the workload: distinct blocks asked about, blocks
+    #: found on the server (stored by another process), and seconds it took.
+    remote_prelookup: tuple[int, int, float] | None = None
+    #: Lookup hits counted by that lookup (the engine's, then per tier), left out of
+    #: the hits by tier: those count the workload's lookups only.
+    prelookup_hits: tuple[int, tuple[int, ...]] = (0, ())
 
     @property
     def hit_rate(self) -> float:
         """Prefix-hit rate in tokens: tokens loaded / prompt tokens."""
         return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
+    def _tier_hits(self, medium: str | None = None) -> int:
+        base = self.prelookup_hits[1]
+        return sum(
+            t.lookup_hits - (base[i] if i < len(base) else 0)
+            for i, t in enumerate(self.stats.tiers)
+            if medium is None or t.medium == medium
+        )
+
     @property
     def disk_hit_blocks(self) -> int:
-        """Blocks that lookups found only in the disk tier (promoted from disk)."""
-        return sum(t.lookup_hits for t in self.stats.tiers)
+        """Blocks that the workload's lookups found only in the disk tier (promoted from
+        disk)."""
+        return self._tier_hits("DISK")
+
+    @property
+    def remote_hit_blocks(self) -> int:
+        """Blocks that the workload's lookups found only in the shared tier (neither in
+        the CPU tier nor on disk: promoted from the server)."""
+        return self._tier_hits("REMOTE")
+
+    @property
+    def lookup_hit_blocks(self) -> int:
+        """Blocks that the workload's lookups found (the lookup before it left out)."""
+        return self.stats.lookup_hits - self.prelookup_hits[0]
 
     @property
     def cpu_hit_blocks(self) -> int:
-        """Blocks that lookups found in the CPU tier."""
-        return self.stats.lookup_hits - self.disk_hit_blocks
+        """Blocks that the workload's lookups found in the CPU tier."""
+        return self.lookup_hit_blocks - self._tier_hits()
 
     @property
     def bytes_moved(self) -> int:
@@ -463,6 +509,7 @@ class DemoReport:
                 f"{cfg.policy}  (workload: {self.unique_blocks:,} distinct blocks)",
             ),
             *self._disk_rows(),
+            *self._remote_rows(),
             (
                 "verification",
                 f"{verdict}: verified {self.verified_blocks:,} blocks, "
@@ -471,25 +518,55 @@ class DemoReport:
         ]
 
     def _tier_hit_rows(self) -> list[tuple[str, str]]:
-        if not self.stats.tiers:
+        tiers = self.stats.tiers
+        if not tiers:
             return []
-        return [
-            (
-                "hits by tier (blocks)",
-                f"CPU {self.cpu_hit_blocks:,} / disk {self.disk_hit_blocks:,}",
+        parts = [f"CPU {self.cpu_hit_blocks:,}"]
+        if any(t.medium == "DISK" for t in tiers):
+            parts.append(f"disk {self.disk_hit_blocks:,}")
+        if any(t.medium == "REMOTE" for t in tiers):
+            parts.append(f"remote {self.remote_hit_blocks:,}")
+        return [("hits by tier (blocks)", " / ".join(parts))]
+
+    def _refused(self) -> str:
+        if not self.promotions_refused:
+            return ""
+        return f", {self.promotions_refused:,} loads recomputed (no idle CPU slot to promote into)"
+
+    def _remote_rows(self) -> list[tuple[str, str]]:
+        rows = []
+        for t in self.stats.tiers:
+            if t.medium != "REMOTE":
+                continue
+            failed = t.read_failures + t.write_failures
+            failures = f", {failed:,} failed {t.failures}" if failed else ""
+            rows.append(
+                (
+                    "remote tier",
+                    f"{t.info.get('url')}: written {t.blocks_written:,} "
+                    f"({t.bytes_written / _GB:.2f} GB), read {t.blocks_read:,} "
+                    f"({t.bytes_read / _GB:.2f} GB){failures}{self._refused()}",
+                )
             )
-        ]
+            if self.remote_prelookup is not None:
+                asked, found, seconds = self.remote_prelookup
+                rows.append(
+                    (
+                        "remote lookup (before the run)",
+                        f"{found:,} of {asked:,} distinct blocks already on the server "
+                        f"({seconds:.2f} s)",
+                    )
+                )
+        return rows
 
     def _disk_rows(self) -> list[tuple[str, str]]:
         rows = []
         for t in self.stats.tiers:
+            if t.medium != "DISK":
+                continue
             failed = t.read_failures + t.write_failures
             failures = f", {failed:,} failed I/Os {t.failures}" if failed else ""
-            if self.promotions_refused:
-                failures += (
-                    f", {self.promotions_refused:,} loads recomputed (no idle CPU slot to "
-                    "promote into)"
-                )
+            failures += self._refused()
             direct = "O_DIRECT" if t.info.get("direct_io") else "buffered"
             rows.append(
                 (
@@ -618,7 +695,7 @@ class _Server:
                     try:
                         load = await engine.prepare_load(keys[:n], blocks[:n], ctx)
                     except PromotionError:
-                        # Disk hits need CPU slots to come up through, and every slot
+                        # Disk (or remote) hits need CPU slots to come up through, and every slot
                         # is pinned or being written: recompute, as the engine advises.
                         p.promotions_refused += 1
                         n = 0
@@ -738,6 +815,8 @@ async def _run(cfg: DemoConfig, progress_stream: TextIO | None) -> DemoReport:
         )
     except HostMemoryError as exc:
         raise DemoConfigError(f"{exc}; lower --layers, --cpu-blocks or --concurrency") from None
+    if cfg.remote_url is not None:
+        await _check_server(cfg.remote_url)
     kv = SimulatedKVCache(
         cfg.layers, max(gpu_blocks, 1), cfg.block_size, cfg.kv_heads, cfg.head_dim, cfg.seed
     )
@@ -746,7 +825,7 @@ async def _run(cfg: DemoConfig, progress_stream: TextIO | None) -> DemoReport:
         policy=cfg.policy,
         completion=cfg.completion,
         event_buffer=cfg.event_buffer,
-        tiers=_disk_tiers(cfg),
+        tiers=[*_disk_tiers(cfg), *_remote_tiers(cfg)],
         model="asyncoffload-demo",
     )
     try:
@@ -754,7 +833,8 @@ async def _run(cfg: DemoConfig, progress_stream: TextIO | None) -> DemoReport:
     except (OSError, RuntimeError, ValueError) as exc:
         if not engine_cfg.tiers:
             raise
-        raise DemoConfigError(f"the disk tier in {cfg.disk_path}: {exc}") from None
+        where = f"the disk tier in {cfg.disk_path}" if cfg.disk_path else "the remote tier"
+        raise DemoConfigError(f"{where}: {exc}") from None
     state = _Progress()
     counts = EventCounts()
     finished = asyncio.Event()
@@ -774,6 +854,12 @@ async def _run(cfg: DemoConfig, progress_stream: TextIO | None) -> DemoReport:
                     _show_progress(state, len(requests), progress_stream, finished)
                 )
             t0 = time.perf_counter()
+            prelookup = None
+            prelookup_hits: tuple[int, tuple[int, ...]] = (0, ())
+            if cfg.remote_url is not None:
+                prelookup = await _remote_prelookup(engine, requests)
+                before = engine.stats()
+                prelookup_hits = (before.lookup_hits, tuple(t.lookup_hits for t in before.tiers))
             try:
                 await _Server(cfg, engine, kv, state).run(requests)
             finally:
@@ -808,6 +894,8 @@ async def _run(cfg: DemoConfig, progress_stream: TextIO | None) -> DemoReport:
         publish_endpoints=integrations.endpoints,
         metrics_url=integrations.metrics_url,
         promotions_refused=state.promotions_refused,
+        remote_prelookup=prelookup,
+        prelookup_hits=prelookup_hits,
     )
 
 
@@ -825,6 +913,52 @@ def _disk_tiers(cfg: DemoConfig) -> list[DiskTier]:
             f"--disk-bytes {cfg.disk_bytes} holds no block: one takes {format_bytes(slot)} on disk"
         )
     return [DiskTier(cfg.disk_path, cfg.disk_bytes, "slab", admission=None)]
+
+
+def _remote_tiers(cfg: DemoConfig) -> list[RemoteTier]:
+    """The shared tier at ``cfg.remote_url``: every block the CPU tier stores is written
+    to it (no admission filter, as for the disk tier: a shared tier is for sharing)."""
+    if cfg.remote_url is None:
+        return []
+    return [RemoteTier(cfg.remote_url, admission=None)]
+
+
+async def _check_server(url: str) -> None:
+    """Fail early, with the URL in the message, when the server does not answer."""
+    from redis.asyncio import Redis
+
+    client = Redis.from_url(url, socket_connect_timeout=5, socket_timeout=5)
+    try:
+        await client.ping()
+    except Exception as exc:
+        host = url.split("@")[-1]  # never a password
+        raise DemoConfigError(f"the remote tier at {host} does not answer: {exc}") from None
+    finally:
+        await client.aclose()
+
+
+async def _remote_prelookup(
+    engine: AsyncOffloadEngine, requests: Sequence[Request]
+) -> tuple[int, int, float]:
+    """Every prompt looked up with ``alookup`` before the workload starts, so that the
+    blocks another process stored on the server join the shared tier's index (and load
+    from it). Returns (distinct blocks, blocks found on the server, seconds)."""
+    t0 = time.perf_counter()
+    distinct: set[OffloadKey] = set()
+    seen: set[tuple[OffloadKey, ...]] = set()
+    # The longest prompt of a prefix chain first: its lookup covers the shorter ones.
+    for req in sorted(requests, key=lambda r: len(r.keys), reverse=True):
+        keys = tuple(req.keys)
+        if not keys or keys in seen:
+            continue
+        seen.add(keys)
+        fresh = [key for key in keys if key not in distinct]
+        if not fresh:
+            continue
+        distinct.update(fresh)
+        await engine.alookup(keys)
+    tier = next(t for t in engine.stats().tiers if t.medium == "REMOTE")
+    return len(distinct), tier.manager.ready, time.perf_counter() - t0
 
 
 class _Integrations:
