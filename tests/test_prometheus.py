@@ -9,6 +9,7 @@ import threading
 import urllib.request
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -29,7 +30,8 @@ _COUNTERS = {
     "blocks_stored", "blocks_loaded", "blocks_evicted", "bytes_stored", "bytes_loaded",
     "store_skipped_blocks", "stores_rejected", "transfers", "transfers_failed",
     "store_failed_blocks", "lookups", "lookup_blocks", "lookup_hit_blocks",
-    "events_published", "events_dropped",
+    "events_published", "events_dropped", "tier_lookup_hit_blocks", "tier_io_bytes",
+    "tier_failed_blocks", "tier_dropped_blocks",
 }  # fmt: skip
 _GAUGES = {
     "tier_capacity_blocks", "tier_blocks", "transfers_in_flight", "event_subscribers",
@@ -147,6 +149,27 @@ def _expected(
     put_hist("transfer_throughput_bytes_per_second", s.store_throughput, direction="store")
     put_hist("transfer_throughput_bytes_per_second", s.load_throughput, direction="load")
     put_hist("completion_callback_latency_seconds", s.callback_latency)
+    for t in s.tiers:
+        tm, medium = t.manager, t.medium
+        put("blocks_stored_total", t.blocks_written, medium=medium)
+        put("blocks_loaded_total", t.blocks_read, medium=medium)
+        put("blocks_evicted_total", tm.evicted, medium=medium)
+        put("store_skipped_blocks_total", tm.store_skipped, medium=medium)
+        put("store_failed_blocks_total", t.write_failures, medium=medium)
+        put("tier_capacity_blocks", tm.num_blocks, medium=medium)
+        for state, value in (
+            ("ready", tm.ready),
+            ("writing", tm.write_pending),
+            ("pinned", tm.pinned),
+            ("free", tm.free),
+        ):
+            put("tier_blocks", value, medium=medium, state=state)
+        put("tier_lookup_hit_blocks_total", t.lookup_hits, medium=medium)
+        put("tier_io_bytes_total", t.bytes_written, medium=medium, direction="write")
+        put("tier_io_bytes_total", t.bytes_read, medium=medium, direction="read")
+        for cause, n in t.failures.items():
+            put("tier_failed_blocks_total", n, medium=medium, cause=cause)
+        put("tier_dropped_blocks_total", t.dropped, medium=medium)
     return out
 
 
@@ -233,6 +256,40 @@ async def test_scraped_over_http_equals_engine_stats() -> None:
     }
     assert scraped[_key("asyncoffload_event_subscriber_lag_max_events", {})] == 4
     assert scraped[_key("asyncoffload_transfers_total", {"direction": "load"})] == 1
+
+
+async def test_a_disk_tier_is_scraped_with_its_medium(tmp_path: Path) -> None:
+    import errno
+
+    from asyncoffload.tiers.disk import DiskStore
+
+    kv = [torch.randint(0, 256, (16, 4096), dtype=torch.uint8) for _ in range(2)]
+    cfg = ao.EngineConfig(cpu_blocks=2, tiers=[ao.DiskTier(tmp_path, 64 * 12288, admission=None)])
+    async with ao.AsyncOffloadEngine(kv, cfg) as engine:
+        keys = [ao.make_offload_key(bytes([i]) * 16) for i in range(6)]
+        for i in range(0, 6, 2):
+            handle = await engine.prepare_store(keys[i : i + 2], [i, i + 1])
+            assert handle is not None
+            await handle
+            await engine.flush()
+        assert engine.lookup(keys) == 6
+        tier = engine.tiers[0]
+        assert isinstance(tier, DiskStore)
+        tier.pool.set_fault(False, 1, errno.EIO)
+        with pytest.raises(ao.TransferError):
+            await (await engine.prepare_load(keys[:2], [8, 9]))
+        tier.pool.set_fault(False, 0, 0)
+        await (await engine.prepare_load(keys[2:4], [10, 11]))
+        with EngineMetrics(engine) as metrics:
+            text = generate_latest(metrics.registry).decode()
+            stats = engine.stats()
+    scraped = _parse(text)
+    assert scraped == _expected(stats)
+    disk = {"medium": "DISK"}
+    assert scraped[_key("asyncoffload_blocks_stored_total", disk)] == 6
+    assert scraped[_key("asyncoffload_blocks_loaded_total", disk)] == 2
+    assert scraped[_key("asyncoffload_tier_failed_blocks_total", {**disk, "cause": "EIO"})] == 2
+    assert scraped[_key("asyncoffload_tier_dropped_blocks_total", disk)] == 2
 
 
 async def test_default_registry_is_a_fresh_one_per_instance() -> None:

@@ -101,6 +101,26 @@ _ENGINE_SPECS: tuple[_Spec, ...] = (
         ("medium", "state"),
         "Blocks of the tier by state; pinned blocks are also counted as ready.",
     ),
+    _Spec(
+        _C,
+        "tier_lookup_hit_blocks",
+        _M,
+        "Leading keys of lookups found only in this lower tier.",
+    ),
+    _Spec(
+        _C,
+        "tier_io_bytes",
+        ("medium", "direction"),
+        "Bytes a lower tier wrote (write-through) and read back (promotions).",
+    ),
+    _Spec(
+        _C,
+        "tier_failed_blocks",
+        ("medium", "cause"),
+        "Blocks a lower tier failed to write or read, by cause (corrupt, stale, wrong_key, "
+        "short, missing, timeout, or an errno name); each failed read is a miss.",
+    ),
+    _Spec(_C, "tier_dropped_blocks", _M, "Blocks dropped from a lower tier after a failed check."),
     _Spec(_G, "transfers_in_flight", (), "Copies submitted and not yet completed."),
     _Spec(_G, "event_subscribers", (), "Live event subscriptions."),
     _Spec(_G, "event_subscriber_lag_max_events", (), "Most events buffered by one subscription."),
@@ -141,7 +161,7 @@ _Sample = tuple[tuple[str, ...], "float | HistogramSnapshot"]
 def _engine_samples(s: EngineStats, medium: str) -> dict[str, Sequence[_Sample]]:
     m = s.manager
     live = [sub.buffered for sub in s.subscriptions if not sub.closed]
-    return {
+    out: dict[str, Sequence[_Sample]] = {
         "blocks_stored": [((medium,), s.blocks_stored)],
         "blocks_loaded": [((medium,), s.blocks_loaded)],
         "blocks_evicted": [((medium,), s.blocks_evicted)],
@@ -178,6 +198,53 @@ def _engine_samples(s: EngineStats, medium: str) -> dict[str, Sequence[_Sample]]
         ],
         "completion_callback_latency_seconds": [((), s.callback_latency)],
     }
+    for name, rows in _tier_samples(s).items():
+        out[name] = [*out.get(name, ()), *rows]
+    return out
+
+
+def _tier_samples(s: EngineStats) -> dict[str, list[_Sample]]:
+    """The lower tiers' rows: the per-medium families gain one row per tier, and the
+    tier-only families get theirs."""
+    names = (
+        "blocks_stored",
+        "blocks_loaded",
+        "blocks_evicted",
+        "store_skipped_blocks",
+        "store_failed_blocks",
+        "tier_capacity_blocks",
+        "tier_blocks",
+        "tier_lookup_hit_blocks",
+        "tier_io_bytes",
+        "tier_failed_blocks",
+        "tier_dropped_blocks",
+    )
+    out: dict[str, list[_Sample]] = {name: [] for name in names}
+    rows = out
+    for t in s.tiers:
+        medium, m = t.medium, t.manager
+        rows["blocks_stored"].append(((medium,), t.blocks_written))
+        rows["blocks_loaded"].append(((medium,), t.blocks_read))
+        rows["blocks_evicted"].append(((medium,), m.evicted))
+        rows["store_skipped_blocks"].append(((medium,), m.store_skipped))
+        rows["store_failed_blocks"].append(((medium,), t.write_failures))
+        rows["tier_capacity_blocks"].append(((medium,), m.num_blocks))
+        rows["tier_blocks"] += [
+            ((medium, "ready"), m.ready),
+            ((medium, "writing"), m.write_pending),
+            ((medium, "pinned"), m.pinned),
+            ((medium, "free"), m.free),
+        ]
+        out["tier_lookup_hit_blocks"].append(((medium,), t.lookup_hits))
+        out["tier_io_bytes"] += [
+            ((medium, "write"), t.bytes_written),
+            ((medium, "read"), t.bytes_read),
+        ]
+        out["tier_failed_blocks"] += [
+            ((medium, cause), n) for cause, n in sorted(t.failures.items())
+        ]
+        out["tier_dropped_blocks"].append(((medium,), t.dropped))
+    return out
 
 
 def _publisher_samples(publishers: Sequence[PublisherLike]) -> dict[str, list[_Sample]]:
