@@ -50,7 +50,7 @@ from asyncoffload.hostmem import format_bytes
 from asyncoffload.keys import GROUP_IDX_BYTES, BlockTokens, IntArray, OffloadKey, tenant_key
 from asyncoffload.layout import KVLayout
 from asyncoffload.manager import CPUOffloadingManager, ManagerStats, OffloadingEvent, ReqContext
-from asyncoffload.tiers.base import LowerTier, TierCounters, count_failures, outcomes
+from asyncoffload.tiers.base import LowerTier, TierCounters, settle_read, settle_write
 from asyncoffload.tiers.format import MAX_KEY_BYTES, Namespace
 from asyncoffload.transfer import CompletionBridge, CopyJob, CpuCopyBackend, TransferBackend
 from asyncoffload.transfer.base import FailedJob
@@ -1236,22 +1236,11 @@ class AsyncOffloadEngine:
     def _promoted_held(
         self, job: CopyJob, tier: _Tier, tkeys: list[OffloadKey], state: _Promotion
     ) -> None:
-        results = outcomes(job, len(tkeys))
-        good = [key for key, r in zip(tkeys, results) if r >= 0]
-        bad = [key for key, r in zip(tkeys, results) if r < 0]
-        manager = tier.store.manager
-        counters = tier.counters
-        manager.complete_load(good)
-        counters.blocks_read += len(good)
-        counters.bytes_read += len(good) * self.layout.block_bytes
+        good, bad, causes = settle_read(tier.store, tier.counters, tkeys, job)
         cpu = self._manager
         if good:
             cpu.complete_store(good, state.ctx, success=True)
         if bad:
-            causes = count_failures(counters, results)
-            counters.read_failures += len(bad)
-            manager.drop(bad)
-            tier.store.forget(bad)
             cpu.complete_store(bad, state.ctx, success=False)
             state.bad += len(bad)
             state.causes.append(f"{tier.store.name}: {causes}")
@@ -1359,24 +1348,13 @@ class AsyncOffloadEngine:
                 return
             done[0] = True
             try:
-                results = outcomes(job, len(keys))
-                good = [key for key, r in zip(keys, results) if r >= 0]
-                bad = [key for key, r in zip(keys, results) if r < 0]
-                manager = tier.store.manager
-                counters = tier.counters
-                if good:
-                    manager.complete_store(good, ctx, success=True)
-                    counters.blocks_written += len(good)
-                    counters.bytes_written += len(good) * self.layout.block_bytes
-                if bad:
-                    manager.complete_store(bad, ctx, success=False)
-                    counters.write_failures += len(bad)
-                    causes = count_failures(counters, results)
+                failed, causes = settle_write(tier.store, tier.counters, keys, job, ctx)
+                if failed:
                     _warn_limited(
                         log,
                         f"tier-write-{tier.store.name}",
                         "%d of %d blocks could not be written to %s (%s): skipped",
-                        len(bad),
+                        failed,
                         len(keys),
                         tier.store.name,
                         ", ".join(f"{k} {v}" for k, v in causes.items()),

@@ -39,7 +39,7 @@ from pathlib import Path
 from asyncoffload.engine import TierStats
 from asyncoffload.keys import OffloadKey
 from asyncoffload.manager import CPUOffloadingManager
-from asyncoffload.tiers.base import LowerTier, TierCounters, count_failures, outcomes
+from asyncoffload.tiers.base import LowerTier, TierCounters, settle_read, settle_write
 from asyncoffload.tiers.format import MAX_KEY_BYTES
 from asyncoffload.transfer.base import CopyJob, FailedJob
 from asyncoffload.transfer.paged_engines import SharedHostFile
@@ -254,21 +254,10 @@ class SchedulerTiers:
 
     def _read_done(self, io: _Io) -> None:
         tier, keys = io.tier, io.keys
-        results = outcomes(io.job, len(keys))
-        good = [key for key, r in zip(keys, results) if r >= 0]
-        bad = [key for key, r in zip(keys, results) if r < 0]
-        manager = tier.store.manager
-        counters = tier.counters
-        manager.complete_load(good)
-        counters.blocks_read += len(good)
-        counters.bytes_read += len(good) * tier.store.block_bytes
+        good, bad, causes = settle_read(tier.store, tier.counters, keys, io.job)
         if good:
             self.cpu.complete_store(good, None, success=True)
         if bad:
-            causes = count_failures(counters, results)
-            counters.read_failures += len(bad)
-            manager.drop(bad)
-            tier.store.forget(bad)
             self.cpu.complete_store(bad, None, success=False)
             log.warning(
                 "%d of %d blocks read from %s failed (%s): misses, dropped from its index",
@@ -329,22 +318,11 @@ class SchedulerTiers:
     def _written(self, io: _Io) -> None:
         tier, keys = io.tier, io.keys
         try:
-            results = outcomes(io.job, len(keys))
-            good = [key for key, r in zip(keys, results) if r >= 0]
-            bad = [key for key, r in zip(keys, results) if r < 0]
-            manager = tier.store.manager
-            counters = tier.counters
-            if good:
-                manager.complete_store(good, None, success=True)
-                counters.blocks_written += len(good)
-                counters.bytes_written += len(good) * tier.store.block_bytes
-            if bad:
-                manager.complete_store(bad, None, success=False)
-                counters.write_failures += len(bad)
-                causes = count_failures(counters, results)
+            failed, causes = settle_write(tier.store, tier.counters, keys, io.job, None)
+            if failed:
                 log.warning(
                     "%d of %d blocks could not be written to %s (%s): skipped",
-                    len(bad),
+                    failed,
                     len(keys),
                     tier.store.name,
                     ", ".join(f"{k} {v}" for k, v in causes.items()),
