@@ -7,8 +7,10 @@ and signal. See docs/architecture.md for the life of a store and of a load.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
+import importlib
 import logging
 import math
 import operator
@@ -81,6 +83,17 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+# The C functions under ``signal.getsignal`` / ``signal.signal``: the wrappers convert
+# handlers to enums, and a Python handler fails that lookup through an exception whose
+# message formats the handler's repr (about 100 us per step, 6% of a busy tier's loop).
+_getsignal: Callable[[int], Any] = signal.getsignal
+_setsignal: Callable[[int, Any], Any] = signal.signal
+with contextlib.suppress(ImportError):  # CPython
+    _c_signal = importlib.import_module("_signal")
+    _getsignal, _setsignal = _c_signal.getsignal, _c_signal.signal
+_SIGINT = int(signal.SIGINT)
+
+
 class _InterruptsHeld:
     """While inside, a SIGINT is recorded instead of acted on; on leaving, the handler
     that was installed runs (``KeyboardInterrupt`` for Python's default one).
@@ -100,7 +113,7 @@ class _InterruptsHeld:
         self._old: Any = None
         if threading.get_ident() != _MAIN_THREAD or _held[0]:
             return
-        old = signal.getsignal(signal.SIGINT)
+        old = _getsignal(_SIGINT)
         if not callable(old):  # SIG_IGN or SIG_DFL: nothing raises in Python code
             return
         self._hit = False
@@ -108,7 +121,7 @@ class _InterruptsHeld:
         def record(signum: int, frame: FrameType | None) -> None:
             self._hit = True
 
-        signal.signal(signal.SIGINT, record)
+        _setsignal(_SIGINT, record)
         self._old = old
         _held[0] = True
 
@@ -117,7 +130,7 @@ class _InterruptsHeld:
         if old is None:
             return
         _held[0] = False  # first: once the old handler is back, it may raise at any time
-        signal.signal(signal.SIGINT, old)
+        _setsignal(_SIGINT, old)
         if self._hit:
             old(signal.SIGINT, None)  # the default handler raises KeyboardInterrupt here
 

@@ -704,3 +704,63 @@ def test_a_forked_child_cannot_submit(tmp_path: Path, pools: list[IoPool]) -> No
     assert wait(
         pool.submit(True, [IoOp(host.address, 0, str(tmp_path / "q"), b"q", -1)])
     ).results == [100]
+
+
+# --- values of a key-value store (the shared tier) -----------------------------------------
+
+
+def _buffer(data: bytes | int) -> tuple[ctypes.Array[ctypes.c_char], int]:
+    buf = (
+        ctypes.create_string_buffer(data, len(data))
+        if isinstance(data, bytes)
+        else (ctypes.create_string_buffer(data))
+    )
+    return buf, ctypes.addressof(buf)
+
+
+def test_values_pack_and_unpack_natively_with_the_documented_header(
+    pools: list[IoPool],
+) -> None:
+    plen = 3 * 65536 + 123  # pieces of 64 KiB and a tail: the CRC chains across them
+    pool = make_pool(pools, plen, threads=2)
+    payloads = [os.urandom(plen) for _ in range(3)]
+    keys = [b"k%d" % i * 5 for i in range(3)]
+    sources = [_buffer(p) for p in payloads]
+    values = [_buffer(HEADER_BYTES + plen) for _ in payloads]
+    job = wait(
+        pool.submit_values(True, [(s[1], v[1], k) for s, v, k in zip(sources, values, keys)])
+    )
+    assert job.results == [plen] * 3
+    for (value, _), payload, key in zip(values, payloads, keys):
+        block = value.raw
+        check_block(block + bytes(slot_bytes(plen) - len(block)), payload, key)
+
+    # Read back: each value checked, its payload copied to the destination.
+    outs = [_buffer(plen) for _ in payloads]
+    job = wait(pool.submit_values(False, [(o[1], v[1], k) for o, v, k in zip(outs, values, keys)]))
+    assert job.results == [plen] * 3
+    assert [o[0].raw for o in outs] == payloads
+
+    # What does not match is refused, each with its errno.
+    def unpack(value: bytes, key: bytes) -> int:
+        v, o = _buffer(value), _buffer(plen)
+        return wait(pool.submit_values(False, [(o[1], v[1], key)])).results[0]
+
+    good = values[0][0].raw
+    flipped_payload = bytearray(good)
+    flipped_payload[HEADER_BYTES + plen - 1] ^= 1  # the last byte of the tail piece
+    flipped_header = bytearray(good)
+    flipped_header[40] ^= 1  # the payload CRC field: the header CRC no longer matches
+    foreign = make_pool(pools, plen, identity=OTHER_IDENTITY)
+    fv = _buffer(HEADER_BYTES + plen)
+    wait(foreign.submit_values(True, [(sources[0][1], fv[1], keys[0])]))
+    assert unpack(good, keys[0]) == plen
+    assert unpack(bytes(flipped_payload), keys[0]) == -errno.EBADMSG
+    assert unpack(bytes(flipped_header), keys[0]) == -errno.EBADMSG
+    assert unpack(good, keys[1]) == -errno.EKEYREJECTED
+    assert unpack(fv[0].raw, keys[0]) == -errno.ESTALE
+
+    with pytest.raises(ValueError, match="host and a value address"):
+        pool.submit_values(True, [(0, values[0][1], keys[0])])
+    with pytest.raises(ValueError, match="a key must be"):
+        pool.submit_values(True, [(sources[0][1], values[0][1], b"")])

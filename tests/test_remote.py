@@ -4,6 +4,7 @@ engines share blocks, every bad value is a miss, a dead server is survived."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import subprocess
 import sys
@@ -17,7 +18,7 @@ import asyncoffload as ao
 from asyncoffload.keys import make_offload_key
 from asyncoffload.manager.base import Medium
 from asyncoffload.tiers.format import HEADER_BYTES, Namespace, pack_header
-from asyncoffload.tiers.remote import RemoteStore, RemoteTier
+from asyncoffload.tiers.remote import RemoteJob, RemoteStore, RemoteTier
 
 redis = pytest.importorskip("redis", reason="the remote tier's tests need redis-py")
 
@@ -193,6 +194,22 @@ async def test_a_bad_value_is_a_miss_with_a_removed_event(any_server: Any, how: 
         assert b.stats().tiers[0].failures == {cause: 1}
         events = await collect(b, sub)
     assert ks[0] in {k for e in events if e.removed and e.medium is Medium.REMOTE for k in e.keys}
+    if how == "evicted":
+        return
+    # The damaged value is deleted from the server (put-if-absent would otherwise keep every
+    # later store of the block from replacing it): stored again, the block loads.
+    client = await _raw(valkey_server.url)
+    try:
+        assert await client.exists(rkey) == 0
+    finally:
+        await client.aclose()
+    async with ao.AsyncOffloadEngine(kv_caches(), config(valkey_server.url)) as c:
+        await store(c, ks, [0, 1])
+    fresh = [torch.zeros_like(t) for t in kv]
+    async with ao.AsyncOffloadEngine(fresh, config(valkey_server.url)) as d:
+        assert await d.alookup(ks) == 2
+        await (await d.prepare_load(ks, [30, 31]))
+    assert block(fresh, 30) == block(kv, 0) and block(fresh, 31) == block(kv, 1)
 
 
 async def test_server_eviction_gives_misses_never_wrong_bytes(valkey_server_small: Any) -> None:
@@ -285,9 +302,8 @@ async def test_thousands_of_blocks_in_flight(valkey_server: Any) -> None:
     kv = [t[:, :1024].contiguous() for t in kv_caches()]
     n = 2048
     ks = keys(n)
-    cfg = ao.EngineConfig(
-        cpu_blocks=n, tiers=[RemoteTier(valkey_server.url, max_connections=8)], model="m"
-    )
+    tier = RemoteTier(valkey_server.url, max_connections=8, pipelines=2, batch_blocks=16)
+    cfg = ao.EngineConfig(cpu_blocks=n, tiers=[tier], model="m")
     async with ao.AsyncOffloadEngine(kv, cfg) as eng:
         handles = []
         for i in range(0, n, 32):
@@ -297,6 +313,11 @@ async def test_thousands_of_blocks_in_flight(valkey_server: Any) -> None:
         await asyncio.gather(*handles)
         await eng.flush()
         assert eng.stats().tiers[0].blocks_written == n
+        # 64 write-through jobs at once, yet values exist only for the pipelines in flight
+        # (2 x 16 blocks), reused from one batch to the next.
+        store_ = eng.tiers[0]
+        assert isinstance(store_, RemoteStore)
+        assert store_._values.allocated <= 2 * 16
     fresh = [torch.zeros_like(t) for t in kv]
     async with ao.AsyncOffloadEngine(fresh, cfg) as other:
         assert await other.alookup(ks) == n
@@ -327,6 +348,25 @@ async def test_a_cluster_spreads_blocks_across_its_nodes(valkey_cluster: Any) ->
         assert await b.alookup(ks) == 32
         await (await b.prepare_load(ks, list(range(32, 64))))
         assert [block(fresh, 32 + i) for i in range(32)] == [block(kv, i) for i in range(32)]
+
+
+async def test_a_cancelled_job_ends_only_after_its_native_packing(valkey_server: Any) -> None:
+    """The native threads copy out of the job's CPU slots: the job (and so the slots'
+    pin) must not end before they do, even when its task is cancelled."""
+    async with ao.AsyncOffloadEngine(kv_caches(), config(valkey_server.url)) as eng:
+        tier = eng.tiers[0]
+        assert isinstance(tier, RemoteStore)
+        tier._io.set_delay(0.3)  # each native op sleeps first
+        host = [eng._backend.host_address(i) for i in range(2)]  # type: ignore[attr-defined]
+        job = tier.submit_write(keys(2), [0, 1], host)
+        assert isinstance(job, RemoteJob) and job.task is not None
+        await asyncio.sleep(0.1)  # packing has started
+        job.task.cancel()
+        await asyncio.sleep(0.1)
+        assert not job.query()  # cancelled, still waiting for the native threads
+        await asyncio.sleep(0.8)
+        assert job.query() and job.results == [-errno.ECANCELED] * 2
+        tier._io.set_delay(0)
 
 
 def test_bad_settings_are_named() -> None:

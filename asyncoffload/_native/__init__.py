@@ -743,6 +743,12 @@ def _configure_disk_io(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.ao_crc32c_soft.restype = ctypes.c_uint32
     lib.ao_crc32c_hardware.argtypes = []
     lib.ao_crc32c_hardware.restype = cint
+    # value, source, payload_len, identity, key, key_len
+    lib.ao_pack_value.argtypes = [ptr, ptr, i64, ptr, ptr, cint]
+    lib.ao_pack_value.restype = None
+    # value, value_len, destination, payload_len, identity, key, key_len
+    lib.ao_unpack_value.argtypes = [ptr, i64, ptr, i64, ptr, ptr, cint]
+    lib.ao_unpack_value.restype = i64
     return lib
 
 

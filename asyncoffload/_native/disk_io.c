@@ -73,6 +73,13 @@
 #define AO_ALIGN 4096
 #define AO_KEY_MAX 256
 #define AO_VERSION 1u
+/* What a job's ops do (ao_io_submit's write argument): read or write blocks of files,
+ * or pack / check values of a key-value store in memory (the shared tier). Writes and
+ * packs queue behind reads and unpacks. */
+#define AO_KIND_READ 0
+#define AO_KIND_WRITE 1
+#define AO_KIND_PACK 2
+#define AO_KIND_UNPACK 3
 static const uint8_t AO_MAGIC[8] = {'A', 'O', 'K', 'V', 'B', 'L', 'K', 0};
 
 /* --- CRC32C ---------------------------------------------------------------------------- */
@@ -344,30 +351,82 @@ static uint64_t ao_get64(const uint8_t *p) {
     return v;
 }
 
-static void ao_build_header(const ao_pool *pool, const ao_op *op, uint8_t *h, uint32_t crc) {
+static void ao_fill_header(uint8_t *h, const uint8_t *identity, int64_t payload_len,
+                           uint32_t crc, const uint8_t *key, int32_t key_len) {
     memset(h, 0, AO_HEADER);
     memcpy(h, AO_MAGIC, 8);
     ao_put32(h + 8, AO_VERSION);
     ao_put32(h + 12, AO_HEADER);
-    memcpy(h + 16, pool->identity, 16);
-    ao_put64(h + 32, (uint64_t)pool->payload_len);
+    memcpy(h + 16, identity, 16);
+    ao_put64(h + 32, (uint64_t)payload_len);
     ao_put32(h + 40, crc);
-    ao_put32(h + 44, (uint32_t)op->key_len);
-    memcpy(h + 48, op->key, (size_t)op->key_len);
+    ao_put32(h + 44, (uint32_t)key_len);
+    memcpy(h + 48, key, (size_t)key_len);
     ao_put32(h + 4092, ao_crc32c(0, h, 4092));
+}
+
+/* 0, or the -errno of a header that is not this block's: -EBADMSG (damaged, or another
+ * payload size), -ESTALE (another namespace), -EKEYREJECTED (another key). */
+static int64_t ao_match_header(const uint8_t *h, const uint8_t *identity, int64_t payload_len,
+                               const uint8_t *key, int32_t key_len) {
+    if (memcmp(h, AO_MAGIC, 8) != 0 || ao_get32(h + 8) != AO_VERSION ||
+        ao_get32(h + 12) != AO_HEADER || ao_get32(h + 4092) != ao_crc32c(0, h, 4092))
+        return -EBADMSG;
+    if (ao_get64(h + 32) != (uint64_t)payload_len) return -EBADMSG;
+    if (memcmp(h + 16, identity, 16) != 0) return -ESTALE;
+    uint32_t stored_len = ao_get32(h + 44);
+    if (stored_len != (uint32_t)key_len || memcmp(h + 48, key, stored_len) != 0)
+        return -EKEYREJECTED;
+    return 0;
+}
+
+static void ao_build_header(const ao_pool *pool, const ao_op *op, uint8_t *h, uint32_t crc) {
+    ao_fill_header(h, pool->identity, pool->payload_len, crc, op->key, op->key_len);
 }
 
 /* Checks a block's header against the pool and the op: 0, or the -errno of the read. */
 static int64_t ao_check_header(const ao_pool *pool, const ao_op *op, const uint8_t *h) {
-    if (memcmp(h, AO_MAGIC, 8) != 0 || ao_get32(h + 8) != AO_VERSION ||
-        ao_get32(h + 12) != AO_HEADER || ao_get32(h + 4092) != ao_crc32c(0, h, 4092))
-        return -EBADMSG;
-    if (ao_get64(h + 32) != (uint64_t)pool->payload_len) return -EBADMSG;
-    if (memcmp(h + 16, pool->identity, 16) != 0) return -ESTALE;
-    uint32_t key_len = ao_get32(h + 44);
-    if (key_len != (uint32_t)op->key_len || memcmp(h + 48, op->key, key_len) != 0)
-        return -EKEYREJECTED;
-    return 0;
+    return ao_match_header(h, pool->identity, pool->payload_len, op->key, op->key_len);
+}
+
+/* --- values of a key-value store (the shared tier) ------------------------------------ */
+
+#define AO_CHUNK (64 * 1024)
+
+/* Builds one stored value in place: the header, then the payload copied from src, its
+ * CRC32C taken 64 KiB at a time just after each piece is copied (while it is in cache),
+ * so the payload is read from memory once. value holds AO_HEADER + payload_len bytes. */
+void ao_pack_value(uint8_t *value, const void *src, int64_t payload_len, const uint8_t *identity,
+                   const uint8_t *key, int32_t key_len) {
+    uint8_t *dst = value + AO_HEADER;
+    const uint8_t *from = (const uint8_t *)src;
+    uint32_t crc = 0;
+    for (int64_t done = 0; done < payload_len; done += AO_CHUNK) {
+        size_t n = (size_t)(payload_len - done < AO_CHUNK ? payload_len - done : AO_CHUNK);
+        memcpy(dst + done, from + done, n);
+        crc = ao_crc32c(crc, dst + done, n);
+    }
+    ao_fill_header(value, identity, payload_len, crc, key, key_len);
+}
+
+/* Checks one value read back for key and copies its payload to dst: 0, or -ENODATA (too
+ * short), -EBADMSG, -ESTALE, -EKEYREJECTED (see ao_match_header), -EBADMSG for a payload
+ * whose CRC32C does not match. Each 64 KiB piece is checksummed, then copied from cache;
+ * on a mismatch dst holds part of the value and must not be used. */
+int64_t ao_unpack_value(const uint8_t *value, int64_t value_len, void *dst, int64_t payload_len,
+                        const uint8_t *identity, const uint8_t *key, int32_t key_len) {
+    if (value_len < AO_HEADER + payload_len) return -ENODATA;
+    int64_t bad = ao_match_header(value, identity, payload_len, key, key_len);
+    if (bad != 0) return bad;
+    const uint8_t *from = value + AO_HEADER;
+    uint8_t *to = (uint8_t *)dst;
+    uint32_t crc = 0;
+    for (int64_t done = 0; done < payload_len; done += AO_CHUNK) {
+        size_t n = (size_t)(payload_len - done < AO_CHUNK ? payload_len - done : AO_CHUNK);
+        crc = ao_crc32c(crc, from + done, n);
+        memcpy(to + done, from + done, n);
+    }
+    return crc == ao_get32(value + 40) ? 0 : -EBADMSG;
 }
 
 /* All of iov (count cnt) at offset, looping on short transfers and EINTR. Returns the
@@ -517,18 +576,32 @@ static int64_t ao_run_op(ao_worker *w, const ao_iojob *job, const ao_op *op) {
     if (job->deadline > 0 && ao_now() > job->deadline) return -ETIMEDOUT;
     int64_t delay = __atomic_load_n(&pool->delay_ns, __ATOMIC_RELAXED);
     if (delay > 0) ao_sleep_ns(delay);
-    int dir = job->write ? 1 : 0;
+    int dir = (job->write == AO_KIND_WRITE || job->write == AO_KIND_PACK) ? 1 : 0;
     int64_t every = __atomic_load_n(&pool->fault_every[dir], __ATOMIC_RELAXED);
     if (every > 0) {
         int64_t k = __atomic_add_fetch(&pool->fault_count[dir], 1, __ATOMIC_RELAXED);
         if (k % every == 0) return -(int64_t)__atomic_load_n(&pool->fault_err[dir], __ATOMIC_RELAXED);
+    }
+    if (job->write == AO_KIND_PACK) {
+        /* op->offset: the value buffer (AO_HEADER + payload_len bytes); op->host: the payload */
+        ao_pack_value((uint8_t *)(intptr_t)op->offset, (const void *)(intptr_t)op->host,
+                      pool->payload_len, pool->identity, op->key, op->key_len);
+        return pool->payload_len;
+    }
+    if (job->write == AO_KIND_UNPACK) {
+        /* op->offset: a value of at least AO_HEADER + payload_len bytes; op->host: where
+         * its payload goes */
+        int64_t r = ao_unpack_value((const uint8_t *)(intptr_t)op->offset,
+                                    AO_HEADER + pool->payload_len, (void *)(intptr_t)op->host,
+                                    pool->payload_len, pool->identity, op->key, op->key_len);
+        return r == 0 ? pool->payload_len : r;
     }
     if (w->stage == NULL) {
         void *mem = NULL;
         if (posix_memalign(&mem, AO_ALIGN, (size_t)pool->slot_bytes) != 0) return -ENOMEM;
         w->stage = (uint8_t *)mem;
     }
-    return job->write ? ao_do_write(w, op) : ao_do_read(w, op);
+    return job->write == AO_KIND_WRITE ? ao_do_write(w, op) : ao_do_read(w, op);
 }
 
 /* Under the pool mutex: the job is over (every op ended or discarded). */
@@ -619,15 +692,17 @@ void ao_io_set_wake_fd(void *handle, int fd) {
 }
 
 /*
- * Queue a job of n ops (write: 1 writes, 0 reads). The ops, keys and paths are copied
- * now; the host memory, the fds, status (3 words, zeroed) and results (n words) must
- * stay valid until the job's state is set. Returns 0, -1 out of memory, -2 when the
+ * Queue a job of n ops (write: an AO_KIND_*: 1 writes, 0 reads, 2 packs, 3 unpacks). The
+ * ops, keys and paths are copied now; the host memory (and a pack's or unpack's value,
+ * at op->offset), the fds, status (3 words, zeroed) and results (n words) must stay
+ * valid until the job's state is set. Returns 0, -1 out of memory, -2 when the
  * pool is stopping, -3 for bad arguments.
  */
 int ao_io_submit(void *handle, int write, int64_t n, const ao_io_op *ops, int64_t deadline_ns,
                  int64_t *status, int64_t *results) {
     ao_pool *pool = (ao_pool *)handle;
     if (n < 0 || status == NULL || (n > 0 && (ops == NULL || results == NULL))) return -3;
+    if (write < AO_KIND_READ || write > AO_KIND_UNPACK) return -3;
     size_t extra = 0;
     for (int64_t i = 0; i < n; i++) {
         const ao_io_op *op = &ops[i];
@@ -645,7 +720,7 @@ int ao_io_submit(void *handle, int write, int64_t n, const ao_io_op *ops, int64_
     job->taken = 0;
     job->remaining = n;
     job->deadline = deadline_ns;
-    job->write = write ? 1 : 0;
+    job->write = write;
     char *blob = (char *)&job->ops[n];
     for (int64_t i = 0; i < n; i++) {
         const ao_io_op *src = &ops[i];
@@ -678,7 +753,7 @@ int ao_io_submit(void *handle, int write, int64_t n, const ao_io_op *ops, int64_
         pthread_mutex_unlock(&pool->mutex);
         return 0;
     }
-    ao_queue *q = job->write ? &pool->writes : &pool->reads;
+    ao_queue *q = (write == AO_KIND_WRITE || write == AO_KIND_PACK) ? &pool->writes : &pool->reads;
     if (q->tail) q->tail->next = job; else q->head = job;
     q->tail = job;
     if (n == 1) pthread_cond_signal(&pool->cond); else pthread_cond_broadcast(&pool->cond);

@@ -59,6 +59,10 @@ def slot_bytes(payload_len: int) -> int:
     return HEADER_BYTES + (payload_len + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
+#: What a job's ops do (the native pool's AO_KIND_*).
+KIND_READ, KIND_WRITE, KIND_PACK, KIND_UNPACK = 0, 1, 2, 3
+
+
 class IoOp(NamedTuple):
     """One block to write or read: ``payload_len`` bytes at address ``host``. In a slab:
     ``fd`` and ``offset`` (of the header), ``path`` None; in files mode: ``path`` (the
@@ -337,6 +341,36 @@ class IoPool:
         deadline_ns = 0
         if deadline_s is not None:
             deadline_ns = max(1, time.monotonic_ns() + int(deadline_s * 1e9))
+        return self._submit(KIND_WRITE if write else KIND_READ, array, deadline_ns)
+
+    def submit_values(self, pack: bool, ops: Sequence[tuple[int, int, bytes]]) -> IoJob:
+        """Queue ``(host, value, key)`` ops on values of a key-value store in memory, at
+        address ``value`` (``HEADER_BYTES + payload_len`` bytes). ``pack``: write the
+        header of ``key`` and copy the payload at ``host`` behind it (its CRC32C in the
+        same pass). Otherwise check the value is this namespace's block ``key``, whole,
+        with matching CRCs, and copy its payload to ``host`` (a result ``< 0`` is the
+        ``-errno`` of what did not match; ``host`` then holds part of it, to be
+        ignored). Unpacks run before packs; both stay valid until the job has ended."""
+        check_process(self.pid, "IoPool")
+        if self._closed:
+            raise RuntimeError("IoPool is closed")
+        n = len(ops)
+        array = (_Op * n)()
+        for i, (host, value, key) in enumerate(ops):
+            if not 1 <= len(key) <= MAX_KEY_BYTES:
+                raise ValueError(f"a key must be 1 to {MAX_KEY_BYTES} bytes, got {len(key)}")
+            if not host or not value:
+                raise ValueError("an op needs a host and a value address")
+            c = array[i]
+            c.host = host
+            c.offset = value
+            c.key = key
+            c.key_len = len(key)
+            c.fd = -1
+        return self._submit(KIND_PACK if pack else KIND_UNPACK, array, 0)
+
+    def _submit(self, kind: int, array: ctypes.Array[_Op], deadline_ns: int) -> IoJob:
+        n = len(array)
         handle = self._handle
         if handle is None:
             handle = self._start()
@@ -354,7 +388,7 @@ class IoPool:
         pending.append(entry)
         rc = self._lib.ao_io_submit(
             handle,
-            1 if write else 0,
+            kind,
             n,
             ctypes.addressof(array),
             deadline_ns,
