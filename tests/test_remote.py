@@ -357,7 +357,7 @@ async def test_a_cancelled_job_ends_only_after_its_native_packing(valkey_server:
         tier = eng.tiers[0]
         assert isinstance(tier, RemoteStore)
         tier._io.set_delay(0.3)  # each native op sleeps first
-        host = [eng._backend.host_address(i) for i in range(2)]  # type: ignore[attr-defined]
+        host = [eng._backend.host_address(i) for i in range(2)]
         job = tier.submit_write(keys(2), [0, 1], host)
         assert isinstance(job, RemoteJob) and job.task is not None
         await asyncio.sleep(0.1)  # packing has started
