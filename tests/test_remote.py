@@ -92,9 +92,12 @@ async def test_two_engines_share_blocks_byte_exact(any_server: Any) -> None:
     assert found == set(ks)
 
 
+@pytest.mark.parametrize("cache", ["built", "empty"])
 def test_an_engine_in_another_process_loads_what_this_one_stored(
-    valkey_server: Any, tmp_path: Path
+    valkey_server: Any, tmp_path: Path, cache: str
 ) -> None:
+    """With an empty native cache the other process builds its native library on a
+    background thread when the engine starts on its loop: the tier waits for it."""
     kv = kv_caches()
     ks = keys(4)
 
@@ -119,8 +122,12 @@ async def main():
     sys.stdout.buffer.write(b"".join(out))
 asyncio.run(main())
 """
+    env = dict(os.environ)
+    if cache == "empty":
+        env["ASYNCOFFLOAD_CACHE_DIR"] = str(tmp_path / "cache")
+        env.pop("ASYNCOFFLOAD_NO_NATIVE", None)
     out = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, timeout=120, cwd=tmp_path
+        [sys.executable, "-c", script], capture_output=True, timeout=300, cwd=tmp_path, env=env
     )
     assert out.returncode == 0, out.stderr.decode()[-2000:]
     assert out.stdout == b"".join(block(kv, i) for i in range(4))

@@ -156,6 +156,21 @@ def available() -> bool:
     return load_disk_io() is not None
 
 
+def require(what: str) -> None:
+    """Make sure the native library is loaded for ``what`` (say "the disk tier"): made
+    on an event loop before a background build ended, start-up waits for the build (a
+    tier cannot run without it: no fallback); ``RuntimeError`` when it cannot be built."""
+    from asyncoffload._native import compile_timeout_s
+
+    if not available() and load_disk_io.building:
+        load_disk_io.wait_for_build(compile_timeout_s())
+    if not available():
+        raise RuntimeError(
+            f"{what} needs the native I/O lanes, which could not be built (a C compiler "
+            f"is needed on first use; see docs/install.md): {_unavailable_reason()}"
+        )
+
+
 def _library() -> ctypes.CDLL:
     lib = load_disk_io()
     if lib is None:

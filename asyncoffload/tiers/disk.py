@@ -160,18 +160,9 @@ class DiskStore(LowerTier):
     medium = Medium.DISK
 
     def __init__(self, config: DiskTier, namespace: Namespace, name: str = "disk") -> None:
-        from asyncoffload._native import compile_timeout_s, load_disk_io
-        from asyncoffload.tiers._io import IoPool, available
+        from asyncoffload.tiers._io import IoPool, require
 
-        if not available() and load_disk_io.building:
-            # Made on an event loop before the lanes were built: the tier cannot run
-            # without them (no fallback here), so start-up waits for the build.
-            load_disk_io.wait_for_build(compile_timeout_s())
-        if not available():
-            raise RuntimeError(
-                "the disk tier needs the native I/O lanes, which could not be built (a C "
-                "compiler is needed on first use; see docs/install.md)"
-            )
+        require("the disk tier")
         self.config = config
         self.name = name
         self.deadline_s = config.deadline_s

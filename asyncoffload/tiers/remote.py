@@ -277,8 +277,9 @@ class RemoteStore(LowerTier):
             config.index_blocks, Medium.REMOTE, config.policy, threshold, admission=admission
         )
         self._key_prefix = f"{config.prefix}:{self.identity.hex()}:".encode()
-        from asyncoffload.tiers._io import IoPool
+        from asyncoffload.tiers._io import IoPool, require
 
+        require("the remote tier")
         # Packing a value (header, payload copy, CRC32C) and checking one read back run on
         # native threads, their ends signalled to the loop through an eventfd.
         self._io = IoPool(
