@@ -9,12 +9,13 @@ error naming it, so a misspelt setting never passes silently.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from asyncoffload.config import known_admission, known_policy
 from asyncoffload.tiers.disk import DiskTier
+from asyncoffload.tiers.remote import RemoteTier
 
 __all__ = ["VLLM_KEYS", "VllmOffloadSettings"]
 
@@ -31,6 +32,9 @@ VLLM_KEYS = frozenset(
         "canonical_layout",
     }
 )
+
+#: The ``kind`` of each tier ``tiers`` takes.
+_TIER_KINDS = ("disk", "remote")
 
 
 class VllmOffloadSettings(BaseModel):
@@ -75,12 +79,14 @@ class VllmOffloadSettings(BaseModel):
         description="CUDA: device memory per direction for staged copies (a Triton gather "
         "into rows laid out like host slots, then one DMA per run), allocated on first use.",
     )
-    tiers: list[DiskTier] = Field(
+    tiers: list[Annotated[DiskTier | RemoteTier, Field(discriminator="kind")]] = Field(
         default_factory=list,
         description="Tiers below the CPU tier, highest first, as EngineConfig.tiers: "
-        '[{"kind": "disk", "path": ..., "capacity": "64GiB", "mode": "slab", ...}]. '
-        "The worker's host pool then lives in a shared-memory file that the scheduler "
-        "maps (see docs/vllm.md, Tiers under vLLM). One worker per engine (world_size 1).",
+        '[{"kind": "disk", "path": ..., "capacity": "64GiB", "mode": "slab", ...}, '
+        '{"kind": "remote", "url": "redis://host:6379/0", ...}] (a tier without its kind: '
+        "remote if it has a url, else disk). The worker's host pool then lives in a "
+        "shared-memory file that the scheduler maps (see docs/vllm.md, Tiers under "
+        "vLLM). One worker per engine (world_size 1).",
     )
     host_pool_dir: str = Field(
         "/dev/shm",
@@ -119,9 +125,18 @@ class VllmOffloadSettings(BaseModel):
             import json
 
             try:
-                return json.loads(value)
+                value = json.loads(value)
             except ValueError as exc:
                 raise ValueError(f"expected a JSON list of tiers: {exc}") from None
+        if isinstance(value, list):
+            # A tier without its kind, as EngineConfig reads it: a disk tier has a path, a
+            # remote one a url.
+            value = [
+                dict(t, kind="remote" if "url" in t else "disk")
+                if isinstance(t, dict) and "kind" not in t
+                else t
+                for t in value
+            ]
         return value
 
     @field_validator("canonical_layout")
@@ -148,10 +163,16 @@ class VllmOffloadSettings(BaseModel):
             settings = cls.model_validate(values)
         except ValidationError as exc:
             for error in exc.errors():
-                key = ".".join(str(part) for part in error["loc"]) or "?"
+                loc = list(error["loc"])
+                if loc[:1] == ["tiers"] and len(loc) > 2 and loc[2] in _TIER_KINDS:
+                    del loc[2]  # the kind pydantic picked the model by: the user wrote none
+                key = ".".join(str(part) for part in loc) or "?"
                 msg = str(error["msg"]).removeprefix("Value error, ")
                 if error["type"] == "extra_forbidden":
                     msg = "unknown key (a typo?)"
+                elif error["type"] == "union_tag_invalid":
+                    tag = error.get("ctx", {}).get("tag")
+                    msg = f"unknown tier kind {tag!r}; known: {', '.join(_TIER_KINDS)}"
                 problems.append(f"kv_connector_extra_config[{key!r}]: {msg}")
             raise ValueError("; ".join(problems)) from None
         if (

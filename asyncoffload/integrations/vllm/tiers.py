@@ -1,4 +1,5 @@
-"""Lower tiers under vLLM: the scheduler side of a disk tier below the CPU tier.
+"""Lower tiers under vLLM: the scheduler side of the disk and shared (Redis / Valkey)
+tiers below the CPU tier.
 
 vLLM splits the offloading backend in two: the manager (every index) in the scheduler
 process, the host slots and their copies in each worker process. With ``tiers`` set,
@@ -9,7 +10,11 @@ native I/O lanes move blocks straight between the slots and disk, driven from he
 
 Nothing here blocks or runs a Python thread: I/O jobs are submitted to the native
 lanes and polled (:meth:`SchedulerTiers.poll`) at the start of every manager call,
-which vLLM makes every step. It does not import vLLM.
+which vLLM makes every step. A shared tier's client (``redis.asyncio``) runs on a
+private event loop that is never run on a thread of its own and never becomes the
+thread's current loop: :meth:`SchedulerTiers.flush` (every manager call but ``lookup``)
+*steps* it, a bounded number of non-blocking iterations, while something of ours is in
+flight on it. It does not import vLLM.
 
 - A lookup of a key absent from the CPU tier and ready in a lower tier starts a
   *promotion*: a CPU slot is reserved (the CPU tier's ``reserve``), the key answers
@@ -20,21 +25,32 @@ which vLLM makes every step. It does not import vLLM.
   again). No free or idle CPU slot: ``MISS`` (counted as ``no_slot``).
 - Stores the CPU tier completed are written through to each tier its admission lets in,
   from their CPU slots, pinned until the write ends, as the engine does.
+- A shared tier knows only the blocks this engine wrote or found there. A key absent
+  from the CPU tier and unknown to every lower tier is asked about (``EXISTS``, once per
+  key, the step's keys in one pipelined query per shared tier, sent at the step's end)
+  and answers ``HIT_PENDING`` until the answer arrives. A key found joins the tier's
+  index (a stored event), and its next lookup promotes it as from disk; a key not found
+  answers ``MISS``, and so does every lookup of it for ``miss_ttl_s`` seconds (a
+  bounded memory of negative answers). A query that fails (the server down, no answer
+  within the tier's ``timeout_s``) is a ``MISS``, logged at most once a minute, and
+  the tier is not asked again for ``miss_ttl_s``.
 - Failures are counted by cause and skipped; nothing reaches vLLM's worker.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import logging
 import os
 import re
 import time
-from collections import deque
-from collections.abc import Sequence
+from collections import OrderedDict, deque
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Protocol, TypeVar, cast
 
 from asyncoffload.engine import TierStats
 from asyncoffload.keys import OffloadKey
@@ -55,8 +71,21 @@ _WARN_AFTER_S = 60.0
 #: A drain waits for I/O at most the tiers' deadline plus this.
 _DRAIN_GRACE_S = 1.0
 #: Promotions found in one step are read as one job per tier; a batch this large is
-#: submitted at once.
+#: submitted at once (and so is a shared tier's query of this many keys).
 _MAX_BATCH = 256
+#: Iterations of the private event loop per step of it (each runs what is ready, with
+#: no wait for I/O); it stops sooner once nothing of ours is in flight on it.
+_LOOP_ITERATIONS = 16
+#: Seconds a shared tier's "not there" (or a failed query) is remembered, and how many
+#: such keys at most.
+_MISS_TTL_S = 2.0
+_MISS_KEYS = 65_536
+#: A failed query is logged at most once this often (the others are counted).
+_LOG_EVERY_S = 60.0
+#: Seconds the shutdown waits for a shared tier's client to close.
+_CLOSE_TIMEOUT_S = 5.0
+
+_T = TypeVar("_T")
 
 
 def host_pool_path(directory: str | os.PathLike[str], engine_id: str, rank: int) -> Path:
@@ -79,12 +108,10 @@ def _alive(pid: int) -> bool:
     return True
 
 
-@dataclass
-class _Tier:
-    store: LowerTier
-    counters: TierCounters = field(default_factory=TierCounters)
-    #: Promotions of this step not submitted yet: (key, tier slot, CPU slot).
-    batch: list[tuple[OffloadKey, int, int]] = field(default_factory=list)
+class _Shared(Protocol):
+    """A tier that can be asked which blocks it holds (the shared tier's server)."""
+
+    async def exists(self, keys: Sequence[OffloadKey]) -> list[bool]: ...
 
 
 @dataclass
@@ -94,13 +121,57 @@ class _Io:
     keys: list[OffloadKey]
 
 
+@dataclass
+class _Tier:
+    store: LowerTier
+    counters: TierCounters = field(default_factory=TierCounters)
+    #: Promotions of this step not submitted yet: (key, tier slot, CPU slot).
+    batch: list[tuple[OffloadKey, int, int]] = field(default_factory=list)
+    #: I/O jobs in flight, in submission order (they end about in order per tier).
+    reads: deque[_Io] = field(default_factory=deque)
+    writes: deque[_Io] = field(default_factory=deque)
+    #: A shared tier: its client runs on the private loop, and it answers ``exists``.
+    shared: _Shared | None = None
+    #: A shared tier whose last query failed is not asked again before this time.
+    down_until: float = 0.0
+    #: Keys a shared tier was asked about, and those it held.
+    asked: int = 0
+    found: int = 0
+
+
+@dataclass
+class _Query:
+    """An ``exists`` query of one shared tier, a task on the private loop."""
+
+    tier: _Tier
+    keys: list[OffloadKey]
+    task: asyncio.Task[list[bool]]
+
+
+@contextlib.contextmanager
+def _outside_any_loop() -> Iterator[None]:
+    """Runs the body with no event loop marked running in this thread, then restores
+    the one that was: a private loop can only be stepped where no other loop runs, and
+    the scheduler thread has none (unless a caller drives vLLM from a coroutine)."""
+    outer = asyncio._get_running_loop()
+    if outer is None:
+        yield
+        return
+    asyncio._set_running_loop(None)
+    try:
+        yield
+    finally:
+        asyncio._set_running_loop(outer)
+
+
 class SchedulerTiers:
     """The lower tiers of one vLLM engine, driven from its scheduler thread.
 
     ``cpu``: the CPU tier's manager (its slots are the worker's host slots, ``num_slots``
     of ``slot_bytes`` in the file at ``pool_path``); ``stores``: the running tiers,
     highest first. The caller polls (:meth:`poll`) at the start of each call and flushes
-    (:meth:`flush`) once its step's lookups are done.
+    (:meth:`flush`) once its step's lookups are done. ``miss_ttl_s``: how long a shared
+    tier's "not there" is remembered.
     """
 
     def __init__(
@@ -112,7 +183,8 @@ class SchedulerTiers:
         slot_bytes: int,
     ) -> None:
         self.cpu = cpu
-        self.tiers = [_Tier(store) for store in stores]
+        self.tiers = [_Tier(store, shared=_shared(store)) for store in stores]
+        self._shared = [tier for tier in self.tiers if tier.shared is not None]
         self.pool_path = Path(pool_path)
         self.num_slots = num_slots
         self.slot_bytes = slot_bytes
@@ -123,10 +195,24 @@ class SchedulerTiers:
         self._first_try = 0.0
         self._next_try = 0.0
         self._warned = False
-        self._reads: deque[_Io] = deque()
-        self._writes: deque[_Io] = deque()
         self._batched = 0
         self._closed = False
+        # The shared tiers' private loop, stepped from here (see the module docstring),
+        # and what of ours is in flight on it (jobs' tasks, queries).
+        self._loop = asyncio.new_event_loop() if self._shared else None
+        self._on_loop: set[asyncio.Future[Any]] = set()
+        #: Keys to ask the shared tiers about at the next flush.
+        self._ask: dict[OffloadKey, None] = {}
+        #: Keys asked about (or to be): how many queries of them are still out.
+        self._asking: dict[OffloadKey, int] = {}
+        #: Keys of ``_asking`` that some shared tier holds.
+        self._found: set[OffloadKey] = set()
+        self._queries: list[_Query] = []
+        #: Keys no shared tier holds, until when (monotonic), oldest first.
+        self._misses: OrderedDict[OffloadKey, float] = OrderedDict()
+        self.miss_ttl_s = _MISS_TTL_S
+        self._logged_at = -_LOG_EVERY_S
+        self._unlogged = 0
         self.deadline_s = max((s.deadline_s for s in stores), default=0.0)
         for store in stores:
             store.bind(None)  # vLLM polls: no wake-up fd
@@ -185,45 +271,115 @@ class SchedulerTiers:
     # --- polling --------------------------------------------------------------------
 
     def pending(self) -> bool:
-        """Whether I/O is in flight or promotions wait to be submitted."""
-        return bool(self._reads or self._writes or self._batched)
+        """Whether I/O or a shared tier's query is in flight, or promotions or queries
+        wait to be submitted."""
+        return bool(self._batched or self._asking or self._io_in_flight())
+
+    def _io_in_flight(self) -> bool:
+        return any(t.reads or t.writes for t in self.tiers)
 
     def poll(self) -> None:
-        """Finish the I/O jobs that ended (only the heads: jobs end about in order)."""
-        reads = self._reads
-        while reads and reads[0].job.query():
-            self._read_done(reads.popleft())
-        writes = self._writes
-        while writes and writes[0].job.query():
-            self._written(writes.popleft())
+        """Finish the I/O jobs that ended (only each tier's heads: a tier's jobs end
+        about in order) and take the shared tiers' answers that arrived. It does not
+        step the private loop (cheap enough for every lookup)."""
+        for tier in self.tiers:
+            reads = tier.reads
+            while reads and reads[0].job.query():
+                self._read_done(reads.popleft())
+            writes = tier.writes
+            while writes and writes[0].job.query():
+                self._written(writes.popleft())
+        if self._queries:
+            self._answers()
 
     def flush(self) -> None:
-        """Submit the promotions found since the last flush, one read job per tier."""
-        if not self._batched:
-            return
-        self._batched = 0
-        base = self._base
-        size = self.slot_bytes
-        for tier in self.tiers:
-            batch = tier.batch
-            if not batch:
-                continue
-            tier.batch = []
-            keys = [key for key, _, _ in batch]
-            host = [base + cpu_slot * size for _, _, cpu_slot in batch]
-            job = self._submit(tier.store.submit_read, keys, [s for _, s, _ in batch], host)
-            tier.counters.reads += 1
-            self._reads.append(_Io(job, tier, keys))
+        """Submit the promotions found since the last flush, one read job per tier, and
+        the shared tiers' queries; then step the private loop and take what ended."""
+        if self._batched:
+            self._batched = 0
+            base = self._base
+            size = self.slot_bytes
+            for tier in self.tiers:
+                batch = tier.batch
+                if not batch:
+                    continue
+                tier.batch = []
+                keys = [key for key, _, _ in batch]
+                host = [base + cpu_slot * size for _, _, cpu_slot in batch]
+                job = self._submit(tier, False, keys, [s for _, s, _ in batch], host)
+                tier.counters.reads += 1
+                tier.reads.append(_Io(job, tier, keys))
+        if self._ask:
+            self._send_queries()
+        if self._on_loop:
+            self._step()
+            self.poll()
 
-    @staticmethod
     def _submit(
-        submit: object, keys: list[OffloadKey], slots: list[int], host: list[int]
+        self, tier: _Tier, write: bool, keys: list[OffloadKey], slots: list[int], host: list[int]
     ) -> CopyJob:
+        store = tier.store
+        submit = store.submit_write if write else store.submit_read
         try:
-            return submit(keys, slots, host)  # type: ignore[operator,no-any-return]
+            if tier.shared is None:
+                return submit(keys, slots, host)
+            # A shared tier's job is a task on the private loop: submitted from inside it.
+            job = self._in_loop(submit, keys, slots, host)
         except Exception as exc:
             log.warning("a tier I/O submission failed: %r", exc)
             return FailedJob(len(keys), exc.with_traceback(None))
+        task = getattr(job, "task", None)
+        if isinstance(task, asyncio.Future):
+            self._track(task)
+        return job
+
+    # --- the private loop -----------------------------------------------------------
+
+    def _track(self, future: asyncio.Future[Any]) -> None:
+        self._on_loop.add(future)
+        future.add_done_callback(self._on_loop.discard)
+
+    def _run(self, coro: Coroutine[Any, Any, _T]) -> _T:
+        """Run ``coro`` to its end on the private loop (only what ends without waiting
+        for I/O: a submission, a close bounded by a timeout)."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            coro.close()
+            raise RuntimeError("the shared tiers' event loop is closed")
+        with _outside_any_loop():
+            return loop.run_until_complete(coro)
+
+    def _in_loop(self, fn: Callable[..., _T], *args: Any) -> _T:
+        """``fn(*args)`` called inside the private loop (it may create tasks on it)."""
+
+        async def call() -> _T:
+            return fn(*args)
+
+        return self._run(call())
+
+    def _step(self) -> None:
+        """Up to ``_LOOP_ITERATIONS`` iterations of the private loop, none waiting for
+        I/O; fewer once nothing of ours is in flight on it."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        left = _LOOP_ITERATIONS
+        busy = self._on_loop
+
+        def again() -> None:
+            nonlocal left
+            left -= 1
+            if left > 0 and busy:
+                loop.call_soon(again)  # runs in the next iteration
+            else:
+                loop.stop()
+
+        loop.call_soon(again)
+        try:
+            with _outside_any_loop():
+                loop.run_forever()
+        except RuntimeError as exc:  # a defect of ours: never raise into vLLM
+            log.error("stepping the shared tiers' event loop failed: %s", exc)
 
     # --- promotions -----------------------------------------------------------------
 
@@ -250,7 +406,152 @@ class SchedulerTiers:
             if self._batched >= _MAX_BATCH:
                 self.flush()
             return True
+        if self._shared:
+            return self._ask_shared(key)
         return False
+
+    # --- asking the shared tiers ------------------------------------------------------
+
+    def _ask_shared(self, key: OffloadKey) -> bool:
+        """``key`` is in no tier's index: True (``HIT_PENDING``) while the shared tiers
+        are asked about it; False (``MISS``) if a tier knows it but cannot read it yet,
+        if the answer "not there" (or a failure) is recent, or if no tier can be asked."""
+        if key in self._asking:
+            return True
+        for tier in self.tiers:
+            if tier.store.manager.block_of(key) is not None:
+                return False  # being written there: as for disk
+        now = time.monotonic()
+        misses = self._misses
+        if misses:
+            until = misses.get(key)
+            if until is not None:
+                if until > now:
+                    return False
+                del misses[key]
+        if len(key) > MAX_KEY_BYTES or self._closed:
+            return False
+        if all(tier.down_until > now for tier in self._shared):
+            return False
+        if self._pool_base() is None:  # nothing could be read: do not ask
+            self._skip(self._shared[0], "no_pool", 1)
+            return False
+        self._ask[key] = None
+        self._asking[key] = 0
+        if len(self._ask) >= _MAX_BATCH:
+            self._send_queries()
+        return True
+
+    def _send_queries(self) -> None:
+        """One ``exists`` query per shared tier of the keys asked for since the last
+        send that it does not know of, each a task on the private loop."""
+        keys = list(self._ask)
+        self._ask.clear()
+        loop = self._loop
+        assert loop is not None
+        asking = self._asking
+        now = time.monotonic()
+        for tier in self._shared:
+            if tier.down_until > now:
+                continue
+            manager = tier.store.manager
+            unknown = [key for key in keys if manager.block_of(key) is None]
+            if not unknown:
+                continue
+            assert tier.shared is not None
+            task = loop.create_task(tier.shared.exists(unknown))
+            self._track(task)
+            self._queries.append(_Query(tier, unknown, task))
+            tier.asked += len(unknown)
+            for key in unknown:
+                asking[key] += 1
+        for key in keys:
+            if asking.get(key) == 0:  # no tier was asked
+                del asking[key]
+                self._settle_asked(key, now)
+
+    def _answers(self) -> None:
+        """Take the answers of the queries that ended."""
+        done = [q for q in self._queries if q.task.done()]
+        if not done:
+            return
+        self._queries = [q for q in self._queries if not q.task.done()]
+        now = time.monotonic()
+        for query in done:
+            self._answered(query, now)
+
+    def _answered(self, query: _Query, now: float) -> None:
+        tier, keys, task = query.tier, query.keys, query.task
+        found: list[bool] | None = None
+        error: BaseException | None = None
+        if task.cancelled():
+            error = asyncio.CancelledError()
+        else:
+            error = task.exception()
+            if error is None:
+                found = task.result()
+        if found is None or len(found) != len(keys):
+            # The server is down or late: misses, and no more queries for a while.
+            tier.down_until = now + self.miss_ttl_s
+            self._skip(tier, "lookup_failed", len(keys))
+            self._log_failure(tier, error)
+        else:
+            manager = tier.store.manager
+            hits = [key for key, hit in zip(keys, found) if hit]
+            new = [key for key in hits if manager.block_of(key) is None]
+            if new:
+                # They join the tier's index as alookup's do (a stored event); the next
+                # lookup promotes them as from disk.
+                out = manager.reserve(new)
+                if out is None:  # the index is full of blocks in flight
+                    self._skip(tier, "full", len(new))
+                    gone = set(new)
+                    hits = [key for key in hits if key not in gone]
+                else:
+                    manager.complete_store(new)
+                    if out.evicted_keys:
+                        tier.store.forget(out.evicted_keys)
+            tier.found += len(hits)
+            self._found.update(hits)
+        asking = self._asking
+        for key in keys:
+            left = asking.get(key, 0) - 1
+            if left > 0:
+                asking[key] = left
+                continue
+            asking.pop(key, None)
+            self._settle_asked(key, now)
+
+    def _settle_asked(self, key: OffloadKey, now: float) -> None:
+        """Every query of ``key`` ended: a miss to remember unless a tier had it."""
+        if key in self._found:
+            self._found.discard(key)
+        else:
+            self._remember_miss(key, now)
+
+    def _remember_miss(self, key: OffloadKey, now: float) -> None:
+        misses = self._misses
+        misses[key] = now + self.miss_ttl_s
+        misses.move_to_end(key)
+        if len(misses) > _MISS_KEYS:
+            misses.popitem(last=False)
+
+    def _log_failure(self, tier: _Tier, error: BaseException | None) -> None:
+        now = time.monotonic()
+        if now - self._logged_at < _LOG_EVERY_S:
+            self._unlogged += 1
+            return
+        more = f"; {self._unlogged} more failed since the last report" if self._unlogged else ""
+        self._logged_at = now
+        self._unlogged = 0
+        log.warning(
+            "shared tier %s did not answer a lookup (%s): its keys are misses, and it is "
+            "not asked again for %.1fs%s",
+            tier.store.name,
+            repr(error) if error is not None else "a malformed answer",
+            self.miss_ttl_s,
+            more,
+        )
 
     def _read_done(self, io: _Io) -> None:
         tier, keys = io.tier, io.keys
@@ -259,6 +560,10 @@ class SchedulerTiers:
             self.cpu.complete_store(good, None, success=True)
         if bad:
             self.cpu.complete_store(bad, None, success=False)
+            if self._shared:  # gone from every index: not asked about again at once
+                now = time.monotonic()
+                for key in bad:
+                    self._remember_miss(key, now)
             log.warning(
                 "%d of %d blocks read from %s failed (%s): misses, dropped from its index",
                 len(bad),
@@ -309,11 +614,9 @@ class SchedulerTiers:
                 continue
             spec = self.cpu.pin(chosen)
             host = [base + b * size for b in spec.block_ids]
-            job = self._submit(
-                tier.store.submit_write, chosen, list(out.store_spec.block_ids), host
-            )
+            job = self._submit(tier, True, chosen, list(out.store_spec.block_ids), host)
             tier.counters.writes += 1
-            self._writes.append(_Io(job, tier, chosen))
+            tier.writes.append(_Io(job, tier, chosen))
 
     def _written(self, io: _Io) -> None:
         tier, keys = io.tier, io.keys
@@ -346,6 +649,9 @@ class SchedulerTiers:
         for tier in self.tiers:
             c = tier.counters
             info = dict(tier.store.describe())
+            if tier.shared is not None:
+                info["keys_asked"] = tier.asked
+                info["keys_found"] = tier.found
             info["host_pool"] = str(self.pool_path)
             info["host_pool_mapped"] = self._pool is not None
             out.append(
@@ -370,39 +676,80 @@ class SchedulerTiers:
     # --- lifecycle ------------------------------------------------------------------
 
     def drain(self) -> bool:
-        """Finish every I/O job (promotions not submitted are released): wait at most
-        the tiers' deadline plus a second. False if a job still runs then (a stalled
-        disk: its slots may still be written)."""
+        """Finish every I/O job (promotions not submitted are released; queries of the
+        shared tiers go on, they touch no slot): wait at most the tiers' deadline plus a
+        second. False if a job still runs then (a stalled disk or server: its slots may
+        still be read or written)."""
         self._cancel_batches()
         limit = time.monotonic() + self.deadline_s + _DRAIN_GRACE_S
         while True:
+            self._step()
             self.poll()
-            if not (self._reads or self._writes):
+            if not self._io_in_flight():
                 return True
             if time.monotonic() > limit:
                 log.error(
                     "%d tier I/O jobs still run %.1fs after the drain began (a stalled "
-                    "disk?): going on without them",
-                    len(self._reads) + len(self._writes),
+                    "disk or server?): going on without them",
+                    sum(len(t.reads) + len(t.writes) for t in self.tiers),
                     self.deadline_s + _DRAIN_GRACE_S,
                 )
                 return False
             time.sleep(0.001)
 
     def close(self) -> None:
-        """Drain, close every tier (its lanes joined), unmap the pool. Idempotent."""
+        """Drain, close every tier (its lanes joined; a shared tier's client closed on
+        the private loop, for at most ``_CLOSE_TIMEOUT_S``), close the loop, unmap the
+        pool. Idempotent."""
         if self._closed:
             return
         self.drain()
         self._closed = True
+        self._ask.clear()
+        self._asking.clear()
+        self._found.clear()
+        for query in self._queries:
+            query.task.cancel()
+        self._queries.clear()
         for tier in self.tiers:
             try:
-                tier.store.close()
+                if tier.shared is not None and self._loop is not None:
+                    self._run(asyncio.wait_for(tier.store.aclose(), _CLOSE_TIMEOUT_S))
+                else:
+                    tier.store.close()
             except Exception:
                 log.exception("closing tier %s failed", tier.store.name)
-        self._reads.clear()
-        self._writes.clear()
+                if tier.shared is not None:
+                    with contextlib.suppress(Exception):
+                        tier.store.close()
+            tier.reads.clear()
+            tier.writes.clear()
+        self._close_loop()
         pool, self._pool = self._pool, None
         self._view = None
         if pool is not None:
             pool.close()
+
+    def _close_loop(self) -> None:
+        """Cancel what is left on the private loop, let it end, close the loop."""
+        loop, self._loop = self._loop, None
+        if loop is None or loop.is_closed():
+            return
+        try:
+            left = asyncio.all_tasks(loop)
+            for task in left:
+                task.cancel()
+            with _outside_any_loop():
+                if left:
+                    loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
+                loop.run_until_complete(loop.shutdown_asyncgens())
+        except Exception:
+            log.exception("closing the shared tiers' event loop failed")
+        finally:
+            loop.close()
+        self._on_loop.clear()
+
+
+def _shared(store: LowerTier) -> _Shared | None:
+    """``store`` as a shared tier (one that answers ``exists``), or None."""
+    return cast(_Shared, store) if callable(getattr(store, "exists", None)) else None
