@@ -40,7 +40,7 @@ from asyncoffload.errors import (
     UnknownKeyError,
 )
 from asyncoffload.events import EventHub, EventSubscription, SubscriptionStats
-from asyncoffload.handles import Transfer, TransferResult
+from asyncoffload.handles import Completion, Transfer, TransferResult
 from asyncoffload.histogram import (
     BYTES_PER_SECOND_BUCKETS,
     LATENCY_BUCKETS_S,
@@ -824,7 +824,7 @@ class AsyncOffloadEngine:
         try:
             if self.config.touch_on_load:
                 self._manager.touch(keys, ctx)
-            fut = bridge.loop.create_future()
+            fut = Completion(loop=bridge.loop)
             handle = Transfer(fut, "load", keys)
             if not keys:
                 fut.set_result(TransferResult(0, 0, 0.0))
@@ -928,7 +928,7 @@ class AsyncOffloadEngine:
         step = [0]  # how far the completion got (see _store_done); shared with _abandon
         try:
             self._publish_events()
-            fut = bridge.loop.create_future()
+            fut = Completion(loop=bridge.loop)
             handle = Transfer(fut, "store", keys, to_store, out.evicted_keys)
             if not to_store:
                 fut.set_result(TransferResult(0, 0, 0.0))
@@ -1194,7 +1194,7 @@ class AsyncOffloadEngine:
         for key in lower_keys:
             tier = lower[key]
             by_tier.setdefault(id(tier), (tier, []))[1].append(key)
-        fut = bridge.loop.create_future()
+        fut = Completion(loop=bridge.loop)
         handle = Transfer(fut, "load", keys)
         state = _Promotion(keys, ids, ctx, cpu_keys, lower_keys, handle, len(by_tier))
         self._loads += 1

@@ -17,6 +17,7 @@ import torch
 import asyncoffload as ao
 from asyncoffload.keys import make_offload_key
 from asyncoffload.manager.base import Medium
+from asyncoffload.tiers import remote
 from asyncoffload.tiers.format import HEADER_BYTES, Namespace, pack_header
 from asyncoffload.tiers.remote import RemoteJob, RemoteStore, RemoteTier
 
@@ -31,6 +32,14 @@ BLOCK = 2 * FRAG
 def valkey_server_small(make_valkey: Any) -> Any:
     """A server holding about 256 KiB, dropping the least recently used keys beyond."""
     return make_valkey(maxmemory=256 * 1024 + 1024 * 1024, policy="allkeys-lru")
+
+
+@pytest.fixture(params=["inline", "native"])
+def values_on(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Values packed and checked on the loop (small batches) or on native threads."""
+    if request.param == "native":
+        monkeypatch.setattr(remote, "INLINE_BYTES", 0)
+    return str(request.param)
 
 
 def kv_caches(seed: int = 5) -> list[torch.Tensor]:
@@ -67,7 +76,7 @@ async def collect(eng: ao.AsyncOffloadEngine, sub: ao.EventSubscription) -> list
     return [e async for e in sub if isinstance(e, ao.OffloadingEvent)]
 
 
-async def test_two_engines_share_blocks_byte_exact(any_server: Any) -> None:
+async def test_two_engines_share_blocks_byte_exact(any_server: Any, values_on: str) -> None:
     valkey_server = any_server  # Valkey, and Redis where redis-server is installed
     kv = kv_caches()
     want = [block(kv, i) for i in range(8)]
@@ -155,7 +164,9 @@ async def _raw(url: str) -> Any:
 
 
 @pytest.mark.parametrize("how", ["payload", "header", "truncate", "foreign", "evicted"])
-async def test_a_bad_value_is_a_miss_with_a_removed_event(any_server: Any, how: str) -> None:
+async def test_a_bad_value_is_a_miss_with_a_removed_event(
+    any_server: Any, how: str, values_on: str
+) -> None:
     valkey_server = any_server
     kv = kv_caches()
     ks = keys(2)
@@ -305,7 +316,7 @@ async def test_a_server_killed_mid_batch_leaves_no_hang_and_no_lost_state(
         assert eng.stats().tiers[0].blocks_written >= tier.blocks_written + 4
 
 
-async def test_thousands_of_blocks_in_flight(valkey_server: Any) -> None:
+async def test_thousands_of_blocks_in_flight(valkey_server: Any, values_on: str) -> None:
     kv = [t[:, :1024].contiguous() for t in kv_caches()]
     n = 2048
     ks = keys(n)
@@ -357,9 +368,12 @@ async def test_a_cluster_spreads_blocks_across_its_nodes(valkey_cluster: Any) ->
         assert [block(fresh, 32 + i) for i in range(32)] == [block(kv, i) for i in range(32)]
 
 
-async def test_a_cancelled_job_ends_only_after_its_native_packing(valkey_server: Any) -> None:
+async def test_a_cancelled_job_ends_only_after_its_native_packing(
+    valkey_server: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The native threads copy out of the job's CPU slots: the job (and so the slots'
     pin) must not end before they do, even when its task is cancelled."""
+    monkeypatch.setattr(remote, "INLINE_BYTES", 0)
     async with ao.AsyncOffloadEngine(kv_caches(), config(valkey_server.url)) as eng:
         tier = eng.tiers[0]
         assert isinstance(tier, RemoteStore)

@@ -22,6 +22,7 @@ import ctypes
 import errno
 import logging
 import os
+import sys
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Literal
 from urllib.parse import quote, unquote, urlsplit, urlunsplit
@@ -38,6 +39,9 @@ __all__ = ["RemoteStore", "RemoteTier"]
 
 log = logging.getLogger("asyncoffload.tiers")
 
+#: Batches of at most this many payload bytes are packed or checked on the loop: a
+#: native job's wake-up is one more loop pass, which costs more under a busy loop.
+INLINE_BYTES = 1 << 20
 #: Read-back errors that mean the value on the server is damaged or not this block's:
 #: the tier deletes it, so that the next store of the block can put it again (NX).
 _DAMAGED = frozenset({errno.ENODATA, errno.EBADMSG, errno.ESTALE, errno.EKEYREJECTED})
@@ -209,6 +213,47 @@ def _errno_of(exc: BaseException) -> int:
     return errno.EIO
 
 
+async def _exists_each(client: Any, names: list[bytes]) -> list[bool]:
+    async with client.pipeline(transaction=False) as pipe:
+        for name in names:
+            pipe.exists(name)
+        replies = await pipe.execute()
+    return [reply == 1 for reply in replies]
+
+
+def _deadline(seconds: float) -> contextlib.AbstractAsyncContextManager[Any]:
+    """``asyncio.timeout`` (no task of its own, unlike ``wait_for`` before 3.12)."""
+    if sys.version_info >= (3, 11):
+        return asyncio.timeout(seconds)
+    return _WaitFor(seconds)  # pragma: no cover - Python 3.10
+
+
+class _WaitFor:
+    """Python 3.10: a deadline for the body, by cancelling the task running it."""
+
+    def __init__(self, seconds: float) -> None:
+        self._seconds = seconds
+        self._timer: asyncio.TimerHandle | None = None
+        self._fired = False
+
+    async def __aenter__(self) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+
+        def fire() -> None:
+            self._fired = True
+            task.cancel()
+
+        self._timer = asyncio.get_running_loop().call_later(self._seconds, fire)
+
+    async def __aexit__(self, kind: object, exc: object, tb: object) -> bool:
+        assert self._timer is not None
+        self._timer.cancel()
+        if self._fired and kind is asyncio.CancelledError:
+            raise asyncio.TimeoutError
+        return False
+
+
 def _reply_errno(value: object, whole: int) -> int:
     """0 for a reply to check natively, else the ``-errno`` of why it is a miss."""
     if value is None:
@@ -277,11 +322,12 @@ class RemoteStore(LowerTier):
             config.index_blocks, Medium.REMOTE, config.policy, threshold, admission=admission
         )
         self._key_prefix = f"{config.prefix}:{self.identity.hex()}:".encode()
-        from asyncoffload.tiers._io import IoPool, require
+        from asyncoffload.tiers._io import IoPool, _library, require
 
         require("the remote tier")
         # Packing a value (header, payload copy, CRC32C) and checking one read back run on
         # native threads, their ends signalled to the loop through an eventfd.
+        self._lib = _library()
         self._io = IoPool(
             threads=config.threads,
             payload_len=self.block_bytes,
@@ -401,8 +447,8 @@ class RemoteStore(LowerTier):
         async def one(start: int, end: int) -> list[int]:
             nonlocal reported
             try:
-                async with limit:
-                    return await asyncio.wait_for(request(start, end), self.config.timeout_s)
+                async with limit, _deadline(self.config.timeout_s):
+                    return await request(start, end)
             except Exception as exc:
                 self.errors += 1
                 if not reported:  # one line per job, not one per batch
@@ -410,6 +456,8 @@ class RemoteStore(LowerTier):
                     log.warning("remote tier %s: %s", self.name, exc or type(exc).__name__)
                 return [-_errno_of(exc)] * (end - start)
 
+        if n <= batch:  # one batch: no gather (each task it makes is a loop pass more)
+            return await one(0, n)
         starts = range(0, n, batch)
         parts = await asyncio.gather(*(one(i, min(n, i + batch)) for i in starts))
         return [result for part in parts for result in part]
@@ -445,7 +493,20 @@ class RemoteStore(LowerTier):
         self, owner: RemoteJob, pack: bool, ops: Sequence[tuple[int, int, bytes]], keep: object
     ) -> list[int]:
         """Runs ``ops`` on the native pool; ``keep`` (the values) stays referenced until
-        the native job has ended, even if this is cancelled."""
+        the native job has ended, even if this is cancelled. A few blocks are done on
+        the loop instead: under a busy loop, the wake-up's extra pass costs more."""
+        if len(ops) * self.block_bytes <= INLINE_BYTES:
+            fn = self._lib.ao_pack_value if pack else self._lib.ao_unpack_value
+            out = []
+            for host, value, key in ops:
+                if pack:
+                    fn(value, host, self.block_bytes, self.identity, key, len(key))
+                    out.append(self.block_bytes)
+                else:
+                    whole = HEADER_BYTES + self.block_bytes
+                    r = fn(value, whole, host, self.block_bytes, self.identity, key, len(key))
+                    out.append(self.block_bytes if r == 0 else int(r))
+            return out
         loop = asyncio.get_running_loop()
         self._listen(loop)
         job = self._io.submit_values(pack, ops)
@@ -514,10 +575,19 @@ class RemoteStore(LowerTier):
         whole = HEADER_BYTES + self.block_bytes
 
         async def request(start: int, end: int) -> list[int]:
-            async with client.pipeline(transaction=False) as pipe:
-                for key in keys[start:end]:
-                    pipe.get(self.redis_key(key))
-                replies = await pipe.execute(raise_on_error=False)
+            names = [self.redis_key(key) for key in keys[start:end]]
+            replies: list[Any]
+            if self.config.cluster:  # one pipeline, split per node
+                async with client.pipeline(transaction=False) as pipe:
+                    for name in names:
+                        pipe.get(name)
+                    replies = await pipe.execute(raise_on_error=False)
+            elif len(names) == 1:
+                replies = [await client.get(names[0])]
+            else:
+                # One command, one reply: less to parse than a pipeline of GETs, and no
+                # pipeline's connection release (a task and a shield: 3 loop passes).
+                replies = await client.mget(names)
             out = [_reply_errno(value, whole) for value in replies]
             ops = [
                 (host[start + i], _address(value), keys[start + i])
@@ -545,23 +615,30 @@ class RemoteStore(LowerTier):
         return out
 
     async def exists(self, keys: Sequence[OffloadKey]) -> list[bool]:
-        """Which of ``keys`` the server holds now (pipelined EXISTS, the batches in
-        parallel)."""
+        """Which of ``keys`` the server holds now, within ``timeout_s``. On one server:
+        one ``EXISTS`` per 1,024 keys, answering how many of them exist; only those
+        where some are missing are asked again key by key. On a cluster (keys of one
+        command must share a slot): one ``EXISTS`` per key, pipelined."""
         client = self._connect()
-        batch = self.config.batch_blocks
-
-        async def one(chunk: Sequence[OffloadKey]) -> list[bool]:
+        names = [self.redis_key(key) for key in keys]
+        async with self._read_limit, _deadline(self.config.timeout_s):
+            if self.config.cluster:
+                return await _exists_each(client, names)
+            step = 1024
+            chunks = [names[i : i + step] for i in range(0, len(names), step)]
             async with client.pipeline(transaction=False) as pipe:
-                for key in chunk:
-                    pipe.exists(self.redis_key(key))
-                replies = await pipe.execute(raise_on_error=False)
-            return [reply == 1 for reply in replies]
-
-        parts = await asyncio.wait_for(
-            asyncio.gather(*(one(keys[i : i + batch]) for i in range(0, len(keys), batch))),
-            self.config.timeout_s,
-        )
-        return [found for part in parts for found in part]
+                for chunk in chunks:
+                    pipe.exists(*chunk)
+                counts = await pipe.execute()
+            out: list[bool] = []
+            for chunk, count in zip(chunks, counts):
+                if count == len(chunk):
+                    out.extend([True] * len(chunk))
+                elif count == 0:
+                    out.extend([False] * len(chunk))
+                else:
+                    out.extend(await _exists_each(client, chunk))
+            return out
 
     def forget(self, keys: Sequence[OffloadKey]) -> None:
         """Blocks leaving the local index stay on the server: other engines may use them."""
