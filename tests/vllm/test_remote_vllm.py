@@ -15,7 +15,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from vllm.v1.kv_offload.base import (
@@ -30,6 +30,7 @@ from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
 from asyncoffload.integrations.vllm import AsyncOffloadManager, AsyncOffloadSpec, AsyncOffloadWorker
 from asyncoffload.integrations.vllm.settings import VllmOffloadSettings
+from asyncoffload.keys import OffloadKey as AoKey
 from asyncoffload.tiers.disk import DiskTier
 from asyncoffload.tiers.format import HEADER_BYTES
 from asyncoffload.tiers.remote import RemoteStore, RemoteTier
@@ -122,11 +123,12 @@ def _load(
     manager.complete_load(keys, ctx)
 
 
-def _store_of(manager: AsyncOffloadManager) -> RemoteStore:
+def _redis_key(manager: AsyncOffloadManager, key: OffloadKey) -> bytes:
+    """The server key of block ``key`` in ``manager``'s shared tier."""
     assert manager.tiers is not None
     store = manager.tiers.tiers[0].store
     assert isinstance(store, RemoteStore)
-    return store
+    return store.redis_key(cast(AoKey, key))
 
 
 def _exists_calls(server: Any) -> int:
@@ -248,7 +250,7 @@ def test_a_corrupt_value_is_a_miss_for_good_never_wrong_bytes(
 ) -> None:
     with _storing_engine(tmp_path, valkey_server, n=2) as stored:
         keys, expected = stored.keys, stored.expected
-        name = _store_of(stored.manager).redis_key(keys[0])
+        name = _redis_key(stored.manager, keys[0])
     value = bytearray(valkey_server.command("GET", name))
     value[HEADER_BYTES + 100] ^= 0xFF  # one payload byte
     valkey_server.command("SET", name, bytes(value))
@@ -282,7 +284,7 @@ def test_a_dead_server_is_a_miss_and_a_restarted_one_is_used_again(
 ) -> None:
     with _storing_engine(tmp_path, valkey_server) as stored:
         keys, expected = stored.keys, stored.expected
-        names = [_store_of(stored.manager).redis_key(k) for k in keys]
+        names = [_redis_key(stored.manager, k) for k in keys]
     values = [valkey_server.command("GET", n) for n in names]
 
     with _engine(tmp_path, valkey_server.url, "two", seed=2) as (caches, worker, manager):
