@@ -34,6 +34,15 @@ from asyncoffload.keys import OffloadKey as AoKey
 from asyncoffload.tiers.disk import DiskTier
 from asyncoffload.tiers.format import HEADER_BYTES
 from asyncoffload.tiers.remote import RemoteStore, RemoteTier
+from tests.vllm.conftest import RunVLLM
+from tests.vllm.harness import (
+    BLOCK_SIZE,
+    LOGPROB_ATOL,
+    asyncoffload_kv_transfer_config,
+    generation_diff,
+    requests_of,
+    reuse_rounds,
+)
 from tests.vllm.test_spec import _block, _caches, _config, _extra, _finish, _keys
 from tests.vllm.test_tiers_vllm import CHUNK, CPU_CHUNKS, _fill
 
@@ -361,3 +370,39 @@ def test_bad_remote_tier_settings_name_the_key(tier: dict[str, Any], message: st
 def test_a_remote_tier_with_several_workers_is_refused() -> None:
     with pytest.raises(ValueError, match=r"\['tiers'\]: .*world_size 1.*has 2"):
         AsyncOffloadSpec(_config(_extra(tiers=[_remote("redis://127.0.0.1:6379/0")]), world_size=2))
+
+
+# --- end to end: two vLLM processes --------------------------------------------------
+
+#: The tiny model's KV per 32-token block: 4 layers x (K, V) x 2 heads x 64 x 4 bytes.
+E2E_BLOCK_BYTES = 4 * 2 * 2 * 64 * BLOCK_SIZE * 4
+E2E_A_BLOCKS = 6
+
+
+@pytest.mark.timeout(900)
+def test_a_second_vllm_is_served_the_blocks_the_first_stored(
+    run_vllm: RunVLLM, valkey_server: Any
+) -> None:
+    """Two vLLM processes, each with asyncoffload's CPU tier over the same server: the
+    first computes prompt A and writes its blocks through; the second, started after the
+    first ended, gets A's full blocks from the server (asked about, promoted, loaded)
+    and must give the first's greedy tokens and logprobs."""
+    config = asyncoffload_kv_transfer_config(
+        cpu_bytes_to_use=24 * E2E_BLOCK_BYTES, tiers=[{"url": valkey_server.url}]
+    )
+    only_a = reuse_rounds()[0]  # one round: prompt A (6 full blocks and a tail)
+    first = run_vllm([only_a], name="remote-first", kv_transfer_config=config)
+    (computed,) = requests_of(first, 0)
+    assert computed["num_cached_tokens"] == 0
+    assert first["metrics"]["vllm:asyncoffload_tier_blocks_written"] >= E2E_A_BLOCKS
+    assert valkey_server.dbsize() >= E2E_A_BLOCKS
+
+    second = run_vllm([only_a], name="remote-second", kv_transfer_config=config)
+    (served,) = requests_of(second, 0)
+    assert served["num_cached_tokens"] == E2E_A_BLOCKS * BLOCK_SIZE
+    metrics = second["metrics"]
+    assert metrics["vllm:asyncoffload_tier_blocks_read"] >= E2E_A_BLOCKS
+    assert metrics.get("vllm:asyncoffload_tier_read_failures", 0) == 0
+    same, lp_diff = generation_diff(served, computed)
+    assert same, "the tokens differ from the run that computed the prompt"
+    assert lp_diff < LOGPROB_ATOL
