@@ -33,7 +33,9 @@ $(STAMP): pyproject.toml
 	# torch where none is importable: $(TORCH), the CPU build on Linux (see above).
 	@echo "installing $(TORCH) unless the venv already imports torch"
 	@$(call install_torch,$(PY))
-	$(PY) -m pip install -q -e '.[test]'
+	# glide: the shared tier's optional client, tested beside redis-py (not in the vLLM
+	# venv, whose tests use redis-py).
+	$(PY) -m pip install -q -e '.[test,glide]'
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -218,7 +218,7 @@ async def glide_run(
     """The same passes through valkey-glide (only called when it is importable)."""
     from urllib.parse import urlsplit
 
-    from glide import Batch, GlideClient, GlideClientConfiguration, NodeAddress  # type: ignore
+    from glide import Batch, GlideClient, GlideClientConfiguration, NodeAddress
 
     parts = urlsplit(url)
     cfg = GlideClientConfiguration([NodeAddress(parts.hostname, parts.port or 6379)])

@@ -42,6 +42,14 @@ def values_on(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
     return str(request.param)
 
 
+@pytest.fixture(params=["redis-py", "glide"])
+def client(request: pytest.FixtureRequest) -> str:
+    """The tier's client: redis-py, or valkey-glide (an optional dependency)."""
+    if request.param == "glide":
+        pytest.importorskip("glide", reason="valkey-glide is not installed")
+    return str(request.param)
+
+
 def kv_caches(seed: int = 5) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     return [
@@ -76,16 +84,19 @@ async def collect(eng: ao.AsyncOffloadEngine, sub: ao.EventSubscription) -> list
     return [e async for e in sub if isinstance(e, ao.OffloadingEvent)]
 
 
-async def test_two_engines_share_blocks_byte_exact(any_server: Any, values_on: str) -> None:
+async def test_two_engines_share_blocks_byte_exact(
+    any_server: Any, values_on: str, client: str
+) -> None:
     valkey_server = any_server  # Valkey, and Redis where redis-server is installed
     kv = kv_caches()
     want = [block(kv, i) for i in range(8)]
     ks = keys(8)
-    async with ao.AsyncOffloadEngine(kv, config(valkey_server.url)) as a:
+    tier = {"client": client}
+    async with ao.AsyncOffloadEngine(kv, config(valkey_server.url, tier=tier)) as a:
         await store(a, ks, list(range(8)))
         assert a.stats().tiers[0].blocks_written == 8
     fresh = [torch.zeros_like(t) for t in kv]
-    async with ao.AsyncOffloadEngine(fresh, config(valkey_server.url)) as b:
+    async with ao.AsyncOffloadEngine(fresh, config(valkey_server.url, tier=tier)) as b:
         sub = b.events()
         assert b.lookup(ks) == 0  # local knowledge only
         assert await b.alookup(ks) == 8
@@ -165,7 +176,7 @@ async def _raw(url: str) -> Any:
 
 @pytest.mark.parametrize("how", ["payload", "header", "truncate", "foreign", "evicted"])
 async def test_a_bad_value_is_a_miss_with_a_removed_event(
-    any_server: Any, how: str, values_on: str
+    any_server: Any, how: str, values_on: str, client: str
 ) -> None:
     valkey_server = any_server
     kv = kv_caches()
@@ -173,25 +184,25 @@ async def test_a_bad_value_is_a_miss_with_a_removed_event(
     async with ao.AsyncOffloadEngine(kv_caches(), config(valkey_server.url)) as a:
         await store(a, ks, [0, 1])
         rkey = a.tiers[0].redis_key(ks[0])  # type: ignore[attr-defined]
-    client = await _raw(valkey_server.url)
+    raw = await _raw(valkey_server.url)
     try:
-        value = await client.get(rkey)
+        value = await raw.get(rkey)
         assert value is not None and len(value) == HEADER_BYTES + BLOCK
         if how == "payload":
-            await client.setrange(rkey, HEADER_BYTES + 77, bytes([value[HEADER_BYTES + 77] ^ 1]))
+            await raw.setrange(rkey, HEADER_BYTES + 77, bytes([value[HEADER_BYTES + 77] ^ 1]))
         elif how == "header":
-            await client.setrange(rkey, 40, bytes([value[40] ^ 1]))
+            await raw.setrange(rkey, 40, bytes([value[40] ^ 1]))
         elif how == "truncate":
-            await client.set(rkey, value[: HEADER_BYTES + 100])
+            await raw.set(rkey, value[: HEADER_BYTES + 100])
         elif how == "foreign":
             other = Namespace("other", "uint8", "x", BLOCK).identity()
             payload = os.urandom(BLOCK)
-            await client.set(rkey, pack_header(other, ks[0], payload) + payload)
+            await raw.set(rkey, pack_header(other, ks[0], payload) + payload)
         else:
-            await client.delete(rkey)
+            await raw.delete(rkey)
     finally:
-        await client.aclose()
-    async with ao.AsyncOffloadEngine(kv, config(valkey_server.url)) as b:
+        await raw.aclose()
+    async with ao.AsyncOffloadEngine(kv, config(valkey_server.url, tier={"client": client})) as b:
         sub = b.events()
         assert await b.alookup(ks) == (2 if how != "evicted" else 0)
         if how == "evicted":
@@ -216,11 +227,11 @@ async def test_a_bad_value_is_a_miss_with_a_removed_event(
         return
     # The damaged value is deleted from the server (put-if-absent would otherwise keep every
     # later store of the block from replacing it): stored again, the block loads.
-    client = await _raw(valkey_server.url)
+    raw = await _raw(valkey_server.url)
     try:
-        assert await client.exists(rkey) == 0
+        assert await raw.exists(rkey) == 0
     finally:
-        await client.aclose()
+        await raw.aclose()
     async with ao.AsyncOffloadEngine(kv_caches(), config(valkey_server.url)) as c:
         await store(c, ks, [0, 1])
     fresh = [torch.zeros_like(t) for t in kv]
@@ -262,9 +273,35 @@ async def test_server_eviction_gives_misses_never_wrong_bytes(valkey_server_smal
         assert misses > 0 and hits > 0
 
 
-async def test_a_dead_server_is_survived_and_rejoined(valkey_server: Any) -> None:
+async def test_closing_an_engine_closes_its_connections(valkey_server: Any, client: str) -> None:
+    async with ao.AsyncOffloadEngine(
+        kv_caches(), config(valkey_server.url, tier={"client": client})
+    ) as eng:
+        await store(eng, keys(8), list(range(8)))
+        assert await eng.alookup(keys(8)) == 8
+    raw = await _raw(valkey_server.url)
+    try:
+        clients = (await raw.execute_command("CLIENT", "LIST")).decode().splitlines()
+    finally:
+        await raw.aclose()
+    assert len(clients) == 1, clients  # only this one
+
+
+async def rejoined(eng: ao.AsyncOffloadEngine, within_s: float = 15.0) -> None:
+    """The tier reconnects by itself: fresh blocks are written again within a while."""
+    written = eng.stats().tiers[0].blocks_written
+    deadline = asyncio.get_running_loop().time() + within_s
+    start = 10_000
+    while eng.stats().tiers[0].blocks_written < written + 2:
+        assert asyncio.get_running_loop().time() < deadline, "the tier did not reconnect"
+        await store(eng, keys(2, start=start), [6, 7])
+        start += 2
+        await asyncio.sleep(0.05)
+
+
+async def test_a_dead_server_is_survived_and_rejoined(valkey_server: Any, client: str) -> None:
     kv = kv_caches()
-    cfg = config(valkey_server.url, cpu_blocks=16, tier={"timeout_s": 1.0})
+    cfg = config(valkey_server.url, cpu_blocks=16, tier={"timeout_s": 1.0, "client": client})
     async with ao.AsyncOffloadEngine(kv, cfg) as eng:
         ks = keys(4)
         await store(eng, ks[:2], [0, 1])
@@ -277,23 +314,27 @@ async def test_a_dead_server_is_survived_and_rejoined(valkey_server: Any) -> Non
         for _ in range(16 // 2):
             await store(eng, keys(2, start=100 + _ * 2), [4, 5])
         assert eng.manager.block_of(ks[0]) is None
+        # After the first refusal or timeout, requests fail at once for retry_s instead
+        # of each waiting for the dead server.
+        tier = eng.tiers[0]
+        assert isinstance(tier, RemoteStore) and tier.unavailable()
+        assert eng.stats().tiers[0].failures.get("unavailable", 0) >= 2
         with pytest.raises(ao.TransferError):
             await asyncio.wait_for(await eng.prepare_load(ks[:1], [8]), 10)
         assert await asyncio.wait_for(eng.alookup(keys(1, start=500)), 10) == 0
         valkey_server.start()  # back, empty
-        await store(eng, keys(2, start=200), [6, 7])
-        assert eng.stats().tiers[0].blocks_written == 4  # reconnected by itself
+        await rejoined(eng)
 
 
 async def test_a_server_killed_mid_batch_leaves_no_hang_and_no_lost_state(
-    valkey_server: Any,
+    valkey_server: Any, client: str
 ) -> None:
     kv = [t[:, :1024].contiguous() for t in kv_caches()]
     n = 512
     ks = keys(n)
     cfg = ao.EngineConfig(
         cpu_blocks=n,
-        tiers=[RemoteTier(valkey_server.url, batch_blocks=8, timeout_s=1.0)],
+        tiers=[RemoteTier(valkey_server.url, batch_blocks=8, timeout_s=1.0, client=client)],
         model="m",
     )
     async with ao.AsyncOffloadEngine(kv, cfg) as eng:
@@ -312,8 +353,7 @@ async def test_a_server_killed_mid_batch_leaves_no_hang_and_no_lost_state(
         assert tier.manager.write_pending == 0 and tier.manager.pinned == 0
         assert st.manager.pinned == 0 and st.manager.ready == n
         valkey_server.start()
-        await store(eng, keys(4, start=9000), [0, 1, 2, 3])
-        assert eng.stats().tiers[0].blocks_written >= tier.blocks_written + 4
+        await rejoined(eng)
 
 
 async def test_thousands_of_blocks_in_flight(valkey_server: Any, values_on: str) -> None:
@@ -345,21 +385,21 @@ async def test_thousands_of_blocks_in_flight(valkey_server: Any, values_on: str)
         assert block(fresh, 5) == block(kv, (224 + 5) % NUM_KV)
 
 
-async def test_a_cluster_spreads_blocks_across_its_nodes(valkey_cluster: Any) -> None:
+async def test_a_cluster_spreads_blocks_across_its_nodes(valkey_cluster: Any, client: str) -> None:
     kv = kv_caches()
     ks = keys(32)
-    cfg = config(valkey_cluster.url, cpu_blocks=32, tier={"cluster": True})
+    cfg = config(valkey_cluster.url, cpu_blocks=32, tier={"cluster": True, "client": client})
     async with ao.AsyncOffloadEngine(kv, cfg) as a:
         await store(a, ks, list(range(32)))
         assert a.stats().tiers[0].blocks_written == 32
         rkeys = [a.tiers[0].redis_key(k) for k in ks]  # type: ignore[attr-defined]
-    client = redis.asyncio.cluster.RedisCluster.from_url(valkey_cluster.url)
-    await client.initialize()
+    raw = redis.asyncio.cluster.RedisCluster.from_url(valkey_cluster.url)
+    await raw.initialize()
     try:
-        slots = {client.keyslot(k) for k in rkeys}
-        nodes = {client.get_node_from_key(k).name for k in rkeys}
+        slots = {raw.keyslot(k) for k in rkeys}
+        nodes = {raw.get_node_from_key(k).name for k in rkeys}
     finally:
-        await client.aclose()
+        await raw.aclose()
     assert len(slots) > 16 and len(nodes) == 3
     fresh = [torch.zeros_like(t) for t in kv]
     async with ao.AsyncOffloadEngine(fresh, cfg) as b:

@@ -204,6 +204,7 @@ _CAUSES = {
     errno.ENODATA: "short",
     errno.ENOENT: "missing",
     errno.ETIMEDOUT: "timeout",
+    errno.EHOSTDOWN: "unavailable",
 }
 
 

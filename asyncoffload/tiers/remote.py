@@ -23,6 +23,7 @@ import errno
 import logging
 import os
 import sys
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Literal
 from urllib.parse import quote, unquote, urlsplit, urlunsplit
@@ -31,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, m
 
 from asyncoffload.keys import OffloadKey
 from asyncoffload.manager.base import Medium
+from asyncoffload.tiers._clients import make_client
 from asyncoffload.tiers.base import LowerTier, TierManager
 from asyncoffload.tiers.format import HEADER_BYTES, Namespace
 from asyncoffload.transfer.base import CopyJob
@@ -61,6 +63,9 @@ class RemoteTier(BaseModel):
 
     kind: Literal["remote"] = "remote"
     url: str = "redis://127.0.0.1:6379/0"
+    client: Literal["redis-py", "glide"] = Field(
+        "redis-py", description="redis-py (with hiredis), or valkey-glide (optional, faster)."
+    )
     cluster: bool = False
     username: str | None = None
     password: SecretStr | None = None
@@ -82,6 +87,11 @@ class RemoteTier(BaseModel):
         4, gt=0, le=256, description="Pipelined requests in flight, for reads and for writes."
     )
     timeout_s: float = Field(5.0, gt=0, description="Per request; a late one is a miss.")
+    retry_s: float = Field(
+        1.0,
+        gt=0,
+        description="After a refused or timed-out request, fail at once for this long.",
+    )
 
     def __init__(self, url: str | None = None, **data: Any) -> None:
         if url is not None:
@@ -179,46 +189,24 @@ class RemoteJob(CopyJob):
         self.natives: list[asyncio.Future[None]] = []
 
 
-def _client_identity() -> dict[str, Any]:
-    """CLIENT SETINFO names redis-py and asyncoffload. Given explicitly, redis-py does not
-    look its own version up with importlib.metadata for every new connection (2.4 ms
-    each here)."""
-    import redis
-
-    from asyncoffload import __version__
-
-    try:
-        from redis.driver_info import DriverInfo
-    except ImportError:  # redis-py < 7
-        return {
-            "lib_name": f"redis-py(asyncoffload_v{__version__})",
-            "lib_version": redis.__version__,
-        }
-    info = DriverInfo(lib_version=redis.__version__).add_upstream_driver(
-        "asyncoffload", __version__
-    )
-    return {"driver_info": info}
-
-
 def _errno_of(exc: BaseException) -> int:
-    from redis.exceptions import ConnectionError as RedisConnectionError
-    from redis.exceptions import TimeoutError as RedisTimeoutError
-
-    if isinstance(exc, (asyncio.TimeoutError, RedisTimeoutError)):
+    if isinstance(exc, asyncio.TimeoutError):
         return errno.ETIMEDOUT
-    if isinstance(exc, RedisConnectionError):
-        return errno.ECONNREFUSED
+    redis_errors = sys.modules.get("redis.exceptions")  # whichever client is in use
+    if redis_errors is not None:
+        if isinstance(exc, redis_errors.TimeoutError):
+            return errno.ETIMEDOUT
+        if isinstance(exc, redis_errors.ConnectionError):
+            return errno.ECONNREFUSED
+    glide = sys.modules.get("glide")
+    if glide is not None:
+        if isinstance(exc, glide.TimeoutError):
+            return errno.ETIMEDOUT
+        if isinstance(exc, (glide.ConnectionError, glide.ClosingError)):
+            return errno.ECONNREFUSED
     if isinstance(exc, OSError) and exc.errno:
         return exc.errno
     return errno.EIO
-
-
-async def _exists_each(client: Any, names: list[bytes]) -> list[bool]:
-    async with client.pipeline(transaction=False) as pipe:
-        for name in names:
-            pipe.exists(name)
-        replies = await pipe.execute()
-    return [reply == 1 for reply in replies]
 
 
 def _deadline(seconds: float) -> contextlib.AbstractAsyncContextManager[Any]:
@@ -290,26 +278,12 @@ async def _settle(natives: list[asyncio.Future[None]]) -> None:
         raise asyncio.CancelledError
 
 
-async def _delete_each(client: Any, keys: list[bytes]) -> None:
-    """DEL of ``keys``: one pipeline (a cluster client splits it per node)."""
-    async with client.pipeline(transaction=False) as pipe:
-        for key in keys:
-            pipe.delete(key)
-        await pipe.execute(raise_on_error=False)
-
-
 class RemoteStore(LowerTier):
     """A running shared tier (see the module docstring); made by :meth:`RemoteTier.open`."""
 
     medium = Medium.REMOTE
 
     def __init__(self, config: RemoteTier, namespace: Namespace, name: str = "remote") -> None:
-        try:
-            import redis.asyncio  # noqa: F401
-        except ImportError:
-            raise RuntimeError(
-                "the remote tier needs redis-py: pip install 'asyncoffload[remote]'"
-            ) from None
         self.config = config
         self.name = name
         self.namespace = namespace
@@ -346,49 +320,14 @@ class RemoteStore(LowerTier):
         # behind write-through.
         self._read_limit = asyncio.Semaphore(config.pipelines)
         self._write_limit = asyncio.Semaphore(config.pipelines)
-        self._client: Any = None
+        self._client = make_client(config)
         self._wake_fd: int | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._closed = False
+        self._down_until = 0.0
         self.errors = 0
 
     # --- the client -----------------------------------------------------------------
-
-    def _connect(self) -> Any:
-        if self._client is not None:
-            return self._client
-        cfg = self.config
-        kwargs: dict[str, Any] = {
-            "socket_timeout": cfg.timeout_s,
-            "socket_connect_timeout": cfg.timeout_s,
-            "health_check_interval": 30,
-            **_client_identity(),
-        }
-        if cfg.username is not None:
-            kwargs["username"] = cfg.username
-        if cfg.password is not None:
-            kwargs["password"] = cfg.password.get_secret_value()
-        if cfg.url.startswith("rediss://"):
-            for field in ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile"):
-                value = getattr(cfg, field)
-                if value is not None:
-                    kwargs[field] = value
-        if cfg.cluster:
-            from redis.asyncio.cluster import RedisCluster
-
-            self._client = RedisCluster.from_url(
-                cfg.url, max_connections=cfg.max_connections, **kwargs
-            )
-        else:
-            from redis.asyncio import BlockingConnectionPool, Redis
-
-            # Blocking: a burst of batches waits for a connection instead of failing
-            # with MaxConnectionsError, as the default pool does under gather.
-            pool = BlockingConnectionPool.from_url(
-                cfg.url, max_connections=cfg.max_connections, timeout=cfg.timeout_s, **kwargs
-            )
-            self._client = Redis(connection_pool=pool)
-        return self._client
 
     def redis_key(self, key: OffloadKey) -> bytes:
         """The server key of block ``key``."""
@@ -447,14 +386,22 @@ class RemoteStore(LowerTier):
         async def one(start: int, end: int) -> list[int]:
             nonlocal reported
             try:
-                async with limit, _deadline(self.config.timeout_s):
-                    return await request(start, end)
+                async with limit:
+                    if self.unavailable():
+                        return [-errno.EHOSTDOWN] * (end - start)
+                    async with _deadline(self.config.timeout_s):
+                        out = await request(start, end)
+                    self._down_until = 0.0
+                    return out
             except Exception as exc:
                 self.errors += 1
+                code = _errno_of(exc)
+                if code in (errno.ECONNREFUSED, errno.ETIMEDOUT):
+                    self._down_until = time.monotonic() + self.config.retry_s
                 if not reported:  # one line per job, not one per batch
                     reported = True
-                    log.warning("remote tier %s: %s", self.name, exc or type(exc).__name__)
-                return [-_errno_of(exc)] * (end - start)
+                    log.warning("remote tier %s: %s: %s", self.name, type(exc).__name__, exc)
+                return [-code] * (end - start)
 
         if n <= batch:  # one batch: no gather (each task it makes is a loop pass more)
             return await one(0, n)
@@ -531,7 +478,7 @@ class RemoteStore(LowerTier):
         return self._start(job, self._write(job, list(keys), list(host)))
 
     async def _write(self, job: RemoteJob, keys: list[OffloadKey], host: list[int]) -> list[int]:
-        client = self._connect()
+        client = self._client
         ttl = self.config.ttl_s
         px = int(ttl * 1000) if ttl is not None else None
         size = self.block_bytes
@@ -547,10 +494,8 @@ class RemoteStore(LowerTier):
                 for key, addr, (_, cbuf) in zip(keys[start:end], host[start:end], values)
             ]
             packed = await self._natively(job, True, ops, values)
-            async with client.pipeline(transaction=False) as pipe:
-                for key, (value, _) in zip(keys[start:end], values):
-                    pipe.set(self.redis_key(key), value, nx=True, px=px)
-                replies = await pipe.execute(raise_on_error=False)
+            names = [self.redis_key(key) for key in keys[start:end]]
+            replies = await client.put_absent(names, [value for value, _ in values], px)
             # Answered: the socket is done with every buffer. (Not given back on an
             # exception: a transport cut short may still hold some.)
             self._values.give(values)
@@ -570,24 +515,13 @@ class RemoteStore(LowerTier):
         return self._start(job, self._read(job, list(keys), list(host)))
 
     async def _read(self, job: RemoteJob, keys: list[OffloadKey], host: list[int]) -> list[int]:
-        client = self._connect()
+        client = self._client
         damaged: list[bytes] = []
         whole = HEADER_BYTES + self.block_bytes
 
         async def request(start: int, end: int) -> list[int]:
             names = [self.redis_key(key) for key in keys[start:end]]
-            replies: list[Any]
-            if self.config.cluster:  # one pipeline, split per node
-                async with client.pipeline(transaction=False) as pipe:
-                    for name in names:
-                        pipe.get(name)
-                    replies = await pipe.execute(raise_on_error=False)
-            elif len(names) == 1:
-                replies = [await client.get(names[0])]
-            else:
-                # One command, one reply: less to parse than a pipeline of GETs, and no
-                # pipeline's connection release (a task and a shield: 3 loop passes).
-                replies = await client.mget(names)
+            replies = await client.get_many(names)
             out = [_reply_errno(value, whole) for value in replies]
             ops = [
                 (host[start + i], _address(value), keys[start + i])
@@ -611,34 +545,32 @@ class RemoteStore(LowerTier):
             # store of the block from replacing it. (A good value put between the GET
             # and this DEL is lost too: a miss later, never wrong bytes.)
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(_delete_each(client, damaged), self.config.timeout_s)
+                await asyncio.wait_for(client.delete(damaged), self.config.timeout_s)
         return out
 
+    def unavailable(self) -> bool:
+        """Whether the server failed to connect or answer in the last ``retry_s``: until
+        then requests fail at once (cause ``unavailable``) and ``exists`` finds nothing,
+        instead of each waiting ``timeout_s`` for a server that is down."""
+        return self._down_until > time.monotonic()
+
     async def exists(self, keys: Sequence[OffloadKey]) -> list[bool]:
-        """Which of ``keys`` the server holds now, within ``timeout_s``. On one server:
-        one ``EXISTS`` per 1,024 keys, answering how many of them exist; only those
-        where some are missing are asked again key by key. On a cluster (keys of one
-        command must share a slot): one ``EXISTS`` per key, pipelined."""
-        client = self._connect()
+        """Which of ``keys`` the server holds now, within ``timeout_s``: multi-key
+        ``EXISTS`` counts, asked again name by name only where some are missing (key
+        by key on a redis-py cluster, where one command's keys must share a slot)."""
         names = [self.redis_key(key) for key in keys]
-        async with self._read_limit, _deadline(self.config.timeout_s):
-            if self.config.cluster:
-                return await _exists_each(client, names)
-            step = 1024
-            chunks = [names[i : i + step] for i in range(0, len(names), step)]
-            async with client.pipeline(transaction=False) as pipe:
-                for chunk in chunks:
-                    pipe.exists(*chunk)
-                counts = await pipe.execute()
-            out: list[bool] = []
-            for chunk, count in zip(chunks, counts):
-                if count == len(chunk):
-                    out.extend([True] * len(chunk))
-                elif count == 0:
-                    out.extend([False] * len(chunk))
-                else:
-                    out.extend(await _exists_each(client, chunk))
-            return out
+        async with self._read_limit:
+            if self.unavailable():
+                return [False] * len(names)
+            try:
+                async with _deadline(self.config.timeout_s):
+                    found = await self._client.exists(names)
+            except Exception as exc:
+                if _errno_of(exc) in (errno.ECONNREFUSED, errno.ETIMEDOUT):
+                    self._down_until = time.monotonic() + self.config.retry_s
+                raise
+            self._down_until = 0.0
+            return found
 
     def forget(self, keys: Sequence[OffloadKey]) -> None:
         """Blocks leaving the local index stay on the server: other engines may use them."""
@@ -653,15 +585,12 @@ class RemoteStore(LowerTier):
         tasks = list(self._tasks)
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
-        client, self._client = self._client, None
-        if client is not None:
-            with contextlib.suppress(Exception):
-                await client.aclose()
+        with contextlib.suppress(Exception):
+            await self._client.aclose()
         self._stop_native()
 
     def close(self) -> None:
-        self._closed = True
-        self._client = None  # its connections close with it
+        self._closed = True  # the client's connections close with it
         self._stop_native()
 
     def _stop_native(self) -> None:

@@ -22,7 +22,7 @@ from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
 from asyncoffload.integrations.vllm import AsyncOffloadManager, AsyncOffloadSpec, AsyncOffloadWorker
 from asyncoffload.integrations.vllm.settings import VllmOffloadSettings
-from asyncoffload.tiers.disk import DiskStore
+from asyncoffload.tiers.disk import DiskStore, DiskTier
 from tests.vllm.test_spec import LAYERS, PAGE, _block, _caches, _config, _extra, _finish, _keys
 
 CHUNK = 2 * LAYERS * PAGE  # bytes of one host slot (one block, every layer's K and V)
@@ -119,6 +119,7 @@ def _fill(
 def test_tiers_are_validated_with_the_key_named(tmp_path: Path) -> None:
     settings = VllmOffloadSettings.from_extra_config(_extra(tiers=[_tier(tmp_path)]))
     (tier,) = settings.tiers
+    assert isinstance(tier, DiskTier)
     assert tier.capacity == 1 << 20 and tier.mode == "slab" and tier.admission is None
     bad: list[tuple[dict[str, Any], str]] = [
         ({"capacity": "lots"}, r"\['tiers\.0\.capacity'\]: .*not a byte size"),

@@ -751,17 +751,8 @@ class SchedulerTiers:
 
 
 async def _aclose_shared(store: LowerTier) -> None:
-    """``store.aclose()``, then its client's connections closed too: ``RemoteStore``
-    gives its client a pool of its own making, which the client's ``aclose`` leaves
-    open (redis-py closes only pools it made itself), so they would close at garbage
-    collection, with a ResourceWarning each."""
-    client = getattr(store, "_client", None)
+    """``store.aclose()`` (which closes its client's connections too)."""
     await store.aclose()
-    pool = getattr(client, "connection_pool", None)
-    disconnect = getattr(pool, "disconnect", None)
-    if disconnect is not None:
-        with contextlib.suppress(Exception):
-            await disconnect()
 
 
 def _shared(store: LowerTier) -> _Shared | None:
