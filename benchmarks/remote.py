@@ -257,8 +257,10 @@ def make_keys(run: int, n: int) -> list[ao.OffloadKey]:
     return [ao.make_offload_key(prefix + i.to_bytes(8, "big")) for i in range(n)]
 
 
-def engine_config(url: str, batch: int, cpu_blocks: int) -> ao.EngineConfig:
-    tier = RemoteTier(url, admission=None, batch_blocks=batch)
+def engine_config(
+    url: str, batch: int, cpu_blocks: int, client: str = "redis-py"
+) -> ao.EngineConfig:
+    tier = RemoteTier(url, admission=None, batch_blocks=batch, client=client)
     return ao.EngineConfig(cpu_blocks=cpu_blocks, tiers=[tier], model=MODEL)
 
 
@@ -306,14 +308,16 @@ async def load(
 
 async def tier_run(
     url: str, n: int, block: int, batch: int, in_flight: int, cpu_bytes: int, run: int,
-    profiler: cProfile.Profile | None,
+    profiler: cProfile.Profile | None, client: str = "redis-py",
 ) -> dict[str, Any]:  # fmt: skip
     cpu_blocks = max(cpu_bytes // block, 2 * batch * in_flight)
     kv_blocks = max(batch * in_flight, 4)
     keys = make_keys(run, n)
     out: dict[str, Any] = {"cpu_blocks": cpu_blocks}
     kv, layout = kv_for(block, kv_blocks, fill=True)
-    async with ao.AsyncOffloadEngine(kv, engine_config(url, batch, cpu_blocks), layout=layout) as a:
+    async with ao.AsyncOffloadEngine(
+        kv, engine_config(url, batch, cpu_blocks, client), layout=layout
+    ) as a:
         if profiler:
             profiler.enable()
         c0, t0 = cpu_seconds(), time.perf_counter()
@@ -326,7 +330,7 @@ async def tier_run(
         out["write"], out["write_cpu"] = t1 - t0, c1 - c0
     fresh, layout = kv_for(block, kv_blocks, fill=False)
     async with ao.AsyncOffloadEngine(
-        fresh, engine_config(url, batch, cpu_blocks), layout=layout
+        fresh, engine_config(url, batch, cpu_blocks, client), layout=layout
     ) as b:
         assert b.lookup(keys) == 0
         if profiler:
@@ -482,6 +486,7 @@ def measure(args: argparse.Namespace, url: str) -> tuple[list[dict[str, Any]], A
             raws: list[dict[str, float]] = []
             tiers: list[dict[str, Any]] = []
             glides: list[dict[str, float]] = []
+            tier_glides: list[dict[str, Any]] = []
             for _ in range(args.repeat):
                 run += 1
                 value_bytes = block + HEADER_BYTES
@@ -499,6 +504,16 @@ def measure(args: argparse.Namespace, url: str) -> tuple[list[dict[str, Any]], A
                         )
                     )
                     ao.run(flushall(url), use_uvloop=False)
+                    tier_glides.append(
+                        ao.run(
+                            tier_run(
+                                url, n, block, batch, args.in_flight, args.cpu_bytes, run + 10**6,
+                                None, client="glide",
+                            ),
+                            use_uvloop=False,
+                        )
+                    )  # fmt: skip
+                    ao.run(flushall(url), use_uvloop=False)
                 tiers.append(
                     ao.run(
                         tier_run(
@@ -511,7 +526,12 @@ def measure(args: argparse.Namespace, url: str) -> tuple[list[dict[str, Any]], A
             total = n * block
             med = {
                 f"{who}_{d}_gbps": total / statistics.median(r[d] for r in runs) / 1e9
-                for who, runs in (("raw", raws), ("tier", tiers), ("glide", glides))
+                for who, runs in (
+                    ("raw", raws),
+                    ("tier", tiers),
+                    ("glide", glides),
+                    ("tierglide", tier_glides),
+                )
                 if runs
                 for d in ("write", "read")
             }
@@ -538,7 +558,11 @@ def measure(args: argparse.Namespace, url: str) -> tuple[list[dict[str, Any]], A
                 "raw_runs": raws,
                 "tier_runs": tiers,
                 "glide_runs": glides,
+                "tier_glide_runs": tier_glides,
             }
+            if tier_glides:
+                row["glide_tier_write_ratio"] = med["tierglide_write_gbps"] / med["raw_write_gbps"]
+                row["glide_tier_read_ratio"] = med["tierglide_read_gbps"] / med["raw_read_gbps"]
             rows.append(row)
             print(
                 f"block {fmt_bytes(block):>8} batch {batch:>3}: write raw "
@@ -568,8 +592,13 @@ def table(rows: list[dict[str, Any]], tails: list[dict[str, Any]]) -> str:
         "| block | blocks/batch | write raw GB/s | write tier GB/s | write ratio "
         "| read raw GB/s | read tier GB/s | read ratio | tier read w/o alookup "
         "| CPU s/GB write raw / tier | CPU s/GB read raw / tier |"
-        + (" glide write / read GB/s |" if glide else ""),
-        "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if glide else ""),
+        + (
+            " glide raw write / read GB/s | tier on glide write / read GB/s (ratio to raw "
+            "redis-py) |"
+            if glide
+            else ""
+        ),
+        "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if glide else ""),
     ]
     for r in rows:
         rc, tc = r["raw_cpu_s_per_gb"], r["tier_cpu_s_per_gb"]
@@ -582,7 +611,9 @@ def table(rows: list[dict[str, Any]], tails: list[dict[str, Any]]) -> str:
             f"| {r['tier_read_gbps_without_alookup']:.2f} "
             f"| {rc['write']:.2f} / {tc['write']:.2f} | {rc['read']:.2f} / {tc['read']:.2f} |"
             + (
-                f" {r['glide_write_gbps']:.2f} / {r['glide_read_gbps']:.2f} |"
+                f" {r['glide_write_gbps']:.2f} / {r['glide_read_gbps']:.2f} "
+                f"| {r['tierglide_write_gbps']:.2f} / {r['tierglide_read_gbps']:.2f} "
+                f"({r['glide_tier_write_ratio']:.2f} / {r['glide_tier_read_ratio']:.2f}) |"
                 if "glide_write_gbps" in r
                 else ""
             )

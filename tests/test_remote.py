@@ -430,6 +430,15 @@ async def test_a_cancelled_job_ends_only_after_its_native_packing(
         tier._io.set_delay(0)
 
 
+def test_requests_are_bounded_in_blocks_and_in_bytes() -> None:
+    ns = Namespace("m", "uint8", "x", 1 << 20)  # 1 MiB blocks
+    assert RemoteTier().open(ns).batch == 16  # 16 MiB / 1 MiB, below batch_blocks=64
+    assert RemoteTier(batch_bytes="4MiB").open(ns).batch == 4
+    assert RemoteTier(batch_bytes=1).open(ns).batch == 1  # at least one block
+    small = Namespace("m", "uint8", "x", 4096)
+    assert RemoteTier(batch_blocks=8).open(small).batch == 8
+
+
 def test_bad_settings_are_named() -> None:
     with pytest.raises(ValueError, match="url must start with"):
         RemoteTier("http://127.0.0.1:6379")
