@@ -287,6 +287,45 @@ async def test_closing_an_engine_closes_its_connections(valkey_server: Any, clie
     assert len(clients) == 1, clients  # only this one
 
 
+async def test_a_password_and_an_acl_user_with_only_the_tiers_commands(
+    make_valkey: Any, client: str
+) -> None:
+    from tests.servers import resp_command
+
+    server = make_valkey(password="admin-secret")
+    # A user that may run only what the tier sends, on the tier's keys.
+    resp_command(
+        server.port,
+        "ACL", "SETUSER", "kv", "on", ">kv-secret", "~ao:*", "resetchannels",
+        "+set", "+get", "+mget", "+exists", "+del", "+ping", "+hello", "+client|setinfo",
+        "+info",  # valkey-glide asks INFO when it connects
+        password="admin-secret",
+    )  # fmt: skip
+    kv = kv_caches()
+    ks = keys(4)
+    url = f"redis://127.0.0.1:{server.port}/0"
+    for tier in (
+        {"password": "admin-secret"},
+        {"username": "kv", "password": "kv-secret"},
+    ):
+        tier["client"] = client
+        async with ao.AsyncOffloadEngine(kv, config(url, tier=tier)) as a:
+            await store(a, ks, [0, 1, 2, 3])
+            assert a.stats().tiers[0].blocks_written == 4
+        fresh = [torch.zeros_like(t) for t in kv]
+        async with ao.AsyncOffloadEngine(fresh, config(url, tier=tier)) as b:
+            assert await b.alookup(ks) == 4
+            await (await b.prepare_load(ks, [8, 9, 10, 11]))
+        assert [block(fresh, 8 + i) for i in range(4)] == [block(kv, i) for i in range(4)]
+    # A wrong password: writes fail and are counted; nothing raises, nothing hangs.
+    bad = {"username": "kv", "password": "wrong", "client": client, "timeout_s": 2.0}
+    async with ao.AsyncOffloadEngine(kv, config(url, tier=bad)) as c:
+        await store(c, keys(2, start=50), [0, 1])
+        st = c.stats().tiers[0]
+        assert st.blocks_written == 0 and st.write_failures == 2
+        assert await c.alookup(ks) == 0
+
+
 async def rejoined(eng: ao.AsyncOffloadEngine, within_s: float = 15.0) -> None:
     """The tier reconnects by itself: fresh blocks are written again within a while."""
     written = eng.stats().tiers[0].blocks_written
