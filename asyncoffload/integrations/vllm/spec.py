@@ -37,10 +37,11 @@ class AsyncOffloadSpec(OffloadingSpec):
     (``blocks_per_chunk`` blocks), and the scheduler's manager tracks ``num_chunks``.
     Settings are checked when the spec is built; an error names the key.
 
-    ``tiers`` (as ``EngineConfig.tiers``) adds disk tiers below the CPU tier: the worker
-    then keeps its host slots in a shared-memory file (:meth:`host_pool_path`) that the
-    manager maps, to write blocks through to disk and promote them back (see
-    docs/vllm.md, "Tiers under vLLM"). One worker per engine only (world_size 1).
+    ``tiers`` (as ``EngineConfig.tiers``) adds disk and shared (Redis / Valkey) tiers
+    below the CPU tier: the worker then keeps its host slots in a shared-memory file
+    (:meth:`host_pool_path`) that the manager maps, to write blocks through to the tiers
+    and promote them back (see docs/vllm.md, "Tiers under vLLM"). One worker per engine
+    only (world_size 1).
     """
 
     @classmethod
