@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 # The policy modules register their classes when imported.
+from asyncoffload.manager.policies.adaptive import AdaptivePolicy
 from asyncoffload.manager.policies.arc import ARCPolicy
 from asyncoffload.manager.policies.base import (
     CachePolicy,
@@ -17,6 +18,7 @@ from asyncoffload.manager.policies.sieve import SIEVEPolicy
 
 __all__ = [
     "ARCPolicy",
+    "AdaptivePolicy",
     "CachePolicy",
     "KVPolicy",
     "LRUPolicy",

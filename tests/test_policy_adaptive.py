@@ -1,0 +1,390 @@
+"""The adaptive policy (``auto``): switches between candidates keep every block and every
+guarantee, its decisions are reproducible, and it follows the best candidate.
+
+The brute-force / invariant harnesses (tests/test_policies.py, tests/test_manager.py)
+run every registered policy, ``auto`` included.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Callable, Sequence
+
+import pytest
+from hypothesis import HealthCheck, given, note, settings
+from hypothesis import strategies as st
+
+import asyncoffload as ao
+from asyncoffload.keys import OffloadKey
+from asyncoffload.manager import BlockStatus
+from asyncoffload.manager.policies import AdaptivePolicy, available_policies
+from asyncoffload.replay import capacity_blocks, replay
+from asyncoffload.workloads import Request, summarize, synthetic_sessions
+
+KEYS = [ao.make_offload_key(bytes([i]) * 8) for i in range(24)]
+A, B, C, D, E, F = KEYS[:6]
+CANDIDATES = ("lru", "arc", "kv")
+
+
+def manager(capacity: int, **options: object) -> tuple[ao.CPUOffloadingManager, AdaptivePolicy]:
+    policy = AdaptivePolicy(capacity, **options)  # type: ignore[arg-type]
+    return ao.CPUOffloadingManager(capacity, policy=policy), policy
+
+
+def store(m: ao.CPUOffloadingManager, keys: Sequence[OffloadKey]) -> None:
+    out = m.prepare_store(keys)
+    assert out is not None
+    m.complete_store(out.keys_to_store)
+
+
+def check_view(m: ao.CPUOffloadingManager, blocks: dict[OffloadKey, BlockStatus]) -> None:
+    """The policy tracks exactly ``blocks`` (the same records), once each, as the manager
+    counts them."""
+    items = list(m.policy.items())
+    keys = [key for key, _ in items]
+    assert len(keys) == len(set(keys))
+    assert dict(items) == blocks
+    assert all(block is blocks[key] for key, block in items)
+    assert all(m.policy.get(key) is block for key, block in blocks.items())
+    stats = m.stats()
+    assert len(m.policy) == len(blocks) == stats.ready + stats.write_pending
+    assert stats.free + stats.ready + stats.write_pending == m.num_blocks
+
+
+# --- registration ----------------------------------------------------------------------
+
+
+def test_auto_is_registered_so_the_harnesses_run_it() -> None:
+    # tests/test_policies.py and tests/test_manager.py parametrize over these.
+    assert "auto" in available_policies()
+    assert isinstance(ao.CPUOffloadingManager(4, policy="auto").policy, AdaptivePolicy)
+
+
+def test_auto_is_not_the_default() -> None:
+    assert ao.EngineConfig().policy != "auto"
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"candidates": ()},
+        {"candidates": ("lru", "auto")},
+        {"candidates": ("lru", "nope")},
+        {"initial": "sieve"},
+        {"rate": 0.0},
+        {"rate": 1.5},
+        {"min_shadow": 0},
+        {"sampling": "keys"},
+        {"depth": -1},
+        {"epoch": 0.0},
+        {"margin": -0.1},
+        {"patience": 0},
+    ],
+)
+def test_bad_options_are_refused(options: dict[str, object]) -> None:
+    with pytest.raises(ValueError):
+        AdaptivePolicy(100, **options)  # type: ignore[arg-type]
+
+
+def test_small_tiers_are_simulated_at_full_size() -> None:
+    assert AdaptivePolicy(100).rate == 1.0
+    assert AdaptivePolicy(100).shadow_capacity == 100
+    big = AdaptivePolicy(100_000, rate=1 / 16, min_shadow=512)
+    assert big.rate == pytest.approx(1 / 16)
+    assert big.shadow_capacity == 6250
+    raised = AdaptivePolicy(2048, rate=1 / 16, min_shadow=512)
+    assert raised.shadow_capacity == 512
+
+
+def test_repr_names_the_leader_and_the_scores() -> None:
+    m, policy = manager(8)
+    store(m, [A, B])
+    assert repr(policy).startswith("<AdaptivePolicy leader=kv [2 of 8, shadows of 8")
+
+
+# --- switching -------------------------------------------------------------------------
+
+
+def test_a_switch_keeps_recency_order() -> None:
+    m, policy = manager(8, initial="lru")
+    for key in (A, B, C, D, E):
+        store(m, [key])
+    m.touch([B])  # LRU order now A C D E B
+    policy.switch_to("arc")
+    assert [key for key, _ in policy.items()] == [A, C, D, E, B]
+    policy.switch_to("kv")
+    m.touch([C])  # kv: C used last
+    policy.switch_to("lru")
+    assert [key for key, _ in policy.items()] == [A, D, E, B, C]
+    assert policy.switches == 3
+    out = m.prepare_store(KEYS[10:15])
+    assert out is not None and out.evicted_keys == [A, D]
+
+
+def test_pinned_and_in_flight_blocks_survive_switches() -> None:
+    m, policy = manager(4, initial="lru")
+    store(m, [A, B])
+    m.prepare_load([A])  # pinned
+    assert m.prepare_store([C]) is not None  # in flight
+    blocks = {key: block for key, block in policy.items()}
+    refs = {key: block.ref_cnt for key, block in blocks.items()}
+    for name in ("arc", "kv", "lru", "kv", "arc"):
+        policy.switch_to(name)
+        check_view(m, blocks)
+        assert {key: block.ref_cnt for key, block in policy.items()} == refs
+        # Two free slots and one idle block (B): a store of four cannot be made.
+        assert m.prepare_store([D, E, F, KEYS[7]]) is None
+        check_view(m, blocks)
+    out = m.prepare_store([D, E, F])  # 1 free slot + B: still one short
+    assert out is None
+    out = m.prepare_store([D, E])
+    assert out is not None and out.evicted_keys == [B]
+    m.complete_store([C, D, E])
+    m.complete_load([A])
+    assert set(m.resident_keys()) == {A, C, D, E}
+
+
+def test_switching_to_the_leader_changes_nothing() -> None:
+    m, policy = manager(8)
+    store(m, [A, B])
+    before = policy.snapshot()
+    policy.switch_to("kv")
+    assert policy.snapshot() == before
+    assert policy.switches == 0
+    with pytest.raises(ValueError):
+        policy.switch_to("sieve")
+
+
+def test_clear_forgets_everything_and_restores_the_initial_leader() -> None:
+    m, policy = manager(8)
+    store(m, [A, B])
+    policy.switch_to("arc")
+    m.reset_cache()
+    assert policy.leader == "kv" and policy.switches == 0 and len(policy) == 0
+    assert policy.snapshot() == AdaptivePolicy(8).snapshot()
+
+
+OPS = ["store"] * 3 + ["complete"] * 2 + ["fail", "load", "unload", "touch", "switch", "switch"]
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), capacity=st.integers(1, 8))
+def test_switches_never_lose_duplicate_or_break_a_guarantee(
+    data: st.DataObject, capacity: int
+) -> None:
+    m, policy = manager(capacity)
+    blocks: dict[OffloadKey, BlockStatus] = {}
+    pins: dict[OffloadKey, int] = {}
+    pool = KEYS[:12]
+    for step in range(data.draw(st.integers(1, 60), label="n_ops")):
+        kind = data.draw(st.sampled_from(OPS))
+        pending = [k for k, b in blocks.items() if b.ref_cnt < 0]
+        ready = [k for k, b in blocks.items() if b.ref_cnt >= 0]
+        note(f"{step}: {kind} (leader {policy.leader})")
+        if kind == "store":
+            keys = data.draw(st.lists(st.sampled_from(pool), max_size=5, unique=True))
+            protected, idle = set(keys), {k for k in ready if not pins.get(k)}
+            out = m.prepare_store(keys)
+            if out is not None:
+                evicted = set(out.evicted_keys)
+                assert not evicted & protected  # never the store's own keys
+                assert evicted <= idle  # never pinned or in flight
+                for key in evicted:
+                    del blocks[key]
+                for key in out.keys_to_store:
+                    block = m.block_of(key)
+                    assert block is not None
+                    blocks[key] = block
+        elif kind in ("complete", "fail") and pending:
+            keys = data.draw(st.lists(st.sampled_from(pending), min_size=1, unique=True))
+            m.complete_store(keys, success=kind == "complete")
+            if kind == "fail":
+                for key in keys:
+                    del blocks[key]
+        elif kind == "load" and ready:
+            key = data.draw(st.sampled_from(ready))
+            m.prepare_load([key])
+            pins[key] = pins.get(key, 0) + 1
+        elif kind == "unload" and pins:
+            key = data.draw(st.sampled_from(sorted(pins)))
+            m.complete_load([key])
+            pins[key] -= 1
+            if not pins[key]:
+                del pins[key]
+        elif kind == "touch":
+            m.touch(data.draw(st.lists(st.sampled_from(pool), max_size=6, unique=True)))
+        elif kind == "switch":
+            policy.switch_to(data.draw(st.sampled_from(CANDIDATES)))
+        check_view(m, blocks)
+        assert {k: b.ref_cnt for k, b in blocks.items() if b.ref_cnt > 0} == pins
+
+
+def drive(
+    m: ao.CPUOffloadingManager,
+    requests: Sequence[Request],
+    check: Callable[[], None] | None = None,
+) -> int:
+    """The replay's sequence per request, with ``check`` after each; the prefix hits."""
+    hits = 0
+    for req in requests:
+        keys = req.keys
+        n = m.lookup_prefix(keys)
+        hits += n
+        m.touch(keys)
+        if n:
+            m.prepare_load(keys[:n])
+            m.complete_load(keys[:n])
+        out = m.prepare_store(keys[n:])
+        if out is not None and out.keys_to_store:
+            m.complete_store(out.keys_to_store)
+        if check is not None:
+            check()
+    return hits
+
+
+def test_its_own_switches_keep_the_manager_consistent() -> None:
+    # Tiny epochs, no margin, no patience: the leader changes all the time.
+    requests = synthetic_sessions(300, block_size=16, blocks_per_turn=3.0, think_time_s=5.0)
+    m, policy = manager(60, epoch=0.2, margin=0.0, patience=1)
+
+    def check() -> None:
+        blocks = {key: block for key, block in policy.items()}
+        check_view(m, blocks)
+        assert set(m.resident_keys()) == set(blocks)
+
+    drive(m, requests, check)
+    assert policy.switches >= 10
+
+
+def test_under_request_scoped_calls_every_candidate_gets_its_touch() -> None:
+    m = ao.CPUOffloadingManager(8, policy="auto", request_scoped=True)
+    policy = m.policy
+    assert isinstance(policy, AdaptivePolicy)
+    for i, keys in enumerate([[A, B, C], [A, B, C, D], [A, B, C, D, E]]):
+        ctx = ao.ReqContext(req_id=f"r{i}")
+        m.on_new_request(ctx)
+        n = m.lookup_prefix(keys)
+        if n:
+            m.prepare_load(keys[:n], ctx)
+            m.complete_load(keys[:n], ctx)
+        out = m.prepare_store(keys, ctx)
+        assert out is not None
+        m.complete_store(out.keys_to_store, ctx)
+        m.on_request_finished(ctx)
+    # The shadows saw every request (full size here): 0 + 3 + 4 prefix hits of 12.
+    assert policy.scores() == pytest.approx({name: 7 / 12 for name in CANDIDATES})
+    assert set(m.resident_keys()) == {A, B, C, D, E}
+
+
+# --- determinism -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("sampling", ["request", "block"])
+def test_the_same_trace_gives_the_same_decisions(sampling: str) -> None:
+    requests = scan_workload(1500, seed=3)
+    cap = capacity_blocks(0.05, summarize(requests).unique_blocks)
+    runs = []
+    for _ in range(2):
+        policy = AdaptivePolicy(cap, min_shadow=64, rate=0.25, sampling=sampling, epoch=1.0)
+        res = replay(requests, cap, policy=policy)
+        runs.append((res.hit_blocks, res.stored, res.evicted, policy.switches, policy.snapshot()))
+    assert runs[0] == runs[1]
+    assert 0 < policy.rate < 1
+
+
+# --- following the best candidate ------------------------------------------------------
+
+
+def _fresh_keys(seed: int) -> Callable[[int], list[OffloadKey]]:
+    rng = random.Random(seed)
+    namespace, counter = rng.randbytes(8), itertools.count()
+
+    def fresh(n: int) -> list[OffloadKey]:
+        return [
+            ao.make_offload_key(namespace + i.to_bytes(8, "big"))
+            for i in itertools.islice(counter, n)
+        ]
+
+    return fresh
+
+
+def _request(i: int, keys: Sequence[OffloadKey]) -> Request:
+    return Request(
+        req_id=str(i),
+        arrival_s=float(i),
+        keys=tuple(keys),
+        input_tokens=16 * len(keys),
+        output_tokens=1,
+        block_size=16,
+    )
+
+
+def scan_workload(n: int, seed: int = 0) -> list[Request]:
+    """A Zipf-popular hot set of short prompts, and one-off scans of 40 fresh blocks mixed
+    in: LRU lets the scans flush the hot set, ARC and kv keep it."""
+    rng, fresh = random.Random(seed), _fresh_keys(seed)
+    hot = [fresh(rng.randint(2, 8)) for _ in range(300)]
+    weights = list(itertools.accumulate(1 / (i + 1) ** 0.8 for i in range(len(hot))))
+    out = []
+    for i in range(n):
+        scan = rng.random() < 0.3
+        out.append(_request(i, fresh(40) if scan else rng.choices(hot, cum_weights=weights)[0]))
+    return out
+
+
+def shifting_workload(n: int, seed: int = 0, phase: int = 500) -> list[Request]:
+    """Conversations whose hot set is replaced every ``phase`` requests: what was used
+    often is dead once the phase ends, and recency (LRU) beats frequency (ARC)."""
+    rng, fresh = random.Random(seed), _fresh_keys(seed)
+    docs: list[list[OffloadKey]] = []
+    out = []
+    for i in range(n):
+        if i % phase == 0:
+            docs = [fresh(rng.randint(3, 10)) for _ in range(150)]
+        if rng.random() < 0.7:
+            d = rng.randrange(len(docs))
+            docs[d] = docs[d] + fresh(rng.randint(0, 2))
+            keys = docs[d]
+        else:
+            keys = fresh(rng.randint(3, 12))
+        out.append(_request(i, keys))
+    return out
+
+
+def chat_workload(n: int) -> list[Request]:
+    return synthetic_sessions(n, block_size=16, blocks_per_turn=6.0, think_time_s=30.0)
+
+
+# Each starts on a candidate the workload does not favour, so it has to find the best.
+# Epochs of one shadow capacity and no patience let it switch early in a run this short;
+# the chat workload, where the candidates are close, runs with the defaults.
+FAST = {"epoch": 1.0, "patience": 1}
+
+
+@pytest.mark.parametrize(
+    ("build", "share", "candidates", "options"),
+    [
+        (scan_workload, 0.02, ("lru", "arc"), {"initial": "lru", **FAST}),
+        (scan_workload, 0.02, CANDIDATES, {"initial": "lru", **FAST}),
+        (shifting_workload, 0.05, ("lru", "arc"), {"initial": "arc", **FAST}),
+        (shifting_workload, 0.05, CANDIDATES, {"initial": "arc", **FAST}),
+        (chat_workload, 0.05, CANDIDATES, {"initial": "arc"}),
+    ],
+)
+def test_auto_ends_close_to_the_best_candidate(
+    build: Callable[[int], list[Request]],
+    share: float,
+    candidates: tuple[str, ...],
+    options: dict[str, object],
+) -> None:
+    requests = build(4000)
+    cap = capacity_blocks(share, summarize(requests).unique_blocks)
+    rates = {name: replay(requests, cap, policy=name).block_hit_rate for name in candidates}
+    best = max(rates.values())
+    assert rates[str(options["initial"])] < best - 0.01  # the workload favours another
+    policy = AdaptivePolicy(cap, candidates=candidates, **options)  # type: ignore[arg-type]
+    assert 0 < policy.rate < 1  # sampled shadows
+    auto = replay(requests, cap, policy=policy).block_hit_rate
+    assert auto >= best - 0.01, (rates, auto, repr(policy))
+    assert policy.switches >= 1
