@@ -376,11 +376,26 @@ def capacity_shares(text: str, *, at_most_all: bool = True) -> list[float]:
 
 
 def _add_replay(parser: argparse.ArgumentParser) -> None:
+    from asyncoffload.replay import FAMILY_REQUESTS, FAMILY_SOURCE
+    from asyncoffload.workloads import families
+
     parser.add_argument(
         "trace",
         metavar="TRACE",
-        help="a Mooncake-format JSONL trace (one request a line with hash_ids), or "
-        "'synthetic[:N]' for N requests of the built-in multi-turn generator",
+        help="a Mooncake-format JSONL trace (one request a line with hash_ids), "
+        "'synthetic[:N]' for N requests of the built-in multi-turn generator, or "
+        f"'{FAMILY_SOURCE}' for N requests of a seeded trace family (below)",
+    )
+    # The epilog lists the families one a line: keep its layout, fill the description.
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    if parser.description:
+        parser.description = textwrap.fill(parser.description, 78)
+    listed = "\n".join(f"  {name:<8} {f.summary}" for name, f in families().items())
+    parser.epilog = (
+        f"trace families (TRACE {FAMILY_SOURCE}; N defaults to {FAMILY_REQUESTS:,}):\n"
+        f"{listed}\n"
+        "PARAM=VALUE sets the seed (seed=3, else --seed) or a generator parameter\n"
+        "(family:rag:50000:zipf_s=1.2:order=id); docs/policies.md lists them."
     )
     parser.add_argument(
         "--capacity",
@@ -447,7 +462,12 @@ def _add_replay(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--plot", metavar="PNG", help="write a plot of hit rate vs capacity")
     parser.add_argument("--json", metavar="PATH", help="write every result as JSON")
-    parser.add_argument("--seed", type=int, default=0, help="seed of 'synthetic' (%(default)s)")
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of 'synthetic' and of 'family:' sources that name none (%(default)s)",
+    )
     _add_progress_options(parser)
 
 
@@ -532,9 +552,16 @@ class _ProgressBar:
 
 
 def _load_workload(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[Any]:
+    from asyncoffload.replay import is_family_source, parse_family_source
     from asyncoffload.workloads import TraceFormatError, load_mooncake, synthetic_sessions
 
     trace: str = args.trace
+    if is_family_source(trace):
+        try:
+            source = parse_family_source(trace)
+            return source.requests(seed=args.seed, block_size=args.block_size, limit=args.limit)
+        except ValueError as exc:
+            parser.error(f"TRACE: {exc}")
     if trace == "synthetic" or trace.startswith("synthetic:"):
         _, _, count = trace.partition(":")
         try:

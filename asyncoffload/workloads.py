@@ -15,18 +15,27 @@ sessions (the system prompt). Only its full blocks have keys.
 one request a line with ``hash_ids`` for its 512-token blocks, the last one usually
 partial). :func:`synthetic_sessions` makes workloads of that shape without token ids, fast
 enough for hundreds of thousands of requests, to check conclusions beyond one trace.
+
+:func:`families` names the trace families a cache policy is judged on, each a generator
+of that kind, seeded: ``chat`` (:func:`synthetic_sessions`), ``agent`` (tool loops on long
+shared tool prompts, :func:`synthetic_agent`), ``rag`` (chunks of Zipf popularity,
+:func:`synthetic_rag`), ``scan`` (one-off scans through a hot set,
+:func:`synthetic_scan`) and ``diurnal`` (a hot set that shifts in phases,
+:func:`synthetic_diurnal`).
 """
 
 from __future__ import annotations
 
+import bisect
 import heapq
+import inspect
 import itertools
 import json
 import math
 import os
 import random
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
@@ -34,14 +43,22 @@ from typing import cast
 from asyncoffload.keys import OffloadKey, hash_token_blocks, make_offload_key
 
 __all__ = [
+    "RAG_ORDERS",
     "Request",
+    "TraceFamily",
     "TraceFormatError",
     "WorkloadSummary",
+    "families",
     "iter_mooncake",
     "load_mooncake",
     "summarize",
+    "synthetic_agent",
     "synthetic_chat",
+    "synthetic_diurnal",
+    "synthetic_rag",
+    "synthetic_scan",
     "synthetic_sessions",
+    "trace_family",
 ]
 
 
@@ -409,6 +426,567 @@ def synthetic_sessions(
 
     out.sort(key=lambda r: r.arrival_s)
     return out[:num_requests]
+
+
+# --- trace families --------------------------------------------------------------------
+#
+# Seeded generators of the workload shapes a default policy must hold its ground on
+# (issue 15), each as fast as synthetic_sessions: keys alone, no token ids. They share
+# synthetic_sessions' conventions: every block of a prompt has a key, the last usually
+# partial (len(keys) == ceil(input_tokens / block_size)); shared prefixes (system, tool
+# and app prompts, document chunks) are whole blocks; keys are a counter under a
+# namespace drawn from the family's own random stream, so workloads of different seeds
+# or families share no key.
+
+
+def _check_number(name: str, value: float, low: float, high: float) -> None:
+    """``value`` is a number in ``[low, high]`` (bools, NaN and other types refused)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+        raise ValueError(f"{name} must be a number in [{low}, {high}], got {value!r}")
+
+
+def _check_seed(seed: int) -> None:
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"seed must be an int, got {seed!r}")
+
+
+def _family_rng(family: str, seed: int) -> random.Random:
+    """The random stream of ``family`` at ``seed``: families drawn with the same seed
+    are independent (a str seed hashes all its characters)."""
+    return random.Random(f"{family}:{seed}")
+
+
+#: The group index part of every generated key (group 0).
+_GROUP_0 = make_offload_key(b"\0")[1:]
+
+
+class _FreshKeys:
+    """Keys never handed out before: a counter under a random 8-byte namespace."""
+
+    __slots__ = ("_namespace", "_next")
+
+    def __init__(self, rng: random.Random) -> None:
+        self._namespace = rng.randbytes(8)
+        self._next = 0
+
+    def take(self, n: int) -> list[OffloadKey]:
+        ns, start = self._namespace, self._next
+        self._next = start + n
+        raw = [ns + i.to_bytes(8, "big") + _GROUP_0 for i in range(start, start + n)]
+        return cast("list[OffloadKey]", raw)
+
+
+def _zipf_cum_weights(n: int, s: float) -> list[float]:
+    """Cumulative weights of ranks ``0..n-1``, rank ``i`` weighing ``(i + 1) ** -s``."""
+    return list(itertools.accumulate((i + 1) ** -s for i in range(n)))
+
+
+def _conversations(
+    num_requests: int,
+    rng: random.Random,
+    fresh: _FreshKeys,
+    prefix: Callable[[float], list[OffloadKey]],
+    *,
+    session_rate: float,
+    mean_turns: float,
+    first_tokens: float,
+    turn_tokens: float,
+    output_tokens: float,
+    think_time_s: float,
+    block_size: int,
+    id_prefix: str,
+) -> list[Request]:
+    """Sessions as in :func:`synthetic_sessions`, each on the shared prefix
+    ``prefix(start)`` (full blocks), the first turn adding about ``first_tokens`` tokens
+    and every later one its predecessor's output and about ``turn_tokens`` more."""
+    more_turns = 1 - 1 / mean_turns
+    out: list[Request] = []
+    earliest = _Earliest(num_requests)
+    start = 0.0
+    session_idx = 0
+    while num_requests:
+        start += rng.expovariate(session_rate)
+        if earliest.too_late(start):
+            break
+        keys = list(prefix(start))
+        n_tokens = len(keys) * block_size
+        session_id = f"{id_prefix}{session_idx}"
+        session_idx += 1
+        t = start
+        turn = 0
+        new_tokens = first_tokens
+        while True:
+            n_tokens += _uniform_mean(rng, new_tokens)
+            keys += fresh.take(-(-n_tokens // block_size) - len(keys))
+            n_out = _uniform_mean(rng, output_tokens)
+            out.append(
+                Request(
+                    req_id=f"{session_id}-t{turn}",
+                    arrival_s=t,
+                    keys=tuple(keys),
+                    input_tokens=n_tokens,
+                    output_tokens=n_out,
+                    session_id=session_id,
+                    turn=turn,
+                    block_size=block_size,
+                )
+            )
+            earliest.add(t)
+            if rng.random() >= more_turns:
+                break
+            # The output continues the prompt's partial last block: that block's key goes.
+            del keys[n_tokens // block_size :]
+            n_tokens += n_out
+            turn += 1
+            t += _think_time(rng, think_time_s)
+            new_tokens = turn_tokens
+    out.sort(key=lambda r: r.arrival_s)
+    return out[:num_requests]
+
+
+def synthetic_agent(
+    num_requests: int,
+    *,
+    num_tool_prompts: int = 4,
+    tool_prompt_blocks: int = 16,
+    task_blocks: float = 1.0,
+    mean_steps: float = 10.0,
+    call_tokens: float = 100.0,
+    result_tokens: float = 400.0,
+    block_size: int = 512,
+    arrival_rate: float = 3.0,
+    step_time_s: float = 20.0,
+    seed: int = 0,
+) -> list[Request]:
+    """Tool-using agent loops: ``num_requests`` requests, sorted by arrival.
+
+    Every agent run (a session) starts on one of ``num_tool_prompts`` long tool-definition
+    prompts of ``tool_prompt_blocks`` full blocks (8k tokens by default: the system
+    prompt and tools' JSON schemas of a coding or browsing agent), prompt ``i`` with
+    probability proportional to ``1 / (i + 1)``, then a task of about ``task_blocks``
+    blocks. It then loops over a geometric number of steps (at least 1, mean
+    ``mean_steps``): each step is a request whose output is a tool call (about
+    ``call_tokens`` tokens); the call and its result (about ``result_tokens`` tokens)
+    are appended to the conversation, and the next step comes an exponential time (mean
+    ``step_time_s``: the model's decode and the tool's run) later. So every request starts
+    with one of a few long shared prefixes and re-reads its run's whole history, steps
+    are short, and a run's blocks come back after about ``arrival_rate * step_time_s``
+    other requests. Runs start as a Poisson process of ``arrival_rate / mean_steps`` per
+    second. Token counts are uniform with the means given; the layout of blocks and
+    keys is :func:`synthetic_sessions`' (the last block partial, re-keyed by the next
+    step). Deterministic for a ``seed``.
+    """
+    _check_int("num_requests", num_requests, positive=False)
+    _check_int("num_tool_prompts", num_tool_prompts, positive=True)
+    _check_int("tool_prompt_blocks", tool_prompt_blocks, positive=False)
+    _check_positive("task_blocks", task_blocks)
+    _check_at_least("mean_steps", mean_steps, 1)
+    _check_positive("call_tokens", call_tokens)
+    _check_positive("result_tokens", result_tokens)
+    _check_int("block_size", block_size, positive=True)
+    _check_positive("arrival_rate", arrival_rate)
+    _check_at_least("step_time_s", step_time_s, 0)
+    _check_seed(seed)
+
+    rng = _family_rng("agent", seed)
+    fresh = _FreshKeys(rng)
+    tools = [fresh.take(tool_prompt_blocks) for _ in range(num_tool_prompts)]
+    popularity = _zipf_cum_weights(num_tool_prompts, 1.0)
+    choices = range(num_tool_prompts)
+
+    def tool_prompt(_start: float) -> list[OffloadKey]:
+        return tools[rng.choices(choices, cum_weights=popularity)[0]]
+
+    return _conversations(
+        num_requests,
+        rng,
+        fresh,
+        tool_prompt,
+        session_rate=arrival_rate / mean_steps,
+        mean_turns=mean_steps,
+        first_tokens=task_blocks * block_size,
+        # A step's new input is the previous call's result (the call is its output).
+        turn_tokens=result_tokens,
+        output_tokens=call_tokens,
+        think_time_s=step_time_s,
+        block_size=block_size,
+        id_prefix="a",
+    )
+
+
+#: How :func:`synthetic_rag` orders a request's retrieved chunks.
+RAG_ORDERS = ("score", "id")
+
+
+def synthetic_rag(
+    num_requests: int,
+    *,
+    num_chunks: int = 20_000,
+    chunks_per_request: int = 4,
+    zipf_s: float = 1.0,
+    chunk_blocks: int = 1,
+    order: str = "score",
+    system_prompt_blocks: int = 2,
+    question_tokens: float = 64.0,
+    output_tokens: float = 256.0,
+    block_size: int = 512,
+    arrival_rate: float = 3.0,
+    seed: int = 0,
+) -> list[Request]:
+    """Retrieval-augmented generation: ``num_requests`` single-turn requests, sorted by
+    arrival (a Poisson process of ``arrival_rate`` per second), no sessions.
+
+    A request's prompt is a system prompt of ``system_prompt_blocks`` full blocks shared
+    by all, ``chunks_per_request`` distinct chunks retrieved from a corpus of
+    ``num_chunks`` chunks of ``chunk_blocks`` full blocks each (512 tokens by default: a
+    common chunk size), and a unique question of about ``question_tokens`` tokens
+    (uniform, that mean; its blocks are never seen again). Chunk popularity is Zipf: the
+    chunk of popularity rank ``r`` (from 0) is retrieved with weight ``(r + 1) **
+    -zipf_s``, chunks drawn one after the other without replacement.
+
+    Keys are prefix-chained, so a chunk is a hit only behind the same chunks: a chunk's
+    keys are those of its text *after everything before it*, and the same chunk after
+    a different prefix is new blocks (as in vLLM's prefix cache). ``order`` says how
+    retrieved chunks are laid out, and so how chunk popularity shows up as prefix reuse:
+
+    - ``"score"`` (default): in retrieval order, most relevant first, the order of the
+      draws. Popular chunks are drawn first more often, so the most popular chunks
+      often sit right after the system prompt and are reused there; a request reuses
+      its first ``j`` chunks only when an earlier one retrieved the same ``j`` chunks
+      in the same order, which grows rare fast with ``j``.
+    - ``"id"``: sorted by chunk id (ids are a random permutation of popularity ranks),
+      as servers that sort retrieved chunks to make equal sets share a prefix do: a
+      chunk is reused behind the same lower-id chunks, whatever their scores.
+
+    Deterministic for a ``seed``.
+    """
+    _check_int("num_requests", num_requests, positive=False)
+    _check_int("num_chunks", num_chunks, positive=True)
+    _check_int("chunks_per_request", chunks_per_request, positive=False)
+    if chunks_per_request > num_chunks:
+        raise ValueError(
+            f"chunks_per_request must be at most num_chunks ({num_chunks}), "
+            f"got {chunks_per_request!r}"
+        )
+    _check_number("zipf_s", zipf_s, 0, 10)
+    _check_int("chunk_blocks", chunk_blocks, positive=True)
+    if order not in RAG_ORDERS:
+        raise ValueError(f"order must be one of {', '.join(RAG_ORDERS)}, got {order!r}")
+    _check_int("system_prompt_blocks", system_prompt_blocks, positive=False)
+    _check_positive("question_tokens", question_tokens)
+    _check_positive("output_tokens", output_tokens)
+    _check_int("block_size", block_size, positive=True)
+    _check_positive("arrival_rate", arrival_rate)
+    _check_seed(seed)
+
+    rng = _family_rng("rag", seed)
+    fresh = _FreshKeys(rng)
+    system = fresh.take(system_prompt_blocks)
+    ranks = range(num_chunks)
+    cum = _zipf_cum_weights(num_chunks, zipf_s)
+    chunk_id = list(ranks)
+    rng.shuffle(chunk_id)
+    # The keys of a chunk behind a prefix, by (the prefix's last key, chunk rank).
+    chunk_keys: dict[tuple[bytes, int], list[OffloadKey]] = {}
+    k = chunks_per_request
+    out: list[Request] = []
+    t = 0.0
+    for i in range(num_requests):
+        t += rng.expovariate(arrival_rate)
+        picked = _draw_distinct(rng, ranks, cum, k, zipf_s)
+        if order == "id":
+            picked.sort(key=chunk_id.__getitem__)
+        keys = list(system)
+        for rank in picked:
+            memo = (keys[-1] if keys else b"", rank)
+            found = chunk_keys.get(memo)
+            if found is None:
+                found = chunk_keys[memo] = fresh.take(chunk_blocks)
+            keys += found
+        n_question = _uniform_mean(rng, question_tokens)
+        keys += fresh.take(-(-n_question // block_size))
+        out.append(
+            Request(
+                req_id=f"q{i}",
+                arrival_s=t,
+                keys=tuple(keys),
+                input_tokens=(system_prompt_blocks + k * chunk_blocks) * block_size + n_question,
+                output_tokens=_uniform_mean(rng, output_tokens),
+                block_size=block_size,
+            )
+        )
+    return out
+
+
+def _draw_distinct(
+    rng: random.Random, ranks: range, cum: list[float], k: int, s: float
+) -> list[int]:
+    """``k`` distinct ranks drawn one after the other, rank ``r`` with weight
+    ``(r + 1) ** -s`` (``cum``: the cumulative weights), without replacement, in draw
+    order."""
+    picked: list[int] = []
+    seen: set[int] = set()
+    # Rejection draws the next pick from the rest's weights; it stalls only when the
+    # picks hold nearly all the weight, where the equivalent exponential-key draw
+    # (Efraimidis-Spirakis: the k largest u ** (1 / w), in order) takes over.
+    total, hi, uniform = cum[-1], len(cum) - 1, rng.random
+    for _ in range(8 * k + 8):
+        if len(picked) == k:
+            return picked
+        rank = bisect.bisect(cum, uniform() * total, 0, hi)  # rng.choices(ranks, cum)
+        if rank not in seen:
+            seen.add(rank)
+            picked.append(rank)
+    if len(picked) == k:
+        return picked
+    # log(u) / w is u ** (1 / w) in order, and stays finite for the tiniest weights.
+    order = sorted(ranks, key=lambda r: math.log(1.0 - rng.random()) * (r + 1) ** s)
+    return order[-k:][::-1]
+
+
+def synthetic_scan(
+    num_requests: int,
+    *,
+    hot_prefixes: int = 1000,
+    hot_blocks: float = 8.0,
+    zipf_s: float = 0.8,
+    scan_fraction: float = 0.25,
+    scan_blocks: float = 32.0,
+    system_prompt_blocks: int = 1,
+    question_tokens: float = 128.0,
+    output_tokens: float = 256.0,
+    block_size: int = 512,
+    arrival_rate: float = 3.0,
+    seed: int = 0,
+) -> list[Request]:
+    """A hot set with one-off scans mixed in (the classic scan-resistance test):
+    ``num_requests`` single-turn requests, sorted by arrival (a Poisson process of
+    ``arrival_rate`` per second), no sessions.
+
+    Every prompt starts with a system prompt of ``system_prompt_blocks`` full blocks.
+    With probability ``scan_fraction`` a request is a one-off scan (``req_id``
+    ``"scan<i>"``): a long prompt of about ``scan_blocks`` blocks (uniform in tokens,
+    that mean: a document to summarise, a batch job's input) never seen before or
+    again. Otherwise (``"hot<i>"``) it re-reads one of ``hot_prefixes`` popular prefixes
+    (each of about ``hot_blocks`` full blocks, uniform, drawn once: a shared document,
+    a few-shot prompt), prefix of popularity rank ``r`` with weight ``(r + 1) **
+    -zipf_s``, then asks a unique question of about ``question_tokens`` tokens. Scans
+    bring most of the unique blocks, and a recency-only tier of a few percent of them
+    lets the scans flush the hot set's tail between its re-reads. Deterministic for a
+    ``seed``.
+    """
+    _check_int("num_requests", num_requests, positive=False)
+    _check_int("hot_prefixes", hot_prefixes, positive=True)
+    _check_positive("hot_blocks", hot_blocks)
+    _check_number("zipf_s", zipf_s, 0, 10)
+    _check_number("scan_fraction", scan_fraction, 0, 1)
+    _check_positive("scan_blocks", scan_blocks)
+    _check_int("system_prompt_blocks", system_prompt_blocks, positive=False)
+    _check_positive("question_tokens", question_tokens)
+    _check_positive("output_tokens", output_tokens)
+    _check_int("block_size", block_size, positive=True)
+    _check_positive("arrival_rate", arrival_rate)
+    _check_seed(seed)
+
+    rng = _family_rng("scan", seed)
+    fresh = _FreshKeys(rng)
+    system = fresh.take(system_prompt_blocks)
+    hot = [fresh.take(_uniform_mean(rng, hot_blocks)) for _ in range(hot_prefixes)]
+    cum = _zipf_cum_weights(hot_prefixes, zipf_s)
+    ranks = range(hot_prefixes)
+    mean_scan_tokens = scan_blocks * block_size
+    out: list[Request] = []
+    t = 0.0
+    for i in range(num_requests):
+        t += rng.expovariate(arrival_rate)
+        keys = list(system)
+        if rng.random() < scan_fraction:
+            req_id = f"scan{i}"
+            n_new = _uniform_mean(rng, mean_scan_tokens)
+        else:
+            req_id = f"hot{i}"
+            keys += hot[rng.choices(ranks, cum_weights=cum)[0]]
+            n_new = _uniform_mean(rng, question_tokens)
+        n_tokens = len(keys) * block_size + n_new
+        keys += fresh.take(-(-n_new // block_size))
+        out.append(
+            Request(
+                req_id=req_id,
+                arrival_s=t,
+                keys=tuple(keys),
+                input_tokens=n_tokens,
+                output_tokens=_uniform_mean(rng, output_tokens),
+                block_size=block_size,
+            )
+        )
+    return out
+
+
+def synthetic_diurnal(
+    num_requests: int,
+    *,
+    num_phases: int = 4,
+    hot_prefixes: int = 200,
+    prefix_blocks: float = 4.0,
+    overlap: float = 0.25,
+    zipf_s: float = 1.0,
+    mean_turns: float = 2.0,
+    blocks_per_turn: float = 2.0,
+    output_blocks: float = 0.5,
+    block_size: int = 512,
+    arrival_rate: float = 3.0,
+    think_time_s: float = 60.0,
+    seed: int = 0,
+) -> list[Request]:
+    """A hot set that shifts over the day: ``num_requests`` requests of multi-turn
+    sessions, sorted by arrival, in ``num_phases`` phases of equal duration (about
+    ``num_requests / num_phases`` requests each).
+
+    Each phase has its own hot set of ``hot_prefixes`` application prompts (system
+    prompts of about ``prefix_blocks`` full blocks, uniform, drawn once), ranked at
+    random: a session picks the prompt of rank ``r`` with weight ``(r + 1) ** -zipf_s``.
+    A phase keeps ``round(overlap * hot_prefixes)`` prompts of the previous phase's hot
+    set (chosen at random, and ranked anew) and brings fresh ones for the rest, so
+    consecutive phases overlap and the first and last share little. A session's phase
+    is the one it starts in. Sessions are :func:`synthetic_sessions`' (Poisson starts of
+    ``arrival_rate / mean_turns`` per second, geometric turns of mean ``mean_turns``,
+    about ``blocks_per_turn`` blocks of user message and ``output_blocks`` of reply per
+    turn, exponential think times of mean ``think_time_s``). What was hot in one phase
+    goes cold in the next: a policy that trusts old frequency keeps the wrong blocks.
+    Deterministic for a ``seed``.
+    """
+    _check_int("num_requests", num_requests, positive=False)
+    _check_int("num_phases", num_phases, positive=True)
+    _check_int("hot_prefixes", hot_prefixes, positive=True)
+    _check_positive("prefix_blocks", prefix_blocks)
+    _check_number("overlap", overlap, 0, 1)
+    _check_number("zipf_s", zipf_s, 0, 10)
+    _check_at_least("mean_turns", mean_turns, 1)
+    _check_positive("blocks_per_turn", blocks_per_turn)
+    _check_positive("output_blocks", output_blocks)
+    _check_int("block_size", block_size, positive=True)
+    _check_positive("arrival_rate", arrival_rate)
+    _check_at_least("think_time_s", think_time_s, 0)
+    _check_seed(seed)
+
+    rng = _family_rng("diurnal", seed)
+    fresh = _FreshKeys(rng)
+
+    def app_prompt() -> list[OffloadKey]:
+        return fresh.take(_uniform_mean(rng, prefix_blocks))
+
+    kept = round(overlap * hot_prefixes)
+    phases = [[app_prompt() for _ in range(hot_prefixes)]]
+    for _ in range(num_phases - 1):
+        hot = rng.sample(phases[-1], kept)
+        hot += [app_prompt() for _ in range(hot_prefixes - kept)]
+        rng.shuffle(hot)
+        phases.append(hot)
+    cum = _zipf_cum_weights(hot_prefixes, zipf_s)
+    ranks = range(hot_prefixes)
+    phase_s = num_requests / arrival_rate / num_phases
+
+    def phase_prompt(start: float) -> list[OffloadKey]:
+        phase = min(num_phases - 1, int(start / phase_s))
+        return phases[phase][rng.choices(ranks, cum_weights=cum)[0]]
+
+    return _conversations(
+        num_requests,
+        rng,
+        fresh,
+        phase_prompt,
+        session_rate=arrival_rate / mean_turns,
+        mean_turns=mean_turns,
+        first_tokens=blocks_per_turn * block_size,
+        turn_tokens=blocks_per_turn * block_size,
+        output_tokens=output_blocks * block_size,
+        think_time_s=think_time_s,
+        block_size=block_size,
+        id_prefix="d",
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class TraceFamily:
+    """A named, seeded workload generator: one shape of traffic a cache policy must do
+    well on. ``generate(n, seed=..., block_size=..., **params)`` makes ``n`` requests;
+    ``params`` override the generator's defaults (:meth:`parameters`)."""
+
+    name: str
+    #: One line: what the family models.
+    summary: str
+    generator: Callable[..., list[Request]]
+
+    def parameters(self) -> dict[str, object]:
+        """The generator's tunable parameters and their defaults (``seed`` and
+        ``block_size`` apart: every family takes them)."""
+        return {
+            name: p.default
+            for name, p in inspect.signature(self.generator).parameters.items()
+            if p.kind is inspect.Parameter.KEYWORD_ONLY and name not in ("seed", "block_size")
+        }
+
+    def generate(
+        self, num_requests: int, *, seed: int = 0, block_size: int = 512, **params: object
+    ) -> list[Request]:
+        """``num_requests`` requests of this family. ``ValueError`` naming the parameter
+        for an unknown or bad one."""
+        known = self.parameters()
+        for name in params:
+            if name not in known:
+                raise ValueError(
+                    f"the {self.name} family has no parameter {name!r} (its parameters: "
+                    f"{', '.join(known)}, and seed)"
+                )
+        return self.generator(num_requests, seed=seed, block_size=block_size, **params)
+
+
+_FAMILIES = {
+    f.name: f
+    for f in (
+        TraceFamily(
+            "chat",
+            "multi-turn chat on a few shared system prompts (as synthetic:N)",
+            synthetic_sessions,
+        ),
+        TraceFamily(
+            "agent",
+            "agent loops: many short tool-call steps on a few long shared tool prompts",
+            synthetic_agent,
+        ),
+        TraceFamily(
+            "rag",
+            "RAG: system prompt, k chunks of Zipf popularity, a unique question",
+            synthetic_rag,
+        ),
+        TraceFamily(
+            "scan",
+            "a Zipf hot set of prefixes with long one-off scans mixed in",
+            synthetic_scan,
+        ),
+        TraceFamily(
+            "diurnal",
+            "chat sessions on app prompts whose hot set shifts in phases",
+            synthetic_diurnal,
+        ),
+    )
+}
+
+
+def families() -> dict[str, TraceFamily]:
+    """The trace families by name, in a fixed order: ``chat``, ``agent``, ``rag``,
+    ``scan``, ``diurnal``."""
+    return dict(_FAMILIES)
+
+
+def trace_family(name: str) -> TraceFamily:
+    """The family called ``name``; ``ValueError`` naming the choices otherwise."""
+    try:
+        return _FAMILIES[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown trace family {name!r}: choose from {', '.join(_FAMILIES)}"
+        ) from None
 
 
 class TraceFormatError(ValueError):
