@@ -137,7 +137,9 @@ class EngineConfig(BaseModel):
         "combined with an explicit cpu_blocks.",
     )
     policy: str = Field(
-        "lru", description="Registered cache policy name: 'lru', 'arc', 'kv', 's3fifo', ..."
+        "auto",
+        description="Registered cache policy name: 'auto' (adaptive: follows the best of "
+        "'lru', 'arc' and 'kv'), 'lru', 'arc', 'kv', 's3fifo', ...",
     )
     admission: str | None = Field(
         None,

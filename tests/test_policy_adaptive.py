@@ -61,8 +61,13 @@ def test_auto_is_registered_so_the_harnesses_run_it() -> None:
     assert isinstance(ao.CPUOffloadingManager(4, policy="auto").policy, AdaptivePolicy)
 
 
-def test_auto_is_not_the_default() -> None:
-    assert ao.EngineConfig().policy != "auto"
+def test_auto_is_the_engines_default_and_vllms_stays_lru() -> None:
+    assert ao.EngineConfig().policy == "auto"
+    # The vLLM spec keeps lru (the C manager core, vLLM's own decisions) until auto has
+    # a C core: docs/policies.md, "The adaptive default".
+    from asyncoffload.integrations.vllm.settings import VllmOffloadSettings
+
+    assert VllmOffloadSettings.model_fields["policy"].default == "lru"
 
 
 @pytest.mark.parametrize(

@@ -137,7 +137,8 @@ async def test_promotion_round_trip_is_byte_exact(tmp_path: Path, mode: str) -> 
 async def test_a_load_mixing_cpu_and_disk_blocks_keeps_their_order(tmp_path: Path) -> None:
     kv = kv_caches()
     want = [block(kv, i) for i in range(6)]
-    async with engine(config(tmp_path, cpu_blocks=6), kv) as eng:
+    # LRU: which blocks the third store evicts is this test's premise.
+    async with engine(config(tmp_path, cpu_blocks=6, policy="lru"), kv) as eng:
         ks = keys(6)
         await store(eng, ks[:3], [0, 1, 2])
         await store(eng, ks[3:], [3, 4, 5])
