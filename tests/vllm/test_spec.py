@@ -170,7 +170,7 @@ def test_cpu_bytes_are_shared_by_workers_and_chunks(
     ("settings", "message"),
     [
         ({"polciy": "lru"}, r"\['polciy'\]: unknown key"),
-        ({"policy": "mru"}, r"\['policy'\]: unknown cache policy 'mru'; known: arc, kv, lru"),
+        ({"policy": "mru"}, r"\['policy'\]: unknown cache policy 'mru'; known: arc, auto, kv, lru"),
         ({"store_threshold": -1}, r"\['store_threshold'\]"),
         ({"admission": "nope"}, r"\['admission'\]: unknown admission filter 'nope'"),
         ({"cpu_bytes_to_use": 0}, r"\['cpu_bytes_to_use'\]"),
