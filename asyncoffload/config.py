@@ -79,6 +79,14 @@ _BYTE_UNITS = {
 _BYTE_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*$", re.IGNORECASE)
 
 
+def byte_setting(value: object, what: str) -> int:
+    """:func:`parse_bytes` for a settings field (``what``), refusing booleans (an ``int``
+    to Python, never a byte size a user meant)."""
+    if isinstance(value, bool):
+        raise ValueError(f"expected a byte size, got {value!r}")
+    return parse_bytes(value, what)
+
+
 def parse_bytes(value: object, what: str = "size") -> int:
     """A byte count from an int or a string: ``"16GiB"``, ``"16 GB"``, ``"512MiB"``,
     ``"1073741824"``. Units are explicit: ``KB``/``MB``/``GB``/``TB``/``PB`` are powers of

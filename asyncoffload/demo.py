@@ -36,7 +36,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from asyncoffload._term import terminal_columns, two_column_table
-from asyncoffload.config import EngineConfig, parse_bytes
+from asyncoffload.config import EngineConfig, byte_setting
 from asyncoffload.engine import AsyncOffloadEngine, EngineStats
 from asyncoffload.errors import HostMemoryError, PromotionError, TransferError
 from asyncoffload.events import EventSubscription, Lagged
@@ -165,9 +165,7 @@ class DemoConfig(BaseModel):
     @field_validator("disk_bytes", mode="before")
     @classmethod
     def _byte_size(cls, value: object) -> object:
-        if isinstance(value, bool):
-            raise ValueError(f"expected a byte size, got {value!r}")
-        return parse_bytes(value, "disk_bytes")
+        return byte_setting(value, "disk_bytes")
 
     @field_validator("remote_url")
     @classmethod

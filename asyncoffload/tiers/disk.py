@@ -99,11 +99,9 @@ class DiskTier(BaseModel):
     @field_validator("capacity", mode="before")
     @classmethod
     def _bytes(cls, value: object) -> object:
-        from asyncoffload.config import parse_bytes
+        from asyncoffload.config import byte_setting
 
-        if isinstance(value, bool):
-            raise ValueError(f"expected a byte size, got {value!r}")
-        return parse_bytes(value, "capacity")
+        return byte_setting(value, "capacity")
 
     @field_validator("policy")
     @classmethod

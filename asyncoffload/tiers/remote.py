@@ -130,11 +130,9 @@ class RemoteTier(BaseModel):
     @field_validator("batch_bytes", mode="before")
     @classmethod
     def _bytes(cls, value: object) -> object:
-        from asyncoffload.config import parse_bytes
+        from asyncoffload.config import byte_setting
 
-        if isinstance(value, bool):
-            raise ValueError(f"expected a byte size, got {value!r}")
-        return parse_bytes(value, "batch_bytes")
+        return byte_setting(value, "batch_bytes")
 
     @field_validator("policy")
     @classmethod
