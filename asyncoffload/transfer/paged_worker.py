@@ -28,6 +28,14 @@ Life of a job::
 - Until a store is reported (or waited for), the caller must not overwrite its KV blocks,
   and until a load is, it must not use its KV blocks or reuse its slots.
 
+**Faults (tests).** :meth:`~PagedTransferWorker.inject_faults` makes every job consult a
+:class:`~asyncoffload.transfer.faults.FaultPlan` once, at submission (``store`` /
+``load``, its GPU block count). A fault it draws hits every attempt of that job, the
+primary copy and its retry alike, as a persistent fault would: ``copy_error`` ends both
+attempts failed without copying anything, ``submit_error`` makes both submissions raise.
+Either way the job fails on both paths (:class:`PagedTransferError`, naming the
+injected error). Other kinds of fault are refused.
+
 **Threads.** No Python thread is involved. CPU tensors are copied by the native copy
 lanes (one native thread per direction, no GIL) where the C helper builds, else by torch
 on the calling thread; CUDA tensors by the copy engines on one CUDA stream per direction,
@@ -48,13 +56,14 @@ import operator
 import os
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple, NoReturn
 
 import torch
 
 from asyncoffload.errors import TransferError
-from asyncoffload.transfer.base import CopyJob, check_process, forked_since
+from asyncoffload.transfer.base import CopyJob, FailedJob, check_process, forked_since
+from asyncoffload.transfer.faults import Direction, FaultDecision, FaultPlan
 from asyncoffload.transfer.paged import CopyPlan, IdsLike, PageLayout
 from asyncoffload.transfer.paged_engines import (
     LOAD,
@@ -80,6 +89,7 @@ __all__ = [
 log = logging.getLogger("asyncoffload.transfer")
 
 _DIRECTIONS = ("store", "load")
+_FAULT_DIRECTIONS: tuple[Direction, Direction] = ("store", "load")
 
 
 class FinishedJob(NamedTuple):
@@ -161,6 +171,7 @@ class _Transfer:
     __slots__ = (
         "direction",
         "end_ns",
+        "fault",
         "job",
         "job_id",
         "ok",
@@ -170,7 +181,14 @@ class _Transfer:
         "submitted_ns",
     )
 
-    def __init__(self, job_id: int, direction: int, plan: CopyPlan, job: CopyJob) -> None:
+    def __init__(
+        self,
+        job_id: int,
+        direction: int,
+        plan: CopyPlan,
+        job: CopyJob,
+        fault: FaultDecision | None = None,
+    ) -> None:
         self.job_id = job_id
         self.direction = direction
         self.plan = plan
@@ -182,6 +200,8 @@ class _Transfer:
         self.seconds = 0.0
         #: Set once the primary path failed: ``job`` is then the fallback attempt.
         self.primary_error: BaseException | None = None
+        #: The injected fault every attempt of this job gets (tests), if any.
+        self.fault = fault
 
 
 class _Counters:
@@ -254,6 +274,7 @@ class PagedTransferWorker:
         self._counters = (_Counters(), _Counters())
         self._closed = False
         self._pid = os.getpid()
+        self._faults: FaultPlan | None = None
 
     @property
     def slot_bytes(self) -> int:
@@ -277,6 +298,44 @@ class PagedTransferWorker:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+    # --- faults (tests) ---------------------------------------------------------------------
+
+    def inject_faults(self, plan: FaultPlan | None) -> None:
+        """Make every job submitted from now on consult ``plan`` (``None``: stop). Only
+        ``copy_error`` and ``submit_error`` faults apply to a paged worker; a plan with
+        another kind raises ``ValueError``. See the module docstring."""
+        if plan is not None:
+            if not isinstance(plan, FaultPlan):
+                raise TypeError(
+                    f"inject_faults takes a FaultPlan or None, got {type(plan).__name__}"
+                )
+            other = sorted({f.kind for f in plan.faults} - {"copy_error", "submit_error"})
+            if other:
+                raise ValueError(
+                    f"a PagedTransferWorker takes copy_error and submit_error faults, "
+                    f"not {', '.join(other)}"
+                )
+        self._faults = plan
+
+    @property
+    def faults(self) -> FaultPlan | None:
+        """The fault plan in effect (:meth:`inject_faults`), if any."""
+        return self._faults
+
+    @staticmethod
+    def _attempt(
+        submit: Callable[[int, CopyPlan], CopyJob],
+        direction: int,
+        plan: CopyPlan,
+        fault: FaultDecision | None,
+    ) -> CopyJob:
+        if fault is not None:
+            if fault.raise_before is not None:
+                raise fault.raise_before
+            if fault.copy_error is not None:
+                return FailedJob(plan.num_copies, fault.copy_error)
+        return submit(direction, plan)
 
     # --- submission ------------------------------------------------------------------------
 
@@ -339,9 +398,12 @@ class PagedTransferWorker:
             store=direction == STORE,
         )
         engine = self._engine
+        fault = None
+        if self._faults is not None:
+            fault = self._faults.draw(_FAULT_DIRECTIONS[direction], int(plan.gpu_ids.numel()))
         primary: Exception | None = None
         try:
-            job = engine.submit_primary(direction, plan)
+            job = self._attempt(engine.submit_primary, direction, plan, fault)
         except Exception as exc:
             primary = exc
             self._counters[direction].retries += 1
@@ -354,7 +416,7 @@ class PagedTransferWorker:
                 engine.fallback_name,
             )
             try:
-                job = engine.submit_fallback(direction, plan)
+                job = self._attempt(engine.submit_fallback, direction, plan, fault)
             except Exception as fallback:
                 self._counters[direction].failures += 1
                 raise PagedTransferError(
@@ -365,7 +427,7 @@ class PagedTransferWorker:
                     exc,
                     fallback,
                 ) from fallback
-        record = _Transfer(job_id, direction, plan, job)
+        record = _Transfer(job_id, direction, plan, job, fault)
         record.primary_error = primary
         self._lanes[direction].append(record)
         self._jobs[job_id] = record
@@ -451,7 +513,7 @@ class PagedTransferWorker:
         )
         try:
             engine.quiesce(direction)  # the failed attempt must not touch the slots again
-            record.job = engine.submit_fallback(direction, record.plan)
+            record.job = self._attempt(engine.submit_fallback, direction, record.plan, record.fault)
             engine.wait(record.job)
         except Exception as fallback:
             self._fail(record, job.error, fallback)

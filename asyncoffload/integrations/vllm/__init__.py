@@ -10,6 +10,10 @@ Turn it on with::
 The classes below import vLLM (0.32 or 0.33; ``pip install 'asyncoffload[vllm]'``) when
 first used; :mod:`~asyncoffload.integrations.vllm.settings` does not. docs/vllm.md
 lists the settings and what differs from vLLM's own CPU spec.
+
+``AsyncOffloadConnector`` (``"kv_connector": "AsyncOffloadConnector",
+"kv_connector_module_path": "asyncoffload.integrations.vllm"``) is vLLM's
+``OffloadingConnector`` with failed loads recomputed instead of fatal (docs/vllm.md).
 """
 
 from __future__ import annotations
@@ -18,14 +22,22 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from asyncoffload.integrations.vllm.connector import AsyncOffloadConnector
     from asyncoffload.integrations.vllm.manager import AsyncOffloadManager
     from asyncoffload.integrations.vllm.settings import VllmOffloadSettings
     from asyncoffload.integrations.vllm.spec import AsyncOffloadSpec
     from asyncoffload.integrations.vllm.worker import AsyncOffloadWorker
 
-__all__ = ["AsyncOffloadManager", "AsyncOffloadSpec", "AsyncOffloadWorker", "VllmOffloadSettings"]
+__all__ = [
+    "AsyncOffloadConnector",
+    "AsyncOffloadManager",
+    "AsyncOffloadSpec",
+    "AsyncOffloadWorker",
+    "VllmOffloadSettings",
+]
 
 _WHERE = {
+    "AsyncOffloadConnector": "connector",
     "AsyncOffloadManager": "manager",
     "AsyncOffloadSpec": "spec",
     "AsyncOffloadWorker": "worker",

@@ -6,10 +6,20 @@ copies are :class:`~asyncoffload.transfer.paged_worker.PagedTransferWorker`'s: n
 copy lanes on CPU tensors (vLLM's CPU platform), batched DMA from a pinned host pool on
 CUDA ones. This class only translates vLLM's specs into ids.
 
-vLLM treats any failed transfer as fatal (it asserts success), so a copy that fails is
-retried once on a slower path, and if that fails too
-:class:`~asyncoffload.transfer.paged_worker.PagedTransferError` says which job, which
-blocks and why; success is never reported for bytes that did not land.
+A copy that fails is retried once on a slower path. If that fails too, what happens
+depends on the connector:
+
+- under vLLM's ``OffloadingConnector``, which treats any failed transfer as fatal (it
+  asserts success), :class:`~asyncoffload.transfer.paged_worker.PagedTransferError` is
+  raised (from ``submit_*``, ``get_finished`` or ``wait``), saying which job, which
+  blocks and why;
+- under :class:`~asyncoffload.integrations.vllm.connector.AsyncOffloadConnector`, which
+  sets :attr:`AsyncOffloadWorker.report_failures`, the job is reported by
+  ``get_finished`` as ``TransferResult(job_id, success=False)`` and its error is kept
+  for :meth:`AsyncOffloadWorker.pop_failure`: the connector has vLLM recompute a failed
+  load's blocks and drops a failed store's.
+
+Either way success is never reported for bytes that did not land.
 """
 
 from __future__ import annotations
@@ -27,7 +37,12 @@ from vllm.v1.kv_offload.base import (
 )
 
 from asyncoffload.integrations.vllm.settings import VllmOffloadSettings
-from asyncoffload.transfer.paged_worker import PagedTransferWorker, PagedWorkerStats
+from asyncoffload.transfer.faults import FaultPlan
+from asyncoffload.transfer.paged_worker import (
+    PagedTransferError,
+    PagedTransferWorker,
+    PagedWorkerStats,
+)
 
 __all__ = ["AsyncOffloadWorker"]
 
@@ -39,6 +54,12 @@ class AsyncOffloadWorker(OffloadingWorker):
     worker (block-major: a slot holds a chunk's pages of every tensor, contiguous).
     ``host_file``: the slots live in a shared-memory file at that path (with lower
     tiers: the scheduler maps it), unlinked at :meth:`shutdown`."""
+
+    #: Whether a job that failed on both copy paths is reported by :meth:`get_finished`
+    #: as ``TransferResult(success=False)`` (its error kept for :meth:`pop_failure`)
+    #: instead of raising :class:`PagedTransferError`. ``AsyncOffloadConnector`` sets it;
+    #: vLLM's ``OffloadingConnector`` asserts success, so it stays off there.
+    report_failures: bool = False
 
     def __init__(
         self,
@@ -68,6 +89,9 @@ class AsyncOffloadWorker(OffloadingWorker):
             staging_bytes=settings.staging_bytes,
             host_file=host_file,
         )
+        #: Failed jobs not yet reported by get_finished, and the errors of those reported.
+        self._failed: list[TransferResult] = []
+        self._errors: dict[int, PagedTransferError] = {}
         log.info(
             "asyncoffload worker: %d host slots of %d B on %s (%s)",
             num_chunks,
@@ -84,16 +108,36 @@ class AsyncOffloadWorker(OffloadingWorker):
     def slot_bytes(self) -> int:
         return self._transfers.slot_bytes
 
+    def inject_faults(self, plan: FaultPlan | None) -> None:
+        """Tests: run this worker's jobs under ``plan`` (``None``: stop); see
+        :meth:`PagedTransferWorker.inject_faults`."""
+        self._transfers.inject_faults(plan)
+
+    def pop_failure(self, job_id: int) -> PagedTransferError | None:
+        """The error of job ``job_id``, which :meth:`get_finished` reported failed
+        (forgotten once popped); ``None`` for any other id."""
+        return self._errors.pop(job_id, None)
+
+    def _failure(self, error: PagedTransferError) -> None:
+        if not self.report_failures:
+            raise error
+        log.debug("asyncoffload worker: %s", error)
+        self._errors[error.job_id] = error
+        self._failed.append(TransferResult(error.job_id, False))
+
     def submit_store(
         self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec
     ) -> bool:
-        self._transfers.submit_store(
-            job_id,
-            src_spec.block_ids,
-            list(src_spec.group_sizes),
-            list(src_spec.block_indices),
-            _slots(dst_spec),
-        )
+        try:
+            self._transfers.submit_store(
+                job_id,
+                src_spec.block_ids,
+                list(src_spec.group_sizes),
+                list(src_spec.block_indices),
+                _slots(dst_spec),
+            )
+        except PagedTransferError as exc:  # both copy paths refused it
+            self._failure(exc)
         return True
 
     def submit_load(
@@ -105,29 +149,50 @@ class AsyncOffloadWorker(OffloadingWorker):
     ) -> bool:
         # vLLM 0.33 marks loads it waits for within the step ``expedited``. Loads run in
         # submission order on one lane either way, behind no store (stores have their own).
-        self._transfers.submit_load(
-            job_id,
-            _slots(src_spec),
-            dst_spec.block_ids,
-            list(dst_spec.group_sizes),
-            list(dst_spec.block_indices),
-        )
+        try:
+            self._transfers.submit_load(
+                job_id,
+                _slots(src_spec),
+                dst_spec.block_ids,
+                list(dst_spec.group_sizes),
+                list(dst_spec.block_indices),
+            )
+        except PagedTransferError as exc:
+            self._failure(exc)
         return True
 
     def get_finished(self) -> list[TransferResult]:
-        return [
-            TransferResult(job.job_id, True, job.nbytes, job.seconds)
-            for job in self._transfers.get_finished()
-        ]
+        while True:
+            try:
+                done = self._transfers.get_finished()
+            except PagedTransferError as exc:  # the others are set aside for the next call
+                self._failure(exc)
+                continue
+            break
+        results = [TransferResult(job.job_id, True, job.nbytes, job.seconds) for job in done]
+        results += self._failed
+        self._failed = []
+        return results
 
     def wait(self, job_ids: set[int]) -> None:
-        self._transfers.wait(job_ids)
+        while True:
+            try:
+                self._transfers.wait(job_ids)
+            except PagedTransferError as exc:  # that job is forgotten: wait for the rest
+                self._failure(exc)
+                continue
+            return
 
     def stats(self) -> PagedWorkerStats:
         return self._transfers.stats()
 
     def shutdown(self) -> None:
-        self._transfers.shutdown()
+        try:
+            self._transfers.shutdown()
+        except PagedTransferError as exc:
+            if not self.report_failures:
+                raise
+            log.warning("asyncoffload worker: at shutdown, %s", exc)
 
 
 def _slots(spec: LoadStoreSpec) -> object:
