@@ -764,3 +764,159 @@ def test_values_pack_and_unpack_natively_with_the_documented_header(
         pool.submit_values(True, [(0, values[0][1], keys[0])])
     with pytest.raises(ValueError, match="a key must be"):
         pool.submit_values(True, [(sources[0][1], values[0][1], b"")])
+
+
+# --- a block in slices (tensor parallelism: one slice per rank's host pool) -----------
+
+
+class _Ranks:
+    """``world`` host pools of ``slots`` slots of ``seg`` bytes each, at unrelated
+    addresses (as each rank's shared pool file is mapped): slot ``s`` of rank ``r`` at
+    ``bases[r] + s * seg``."""
+
+    def __init__(self, world: int, slots: int, seg: int, aligned: bool = True) -> None:
+        self.seg = seg
+        self.hosts = [Host(slots * seg, aligned) for _ in range(world)]
+        self.bases = [h.address for h in self.hosts]
+        self.deltas = [b - self.bases[0] for b in self.bases]
+
+    def address(self, slot: int) -> int:
+        return self.bases[0] + slot * self.seg
+
+    def slot(self, rank: int, slot: int) -> bytes:
+        return self.hosts[rank].read()[slot * self.seg : (slot + 1) * self.seg]
+
+    def fill(self, slot: int, slices: list[bytes]) -> None:
+        for rank, data in enumerate(slices):
+            ctypes.memmove(self.bases[rank] + slot * self.seg, data, self.seg)
+
+
+@pytest.mark.parametrize("mode", ["slab", "files"])
+def test_a_block_in_rank_slices_is_one_block_of_every_slice_and_reads_back_to_each(
+    tmp_path: Path, pools: list[IoPool], mode: str
+) -> None:
+    world, seg = 3, 8192 + 512  # not a multiple of 4096: buffered through the stage
+    pool = make_pool(pools, world * seg, threads=2)
+    pool.set_segments(_Ranks(world, 1, seg).deltas)  # before the pool starts: applied later
+    ranks = _Ranks(world, 2, seg)
+    pool.set_segments(ranks.deltas)
+    slices = [[os.urandom(seg) for _ in range(world)] for _ in range(2)]
+    for slot in range(2):
+        ranks.fill(slot, slices[slot])
+    keys = [b"tp-a", b"tp-b"]
+    fd = _open_slab(tmp_path / "slab", False) if mode == "slab" else -1
+    slot_len = slot_bytes(world * seg)
+
+    def ops(slots: list[int]) -> list[IoOp]:
+        if mode == "slab":
+            return [IoOp(ranks.address(s), s * slot_len, None, keys[s], fd) for s in slots]
+        return [
+            IoOp(ranks.address(s), 0, str(tmp_path / keys[s].decode()), keys[s], -1) for s in slots
+        ]
+
+    try:
+        job = wait(pool.submit(True, ops([0, 1])))
+        assert job.results == [world * seg] * 2
+        for s in range(2):
+            if mode == "slab":
+                data = (tmp_path / "slab").read_bytes()[s * slot_len : (s + 1) * slot_len]
+            else:
+                data = (tmp_path / keys[s].decode()).read_bytes()
+            check_block(data, b"".join(slices[s]), keys[s])  # every slice, rank order
+        for h in ranks.hosts:
+            ctypes.memset(h.address, 0, h.size)
+        job = wait(pool.submit(False, ops([1, 0])))
+        assert job.results == [world * seg] * 2
+        for s in range(2):
+            assert [ranks.slot(r, s) for r in range(world)] == slices[s]
+        # One slice damaged: the block is refused and no rank's slot is written.
+        if mode == "files":
+            path = tmp_path / "tp-a"
+            damaged = bytearray(path.read_bytes())
+            damaged[HEADER_BYTES + 2 * seg + 5] ^= 1  # rank 2's slice
+            path.write_bytes(bytes(damaged))
+            for h in ranks.hosts:
+                ctypes.memset(h.address, 0, h.size)
+            job = wait(pool.submit(False, ops([0])))
+            assert job.results == [-errno.EBADMSG]
+            assert all(h.read() == bytes(h.size) for h in ranks.hosts)
+    finally:
+        if fd >= 0:
+            os.close(fd)
+
+
+def test_values_in_rank_slices_pack_and_unpack_whole(pools: list[IoPool]) -> None:
+    world, seg = 2, 70_000  # more than a 64 KiB piece per slice
+    pool = make_pool(pools, world * seg)
+    ranks = _Ranks(world, 1, seg, aligned=False)
+    pool.set_segments(ranks.deltas)
+    slices = [os.urandom(seg) for _ in range(world)]
+    ranks.fill(0, slices)
+    value = _buffer(HEADER_BYTES + world * seg)
+    assert wait(pool.submit_values(True, [(ranks.address(0), value[1], b"k")])).results == [
+        world * seg
+    ]
+    check_block(
+        value[0].raw + bytes(slot_bytes(world * seg) - len(value[0].raw)), b"".join(slices), b"k"
+    )
+    for h in ranks.hosts:
+        ctypes.memset(h.address, 0, h.size)
+    assert wait(pool.submit_values(False, [(ranks.address(0), value[1], b"k")])).results == [
+        world * seg
+    ]
+    assert [ranks.slot(r, 0) for r in range(world)] == slices
+    # A damaged value: refused, checked whole before any slice is written.
+    bad = bytearray(value[0].raw)
+    bad[HEADER_BYTES + seg + 1] ^= 1
+    damaged = _buffer(bytes(bad))
+    for h in ranks.hosts:
+        ctypes.memset(h.address, 0, h.size)
+    assert wait(pool.submit_values(False, [(ranks.address(0), damaged[1], b"k")])).results == [
+        -errno.EBADMSG
+    ]
+    assert all(h.read() == bytes(h.size) for h in ranks.hosts)
+    # The functions the shared tier calls on the loop for small batches do the same.
+    lib = _io._library()
+    ranks.fill(0, slices)
+    again = _buffer(HEADER_BYTES + world * seg)
+    assert (
+        lib.ao_pack_value_segs(
+            again[1], ranks.address(0), world * seg, IDENTITY, b"k", 1, world, pool.deltas
+        )
+        == 0
+    )
+    assert again[0].raw == value[0].raw
+    assert lib.ao_unpack_value_segs(
+        damaged[1],
+        HEADER_BYTES + world * seg,
+        ranks.address(0),
+        world * seg,
+        IDENTITY,
+        b"k",
+        1,
+        world,
+        pool.deltas,
+    ) == (-errno.EBADMSG)
+    assert (
+        lib.ao_pack_value_segs(
+            again[1], ranks.address(0), world * seg, IDENTITY, b"k", 1, 65, pool.deltas
+        )
+        == -3
+    )
+
+
+def test_bad_slices_are_refused_and_leave_the_pool_as_it_was(pools: list[IoPool]) -> None:
+    pool = make_pool(pools, 3 * 4096)
+    with pytest.raises(ValueError, match="1 to 64 slices, got 0"):
+        pool.set_segments([])
+    with pytest.raises(ValueError, match="1 to 64 slices, got 65"):
+        pool.set_segments([0] * 65)
+    with pytest.raises(ValueError, match="delta 0"):
+        pool.set_segments([8, 0, 16])
+    with pytest.raises(ValueError, match="12288 B does not split into 5 equal slices"):
+        pool.set_segments([0, 1 << 20, 2 << 20, 3 << 20, 4 << 20])
+    assert pool.nseg == 1 and pool.deltas is None
+    pool.set_segments([0, 1 << 20, 2 << 20])
+    assert pool.nseg == 3
+    pool.set_segments([0])
+    assert pool.nseg == 1 and pool.deltas is None

@@ -749,6 +749,14 @@ def _configure_disk_io(lib: ctypes.CDLL) -> ctypes.CDLL:
     # value, value_len, destination, payload_len, identity, key, key_len
     lib.ao_unpack_value.argtypes = [ptr, i64, ptr, i64, ptr, ptr, cint]
     lib.ao_unpack_value.restype = i64
+    # ... then nseg, deltas (int64[nseg]): a payload in slices (see ao_segs)
+    lib.ao_pack_value_segs.argtypes = [ptr, ptr, i64, ptr, ptr, cint, cint, ptr]
+    lib.ao_pack_value_segs.restype = i64
+    lib.ao_unpack_value_segs.argtypes = [ptr, i64, ptr, i64, ptr, ptr, cint, cint, ptr]
+    lib.ao_unpack_value_segs.restype = i64
+    # pool, nseg, deltas (int64[nseg])
+    lib.ao_io_set_segments.argtypes = [ptr, cint, ptr]
+    lib.ao_io_set_segments.restype = cint
     return lib
 
 

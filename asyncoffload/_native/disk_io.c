@@ -276,6 +276,17 @@ typedef struct {
     int32_t fd;
 } ao_op;
 
+/* Where a block's payload lives in host memory. One segment (the default): payload_len
+ * bytes at op->host. nseg > 1: the payload is nseg slices of seg_len bytes, slice r at
+ * op->host + deltas[r] (deltas[0] == 0), e.g. the same slot of each tensor-parallel
+ * rank's host pool. */
+#define AO_MAX_SEGS 64
+typedef struct {
+    int32_t nseg;
+    int64_t seg_len;
+    int64_t deltas[AO_MAX_SEGS];
+} ao_segs;
+
 typedef struct ao_iojob {
     struct ao_iojob *next;
     int64_t *status;
@@ -285,6 +296,7 @@ typedef struct ao_iojob {
     int64_t remaining; /* ops not ended yet (atomic) */
     int64_t deadline;
     int write;
+    ao_segs segs;      /* the pool's when the job was submitted */
     ao_op ops[];       /* then the keys and paths */
 } ao_iojob;
 
@@ -309,6 +321,7 @@ typedef struct {
     int fault_err[2];
     int64_t fault_count[2]; /* atomic */
     int64_t delay_ns;       /* atomic */
+    ao_segs segs;           /* under the mutex; copied into each job */
     pthread_t threads[];
 } ao_pool;
 
@@ -393,32 +406,63 @@ static int64_t ao_check_header(const ao_pool *pool, const ao_op *op, const uint8
 
 #define AO_CHUNK (64 * 1024)
 
-/* Builds one stored value in place: the header, then the payload copied from src, its
- * CRC32C taken 64 KiB at a time just after each piece is copied (while it is in cache),
- * so the payload is read from memory once. value holds AO_HEADER + payload_len bytes. */
-void ao_pack_value(uint8_t *value, const void *src, int64_t payload_len, const uint8_t *identity,
-                   const uint8_t *key, int32_t key_len) {
-    uint8_t *dst = value + AO_HEADER;
-    const uint8_t *from = (const uint8_t *)src;
+static const ao_segs ao_one_seg = {1, 0, {0}};
+
+static int ao_segmented(const ao_segs *s) {
+    return s->nseg > 1;
+}
+
+/* Copies the payload of the block at host (its segments) to dst, contiguous, taking its
+ * CRC32C 64 KiB at a time just after each piece is copied (while it is in cache), so the
+ * payload is read from memory once. Returns the CRC. */
+static uint32_t ao_gather(uint8_t *dst, const uint8_t *host, int64_t payload_len,
+                          const ao_segs *s) {
     uint32_t crc = 0;
-    for (int64_t done = 0; done < payload_len; done += AO_CHUNK) {
-        size_t n = (size_t)(payload_len - done < AO_CHUNK ? payload_len - done : AO_CHUNK);
-        memcpy(dst + done, from + done, n);
-        crc = ao_crc32c(crc, dst + done, n);
+    int nseg = ao_segmented(s) ? s->nseg : 1;
+    int64_t len = nseg > 1 ? s->seg_len : payload_len;
+    for (int r = 0; r < nseg; r++) {
+        const uint8_t *from = host + (nseg > 1 ? s->deltas[r] : 0);
+        uint8_t *to = dst + (int64_t)r * len;
+        for (int64_t done = 0; done < len; done += AO_CHUNK) {
+            size_t n = (size_t)(len - done < AO_CHUNK ? len - done : AO_CHUNK);
+            memcpy(to + done, from + done, n);
+            crc = ao_crc32c(crc, to + done, n);
+        }
     }
+    return crc;
+}
+
+/* Copies a checked contiguous payload at src into the block's segments at host. */
+static void ao_scatter(uint8_t *host, const uint8_t *src, int64_t payload_len,
+                       const ao_segs *s) {
+    if (!ao_segmented(s)) {
+        memcpy(host, src, (size_t)payload_len);
+        return;
+    }
+    for (int r = 0; r < s->nseg; r++)
+        memcpy(host + s->deltas[r], src + (int64_t)r * s->seg_len, (size_t)s->seg_len);
+}
+
+static void ao_pack_segs(uint8_t *value, const void *src, int64_t payload_len,
+                         const uint8_t *identity, const uint8_t *key, int32_t key_len,
+                         const ao_segs *s) {
+    uint32_t crc = ao_gather(value + AO_HEADER, (const uint8_t *)src, payload_len, s);
     ao_fill_header(value, identity, payload_len, crc, key, key_len);
 }
 
-/* Checks one value read back for key and copies its payload to dst: 0, or -ENODATA (too
- * short), -EBADMSG, -ESTALE, -EKEYREJECTED (see ao_match_header), -EBADMSG for a payload
- * whose CRC32C does not match. Each 64 KiB piece is checksummed, then copied from cache;
- * on a mismatch dst holds part of the value and must not be used. */
-int64_t ao_unpack_value(const uint8_t *value, int64_t value_len, void *dst, int64_t payload_len,
-                        const uint8_t *identity, const uint8_t *key, int32_t key_len) {
+static int64_t ao_unpack_segs(const uint8_t *value, int64_t value_len, void *dst,
+                              int64_t payload_len, const uint8_t *identity, const uint8_t *key,
+                              int32_t key_len, const ao_segs *s) {
     if (value_len < AO_HEADER + payload_len) return -ENODATA;
     int64_t bad = ao_match_header(value, identity, payload_len, key, key_len);
     if (bad != 0) return bad;
     const uint8_t *from = value + AO_HEADER;
+    if (ao_segmented(s)) {
+        /* Checked whole first: no slice of a damaged value reaches any rank's slot. */
+        if (ao_crc32c(0, from, (size_t)payload_len) != ao_get32(value + 40)) return -EBADMSG;
+        ao_scatter((uint8_t *)dst, from, payload_len, s);
+        return 0;
+    }
     uint8_t *to = (uint8_t *)dst;
     uint32_t crc = 0;
     for (int64_t done = 0; done < payload_len; done += AO_CHUNK) {
@@ -427,6 +471,58 @@ int64_t ao_unpack_value(const uint8_t *value, int64_t value_len, void *dst, int6
         memcpy(to + done, from + done, n);
     }
     return crc == ao_get32(value + 40) ? 0 : -EBADMSG;
+}
+
+/* Fills a segment description from (nseg, deltas): 0, or -3 for bad arguments (nseg
+ * outside 1..AO_MAX_SEGS, deltas[0] != 0, a payload that does not split into nseg
+ * slices). */
+static int ao_segs_fill(ao_segs *s, int64_t payload_len, int nseg, const int64_t *deltas) {
+    if (nseg < 1 || nseg > AO_MAX_SEGS) return -3;
+    if (nseg > 1 && (deltas == NULL || deltas[0] != 0)) return -3;
+    if (payload_len % nseg != 0) return -3;
+    memset(s, 0, sizeof *s);
+    s->nseg = nseg;
+    s->seg_len = payload_len / nseg;
+    for (int r = 0; r < nseg && nseg > 1; r++) s->deltas[r] = deltas[r];
+    return 0;
+}
+
+/* Builds one stored value in place: the header, then the payload copied from src, its
+ * CRC32C taken 64 KiB at a time just after each piece is copied (while it is in cache),
+ * so the payload is read from memory once. value holds AO_HEADER + payload_len bytes. */
+void ao_pack_value(uint8_t *value, const void *src, int64_t payload_len, const uint8_t *identity,
+                   const uint8_t *key, int32_t key_len) {
+    ao_pack_segs(value, src, payload_len, identity, key, key_len, &ao_one_seg);
+}
+
+/* Checks one value read back for key and copies its payload to dst: 0, or -ENODATA (too
+ * short), -EBADMSG, -ESTALE, -EKEYREJECTED (see ao_match_header), -EBADMSG for a payload
+ * whose CRC32C does not match. Each 64 KiB piece is checksummed, then copied from cache;
+ * on a mismatch dst holds part of the value and must not be used. */
+int64_t ao_unpack_value(const uint8_t *value, int64_t value_len, void *dst, int64_t payload_len,
+                        const uint8_t *identity, const uint8_t *key, int32_t key_len) {
+    return ao_unpack_segs(value, value_len, dst, payload_len, identity, key, key_len,
+                          &ao_one_seg);
+}
+
+/* As ao_pack_value / ao_unpack_value for a payload in nseg equal slices (see ao_segs):
+ * slice r at src + deltas[r]. A segmented value is checked whole before any slice is
+ * copied out. -3 for bad segment arguments (nothing touched). */
+int64_t ao_pack_value_segs(uint8_t *value, const void *src, int64_t payload_len,
+                           const uint8_t *identity, const uint8_t *key, int32_t key_len,
+                           int nseg, const int64_t *deltas) {
+    ao_segs s;
+    if (ao_segs_fill(&s, payload_len, nseg, deltas) != 0) return -3;
+    ao_pack_segs(value, src, payload_len, identity, key, key_len, &s);
+    return 0;
+}
+
+int64_t ao_unpack_value_segs(const uint8_t *value, int64_t value_len, void *dst,
+                             int64_t payload_len, const uint8_t *identity, const uint8_t *key,
+                             int32_t key_len, int nseg, const int64_t *deltas) {
+    ao_segs s;
+    if (ao_segs_fill(&s, payload_len, nseg, deltas) != 0) return -3;
+    return ao_unpack_segs(value, value_len, dst, payload_len, identity, key, key_len, &s);
 }
 
 /* All of iov (count cnt) at offset, looping on short transfers and EINTR. Returns the
@@ -468,8 +564,9 @@ typedef struct {
 } ao_worker;
 
 /* Whether the payload can move straight between host memory and the file. */
-static int ao_direct_ok(const ao_pool *pool, const ao_op *op) {
-    return (op->host % AO_ALIGN) == 0 && (pool->payload_len % AO_ALIGN) == 0;
+static int ao_direct_ok(const ao_pool *pool, const ao_iojob *job, const ao_op *op) {
+    return !ao_segmented(&job->segs) && (op->host % AO_ALIGN) == 0 &&
+           (pool->payload_len % AO_ALIGN) == 0;
 }
 
 static int ao_open(const char *path, int flags, int direct) {
@@ -485,7 +582,7 @@ static int ao_open(const char *path, int flags, int direct) {
     return fd;
 }
 
-static int64_t ao_do_write(ao_worker *w, const ao_op *op) {
+static int64_t ao_do_write(ao_worker *w, const ao_iojob *job, const ao_op *op) {
     ao_pool *pool = w->pool;
     size_t plen = (size_t)pool->payload_len;
     size_t slot = (size_t)pool->slot_bytes;
@@ -493,7 +590,7 @@ static int64_t ao_do_write(ao_worker *w, const ao_op *op) {
     uint8_t *stage = w->stage;
     struct iovec iov[2];
     int cnt;
-    if (ao_direct_ok(pool, op)) {
+    if (ao_direct_ok(pool, job, op)) {
         ao_build_header(pool, op, stage, ao_crc32c(0, host, plen));
         iov[0].iov_base = stage;
         iov[0].iov_len = AO_HEADER;
@@ -501,9 +598,9 @@ static int64_t ao_do_write(ao_worker *w, const ao_op *op) {
         iov[1].iov_len = plen;
         cnt = plen ? 2 : 1;
     } else {
-        memcpy(stage + AO_HEADER, host, plen);
+        uint32_t crc = ao_gather(stage + AO_HEADER, host, (int64_t)plen, &job->segs);
         memset(stage + AO_HEADER + plen, 0, slot - AO_HEADER - plen);
-        ao_build_header(pool, op, stage, ao_crc32c(0, stage + AO_HEADER, plen));
+        ao_build_header(pool, op, stage, crc);
         iov[0].iov_base = stage;
         iov[0].iov_len = slot;
         cnt = 1;
@@ -533,13 +630,13 @@ static int64_t ao_do_write(ao_worker *w, const ao_op *op) {
     return r < 0 ? r : pool->payload_len;
 }
 
-static int64_t ao_do_read(ao_worker *w, const ao_op *op) {
+static int64_t ao_do_read(ao_worker *w, const ao_iojob *job, const ao_op *op) {
     ao_pool *pool = w->pool;
     size_t plen = (size_t)pool->payload_len;
     size_t slot = (size_t)pool->slot_bytes;
     uint8_t *host = (uint8_t *)(intptr_t)op->host;
     uint8_t *stage = w->stage;
-    int direct = ao_direct_ok(pool, op);
+    int direct = ao_direct_ok(pool, job, op);
     struct iovec iov[2];
     int cnt;
     if (direct) {
@@ -567,7 +664,7 @@ static int64_t ao_do_read(ao_worker *w, const ao_op *op) {
     if (bad) return bad;
     const uint8_t *payload = direct ? host : stage + AO_HEADER;
     if (ao_get32(stage + 40) != ao_crc32c(0, payload, plen)) return -EBADMSG;
-    if (!direct) memcpy(host, payload, plen);
+    if (!direct) ao_scatter(host, payload, (int64_t)plen, &job->segs);
     return pool->payload_len;
 }
 
@@ -584,16 +681,17 @@ static int64_t ao_run_op(ao_worker *w, const ao_iojob *job, const ao_op *op) {
     }
     if (job->write == AO_KIND_PACK) {
         /* op->offset: the value buffer (AO_HEADER + payload_len bytes); op->host: the payload */
-        ao_pack_value((uint8_t *)(intptr_t)op->offset, (const void *)(intptr_t)op->host,
-                      pool->payload_len, pool->identity, op->key, op->key_len);
+        ao_pack_segs((uint8_t *)(intptr_t)op->offset, (const void *)(intptr_t)op->host,
+                     pool->payload_len, pool->identity, op->key, op->key_len, &job->segs);
         return pool->payload_len;
     }
     if (job->write == AO_KIND_UNPACK) {
         /* op->offset: a value of at least AO_HEADER + payload_len bytes; op->host: where
          * its payload goes */
-        int64_t r = ao_unpack_value((const uint8_t *)(intptr_t)op->offset,
-                                    AO_HEADER + pool->payload_len, (void *)(intptr_t)op->host,
-                                    pool->payload_len, pool->identity, op->key, op->key_len);
+        int64_t r = ao_unpack_segs((const uint8_t *)(intptr_t)op->offset,
+                                   AO_HEADER + pool->payload_len, (void *)(intptr_t)op->host,
+                                   pool->payload_len, pool->identity, op->key, op->key_len,
+                                   &job->segs);
         return r == 0 ? pool->payload_len : r;
     }
     if (w->stage == NULL) {
@@ -601,7 +699,7 @@ static int64_t ao_run_op(ao_worker *w, const ao_iojob *job, const ao_op *op) {
         if (posix_memalign(&mem, AO_ALIGN, (size_t)pool->slot_bytes) != 0) return -ENOMEM;
         w->stage = (uint8_t *)mem;
     }
-    return job->write == AO_KIND_WRITE ? ao_do_write(w, op) : ao_do_read(w, op);
+    return job->write == AO_KIND_WRITE ? ao_do_write(w, job, op) : ao_do_read(w, job, op);
 }
 
 /* Under the pool mutex: the job is over (every op ended or discarded). */
@@ -665,6 +763,7 @@ void *ao_io_create(int nthreads, int wake_fd, int64_t payload_len, const uint8_t
     pool->payload_len = payload_len;
     pool->slot_bytes = AO_HEADER + (payload_len + AO_ALIGN - 1) / AO_ALIGN * AO_ALIGN;
     memcpy(pool->identity, identity16, 16);
+    ao_segs_fill(&pool->segs, payload_len, 1, NULL);
     pthread_mutex_init(&pool->mutex, NULL);
     pthread_cond_init(&pool->cond, NULL);
     for (int t = 0; t < nthreads; t++) {
@@ -742,6 +841,7 @@ int ao_io_submit(void *handle, int write, int64_t n, const ao_io_op *ops, int64_
         results[i] = 0;
     }
     pthread_mutex_lock(&pool->mutex);
+    job->segs = pool->segs;
     if (pool->stopping) {
         pthread_mutex_unlock(&pool->mutex);
         free(job);
@@ -819,6 +919,18 @@ void ao_io_set_fault(void *handle, int write, int64_t every_nth, int err) {
     __atomic_store_n(&pool->fault_count[dir], 0, __ATOMIC_RELAXED);
     __atomic_store_n(&pool->fault_every[dir], every_nth > 0 ? every_nth : 0, __ATOMIC_RELAXED);
     pthread_mutex_unlock(&pool->mutex);
+}
+
+/* Jobs submitted from now on find each block's payload in nseg slices (see ao_segs):
+ * 0, or -3 for bad arguments (the pool unchanged). */
+int ao_io_set_segments(void *handle, int nseg, const int64_t *deltas) {
+    ao_pool *pool = (ao_pool *)handle;
+    ao_segs s;
+    if (ao_segs_fill(&s, pool->payload_len, nseg, deltas) != 0) return -3;
+    pthread_mutex_lock(&pool->mutex);
+    pool->segs = s;
+    pthread_mutex_unlock(&pool->mutex);
+    return 0;
 }
 
 /* Tests: sleep delay_ns before each op (a slow disk). */

@@ -63,6 +63,10 @@ def slot_bytes(payload_len: int) -> int:
 KIND_READ, KIND_WRITE, KIND_PACK, KIND_UNPACK = 0, 1, 2, 3
 
 
+#: The most slices a block's payload may be in (tensor-parallel ranks).
+MAX_SEGMENTS = 64
+
+
 class IoOp(NamedTuple):
     """One block to write or read: ``payload_len`` bytes at address ``host``. In a slab:
     ``fd`` and ``offset`` (of the header), ``path`` None; in files mode: ``path`` (the
@@ -259,6 +263,9 @@ class IoPool:
         self._wake_fd = -1
         self._faults: dict[int, tuple[int, int]] = {}
         self._delay_ns = 0
+        #: Where a block's payload lives (see :meth:`set_segments`): one run by default.
+        self.nseg = 1
+        self.deltas: ctypes.Array[ctypes.c_int64] | None = None
         self._pending: deque[tuple[ctypes.Array[ctypes.c_int64], ctypes.Array[ctypes.c_int64]]] = (
             deque()
         )
@@ -326,8 +333,33 @@ class IoPool:
             self._lib.ao_io_set_fault(handle, write, every, err)
         if self._delay_ns:
             self._lib.ao_io_set_delay(handle, self._delay_ns)
+        if self.nseg > 1:
+            self._lib.ao_io_set_segments(handle, self.nseg, self.deltas)
         self._handle = handle
         return int(handle)
+
+    def set_segments(self, deltas: Sequence[int]) -> None:
+        """Jobs submitted from now on find each block's payload in ``len(deltas)``
+        equal slices, slice ``r`` at the op's host address plus ``deltas[r]``
+        (``deltas[0]`` is 0): the same slot of each tensor-parallel rank's host pool. A
+        block is still one value, holding every slice in order, and a read checks it
+        whole before any slice is written. ``[0]`` goes back to one run."""
+        deltas = [int(d) for d in deltas]
+        n = len(deltas)
+        if not 1 <= n <= MAX_SEGMENTS:
+            raise ValueError(f"a block has 1 to {MAX_SEGMENTS} slices, got {n}")
+        if deltas[0] != 0:
+            raise ValueError(f"the first slice is at the op's address (delta 0), got {deltas[0]}")
+        if self.payload_len % n:
+            raise ValueError(
+                f"a payload of {self.payload_len} B does not split into {n} equal slices"
+            )
+        self.nseg = n
+        self.deltas = (ctypes.c_int64 * n)(*deltas) if n > 1 else None
+        if self._handle is not None:
+            rc = self._lib.ao_io_set_segments(self._handle, n, self.deltas)
+            if rc != 0:  # checked above: a defect if it happens
+                raise RuntimeError(f"ao_io_set_segments refused the slices (code {rc})")
 
     def submit(self, write: bool, ops: Sequence[IoOp], deadline_s: float | None = None) -> IoJob:
         """Queue ``ops`` (all writes or all reads); ``deadline_s``: seconds from now

@@ -180,6 +180,14 @@ class LowerTier(ABC):
     ) -> CopyJob:
         """Write host addresses ``host`` as the blocks of ``keys`` (tier slots ``slots``)."""
 
+    def set_segments(self, deltas: Sequence[int]) -> None:
+        """Each block's payload is in ``len(deltas)`` equal slices from now on, slice
+        ``r`` at the host address given to :meth:`submit_read` / :meth:`submit_write`
+        plus ``deltas[r]``: one slice per tensor-parallel rank, the same slot of each
+        rank's host pool. A block stays one value, checked whole before any slice is
+        written."""
+        raise NotImplementedError(f"{type(self).__name__} cannot read or write slices")
+
     @abstractmethod
     def forget(self, keys: Sequence[OffloadKey]) -> None:
         """The index let ``keys`` go (evicted, dropped): release what they hold."""

@@ -348,6 +348,9 @@ class DiskStore(LowerTier):
     ) -> CopyJob:
         return self._pool.submit(False, self._ops(keys, slots, host), self.config.deadline_s)
 
+    def set_segments(self, deltas: Sequence[int]) -> None:
+        self._pool.set_segments(deltas)
+
     def submit_write(
         self, keys: Sequence[OffloadKey], slots: Sequence[int], host: Sequence[int]
     ) -> CopyJob:
