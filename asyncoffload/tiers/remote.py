@@ -458,16 +458,21 @@ class RemoteStore(LowerTier):
         the native job has ended, even if this is cancelled. A few blocks are done on
         the loop instead: under a busy loop, the wake-up's extra pass costs more."""
         if len(ops) * self.block_bytes <= INLINE_BYTES:
-            fn = self._lib.ao_pack_value if pack else self._lib.ao_unpack_value
+            io = self._io
+            # The slices of every rank (set_segments), or one run.
+            segs: tuple[object, ...] = (io.nseg, io.deltas) if io.nseg > 1 else ()
+            pack_fn = self._lib.ao_pack_value_segs if segs else self._lib.ao_pack_value
+            unpack_fn = self._lib.ao_unpack_value_segs if segs else self._lib.ao_unpack_value
             out = []
+            size = self.block_bytes
             for host, value, key in ops:
                 if pack:
-                    fn(value, host, self.block_bytes, self.identity, key, len(key))
-                    out.append(self.block_bytes)
+                    pack_fn(value, host, size, self.identity, key, len(key), *segs)
+                    out.append(size)
                 else:
-                    whole = HEADER_BYTES + self.block_bytes
-                    r = fn(value, whole, host, self.block_bytes, self.identity, key, len(key))
-                    out.append(self.block_bytes if r == 0 else int(r))
+                    whole = HEADER_BYTES + size
+                    r = unpack_fn(value, whole, host, size, self.identity, key, len(key), *segs)
+                    out.append(size if r == 0 else int(r))
             return out
         loop = asyncio.get_running_loop()
         self._listen(loop)
@@ -484,6 +489,9 @@ class RemoteStore(LowerTier):
         return list(job.results)
 
     # --- reads and writes -------------------------------------------------------------
+
+    def set_segments(self, deltas: Sequence[int]) -> None:
+        self._io.set_segments(deltas)
 
     def submit_write(
         self, keys: Sequence[OffloadKey], slots: Sequence[int], host: Sequence[int]
@@ -586,6 +594,17 @@ class RemoteStore(LowerTier):
                 raise
             self._down_until = 0.0
             return found
+
+    async def connect(self) -> None:
+        """Open the client's connections now, within ``timeout_s``: ``pipelines``
+        ``EXISTS`` of a name no block has, at once. A driver that steps the loop only
+        now and then (vLLM's scheduler, once a call) then pays each connection's
+        handshake round trips at start-up, not in the middle of a request."""
+        probe = self.redis_key(OffloadKey(b"asyncoffload-connect"))
+        async with _deadline(self.config.timeout_s):
+            await asyncio.gather(
+                *(self._client.exists([probe]) for _ in range(self.config.pipelines))
+            )
 
     def forget(self, keys: Sequence[OffloadKey]) -> None:
         """Blocks leaving the local index stay on the server: other engines may use them."""

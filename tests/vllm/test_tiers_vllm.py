@@ -132,10 +132,13 @@ def test_tiers_are_validated_with_the_key_named(tmp_path: Path) -> None:
             AsyncOffloadSpec(_config(_extra(tiers=[_tier(tmp_path, **over)])))
 
 
-def test_tiers_with_several_workers_are_refused(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match=r"\['tiers'\]: .*world_size 1.*has 2"):
-        AsyncOffloadSpec(_config(_extra(tiers=[_tier(tmp_path)]), world_size=2))
-    AsyncOffloadSpec(_config(_extra(), world_size=2))  # without tiers: as before
+def test_with_several_workers_a_tier_block_holds_every_rank_slice(tmp_path: Path) -> None:
+    one = AsyncOffloadSpec(_config(_extra(tiers=[_tier(tmp_path)])))
+    two = AsyncOffloadSpec(_config(_extra(tiers=[_tier(tmp_path)]), world_size=2))
+    assert one.namespace().block_bytes == CHUNK
+    assert two.namespace().block_bytes == 2 * CHUNK and two.namespace().world_size == 2
+    assert one.namespace().identity() != two.namespace().identity()
+    assert two.host_pool_paths() == [two.host_pool_path(0), two.host_pool_path(1)]
 
 
 def test_tier_metrics_are_defined_only_with_tiers(tmp_path: Path) -> None:

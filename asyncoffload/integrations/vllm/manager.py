@@ -284,7 +284,8 @@ class AsyncOffloadManager(OffloadingManager):
         admission: str | None = None,
         native: bool | None = None,
         tiers: Sequence[LowerTier] = (),
-        host_pool: tuple[str | os.PathLike[str], int] | None = None,
+        host_pool: tuple[str | os.PathLike[str] | Sequence[str | os.PathLike[str]], int]
+        | None = None,
     ) -> None:
         self.medium = Medium.CPU
         self.store_threshold = store_threshold
@@ -334,8 +335,8 @@ class AsyncOffloadManager(OffloadingManager):
             from asyncoffload.integrations.vllm.tiers import SchedulerTiers
 
             assert host_pool is not None and isinstance(self._manager, CPUOffloadingManager)
-            path, slot_bytes = host_pool
-            self._tiers = SchedulerTiers(self._manager, tiers, path, num_chunks, slot_bytes)
+            paths, slot_bytes = host_pool
+            self._tiers = SchedulerTiers(self._manager, tiers, paths, num_chunks, slot_bytes)
             # Every call first finishes the tier I/O that ended (see _tick).
             del self.lookup, self.touch, self.complete_load, self.complete_store
 

@@ -86,7 +86,7 @@ class VllmOffloadSettings(BaseModel):
         '{"kind": "remote", "url": "redis://host:6379/0", ...}] (a tier without its kind: '
         "remote if it has a url, else disk). The worker's host pool then lives in a "
         "shared-memory file that the scheduler maps (see docs/vllm.md, Tiers under "
-        "vLLM). One worker per engine (world_size 1).",
+        "vLLM). With tensor parallelism, a block there holds every rank's slice.",
     )
     host_pool_dir: str = Field(
         "/dev/shm",

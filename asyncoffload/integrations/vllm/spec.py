@@ -38,10 +38,12 @@ class AsyncOffloadSpec(OffloadingSpec):
     Settings are checked when the spec is built; an error names the key.
 
     ``tiers`` (as ``EngineConfig.tiers``) adds disk and shared (Redis / Valkey) tiers
-    below the CPU tier: the worker then keeps its host slots in a shared-memory file
+    below the CPU tier: each worker then keeps its host slots in a shared-memory file
     (:meth:`host_pool_path`) that the manager maps, to write blocks through to the tiers
-    and promote them back (see docs/vllm.md, "Tiers under vLLM"). One worker per engine
-    only (world_size 1).
+    and promote them back (see docs/vllm.md, "Tiers under vLLM"). With tensor
+    parallelism, a block in a lower tier is one value holding every rank's slice of it,
+    in rank order: written from the same slot of each worker's pool, read back into
+    each, checked whole, so it is there for every rank or for none.
     """
 
     @classmethod
@@ -67,12 +69,7 @@ class AsyncOffloadSpec(OffloadingSpec):
                 f"{self.settings.cpu_bytes_to_use} holds no chunk: one chunk takes "
                 f"{self.chunk_bytes} B on each of {world} worker(s)"
             )
-        if self.settings.tiers and world > 1:
-            raise ValueError(
-                f"kv_connector_extra_config['tiers']: lower tiers under vLLM support one "
-                f"worker per engine (world_size 1), this engine has {world}: the scheduler "
-                "maps one worker's host pool (see docs/vllm.md, Tiers under vLLM)"
-            )
+        self.world_size = world
         self._manager: AsyncOffloadManager | None = None
         self._worker: AsyncOffloadWorker | None = None
 
@@ -84,9 +81,15 @@ class AsyncOffloadSpec(OffloadingSpec):
             rank = self.config.parallel.rank
         return host_pool_path(self.settings.host_pool_dir, self.config.engine_id, rank)
 
+    def host_pool_paths(self) -> list[Path]:
+        """Every worker's shared host pool file, rank order."""
+        return [self.host_pool_path(rank) for rank in range(self.world_size)]
+
     def namespace(self) -> Namespace:
         """The identity of this engine's blocks in lower tiers: the model, the KV dtype
-        and layout, the bytes and tokens of a chunk, the rank, the tenant."""
+        and layout, the bytes and tokens of a chunk, the world size (a block holds
+        every rank's slice: ``block_bytes`` is the chunk bytes of all ranks), the
+        tenant. Another tensor-parallel size never reads these blocks."""
         config = self.config
         layers = [name for group in config.groups for name in group.layer_names]
         layer_hash = hashlib.blake2b("\0".join(layers).encode(), digest_size=8).hexdigest()
@@ -96,14 +99,17 @@ class AsyncOffloadSpec(OffloadingSpec):
             f"bytes_per_block={config.worker_kv_bytes_per_block},"
             f"blocks_per_chunk={self.blocks_per_chunk}"
         )
+        world = self.world_size
+        if world > 1:
+            layout += f",rank_slices={world}x{self.chunk_bytes}"
         return Namespace(
             model=config.model.name,
             kv_dtype=str(config.model.dtype),
             layout=layout,
-            block_bytes=self.chunk_bytes,
+            block_bytes=self.chunk_bytes * world,
             tokens_per_block=self.tokens_per_hash * self.blocks_per_chunk,
-            rank=config.parallel.rank,
-            world_size=max(1, config.parallel.world_size),
+            rank=0,  # every rank's slice is in the block
+            world_size=world,
             tenant=self.settings.tenant,
         )
 
@@ -130,7 +136,7 @@ class AsyncOffloadSpec(OffloadingSpec):
                 max_tracker_size=s.max_tracker_size,
                 admission=s.admission,
                 tiers=self._open_tiers() if s.tiers else (),
-                host_pool=(self.host_pool_path(), self.chunk_bytes) if s.tiers else None,
+                host_pool=(self.host_pool_paths(), self.chunk_bytes) if s.tiers else None,
             )
         return self._manager
 

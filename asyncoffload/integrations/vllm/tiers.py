@@ -178,18 +178,32 @@ class SchedulerTiers:
         self,
         cpu: CPUOffloadingManager,
         stores: Sequence[LowerTier],
-        pool_path: str | os.PathLike[str],
+        pool_paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
         num_slots: int,
         slot_bytes: int,
     ) -> None:
         self.cpu = cpu
         self.tiers = [_Tier(store, shared=_shared(store)) for store in stores]
         self._shared = [tier for tier in self.tiers if tier.shared is not None]
-        self.pool_path = Path(pool_path)
+        if isinstance(pool_paths, (str, os.PathLike)):
+            pool_paths = [pool_paths]
+        #: Each rank's host pool file, rank order: a block in a lower tier is one value
+        #: holding the same slot of every one of them (see :meth:`_pool_base`).
+        self.pool_paths = [Path(p) for p in pool_paths]
+        if not self.pool_paths:
+            raise ValueError("lower tiers need at least one worker's host pool")
+        for store in stores:
+            if store.block_bytes != slot_bytes * len(self.pool_paths):
+                raise ValueError(
+                    f"tier {store.name} holds blocks of {store.block_bytes} B; "
+                    f"{len(self.pool_paths)} rank(s) x {slot_bytes} B expected"
+                )
         self.num_slots = num_slots
         self.slot_bytes = slot_bytes
-        self._pool: SharedHostFile | None = None
-        self._view: object = None
+        #: The pools mapped so far, by rank (all of them before any tier I/O).
+        self._pools: list[SharedHostFile | None] = [None] * len(self.pool_paths)
+        self._views: list[object] = []
+        self._mapped = False
         self._base = 0
         self._pool_error: str | None = None
         self._first_try = 0.0
@@ -216,18 +230,27 @@ class SchedulerTiers:
         self.deadline_s = max((s.deadline_s for s in stores), default=0.0)
         for store in stores:
             store.bind(None)  # vLLM polls: no wake-up fd
+        for tier in self._shared:
+            self._connect(tier)
 
     # --- the shared host pool -------------------------------------------------------
 
     @property
+    def pool_path(self) -> Path:
+        """Rank 0's host pool file."""
+        return self.pool_paths[0]
+
+    @property
     def pool_mapped(self) -> bool:
-        return self._pool is not None
+        return self._mapped
 
     def _pool_base(self) -> int | None:
-        """The address of slot 0 in this process, mapping the worker's file the first
-        time it is there; ``None`` (tier I/O is skipped) until then, or for good where
-        the file is not a pool of this engine."""
-        if self._pool is not None:
+        """The address of rank 0's slot 0 in this process, mapping each worker's file
+        the first time it is there; ``None`` (tier I/O is skipped) until every rank's
+        is, or for good where a file is not a pool of this engine. With several ranks,
+        each tier is told where the other ranks' slots are (``set_segments``): a block
+        is written from, and read into, the same slot of every rank's pool at once."""
+        if self._mapped:
             return self._base
         if self._pool_error is not None or self._closed:
             return None
@@ -237,33 +260,73 @@ class SchedulerTiers:
         self._next_try = now + _RETRY_S
         if not self._first_try:
             self._first_try = now
-        try:
-            pool = SharedHostFile.open(self.pool_path, self.num_slots, self.slot_bytes)
-        except FileNotFoundError:
-            if not self._warned and now - self._first_try > _WARN_AFTER_S:
-                self._warned = True
-                log.warning(
-                    "the worker's host pool %s is still missing after %.0fs: tier I/O is "
-                    "skipped until it appears",
-                    self.pool_path,
-                    now - self._first_try,
+        pools = self._pools
+        for rank, path in enumerate(self.pool_paths):
+            if pools[rank] is not None:
+                continue
+            try:
+                pool = SharedHostFile.open(path, self.num_slots, self.slot_bytes)
+            except FileNotFoundError:
+                if not self._warned and now - self._first_try > _WARN_AFTER_S:
+                    self._warned = True
+                    log.warning(
+                        "the host pool of worker %d (%s) is still missing after %.0fs: "
+                        "tier I/O is skipped until every worker's is there",
+                        rank,
+                        path,
+                        now - self._first_try,
+                    )
+                continue
+            except (OSError, ValueError) as exc:
+                self._pool_error = str(exc)
+                log.error("cannot map the host pool of worker %d (%s): tier I/O is off", rank, exc)
+                return None
+            if not _alive(pool.creator_pid):  # a stale file of a dead worker: not ours
+                pool.close()
+                continue
+            with contextlib.suppress(OSError):  # mapped by both: nothing need name it now
+                os.unlink(path)
+            pools[rank] = pool
+            log.info("mapped the host pool of worker %d: %s", rank, path)
+        if any(pool is None for pool in pools):
+            return None
+        views = [pool.tensor() for pool in pools if pool is not None]
+        bases = [view.data_ptr() for view in views]
+        if len(bases) > 1:
+            deltas = [b - bases[0] for b in bases]
+            try:
+                for tier in self.tiers:
+                    tier.store.set_segments(deltas)
+            except (ValueError, NotImplementedError, RuntimeError) as exc:
+                self._pool_error = str(exc)
+                log.error(
+                    "the lower tiers cannot take %d ranks' slices (%s): tier I/O is off",
+                    len(bases),
+                    exc,
                 )
-            return None
-        except (OSError, ValueError) as exc:
-            self._pool_error = str(exc)
-            log.error("cannot map the worker's host pool (%s): tier I/O is off", exc)
-            return None
-        if not _alive(pool.creator_pid):  # a stale file of a dead worker: not ours
-            pool.close()
-            return None
-        with contextlib.suppress(OSError):  # mapped by both: nothing need name it now
-            os.unlink(self.pool_path)
-        self._pool = pool
-        view = pool.tensor()
-        self._view = view
-        self._base = view.data_ptr()
-        log.info("mapped the worker's host pool %s", self.pool_path)
+                return None
+        self._views = list(views)
+        self._base = bases[0]
+        self._mapped = True
         return self._base
+
+    def _connect(self, tier: _Tier) -> None:
+        """Open a shared tier's connections now, once, at start-up: the private loop
+        runs only while vLLM calls the manager, and under load a step can take a
+        second, so a handshake of several round trips made in the middle of a request
+        would outlive the request's deadline. A server down now is not an error: the
+        tier then connects when first used, as it would anyway."""
+        connect = getattr(tier.store, "connect", None)
+        if connect is None:
+            return
+        try:
+            self._run(connect())
+        except Exception as exc:
+            log.warning(
+                "shared tier %s: no connection at start-up (%r): it connects when first used",
+                tier.store.name,
+                exc,
+            )
 
     def _skip(self, tier: _Tier, cause: str, n: int) -> None:
         tier.counters.failures[cause] = tier.counters.failures.get(cause, 0) + n
@@ -341,7 +404,8 @@ class SchedulerTiers:
 
     def _run(self, coro: Coroutine[Any, Any, _T]) -> _T:
         """Run ``coro`` to its end on the private loop (only what ends without waiting
-        for I/O: a submission, a close bounded by a timeout)."""
+        for I/O, or within a timeout: a submission, the start-up connection, a
+        close)."""
         loop = self._loop
         if loop is None or loop.is_closed():
             coro.close()
@@ -653,7 +717,9 @@ class SchedulerTiers:
                 info["keys_asked"] = tier.asked
                 info["keys_found"] = tier.found
             info["host_pool"] = str(self.pool_path)
-            info["host_pool_mapped"] = self._pool is not None
+            if len(self.pool_paths) > 1:
+                info["host_pools"] = [str(p) for p in self.pool_paths]
+            info["host_pool_mapped"] = self._mapped
             out.append(
                 TierStats(
                     name=tier.store.name,
@@ -725,10 +791,12 @@ class SchedulerTiers:
             tier.reads.clear()
             tier.writes.clear()
         self._close_loop()
-        pool, self._pool = self._pool, None
-        self._view = None
-        if pool is not None:
-            pool.close()
+        pools, self._pools = self._pools, [None] * len(self.pool_paths)
+        self._views = []
+        self._mapped = False
+        for pool in pools:
+            if pool is not None:
+                pool.close()
 
     def _close_loop(self) -> None:
         """Cancel what is left on the private loop, let it end, close the loop."""
