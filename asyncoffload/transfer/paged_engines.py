@@ -29,6 +29,7 @@ import mmap
 import os
 import secrets
 import struct
+import time
 import weakref
 from collections import deque
 from collections.abc import Sequence
@@ -192,6 +193,31 @@ class SharedHostFile:
             _unlink_quietly(path)
         return cls(path, mm, num_slots, slot_bytes, owner=False, creator_pid=pid)
 
+    @classmethod
+    def wait_open(
+        cls, path: str | os.PathLike[str], num_slots: int, slot_bytes: int, timeout_s: float
+    ) -> SharedHostFile:
+        """:meth:`open` the file another process makes at ``path``, waiting for it (and
+        past a stale one, whose creator is gone) for at most ``timeout_s``:
+        ``TimeoutError`` naming the path then; ``ValueError`` at once for a file of
+        other sizes."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                shared = cls.open(path, num_slots, slot_bytes)
+            except FileNotFoundError:
+                pass
+            else:
+                if _pid_alive(shared.creator_pid):
+                    return shared
+                shared.close()  # a dead creator's: the live one replaces it
+            if time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"no shared host pool at {os.fspath(path)} after {timeout_s:.0f}s (the "
+                    "process that makes it, the first worker, did not start?)"
+                )
+            time.sleep(0.01)
+
     def tensor(self) -> torch.Tensor:
         """The slots as a ``[num_slots, slot_bytes]`` uint8 tensor viewing the map."""
         assert self.map is not None, "the host file is closed"
@@ -217,6 +243,31 @@ class SharedHostFile:
             f"<SharedHostFile {self.path} {self.num_slots} slots of {self.slot_bytes} B"
             f"{' (creator)' if self.owner else ''}{' closed' if self.map is None else ''}>"
         )
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process (EPERM): it exists
+        return True
+    return True
+
+
+#: How long a worker that maps another's host pool (``host_file_owner=False``) waits
+#: for it to appear.
+HOST_FILE_WAIT_S = 120.0
+
+
+def _host_file(
+    path: str | os.PathLike[str], num_slots: int, slot_bytes: int, owner: bool
+) -> SharedHostFile:
+    """The host pool file at ``path``: made here (``owner``), or made by another process
+    and mapped here (waiting for it up to :data:`HOST_FILE_WAIT_S`)."""
+    if owner:
+        return SharedHostFile.create(path, num_slots, slot_bytes)
+    return SharedHostFile.wait_open(path, num_slots, slot_bytes, HOST_FILE_WAIT_S)
 
 
 class PagedEngine(Protocol):
@@ -452,7 +503,8 @@ class CpuPagedEngine:
     (native where the C helper builds).
 
     ``host_file``: keep the slots in a :class:`SharedHostFile` made at that path
-    (unlinked at :meth:`close`) instead of private memory.
+    (unlinked at :meth:`close`) instead of private memory; with ``host_file_owner``
+    False, map the one another worker makes there (waiting for it) and leave it be.
     """
 
     def __init__(
@@ -461,6 +513,7 @@ class CpuPagedEngine:
         num_slots: int,
         copy_engine: CpuCopyEngine,
         host_file: str | os.PathLike[str] | None = None,
+        host_file_owner: bool = True,
     ) -> None:
         if layout.device.type != "cpu":
             raise ValueError(f"CpuPagedEngine needs CPU tensors, got {layout.device}")
@@ -478,7 +531,7 @@ class CpuPagedEngine:
                 num_slots, layout.slot_bytes
             )
         else:
-            self.shared = SharedHostFile.create(host_file, num_slots, layout.slot_bytes)
+            self.shared = _host_file(host_file, num_slots, layout.slot_bytes, host_file_owner)
             self._map = self.shared.map
             self.host = self.shared.tensor()
         self._host_base = self.host.data_ptr()
@@ -709,7 +762,8 @@ class CudaPagedEngine:
 
     ``host_file``: keep the slots in a :class:`SharedHostFile` made at that path (each
     chunk of it registered with ``cudaHostRegister``, unregistered and the file unlinked
-    at :meth:`close`) instead of private pinned memory.
+    at :meth:`close`) instead of private pinned memory; with ``host_file_owner`` False,
+    map (and register) the one another worker makes there, waiting for it.
     """
 
     def __init__(
@@ -724,6 +778,7 @@ class CudaPagedEngine:
         small_copies: int = 64,
         kernel_programs: int | None = None,
         host_file: str | os.PathLike[str] | None = None,
+        host_file_owner: bool = True,
     ) -> None:
         from asyncoffload.transfer.cuda import (
             PinnedHostPool,
@@ -746,7 +801,7 @@ class CudaPagedEngine:
             if host_file is None:
                 self.pool = PinnedHostPool(num_slots, layout.slot_bytes, chunk_bytes, pin)
             else:
-                shared = SharedHostFile.create(host_file, num_slots, layout.slot_bytes)
+                shared = _host_file(host_file, num_slots, layout.slot_bytes, host_file_owner)
                 try:
                     self.pool = _SharedPinnedPool(shared, chunk_bytes, pin)
                 except BaseException:

@@ -222,7 +222,9 @@ class PagedTransferWorker:
     memory per direction for its staged copies, allocated on first use). The worker keeps
     the tensors until :meth:`shutdown`. ``host_file``: the host slots live in a
     :class:`~asyncoffload.transfer.paged_engines.SharedHostFile` made at that path
-    (another process may map it; unlinked at :meth:`shutdown`) instead of private memory.
+    (another process may map it; unlinked at :meth:`shutdown`) instead of private memory;
+    ``host_file_owner=False``: in the one another worker makes there (waited for), which
+    this worker maps and leaves be (a layout replicated across tensor-parallel ranks).
 
     Job ids are ints chosen by the caller; an id may be used again once its job has been
     reported by :meth:`get_finished`. See the module docstring for ordering, failure and
@@ -242,6 +244,7 @@ class PagedTransferWorker:
         chunk_bytes: int = 1 << 30,
         staging_bytes: int = 256 << 20,
         host_file: str | os.PathLike[str] | None = None,
+        host_file_owner: bool = True,
     ) -> None:
         self.layout = PageLayout(tensors, page_bytes, group_refs, blocks_per_chunk)
         if isinstance(num_slots, bool) or not isinstance(num_slots, int):
@@ -252,7 +255,9 @@ class PagedTransferWorker:
         device = self.layout.device
         self._engine: PagedEngine
         if device.type == "cpu":
-            self._engine = CpuPagedEngine(self.layout, num_slots, copy_engine, host_file)
+            self._engine = CpuPagedEngine(
+                self.layout, num_slots, copy_engine, host_file, host_file_owner
+            )
         elif device.type == "cuda":
             if chunk_bytes <= 0:
                 raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
@@ -265,6 +270,7 @@ class PagedTransferWorker:
                 chunk_bytes=chunk_bytes,
                 staging_bytes=staging_bytes,
                 host_file=host_file,
+                host_file_owner=host_file_owner,
             )
         else:
             raise ValueError(f"no copy engine for KV tensors on {device} (want cpu or cuda)")

@@ -23,6 +23,7 @@ from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
 from asyncoffload.integrations.vllm import AsyncOffloadManager, AsyncOffloadSpec, AsyncOffloadWorker
 from asyncoffload.tiers.disk import DiskStore
+from asyncoffload.transfer import paged_engines
 from tests.vllm.test_spec import LAYERS, PAGE, _block, _caches, _config, _extra, _finish, _keys
 from tests.vllm.test_tiers_vllm import _lookup_until_settled, _settle, _tier
 
@@ -31,26 +32,41 @@ CPU_CHUNKS = 4
 _job = iter(range(5000, 100000))
 
 
-def _rank_config(extra: dict[str, Any], world: int, rank: int) -> OffloadingConfig:
+def _rank_config(
+    extra: dict[str, Any], world: int, rank: int, replicated: bool = False
+) -> OffloadingConfig:
     config = _config(extra, world_size=world)
-    return dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, rank=rank))
+    return dataclasses.replace(
+        config,
+        parallel=dataclasses.replace(config.parallel, rank=rank),
+        replicated_layout=replicated,
+    )
 
 
 class _Engine:
     """A scheduler-side manager and ``world`` workers, as vLLM makes them for one
     engine: every process builds the spec from the same config, but for its rank."""
 
-    def __init__(self, tmp_path: Path, world: int, tiers: list[dict[str, Any]], seed: int) -> None:
+    def __init__(
+        self,
+        tmp_path: Path,
+        world: int,
+        tiers: list[dict[str, Any]],
+        seed: int,
+        replicated: bool = False,
+    ) -> None:
         (tmp_path / "shm").mkdir(parents=True, exist_ok=True)
+        copies = 1 if replicated else world
         extra = _extra(
-            cpu_bytes_to_use=CPU_CHUNKS * CHUNK * world,
+            cpu_bytes_to_use=CPU_CHUNKS * CHUNK * copies,
             tiers=tiers,
             host_pool_dir=str(tmp_path / "shm"),
         )
         self.world = world
+        self.replicated = replicated
         self.specs = []
         for rank in range(world):
-            spec = OffloadingSpecFactory.create_spec(_rank_config(extra, world, rank))
+            spec = OffloadingSpecFactory.create_spec(_rank_config(extra, world, rank, replicated))
             assert isinstance(spec, AsyncOffloadSpec)
             self.specs.append(spec)
         # Each rank's KV caches hold different bytes (its own heads).
@@ -70,7 +86,10 @@ class _Engine:
         out = self.manager.prepare_store(keys, ctx)
         assert out is not None and list(out.keys_to_store) == keys
         job = next(_job)
-        for worker in self.workers:  # every rank copies its own slice of the same slots
+        # Every rank copies its own slice of the same slots; a replicated layout is
+        # stored by rank 0 alone (vLLM's connector acks the job for the others).
+        writers = self.workers[:1] if self.replicated else self.workers
+        for worker in writers:
             worker.submit_store(job, GPULoadStoreSpec(gpu_ids, [len(gpu_ids)], [0]), out.store_spec)
             (result,) = _finish(worker, {job})
             assert result.success
@@ -249,3 +268,75 @@ def test_tp2_shared_tier_two_engines_share_and_tp1_finds_none(
     (tier,) = tp1.manager.tier_stats()
     assert tier.info["keys_found"] == 0
     tp1.close()
+
+
+# --- a layout replicated across ranks (MLA): one copy ---------------------------------
+
+
+def test_a_replicated_layout_is_held_once_and_every_rank_loads_it(tmp_path: Path) -> None:
+    """vLLM marks MLA's latent KV replicated across TP ranks; vLLM's connector then has
+    rank 0 alone store it. One host pool (rank 0's, mapped by every worker) and one
+    slice per block in the lower tiers: every rank loads rank 0's copy."""
+    engine = _Engine(tmp_path, 2, [_tier(tmp_path / "disk", mode="files")], seed=8, replicated=True)
+    assert all(spec.replicated_layout for spec in engine.specs)
+    assert engine.specs[0].num_chunks == CPU_CHUNKS  # the budget holds one copy, not two
+    assert os.listdir(tmp_path / "shm") == [engine.specs[0].host_pool_path(0).name]
+    engine.caches[1] = engine.caches[0]  # the replicas hold the same bytes
+    keys, expected = engine.fill()
+    (tier,) = engine.manager.tier_stats()
+    assert tier.blocks_written == 8 and tier.bytes_written == 8 * CHUNK  # one slice each
+    assert tier.info.get("host_pools") is None  # the scheduler maps rank 0's pool only
+    assert engine.manager.tiers is not None
+    store = engine.manager.tiers.tiers[0].store
+    assert isinstance(store, DiskStore)
+    assert store.path_of(keys[0]).stat().st_size == 4096 + CHUNK  # type: ignore[arg-type]
+    # Rank 1's KV is elsewhere now: a load must bring rank 0's copy to both ranks.
+    rank1 = _caches(num_blocks=16, seed=99)
+    engine.caches[1] = rank1
+    engine.workers[1].shutdown()
+    worker1 = AsyncOffloadWorker(
+        rank1,
+        1,
+        engine.specs[1].num_chunks,
+        engine.specs[1].settings,
+        host_file=engine.specs[1].host_pool_path(0),
+        host_file_owner=False,
+    )
+    engine.workers[1] = worker1
+    _zero(engine)
+    ctx = ReqContext(req_id="again")
+    engine.manager.on_new_request(ctx)
+    # keys[0] was evicted from the CPU tier: promoted from disk into the one pool.
+    assert _lookup_until_settled(engine.manager, keys[0], ctx)[-1] is LookupResult.HIT
+    assert _lookup_until_settled(engine.manager, keys[7], ctx)[-1] is LookupResult.HIT
+    engine.load([keys[0], keys[7]], [3, 4], ctx)
+    for rank, caches in enumerate(engine.caches):
+        got = [_block(caches, 0, b) for b in (3, 4)]
+        assert got == [expected[0][0], expected[0][7]], f"rank {rank}"
+    # Another layout of the same engine shape never reads these blocks.
+    plain = AsyncOffloadSpec(_rank_config(dict(engine.specs[0].config.extra_config), 2, 0))
+    assert plain.namespace().identity() != engine.specs[0].namespace().identity()
+    assert plain.num_chunks == CPU_CHUNKS // 2  # unreplicated, the same budget holds half
+    engine.close()
+    assert os.listdir(tmp_path / "shm") == []
+
+
+def test_a_replica_worker_waits_for_rank_0s_pool_and_says_so(tmp_path: Path) -> None:
+    (tmp_path / "shm").mkdir()
+    extra = _extra(cpu_bytes_to_use=CPU_CHUNKS * CHUNK, host_pool_dir=str(tmp_path / "shm"))
+    spec1 = AsyncOffloadSpec(_rank_config(extra, 2, 1, replicated=True))
+    assert spec1.shared_pool  # a replicated layout shares its pool even without tiers
+    paged_engines.HOST_FILE_WAIT_S, saved = 0.2, paged_engines.HOST_FILE_WAIT_S
+    try:
+        with pytest.raises(TimeoutError, match=r"no shared host pool at .*rank0\.pool after"):
+            spec1.get_worker(_caches(num_blocks=4))
+    finally:
+        paged_engines.HOST_FILE_WAIT_S = saved
+    spec0 = AsyncOffloadSpec(_rank_config(extra, 2, 0, replicated=True))
+    worker0 = spec0.get_worker(_caches(num_blocks=4))
+    worker1 = spec1.get_worker(_caches(num_blocks=4))
+    assert isinstance(worker0, AsyncOffloadWorker) and isinstance(worker1, AsyncOffloadWorker)
+    worker1.shutdown()  # a replica leaves rank 0's pool be
+    assert spec0.host_pool_path(0).exists()
+    worker0.shutdown()
+    assert os.listdir(tmp_path / "shm") == []

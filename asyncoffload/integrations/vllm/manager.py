@@ -286,6 +286,7 @@ class AsyncOffloadManager(OffloadingManager):
         tiers: Sequence[LowerTier] = (),
         host_pool: tuple[str | os.PathLike[str] | Sequence[str | os.PathLike[str]], int]
         | None = None,
+        unlink_pools: bool = True,
     ) -> None:
         self.medium = Medium.CPU
         self.store_threshold = store_threshold
@@ -336,7 +337,9 @@ class AsyncOffloadManager(OffloadingManager):
 
             assert host_pool is not None and isinstance(self._manager, CPUOffloadingManager)
             paths, slot_bytes = host_pool
-            self._tiers = SchedulerTiers(self._manager, tiers, paths, num_chunks, slot_bytes)
+            self._tiers = SchedulerTiers(
+                self._manager, tiers, paths, num_chunks, slot_bytes, unlink_pools=unlink_pools
+            )
             # Every call first finishes the tier I/O that ended (see _tick).
             del self.lookup, self.touch, self.complete_load, self.complete_store
 

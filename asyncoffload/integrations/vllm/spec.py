@@ -58,18 +58,24 @@ class AsyncOffloadSpec(OffloadingSpec):
         self.settings = VllmOffloadSettings.from_extra_config(config.extra_config)
         per_block = config.worker_kv_bytes_per_block
         world = max(1, config.parallel.world_size)
+        self.world_size = world
+        #: vLLM marks a KV layout that every rank holds the same (MLA's latent under
+        #: tensor parallelism): one copy is kept, in rank 0's host pool, which every
+        #: rank's worker maps; vLLM's connector has only rank 0 store it, and the lower
+        #: tiers hold one slice per block. (vLLM's base spec sets the attribute False.)
+        self.replicated_layout = bool(getattr(config, "replicated_layout", False)) and world > 1
+        copies = 1 if self.replicated_layout else world
         #: This worker's bytes of one chunk (one host slot).
         self.chunk_bytes = per_block * self.blocks_per_chunk
         if self.chunk_bytes <= 0:
             raise ValueError(f"vLLM reports {per_block} KV bytes per block: nothing to offload")
-        self.num_chunks = self.settings.cpu_bytes_to_use // (self.chunk_bytes * world)
+        self.num_chunks = self.settings.cpu_bytes_to_use // (self.chunk_bytes * copies)
         if self.num_chunks <= 0:
             raise ValueError(
                 f"kv_connector_extra_config['cpu_bytes_to_use'] = "
                 f"{self.settings.cpu_bytes_to_use} holds no chunk: one chunk takes "
-                f"{self.chunk_bytes} B on each of {world} worker(s)"
+                f"{self.chunk_bytes} B on each of {copies} worker(s)"
             )
-        self.world_size = world
         self._manager: AsyncOffloadManager | None = None
         self._worker: AsyncOffloadWorker | None = None
 
@@ -82,8 +88,16 @@ class AsyncOffloadSpec(OffloadingSpec):
         return host_pool_path(self.settings.host_pool_dir, self.config.engine_id, rank)
 
     def host_pool_paths(self) -> list[Path]:
-        """Every worker's shared host pool file, rank order."""
-        return [self.host_pool_path(rank) for rank in range(self.world_size)]
+        """The shared host pool files the scheduler maps: every worker's, rank order
+        (rank 0's alone for a replicated layout: the only copy)."""
+        ranks = 1 if self.replicated_layout else self.world_size
+        return [self.host_pool_path(rank) for rank in range(ranks)]
+
+    @property
+    def shared_pool(self) -> bool:
+        """Whether the host slots live in shared-memory files (with lower tiers, or a
+        replicated layout that every rank's worker maps) rather than private memory."""
+        return bool(self.settings.tiers) or self.replicated_layout
 
     def namespace(self) -> Namespace:
         """The identity of this engine's blocks in lower tiers: the model, the KV dtype
@@ -100,13 +114,16 @@ class AsyncOffloadSpec(OffloadingSpec):
             f"blocks_per_chunk={self.blocks_per_chunk}"
         )
         world = self.world_size
-        if world > 1:
+        slices = 1 if self.replicated_layout else world
+        if self.replicated_layout:
+            layout += f",replicated_over={world}"
+        elif world > 1:
             layout += f",rank_slices={world}x{self.chunk_bytes}"
         return Namespace(
             model=config.model.name,
             kv_dtype=str(config.model.dtype),
             layout=layout,
-            block_bytes=self.chunk_bytes * world,
+            block_bytes=self.chunk_bytes * slices,
             tokens_per_block=self.tokens_per_hash * self.blocks_per_chunk,
             rank=0,  # every rank's slice is in the block
             world_size=world,
@@ -137,16 +154,22 @@ class AsyncOffloadSpec(OffloadingSpec):
                 admission=s.admission,
                 tiers=self._open_tiers() if s.tiers else (),
                 host_pool=(self.host_pool_paths(), self.chunk_bytes) if s.tiers else None,
+                unlink_pools=not self.replicated_layout,
             )
         return self._manager
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if self._worker is None:
+            rank = self.config.parallel.rank
+            # A replicated layout: rank 0's worker makes the one pool, the others map it.
+            owner = not self.replicated_layout or rank == 0
+            pool_rank = 0 if self.replicated_layout else rank
             self._worker = AsyncOffloadWorker(
                 kv_caches,
                 self.blocks_per_chunk,
                 self.num_chunks,
                 self.settings,
-                host_file=self.host_pool_path() if self.settings.tiers else None,
+                host_file=self.host_pool_path(pool_rank) if self.shared_pool else None,
+                host_file_owner=owner,
             )
         return self._worker

@@ -181,8 +181,13 @@ class SchedulerTiers:
         pool_paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
         num_slots: int,
         slot_bytes: int,
+        *,
+        unlink_pools: bool = True,
     ) -> None:
         self.cpu = cpu
+        #: Whether a pool file's name goes once it is mapped here (not for a pool that
+        #: other workers still have to find: a replicated layout's).
+        self.unlink_pools = unlink_pools
         self.tiers = [_Tier(store, shared=_shared(store)) for store in stores]
         self._shared = [tier for tier in self.tiers if tier.shared is not None]
         if isinstance(pool_paths, (str, os.PathLike)):
@@ -284,8 +289,9 @@ class SchedulerTiers:
             if not _alive(pool.creator_pid):  # a stale file of a dead worker: not ours
                 pool.close()
                 continue
-            with contextlib.suppress(OSError):  # mapped by both: nothing need name it now
-                os.unlink(path)
+            if self.unlink_pools:
+                with contextlib.suppress(OSError):  # mapped by both: nothing need name it now
+                    os.unlink(path)
             pools[rank] = pool
             log.info("mapped the host pool of worker %d: %s", rank, path)
         if any(pool is None for pool in pools):

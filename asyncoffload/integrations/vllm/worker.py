@@ -53,7 +53,9 @@ class AsyncOffloadWorker(OffloadingWorker):
     """Copies between vLLM's canonical KV caches and ``num_chunks`` host slots of this
     worker (block-major: a slot holds a chunk's pages of every tensor, contiguous).
     ``host_file``: the slots live in a shared-memory file at that path (with lower
-    tiers: the scheduler maps it), unlinked at :meth:`shutdown`."""
+    tiers: the scheduler maps it), unlinked at :meth:`shutdown`; ``host_file_owner``
+    False: the file another rank's worker makes (a layout replicated across ranks, held
+    once), mapped here and left be."""
 
     #: Whether a job that failed on both copy paths is reported by :meth:`get_finished`
     #: as ``TransferResult(success=False)`` (its error kept for :meth:`pop_failure`)
@@ -68,6 +70,7 @@ class AsyncOffloadWorker(OffloadingWorker):
         num_chunks: int,
         settings: VllmOffloadSettings,
         host_file: str | os.PathLike[str] | None = None,
+        host_file_owner: bool = True,
     ) -> None:
         if not kv_caches.tensors:
             raise ValueError("vLLM registered no KV cache tensors to offload")
@@ -88,6 +91,7 @@ class AsyncOffloadWorker(OffloadingWorker):
             chunk_bytes=settings.host_chunk_bytes,
             staging_bytes=settings.staging_bytes,
             host_file=host_file,
+            host_file_owner=host_file_owner,
         )
         #: Failed jobs not yet reported by get_finished, and the errors of those reported.
         self._failed: list[TransferResult] = []
