@@ -7,8 +7,10 @@ One TP 2 run without offloading is the reference. Then, each a vLLM process of i
    disk (288 cached tokens, the reference's tokens and logprobs);
 2. TP 2 with a shared Valkey tier stores A; a second TP 2 process is served its blocks;
 3. TP 1 on the same server: finds none of them (another identity);
-4. TP 2 on run 1's disk directory after rank 1's slice of every block was damaged (rank
-   0's intact): each block is a miss for both ranks, the outputs unchanged.
+4. TP 2 under AsyncOffloadConnector with ``kv_load_failure_policy="recompute"`` on run
+   1's disk directory after rank 1's slice of every block was damaged (rank 0's intact),
+   the first load job failing on both ranks: each block is a miss for both ranks, the
+   failed load is recomputed, the outputs are unchanged and no worker dies.
 """
 
 from __future__ import annotations
@@ -118,18 +120,36 @@ def test_tp2_with_disk_and_shared_tiers(
     assert alone["num_cached_tokens"] == 0
     assert tp1["metrics"].get("vllm:asyncoffload_tier_blocks_read", 0) == 0
 
-    # 4. Rank 1's slice of every block damaged on disk, rank 0's intact: each block is
-    # a miss for both ranks, and the outputs are the reference's.
+    # 4. Failures under AsyncOffloadConnector with "recompute": rank 1's slice of every
+    # block damaged on disk (rank 0's intact) and the first load job failing on both
+    # ranks' copy paths. Round 0: every block of A is a miss for both ranks (found only
+    # at read time: the headers are whole), recomputed and stored again; round 1: A is
+    # all in the CPU tier, its load fails and vLLM recomputes it. No worker dies.
     for path in files:
         data = bytearray(path.read_bytes())
         data[4096 + RANK_BYTES + 1000] ^= 0xFF
         path.write_bytes(bytes(data))
-    fourth = run_vllm(
-        [a], name="tp2-damaged", kv_transfer_config=_config(tmp_path / "five", [_disk(disk)]), **tp2
+    faulty = _config(tmp_path / "five", [_disk(disk)])
+    faulty["kv_connector"] = "AsyncOffloadConnector"
+    faulty["kv_connector_module_path"] = "asyncoffload.integrations.vllm"
+    faulty["kv_load_failure_policy"] = "recompute"
+    faulty["kv_connector_extra_config"].update(
+        spec_name="FaultyAsyncOffloadSpec",
+        spec_module_path="tests.vllm.fault_spec",
+        faults=[{"kind": "copy_error", "direction": "load", "nth": [1]}],
     )
+    fourth = run_vllm([a, a], name="tp2-faults", kv_transfer_config=faulty, **tp2)
     (recomputed,) = requests_of(fourth, 0)
+    (reloaded,) = requests_of(fourth, 1)
     assert recomputed["num_cached_tokens"] == 0
     metrics = fourth["metrics"]
     assert metrics["vllm:asyncoffload_tier_read_failures"] >= 1
-    assert metrics.get("vllm:asyncoffload_blocks_loaded", 0) == 0
+    assert metrics.get("vllm:asyncoffload_tier_blocks_read", 0) == 0
+    assert metrics["vllm:asyncoffload_load_jobs_failed"] == 1
+    assert metrics["vllm:asyncoffload_blocks_recomputed"] == A_BLOCKS
     _same(recomputed, want)
+    _same(reloaded, want)
+    log = Path(fourth["log_path"]).read_text(errors="replace")
+    assert "Recovered from KV load failure" in log  # vLLM's scheduler recomputed
+    for fatal in ("PagedTransferError", "EngineDeadError", "AssertionError"):
+        assert fatal not in log  # no worker died
