@@ -18,6 +18,14 @@ jobs ran (``auto`` picks per job).
     python benchmarks/vllm_worker.py                 # CPU here, small sizes
     python benchmarks/vllm_worker.py --device cuda   # on the GPU machine
     python benchmarks/vllm_worker.py --blocks 256 --jobs 8 --num-blocks 4096
+
+``--tp N`` shapes the cache as one of N tensor-parallel ranks sees it (``heads / N`` KV
+heads each) and runs N workers side by side on the device, each with its own host pool
+in a shared-memory file (``--pool-dir``, as under vLLM with lower tiers), every job
+submitted to all N: the rows give the bytes of all ranks together against the ceiling
+for the same bytes. Every slot is then checked byte-exact, each rank's against its own
+KV. (On one GPU the N ranks share its copy engines, which a real TP engine, one rank per
+GPU, does not.)
 """
 
 from __future__ import annotations
@@ -26,7 +34,10 @@ import argparse
 import ctypes
 import functools
 import json
+import os
+import shutil
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any, cast
@@ -198,6 +209,83 @@ def run_case(
     return results
 
 
+def run_tp(
+    ranks: list[list[torch.Tensor]],
+    page: int,
+    args: argparse.Namespace,
+    device: torch.device,
+    pool_dir: str,
+) -> dict[str, Any]:
+    """``len(ranks)`` workers, one per rank's tensors, host pools in ``pool_dir``; each job
+    goes to every rank. Store and load GB/s of all ranks' bytes, then a byte-exact check
+    of every rank's loaded blocks against its stored ones."""
+    n = args.blocks
+    num_slots = args.jobs * n
+    refs = [[(t, page) for t in range(len(ranks[0]))]]
+    workers = [
+        PagedTransferWorker(
+            tensors,
+            [page] * len(tensors),
+            refs,
+            1,
+            num_slots,
+            host_file=os.path.join(pool_dir, f"tp-rank{r}.pool"),
+        )
+        for r, tensors in enumerate(ranks)
+    ]
+    gen = torch.Generator().manual_seed(1)
+    half = args.num_blocks // 2
+    if args.jobs * n > half:
+        raise ValueError(f"--tp needs jobs x blocks <= num_blocks / 2 ({half})")
+    # Distinct blocks in every job, sources in the lower half, destinations in the upper.
+    src_all = torch.randperm(half, generator=gen)
+    dst_all = half + torch.randperm(args.num_blocks - half, generator=gen)
+    jobs = []
+    for j in range(args.jobs):
+        part = slice(j * n, (j + 1) * n)
+        jobs.append((src_all[part], dst_all[part], torch.arange(j * n, (j + 1) * n)))
+    nbytes = len(ranks) * args.jobs * n * page * len(ranks[0])
+    next_id = 0
+
+    def run(direction: str) -> None:
+        nonlocal next_id
+        ids = []
+        for gpu, dst, slots in jobs:
+            for worker in workers:
+                if direction == "store":
+                    worker.submit_store(next_id, gpu, [n], [0], slots)
+                else:
+                    worker.submit_load(next_id, slots, dst, [n], [0])
+            ids.append(next_id)
+            next_id += 1
+        for worker in workers:
+            worker.wait(ids)
+            assert len(worker.get_finished()) == len(ids)
+
+    try:
+        run("store")
+        run("load")
+        out: dict[str, Any] = {"tp": len(ranks), "engine": workers[0].stats().engine}
+        for direction in ("store", "load"):
+            out[direction] = gbps(
+                nbytes, median_seconds(functools.partial(run, direction), args.reps, device)
+            )
+        sync(device)
+        exact = True
+        for tensors in ranks:  # the last load brought each rank's own blocks back
+            for gpu, dst, _ in jobs:
+                for t in tensors:
+                    exact &= bool(torch.equal(t[dst.to(t.device)], t[gpu.to(t.device)]))
+        out["byte_exact"] = exact
+        out["pinned"] = all(
+            getattr(getattr(w.engine, "pool", None), "pinned", True) for w in workers
+        )
+    finally:
+        for worker in workers:
+            worker.shutdown()
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
@@ -221,8 +309,12 @@ def main() -> None:
     ap.add_argument(
         "--staging-mib", type=int, default=0, help="CUDA: staging MiB per direction (0: default)"
     )
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks side by side")
+    ap.add_argument("--pool-dir", default="/dev/shm", help="--tp: where the host pools live")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args()
+    if args.tp < 1 or args.heads % args.tp:
+        ap.error(f"--tp {args.tp} must be at least 1 and divide --heads {args.heads}")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -233,6 +325,9 @@ def main() -> None:
     engines = args.copy_engines.split(",") if cpu else ["auto"]
     methods = ["default"] if cpu else args.methods.split(",")
 
+    if args.tp > 1:
+        main_tp(args, device)
+        return
     page_shape = (args.block_size, args.heads, args.head_dim)
     raws, tensors, page = make_kv(args.layers, args.num_blocks, page_shape, device)
     nbytes = args.jobs * args.blocks * page * len(tensors)
@@ -275,6 +370,44 @@ def main() -> None:
                 f"{r['engine']:<12} {r['used']:<10} {r['bpc']:>3} {direction:<5} {rate:>7.2f} "
                 f"{rate / ceiling[direction]:>6.2f} {r[f'{direction}_submit_us']:>14.0f}us"
             )
+
+
+def main_tp(args: argparse.Namespace, device: torch.device) -> None:
+    page_shape = (args.block_size, args.heads // args.tp, args.head_dim)
+    made = [make_kv(args.layers, args.num_blocks, page_shape, device) for _ in range(args.tp)]
+    page = made[0][2]
+    ranks = [tensors for _, tensors, _ in made]
+    nbytes = args.tp * args.jobs * args.blocks * page * len(ranks[0])
+    ceiling = ceilings(nbytes, device, args.reps)
+    pool_dir = tempfile.mkdtemp(prefix="ao-tp-", dir=args.pool_dir)
+    try:
+        result = run_tp(ranks, page, args, device, pool_dir)
+    finally:
+        shutil.rmtree(pool_dir, ignore_errors=True)
+    report = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "tp": args.tp,
+        "page_bytes": page,
+        "tensors_per_rank": len(ranks[0]),
+        "bytes_per_measurement": nbytes,
+        "ceiling_gbps": ceiling,
+        "result": result,
+    }
+    if args.json:
+        print(json.dumps(report))
+        return
+    print(
+        f"{report['device']}: TP {args.tp}, per rank {len(ranks[0])} tensors of "
+        f"{page >> 10} KiB pages, {args.jobs} jobs x {args.blocks} blocks x {args.tp} ranks = "
+        f"{nbytes / 2**20:.0f} MiB per direction; pools in {args.pool_dir} "
+        f"(pinned: {result['pinned']}), byte-exact: {result['byte_exact']}"
+    )
+    for direction in ("store", "load"):
+        rate = result[direction]
+        print(
+            f"{result['engine']:<12} {direction:<5} {rate:>7.2f} GB/s, ceiling "
+            f"{ceiling[direction]:.2f}, ratio {rate / ceiling[direction]:.2f}"
+        )
 
 
 if __name__ == "__main__":

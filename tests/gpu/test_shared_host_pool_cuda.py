@@ -170,3 +170,99 @@ def test_blocks_go_to_disk_and_come_back_to_the_gpu_byte_exact(
     worker.shutdown()
     assert os.listdir(shm) == []
     assert os.listdir(tmp_path / "disk") == []  # the slab was unlinked at open
+
+
+# --- tensor parallelism: two ranks' slices, one value per block ----------------------
+
+
+def _rank_worker(path: Path, seed: int) -> tuple[PagedTransferWorker, list[torch.Tensor]]:
+    """A rank's worker: its own KV bytes (``seed``), its own pool file."""
+    gen = torch.Generator().manual_seed(seed)
+    kv = [
+        torch.randint(-128, 128, (NUM_BLOCKS, PAGE), dtype=torch.int8, generator=gen).cuda()
+        for _ in range(TENSORS)
+    ]
+    refs = [[(t, PAGE) for t in range(TENSORS)]]
+    worker = PagedTransferWorker(kv, [PAGE] * TENSORS, refs, 1, NUM_SLOTS, host_file=path)
+    return worker, kv
+
+
+def test_tp2_slices_go_to_disk_as_one_value_and_come_back_to_each_rank(
+    tmp_path: Path, shm: Path
+) -> None:
+    paths = [host_pool_path(shm, "engine-tp", r) for r in range(2)]
+    ranks = [_rank_worker(p, seed=r + 3) for r, p in enumerate(paths)]
+    cpu = CPUOffloadingManager(NUM_SLOTS, "lru")
+    ns = Namespace(
+        model="gpu-test",
+        kv_dtype="int8",
+        layout="t4,rank_slices=2",
+        block_bytes=2 * SLOT,
+        world_size=2,
+    )
+    store = DiskTier(tmp_path / "disk", "4MiB", "files", admission=None).open(ns, "disk0")
+    tiers = SchedulerTiers(cpu, [store], paths, NUM_SLOTS, SLOT)
+    keys = [ao.make_offload_key(bytes([i]) * 32) for i in range(4)]
+    expected = [[_block(kv, b) for b in range(4)] for _, kv in ranks]
+    assert expected[0] != expected[1]
+    out = cpu.prepare_store(keys)
+    assert out is not None
+    for worker, _ in ranks:
+        _copy(worker, 1, True, [0, 1, 2, 3], list(out.store_spec.block_ids))
+    cpu.complete_store(keys)
+    tiers.write_through(keys)
+    _settle(tiers)
+    (stats,) = tiers.stats()
+    assert stats.blocks_written == 4 and stats.bytes_written == 4 * 2 * SLOT
+    assert all(w.engine.pool.pinned for w, _ in ranks)  # type: ignore[attr-defined]
+    assert tiers.drain()
+    cpu.reset_cache(force=True)
+    for key in keys:
+        assert tiers.promote(key)
+    _settle(tiers)
+    spec = cpu.prepare_load(keys)
+    for worker, _ in ranks:
+        _copy(worker, 2, False, [10, 11, 12, 13], list(spec.block_ids))
+    cpu.complete_load(keys)
+    for r, (_, kv) in enumerate(ranks):
+        assert [_block(kv, b) for b in (10, 11, 12, 13)] == expected[r], f"rank {r}"
+    # Rank 1's slice of one block damaged: a miss for both ranks, no GPU byte changes.
+    tiers.drain()
+    cpu.reset_cache(force=True)
+    victim = store.path_of(keys[0])
+    data = bytearray(victim.read_bytes())
+    data[4096 + SLOT + 7] ^= 1
+    victim.write_bytes(bytes(data))
+    assert tiers.promote(keys[0])
+    _settle(tiers)
+    assert cpu.block_of(keys[0]) is None and not tiers.promote(keys[0])
+    (stats,) = tiers.stats()
+    assert stats.failures == {"corrupt": 1}
+    tiers.close()
+    for worker, _ in ranks:
+        worker.shutdown()
+    assert os.listdir(shm) == []
+
+
+def test_a_replica_maps_rank_0s_pinned_pool_and_loads_its_copy(shm: Path) -> None:
+    """A layout replicated across ranks (MLA) is held once: rank 0's worker makes the pool,
+    another rank's maps and pins the same file and loads what rank 0 stored."""
+    path = shm / "replicated.pool"
+    worker0, kv0 = _rank_worker(path, seed=5)
+    gen = torch.Generator().manual_seed(6)
+    kv1 = [
+        torch.randint(-128, 128, (NUM_BLOCKS, PAGE), dtype=torch.int8, generator=gen).cuda()
+        for _ in range(TENSORS)
+    ]
+    refs = [[(t, PAGE) for t in range(TENSORS)]]
+    worker1 = PagedTransferWorker(
+        kv1, [PAGE] * TENSORS, refs, 1, NUM_SLOTS, host_file=path, host_file_owner=False
+    )
+    assert worker1.engine.pool.pinned  # type: ignore[attr-defined]
+    _copy(worker0, 1, True, [1, 2, 3], [5, 6, 7])  # rank 0 alone stores
+    _copy(worker1, 2, False, [8, 9, 10], [5, 6, 7])
+    assert [_block(kv1, b) for b in (8, 9, 10)] == [_block(kv0, b) for b in (1, 2, 3)]
+    worker1.shutdown()
+    assert path.exists()  # the replica leaves rank 0's pool be
+    worker0.shutdown()
+    assert not path.exists()
