@@ -208,7 +208,7 @@ class SharedHostFile:
             except FileNotFoundError:
                 pass
             else:
-                if _pid_alive(shared.creator_pid):
+                if shared.creator_alive():
                     return shared
                 shared.close()  # a dead creator's: the live one replaces it
             if time.monotonic() >= deadline:
@@ -217,6 +217,17 @@ class SharedHostFile:
                     "process that makes it, the first worker, did not start?)"
                 )
             time.sleep(0.01)
+
+    def creator_alive(self) -> bool:
+        """Whether the process that made the file still runs (a file whose creator is
+        gone is stale: a new one replaces it)."""
+        try:
+            os.kill(self.creator_pid, 0)
+        except ProcessLookupError:
+            return False
+        except OSError:  # another user's process (EPERM): it exists
+            return True
+        return True
 
     def tensor(self) -> torch.Tensor:
         """The slots as a ``[num_slots, slot_bytes]`` uint8 tensor viewing the map."""
@@ -243,16 +254,6 @@ class SharedHostFile:
             f"<SharedHostFile {self.path} {self.num_slots} slots of {self.slot_bytes} B"
             f"{' (creator)' if self.owner else ''}{' closed' if self.map is None else ''}>"
         )
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # another user's process (EPERM): it exists
-        return True
-    return True
 
 
 #: How long a worker that maps another's host pool (``host_file_owner=False``) waits

@@ -98,16 +98,6 @@ def host_pool_path(directory: str | os.PathLike[str], engine_id: str, rank: int)
     return Path(directory) / f"asyncoffload-{safe}-rank{rank}.pool"
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # another user's process (EPERM): it exists
-        return True
-    return True
-
-
 class _Shared(Protocol):
     """A tier that can be asked which blocks it holds (the shared tier's server)."""
 
@@ -286,7 +276,7 @@ class SchedulerTiers:
                 self._pool_error = str(exc)
                 log.error("cannot map the host pool of worker %d (%s): tier I/O is off", rank, exc)
                 return None
-            if not _alive(pool.creator_pid):  # a stale file of a dead worker: not ours
+            if not pool.creator_alive():  # a stale file of a dead worker: not ours
                 pool.close()
                 continue
             if self.unlink_pools:
