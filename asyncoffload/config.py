@@ -335,7 +335,9 @@ class EngineConfig(BaseModel):
         is neither a field nor one of the package's other variables, or an unknown key in
         the file, raises ``ValueError`` naming it (with the closest known name). Values
         that fail validation raise ``ValueError`` naming their variable or file and key:
-        ``ASYNCOFFLOAD_CPU_BLOCKS='abc': Input should be a valid integer, ...``.
+        ``ASYNCOFFLOAD_CPU_BLOCKS='abc': Input should be a valid integer, ...``; a bad
+        ``tiers`` value is named without being shown (a shared tier's password may be in
+        it): ``ASYNCOFFLOAD_TIERS[0]['remote']['ttl_s']: Input should be greater than 0``.
         """
         return _from_sources(cls, prefix, config_file, overrides)
 
@@ -359,6 +361,17 @@ OTHER_ENV_SUFFIXES = (
     "SOAK",
     "SIGINT_RUNS",  # the test suite
 )
+
+
+#: Settings whose values may hold secrets (a shared tier's password, in its url or on
+#: its own): an error names where they came from, never what they were.
+_SECRET_FIELDS = frozenset({"tiers"})
+
+
+def _shown(key: str, value: object) -> str:
+    """``=<value>`` for an error's "where", or nothing for a setting that may hold a
+    secret."""
+    return "" if key in _SECRET_FIELDS else f"={value!r}"
 
 
 def _source_model(model: type[BaseModel]) -> type[BaseSettings]:
@@ -455,15 +468,15 @@ def _from_sources(
         path = Path(config_file)
         for key, value in _read_file(settings, path, fields).items():
             values[key] = value
-            origin[key] = f"config file {path}: {key}={value!r}"
+            origin[key] = f"config file {path}: {key}" + _shown(key, value)
     env = EnvSettingsSource(settings, env_prefix=prefix, case_sensitive=False)()
     for key, value in env.items():
         if key in fields:
             values[key] = value
-            origin[key] = f"{env_names.get(key, prefix + key.upper())}={value!r}"
+            origin[key] = env_names.get(key, prefix + key.upper()) + _shown(key, value)
     for key, value in overrides.items():
         values[key] = value
-        origin[key] = f"{key}={value!r}"
+        origin[key] = key + _shown(key, value)
     try:
         return model.model_validate(values)
     except ValidationError as exc:
@@ -478,4 +491,5 @@ def _from_sources(
                 where = origin.get(field, field)
                 rest = "".join(f"[{part!r}]" for part in loc[1:])
                 lines.append(f"{where}{rest}: {err['msg']}")
-        raise ValueError("invalid EngineConfig: " + "; ".join(lines)) from exc
+        # Not chained: pydantic's own error repeats every input, secrets included.
+        raise ValueError("invalid EngineConfig: " + "; ".join(lines)) from None

@@ -3,8 +3,10 @@ file, and the engine's periodic summary line."""
 
 from __future__ import annotations
 
+import json
 import logging
 import re
+import traceback
 from pathlib import Path
 
 import pytest
@@ -164,6 +166,38 @@ def test_config_file_errors_name_the_file_and_key(
     bad.write_text("x: 1\n")
     with pytest.raises(ValueError, match=r"use a \.toml or a \.json file"):
         ao.EngineConfig.from_env(config_file=bad)
+
+
+def test_a_tier_error_never_shows_the_tiers_value_and_its_secrets(
+    clean_env: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A shared tier's password (in its url or on its own) must not reach an error,
+    whichever source the tiers came from; the error still says where and what."""
+    secret = "s3cret-pw"
+    tiers = [
+        {"url": f"redis://user:{secret}@127.0.0.1:6379/0", "ttl_s": -1},
+        {"kind": "remote", "url": "redis://127.0.0.1/0", "password": secret, "ttl_s": -1},
+    ]
+    for tier in tiers:
+        raw = json.dumps([tier])
+        clean_env.setenv("ASYNCOFFLOAD_TIERS", raw)
+        with pytest.raises(ValueError) as env_error:
+            ao.EngineConfig.from_env()
+        clean_env.delenv("ASYNCOFFLOAD_TIERS")
+        path = tmp_path / "offload.json"
+        path.write_text(json.dumps({"tiers": [tier]}))
+        with pytest.raises(ValueError) as file_error:
+            ao.EngineConfig.from_env(config_file=path)
+        with pytest.raises(ValueError) as override_error:
+            ao.EngineConfig.from_env(tiers=[tier])
+        for error, where in (
+            (env_error, "ASYNCOFFLOAD_TIERS[0]"),
+            (file_error, "offload.json: tiers[0]"),
+            (override_error, "tiers[0]"),
+        ):
+            text = "".join(traceback.format_exception(error.value))
+            assert secret not in text, text  # nor in a chained pydantic error
+            assert where in str(error.value) and "ttl_s" in str(error.value)
 
 
 # --- log_summary_s ----------------------------------------------------------------------
