@@ -487,3 +487,36 @@ def test_bad_settings_are_named() -> None:
     assert "secret" not in repr(tier) and "secret" not in str(tier.model_dump())
     assert tier.password is not None and tier.password.get_secret_value() == "secret"
     assert tier.username == "u" and tier.url == "redis://u@127.0.0.1:1/0"
+
+
+@pytest.mark.parametrize(
+    ("url", "user", "password", "left"),
+    [
+        ("redis://127.0.0.1:1/0?password=pw-9&db=0", None, "pw-9", "redis://127.0.0.1:1/0?db=0"),
+        (b"redis://u:pw-9@127.0.0.1:1/0", "u", "pw-9", "redis://u@127.0.0.1:1/0"),
+        ("redis://u:pw#9/x?y@127.0.0.1:1/0", "u", "pw#9/x?y", "redis://u@127.0.0.1:1/0"),
+        ("rediss://:pw-9@127.0.0.1:1/0", None, "pw-9", "rediss://127.0.0.1:1/0"),
+        ("unix:///tmp/v.sock?password=pw-9", None, "pw-9", "unix:///tmp/v.sock"),
+    ],
+)
+def test_every_form_of_a_url_password_leaves_the_url(
+    url: str | bytes, user: str | None, password: str, left: str
+) -> None:
+    """A password as a query argument (redis-py reads it), in a bytes URL, or with an
+    unescaped #, / or ? moves out of the URL whole: never in repr, JSON or stats."""
+    tier = RemoteTier(url=url)  # type: ignore[arg-type]
+    assert tier.url == left and tier.username == user
+    assert tier.password is not None and tier.password.get_secret_value() == password
+    ns = Namespace("m", "uint8", "x", 4096)
+    shown = [repr(tier), tier.model_dump_json(), str(tier.open(ns).describe())]
+    assert not any(password in text or "pw" in text.replace("password", "") for text in shown)
+
+
+async def test_a_query_argument_password_authenticates(make_valkey: Any) -> None:
+    server = make_valkey(password="q-secret")
+    kv = kv_caches()
+    url = f"redis://127.0.0.1:{server.port}/0?password=q-secret"
+    async with ao.AsyncOffloadEngine(kv, config(url)) as eng:
+        await store(eng, keys(2), [0, 1])
+        assert eng.stats().tiers[0].blocks_written == 2
+        assert "q-secret" not in repr(eng.stats())

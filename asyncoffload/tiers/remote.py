@@ -26,7 +26,7 @@ import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Literal
-from urllib.parse import quote, unquote, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
@@ -107,17 +107,49 @@ class RemoteTier(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _password_out_of_url(cls, data: Any) -> Any:
-        """A password in the URL moves to ``password`` (a secret, never printed)."""
-        if isinstance(data, dict) and isinstance(data.get("url"), str):
-            parts = urlsplit(data["url"])
-            if parts.password is not None:
-                user = unquote(parts.username or "")
-                host = parts.netloc.rsplit("@", 1)[1]
-                netloc = f"{quote(user)}@{host}" if user else host
-                data = dict(data, url=urlunsplit(parts._replace(netloc=netloc)))
-                data.setdefault("password", unquote(parts.password))
-                if user:
-                    data.setdefault("username", user)
+        """A password in the URL moves to ``password`` (a secret, never printed): in the
+        user part (``redis://user:pw@host``, the part before the last ``@``, so a
+        password with an unescaped ``/``, ``?`` or ``#`` comes out whole) or as the
+        ``password`` query argument that redis-py also reads. A bytes URL is decoded."""
+        if not isinstance(data, dict):
+            return data
+        url = data.get("url")
+        if isinstance(url, (bytes, bytearray)):
+            try:
+                url = bytes(url).decode()
+            except UnicodeDecodeError:
+                return data  # the field's own check names it, without its bytes
+            data = dict(data, url=url)
+        if not isinstance(url, str) or "://" not in url:
+            return data
+        scheme, rest = url.split("://", 1)
+        password: str | None = None
+        user = ""
+        if "@" in rest:
+            userinfo, rest = rest.rsplit("@", 1)
+            user, sep, secret = userinfo.partition(":")
+            user = unquote(user)
+            if sep:
+                password = unquote(secret)
+        parts = urlsplit(f"{scheme}://{rest}")
+        query = parse_qsl(parts.query, keep_blank_values=True)
+        kept = [(k, v) for k, v in query if k != "password"]
+        if len(kept) != len(query):
+            password = (
+                password if password is not None else [v for k, v in query if k == "password"][-1]
+            )
+            parts = parts._replace(query=urlencode(kept))
+        if password is None and not user:
+            return data
+        netloc = f"{quote(user)}@{parts.netloc}" if user else parts.netloc
+        url = f"{scheme}://{netloc}{parts.path}"  # (urlunsplit drops unix://'s empty host)
+        url += f"?{parts.query}" if parts.query else ""
+        url += f"#{parts.fragment}" if parts.fragment else ""
+        data = dict(data, url=url)
+        if password is not None:
+            data.setdefault("password", password)
+        if user:
+            data.setdefault("username", user)
         return data
 
     @field_validator("url")
