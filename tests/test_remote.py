@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import math
 import os
 import subprocess
 import sys
@@ -504,7 +505,7 @@ def test_every_form_of_a_url_password_leaves_the_url(
 ) -> None:
     """A password as a query argument (redis-py reads it), in a bytes URL, or with an
     unescaped #, / or ? moves out of the URL whole: never in repr, JSON or stats."""
-    tier = RemoteTier(url=url)  # type: ignore[arg-type]
+    tier = RemoteTier(url=url)
     assert tier.url == left and tier.username == user
     assert tier.password is not None and tier.password.get_secret_value() == password
     ns = Namespace("m", "uint8", "x", 4096)
@@ -520,3 +521,24 @@ async def test_a_query_argument_password_authenticates(make_valkey: Any) -> None
         await store(eng, keys(2), [0, 1])
         assert eng.stats().tiers[0].blocks_written == 2
         assert "q-secret" not in repr(eng.stats())
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"url": None}, r"url\n  Input should be a valid string"),
+        ({"ttl_s": math.inf}, r"ttl_s\n  Input should be a finite number"),
+        ({"ttl_s": 1e300}, r"ttl_s\n  Input should be less than or equal to 315360000"),
+        ({"ttl_s": 0.0004}, r"ttl_s\n  Input should be greater than or equal to 0.001"),
+        ({"timeout_s": math.inf}, r"timeout_s\n  Input should be a finite number"),
+        ({"retry_s": math.nan}, r"retry_s\n  Input should be a finite number"),
+    ],
+)
+def test_settings_that_would_write_nothing_are_refused(
+    settings: dict[str, Any], message: str
+) -> None:
+    """An explicit url=None is not the default URL; a TTL or timeout that overflows, or a
+    PX the server refuses or reads as 0, is an error naming the setting (issue 22, 7 and 9)."""
+    with pytest.raises(ValueError, match=message):
+        RemoteTier(**settings)
+    assert RemoteTier(ttl_s=0.001).ttl_s == 0.001  # 1 ms: PX 1

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import errno
 import logging
+import math
 import os
 import stat
 import subprocess
@@ -557,6 +558,25 @@ def test_bad_tier_settings_are_named(tmp_path: Path) -> None:
         tiers=[{"url": "redis://127.0.0.1:7/0"}, {"path": str(tmp_path), "capacity": 1 << 20}]
     )
     assert [type(t).__name__ for t in remote.tiers] == ["RemoteTier", "DiskTier"]
+
+
+def test_explicit_nones_and_endless_deadlines_are_refused(tmp_path: Path) -> None:
+    """An explicit None is not a default (mode=None became slab); a deadline of inf or
+    1e300 overflowed at every submission, so the tier wrote nothing (issue 22, 7 and 9)."""
+    for bad, message in (
+        ({"mode": None}, "mode"),
+        ({"capacity": None}, "capacity"),
+        ({"deadline_s": math.inf}, "deadline_s\n  Input should be a finite number"),
+        ({"deadline_s": 1e300}, "deadline_s\n  Input should be less than or equal to 86400"),
+    ):
+        settings = {"path": tmp_path, "capacity": "1MiB", **bad}
+        with pytest.raises(ValueError, match=message):
+            DiskTier(**settings)
+    with pytest.raises(ValueError, match="mode"):
+        DiskTier(tmp_path, "1MiB", None)
+    with pytest.raises(TypeError, match="got path twice"):
+        DiskTier(tmp_path, path=tmp_path, capacity="1MiB")
+    assert DiskTier(tmp_path, "1MiB", "files", deadline_s=86_400).mode == "files"
 
 
 async def test_buffered_io_fallback_warns_once(

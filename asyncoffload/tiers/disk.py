@@ -78,22 +78,24 @@ class DiskTier(BaseModel):
     )
     io_threads: int = Field(4, ge=1, le=64, description="Native I/O lane threads.")
     deadline_s: float = Field(
-        30.0, gt=0, description="An operation not started this long after submission fails."
+        30.0,
+        gt=0,
+        le=86_400,
+        allow_inf_nan=False,
+        description="An operation not started this long after submission fails (at most a day).",
     )
 
-    def __init__(
-        self,
-        path: str | os.PathLike[str] | None = None,
-        capacity: int | str | None = None,
-        mode: str | None = None,
-        **data: Any,
-    ) -> None:
-        if path is not None:
-            data["path"] = path
-        if capacity is not None:
-            data["capacity"] = capacity
-        if mode is not None:
-            data["mode"] = mode
+    def __init__(self, *args: Any, **data: Any) -> None:
+        """``DiskTier(path, capacity, mode, **settings)``, the first three also by name.
+        An explicit ``None`` for any of them is an error, not its default."""
+        if len(args) > 3:
+            raise TypeError(
+                f"DiskTier takes path, capacity and mode positionally, got {len(args)} values"
+            )
+        for name, value in zip(("path", "capacity", "mode"), args):
+            if name in data:
+                raise TypeError(f"DiskTier got {name} twice")
+            data[name] = value
         super().__init__(**data)
 
     @field_validator("capacity", mode="before")

@@ -41,6 +41,9 @@ __all__ = ["RemoteStore", "RemoteTier"]
 
 log = logging.getLogger("asyncoffload.tiers")
 
+#: The longest ``ttl_s`` (Redis adds PX to the current time in ms: far larger values
+#: overflow there and are refused).
+_TEN_YEARS_S = 10 * 365 * 86_400.0
 #: Batches of at most this many payload bytes are packed or checked on the loop: a
 #: native job's wake-up is one more loop pass, which costs more under a busy loop.
 INLINE_BYTES = 1 << 20
@@ -73,7 +76,13 @@ class RemoteTier(BaseModel):
     ssl_certfile: str | None = None
     ssl_keyfile: str | None = None
     prefix: str = Field("ao", description="First part of every key.")
-    ttl_s: float | None = Field(None, gt=0, description="Expire blocks after this long.")
+    ttl_s: float | None = Field(
+        None,
+        ge=0.001,
+        le=_TEN_YEARS_S,
+        allow_inf_nan=False,
+        description="Expire blocks after this long (sent as PX: 1 ms to ten years).",
+    )
     index_blocks: int = Field(1 << 20, gt=0, description="Blocks the local index tracks.")
     policy: str = "lru"
     admission: str | None = None
@@ -92,16 +101,24 @@ class RemoteTier(BaseModel):
     pipelines: int = Field(
         4, gt=0, le=256, description="Pipelined requests in flight, for reads and for writes."
     )
-    timeout_s: float = Field(5.0, gt=0, description="Per request; a late one is a miss.")
+    timeout_s: float = Field(
+        5.0, gt=0, le=3600, allow_inf_nan=False, description="Per request; a late one is a miss."
+    )
     retry_s: float = Field(
         1.0,
         gt=0,
+        le=3600,
+        allow_inf_nan=False,
         description="After a refused or timed-out request, fail at once for this long.",
     )
 
-    def __init__(self, url: str | None = None, **data: Any) -> None:
-        if url is not None:
-            data["url"] = url
+    def __init__(self, *args: Any, **data: Any) -> None:
+        """``RemoteTier(url, **settings)``. An explicit ``url=None`` is an error, not the
+        default URL."""
+        if len(args) > 1:
+            raise TypeError(f"RemoteTier takes the url alone positionally, got {len(args)} values")
+        if args:
+            data["url"] = args[0]
         super().__init__(**data)
 
     @model_validator(mode="before")

@@ -178,6 +178,15 @@ def test_cpu_bytes_are_shared_by_workers_and_chunks(
         ({"copy_engine": "gpu"}, r"\['copy_engine'\]"),
         ({"policy": "lru", "eviction_policy": "arc"}, r"\['eviction_policy'\].*contradicts"),
         ({"admission": "ghost", "store_threshold": 2}, r"either 'store_threshold' or"),
+        # JSON's true is no count (it was taken as 1 byte, 1 offer, ...).
+        ({"cpu_bytes_to_use": True}, r"\['cpu_bytes_to_use'\]: expected a number, got True"),
+        ({"store_threshold": True}, r"\['store_threshold'\]: expected a number, got True"),
+        ({"staging_bytes": False}, r"\['staging_bytes'\]: expected a number, got False"),
+        (
+            {"tiers": [{"path": "/kv", "capacity": "1MiB", "deadline_s": float("inf")}]},
+            r"\['tiers.0.deadline_s'\]: Input should be a finite number",
+        ),
+        ({"tiers": [{"url": "redis://h/0", "ttl_s": 1e300}]}, r"\['tiers.0.ttl_s'\]"),
     ],
 )
 def test_bad_settings_name_the_key(settings: dict[str, Any], message: str) -> None:

@@ -108,6 +108,23 @@ class VllmOffloadSettings(BaseModel):
         "layout, so True is refused.",
     )
 
+    @field_validator(
+        "cpu_bytes_to_use",
+        "store_threshold",
+        "max_tracker_size",
+        "host_chunk_bytes",
+        "staging_bytes",
+        "block_size",
+        "blocks_per_chunk",
+        mode="before",
+    )
+    @classmethod
+    def _no_bool_counts(cls, value: object) -> object:
+        # JSON's true is not a count (pydantic would take it as 1), as EngineConfig says.
+        if isinstance(value, bool):
+            raise ValueError(f"expected a number, got {value!r}")
+        return value
+
     @field_validator("policy", "eviction_policy")
     @classmethod
     def _known_policy(cls, value: str | None) -> str | None:
