@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import difflib
+import importlib
+import json
 import os
 import re
+import sys
 from collections.abc import Mapping
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
@@ -22,9 +25,7 @@ from pydantic import (
 from pydantic_settings import (
     BaseSettings,
     EnvSettingsSource,
-    JsonConfigSettingsSource,
-    PydanticBaseSettingsSource,
-    TomlConfigSettingsSource,
+    InitSettingsSource,
 )
 
 from asyncoffload.manager.admission import available_admissions
@@ -279,12 +280,14 @@ class EngineConfig(BaseModel):
     @classmethod
     def _tiers_json(cls, value: object) -> object:
         if isinstance(value, str):  # from the environment
-            import json
-
             try:
                 value = json.loads(value)
             except ValueError as exc:
                 raise ValueError(f"tiers: expected a JSON list of tiers: {exc}") from None
+            except RecursionError:  # json.loads recurses once per level: "[" * 100_000
+                raise ValueError(
+                    "tiers: expected a JSON list of tiers: nested too deeply to read"
+                ) from None
         if isinstance(value, list):
             # A tier given as a mapping without its kind: a disk tier has a path, a
             # remote one a url.
@@ -331,7 +334,10 @@ class EngineConfig(BaseModel):
         ``overrides`` (each wins over the one before), validated once.
 
         ``config_file`` (or, when it is None, the ``{prefix}CONFIG`` variable) names a TOML
-        (``.toml``) or JSON file of field names and values. A ``{prefix}*`` variable that
+        (``.toml``) or JSON file of field names and values; one that cannot be read (missing,
+        not UTF-8, a syntax error, a number past Python's int-string limit, nested too
+        deeply, not a table at the top) raises ``ValueError`` naming the file, and the line
+        where the parser gives one, never its text. A ``{prefix}*`` variable that
         is neither a field nor one of the package's other variables, or an unknown key in
         the file, raises ``ValueError`` naming it (with the closest known name). Values
         that fail validation raise ``ValueError`` naming their variable or file and key:
@@ -390,30 +396,87 @@ def _suggest(name: str, known: list[str]) -> str:
     return f" (did you mean {close[0]}?)" if close else ""
 
 
+#: JSON's names for the types a config file's top level may hold instead of a table.
+_JSON_TYPES = {
+    list: "an array",
+    str: "a string",
+    int: "a number",
+    float: "a number",
+    bool: "a boolean",
+    type(None): "null",
+}
+
+
+def _parse_file(path: Path) -> object:
+    """The document in the TOML or JSON file ``path``. Every failure is a ``ValueError``
+    naming the file, and the line where the parser gives one; none is chained, for a
+    parser's error holds the file's text (``JSONDecodeError.doc``, a
+    ``UnicodeDecodeError``'s bytes), where a tier's password may be."""
+    suffix = path.suffix.lower()
+    if suffix not in (".toml", ".json"):
+        raise ValueError(
+            f"config file {path}: unknown format {suffix or '(no suffix)'!r}; "
+            "use a .toml or a .json file"
+        )
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise ValueError(f"config file {path}: cannot read it: {exc.strerror or exc}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        column = exc.start - (raw.rfind(b"\n", 0, exc.start) + 1) + 1
+        raise ValueError(
+            f"config file {path}: not UTF-8 text: byte 0x{raw[exc.start]:02x} at line {line}, "
+            f"column {column}"
+        ) from None
+    try:
+        if suffix == ".toml":
+            return _toml_loads(text)
+        # An empty file is no settings, as an empty TOML file is.
+        return json.loads(text) if text.strip() else {}
+    except json.JSONDecodeError as exc:
+        raise ValueError(
+            f"config file {path}: {exc.msg} (at line {exc.lineno}, column {exc.colno})"
+        ) from None
+    except RecursionError:
+        raise ValueError(f"config file {path}: nested too deeply to read") from None
+    except ValueError as exc:
+        # TOMLDecodeError, whose message ends "(at line L, column C)", and a number past
+        # Python's int-string conversion limit, of which the parsers say nothing more.
+        raise ValueError(f"config file {path}: {exc}") from None
+
+
+def _toml_loads(text: str) -> object:
+    if sys.version_info >= (3, 11):
+        import tomllib
+
+        return tomllib.loads(text)
+    try:  # pragma: no cover - Python 3.10, where pydantic-settings needs tomli as well
+        tomli = importlib.import_module("tomli")
+    except ImportError:
+        raise ValueError("reading TOML on Python 3.10 needs the tomli package") from None
+    return tomli.loads(text)
+
+
 def _read_file(
     settings: type[BaseSettings], path: Path, fields: Mapping[str, object]
 ) -> dict[str, Any]:
-    suffix = path.suffix.lower()
     if not path.is_file():
         raise ValueError(f"config file {path}: no such file")
-    source: PydanticBaseSettingsSource
+    document = _parse_file(path)
+    if not isinstance(document, dict):
+        found = _JSON_TYPES.get(type(document), type(document).__name__)
+        raise ValueError(
+            f"config file {path}: expected a table of settings at the top "
+            f'(e.g. {{"cpu_bytes": "16GiB"}}), found {found}'
+        )
     try:
-        if suffix == ".toml":
-            source = TomlConfigSettingsSource(settings, toml_file=path)
-        elif suffix == ".json":
-            source = JsonConfigSettingsSource(settings, json_file=path)
-        else:
-            raise ValueError(
-                f"config file {path}: unknown format {suffix or '(no suffix)'!r}; "
-                "use a .toml or a .json file"
-            )
-        data = source()
-    except ValueError:
-        raise
-    except Exception as exc:  # a syntax error, an unreadable file
-        raise ValueError(f"config file {path}: {exc}") from exc
-    if not isinstance(data, dict):
-        raise ValueError(f"config file {path}: expected a table of settings")
+        # pydantic-settings' matching of the file's keys to the fields (case-insensitive).
+        data = InitSettingsSource(settings, document)()
+    except Exception as exc:  # pragma: no cover - a parsed table of str keys always maps
+        raise ValueError(f"config file {path}: {type(exc).__name__}: {exc}") from None
     for key in data:
         if key not in fields:
             hint = _suggest(key, list(fields))

@@ -168,6 +168,68 @@ def test_config_file_errors_name_the_file_and_key(
         ao.EngineConfig.from_env(config_file=bad)
 
 
+@pytest.mark.parametrize(
+    ("name", "content", "message"),
+    [
+        ("offload.toml", b"cpu_blocks = \n", r"Invalid value \(at line 1, column 14\)"),
+        ("offload.toml", b'model = "m"\ncpu_blocks = [1,\n]]\n', r"at line 3, column 2"),
+        ("offload.json", b'{"cpu_blocks": }', r"Expecting value \(at line 1, column 16\)"),
+        ("offload.json", b'{\n"cpu_blocks": 4,\n}', r"\(at line 3, column 1\)"),
+        ("offload.toml", b'model = "m"\ntenant = "\xff"\n', "not UTF-8 text: byte 0xff at line 2"),
+        ("offload.json", b'{"model": "\xfe"}', "not UTF-8 text: byte 0xfe at line 1, column 12"),
+        # Past Python's int-string conversion limit: a ValueError from inside the parser.
+        ("offload.toml", b"cpu_blocks = " + b"9" * 5000, "Exceeds the limit"),
+        ("offload.json", b'{"cpu_blocks": ' + b"9" * 5000 + b"}", "Exceeds the limit"),
+        ("offload.json", b'"cpu_blocks"', "expected a table of settings .* found a string"),
+        ("offload.json", b"[1, 2]", "expected a table of settings .* found an array"),
+        ("offload.json", b"null", "expected a table of settings .* found null"),
+        ("offload.json", b"[" * 100_000, "nested too deeply to read"),
+        ("offload.toml", b"x = " + b"[" * 100_000, "nested too deeply to read"),
+    ],
+)
+def test_a_config_file_that_cannot_be_read_is_named(
+    clean_env: pytest.MonkeyPatch, tmp_path: Path, name: str, content: bytes, message: str
+) -> None:
+    """Each was a parser's own error (JSONDecodeError, TOMLDecodeError, a bare ValueError
+    or UnicodeDecodeError) that named no file."""
+    path = tmp_path / name
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match=message) as error:
+        ao.EngineConfig.from_env(config_file=path)
+    assert str(error.value).startswith(f"config file {path}: "), error.value
+    assert type(error.value) is ValueError
+
+
+def test_a_config_file_error_never_shows_the_file(
+    clean_env: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A syntax error next to a tier's password: the error, its traceback and whatever it
+    is chained to hold no part of the file (JSONDecodeError.doc is the whole text)."""
+    secret = "s3cret-pw"
+    for name, content in (
+        ("offload.json", f'{{"tiers": [{{"url": "redis://u:{secret}@h/0"}}], }}'),
+        ("offload.toml", f'tiers = [{{url = "redis://u:{secret}@h/0"}}]\ncpu_blocks = \n'),
+        ("offload.json", f'{{"tiers": [{{"password": "{secret}\udcff"}}]}}'),
+    ):
+        path = tmp_path / name
+        path.write_bytes(content.encode("utf-8", "surrogateescape"))
+        with pytest.raises(ValueError, match=f"config file {path}: ") as error:
+            ao.EngineConfig.from_env(config_file=path)
+        assert error.value.__cause__ is None and error.value.__suppress_context__
+        assert secret not in "".join(traceback.format_exception(error.value))
+
+
+def test_deeply_nested_tiers_in_the_environment_are_a_value_error(
+    clean_env: pytest.MonkeyPatch,
+) -> None:
+    """json.loads recursed out of Python's stack: a RecursionError that named nothing."""
+    clean_env.setenv("ASYNCOFFLOAD_TIERS", "[" * 100_000)
+    with pytest.raises(ValueError, match=r"ASYNCOFFLOAD_TIERS: .*nested too deeply to read"):
+        ao.EngineConfig.from_env()
+    with pytest.raises(ValueError, match=r"^invalid EngineConfig: tiers: .*nested too deeply"):
+        ao.EngineConfig.from_env(prefix="", tiers="[" * 100_000 + "]" * 100_000)
+
+
 def test_a_tier_error_never_shows_the_tiers_value_and_its_secrets(
     clean_env: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:

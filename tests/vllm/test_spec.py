@@ -187,6 +187,9 @@ def test_cpu_bytes_are_shared_by_workers_and_chunks(
             r"\['tiers.0.deadline_s'\]: Input should be a finite number",
         ),
         ({"tiers": [{"url": "redis://h/0", "ttl_s": 1e300}]}, r"\['tiers.0.ttl_s'\]"),
+        # json.loads recursed out of Python's stack: a RecursionError, naming nothing.
+        ({"tiers": "[" * 100_000}, r"\['tiers'\]: expected a JSON list of tiers: nested too"),
+        ({"tiers": "[" * 100_000 + "]" * 100_000}, r"\['tiers'\]: .* nested too deeply"),
     ],
 )
 def test_bad_settings_name_the_key(settings: dict[str, Any], message: str) -> None:

@@ -145,6 +145,10 @@ class VllmOffloadSettings(BaseModel):
                 value = json.loads(value)
             except ValueError as exc:
                 raise ValueError(f"expected a JSON list of tiers: {exc}") from None
+            except RecursionError:  # json.loads recurses once per level: "[" * 100_000
+                raise ValueError(
+                    "expected a JSON list of tiers: nested too deeply to read"
+                ) from None
         if isinstance(value, list):
             # A tier without its kind, as EngineConfig reads it: a disk tier has a path, a
             # remote one a url.
