@@ -216,6 +216,9 @@ class TierStats:
     #: Failures by cause: "corrupt", "stale", "wrong_key", "short", "missing", "timeout",
     #: or the errno name ("ENOSPC", "EIO", ...).
     failures: dict[str, int]
+    #: Offered blocks found there already, nothing written (a shared tier's put-if-absent
+    #: over another engine's copy): ready in the index, not in ``blocks_written``.
+    blocks_present: int = 0
 
 
 @dataclass
@@ -1558,4 +1561,5 @@ def _tier_stats(tier: _Tier) -> TierStats:
         read_failures=c.read_failures,
         dropped=m.dropped,
         failures=dict(c.failures),
+        blocks_present=c.blocks_present,
     )

@@ -242,6 +242,87 @@ async def test_a_bad_value_is_a_miss_with_a_removed_event(
     assert block(fresh, 30) == block(kv, 0) and block(fresh, 31) == block(kv, 1)
 
 
+@pytest.mark.parametrize("planted", ["list", "hash"])
+async def test_a_key_of_another_type_is_damaged_deleted_and_replaced(
+    valkey_server: Any, planted: str, client: str
+) -> None:
+    """A list or hash at a block's key (issue 22, defect 6): EXISTS counts it, MGET
+    answers nil and GET WRONGTYPE, and SET NX answers nil, so the block could never be
+    cached in the tier again. A load finds it damaged (a miss, a removed event, the key
+    deleted); a store that meets it deletes it and writes the block; a nil SET NX over a
+    good value is "present", never counted as written."""
+    url = valkey_server.url
+    kv = kv_caches()
+    ks = keys(2)
+    async with ao.AsyncOffloadEngine(kv_caches(), config(url)) as a:
+        await store(a, ks, [0, 1])
+        rkeys = [a.tiers[0].redis_key(k) for k in ks]  # type: ignore[attr-defined]
+    raw = await _raw(url)
+
+    async def plant() -> None:
+        await raw.delete(rkeys[0])
+        if planted == "list":
+            await raw.rpush(rkeys[0], b"not", b"a block")
+        else:
+            await raw.hset(rkeys[0], mapping={b"not": b"a block"})
+
+    try:
+        # Two blocks (one MGET, which answers nil for the planted key) and one (a GET,
+        # which answers WRONGTYPE).
+        for wanted in (ks, ks[:1]):
+            await plant()
+            tier = {"client": client}
+            async with ao.AsyncOffloadEngine(kv, config(url, tier=tier)) as b:
+                sub = b.events()
+                assert await b.alookup(wanted) == len(wanted)  # EXISTS counts the key
+                before = [t[30:32].clone() for t in kv]
+                with pytest.raises(ao.TransferError, match="could not be read"):
+                    await (await b.prepare_load(wanted, [30, 31][: len(wanted)]))
+                assert all(torch.equal(t[30:32], x) for t, x in zip(kv, before))
+                assert b.lookup(wanted) == 0
+                assert b.stats().tiers[0].failures == {"corrupt": 1}
+                events = await collect(b, sub)
+            removed = {k for e in events if e.removed and e.medium is Medium.REMOTE for k in e.keys}
+            assert ks[0] in removed
+            assert await raw.exists(rkeys[0]) == 0  # deleted: a later store can put it
+        # A store that meets the planted key deletes it and writes the block; the other
+        # block is on the server already: present, not written.
+        await plant()
+        async with ao.AsyncOffloadEngine(kv, config(url, tier={"client": client})) as c:
+            await store(c, ks, [0, 1])
+            st = c.stats().tiers[0]
+            assert (st.blocks_written, st.blocks_present, st.write_failures) == (1, 1, 0)
+            assert st.bytes_written == BLOCK
+        assert await raw.type(rkeys[0]) == b"string"
+    finally:
+        await raw.aclose()
+    fresh = [torch.zeros_like(t) for t in kv]
+    async with ao.AsyncOffloadEngine(fresh, config(url, tier={"client": client})) as d:
+        assert await d.alookup(ks) == 2
+        await (await d.prepare_load(ks, [30, 31]))
+    assert block(fresh, 30) == block(kv, 0) and block(fresh, 31) == block(kv, 1)
+
+
+async def test_a_put_if_absent_that_writes_nothing_is_not_counted_written(
+    valkey_server: Any, client: str
+) -> None:
+    """SET NX answering nil (another engine stored the block first) wrote nothing: the
+    block is known to be there (ready in the index), counted in ``blocks_present``, not
+    in ``blocks_written`` or ``bytes_written``."""
+    ks = keys(3)
+    tier = {"client": client}
+    async with ao.AsyncOffloadEngine(kv_caches(), config(valkey_server.url, tier=tier)) as a:
+        await store(a, ks[:2], [0, 1])
+        st = a.stats().tiers[0]
+        assert (st.blocks_written, st.blocks_present) == (2, 0)
+    async with ao.AsyncOffloadEngine(kv_caches(), config(valkey_server.url, tier=tier)) as b:
+        await store(b, ks, [0, 1, 2])
+        st = b.stats().tiers[0]
+        assert (st.blocks_written, st.blocks_present, st.write_failures) == (1, 2, 0)
+        assert st.bytes_written == BLOCK
+        assert b.lookup(ks) == 3 and st.manager.ready == 3
+
+
 async def test_server_eviction_gives_misses_never_wrong_bytes(valkey_server_small: Any) -> None:
     """maxmemory + allkeys-lru: the server drops blocks on its own."""
     kv = kv_caches()
@@ -298,7 +379,8 @@ async def test_a_password_and_an_acl_user_with_only_the_tiers_commands(
     resp_command(
         server.port,
         "ACL", "SETUSER", "kv", "on", ">kv-secret", "~ao:*", "resetchannels",
-        "+set", "+get", "+mget", "+exists", "+del", "+ping", "+hello", "+client|setinfo",
+        "+set", "+get", "+mget", "+exists", "+del", "+type", "+ping", "+hello",
+        "+client|setinfo",
         "+info",  # valkey-glide asks INFO when it connects
         password="admin-secret",
     )  # fmt: skip
@@ -312,7 +394,9 @@ async def test_a_password_and_an_acl_user_with_only_the_tiers_commands(
         tier["client"] = client
         async with ao.AsyncOffloadEngine(kv, config(url, tier=tier)) as a:
             await store(a, ks, [0, 1, 2, 3])
-            assert a.stats().tiers[0].blocks_written == 4
+            st = a.stats().tiers[0]
+            # The second user finds the first one's blocks there: present, not written.
+            assert st.blocks_written + st.blocks_present == 4 and st.write_failures == 0
         fresh = [torch.zeros_like(t) for t in kv]
         async with ao.AsyncOffloadEngine(fresh, config(url, tier=tier)) as b:
             assert await b.alookup(ks) == 4

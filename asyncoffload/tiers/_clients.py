@@ -37,6 +37,11 @@ class Client(Protocol):
         """Which of ``names`` exist."""
         ...
 
+    async def types(self, names: list[bytes]) -> list[Any]:
+        """``TYPE`` of each name, pipelined: ``"string"``, ``"list"``, ``"hash"``, ...,
+        ``"none"`` when absent, or an exception."""
+        ...
+
     async def delete(self, names: list[bytes]) -> None: ...
 
     async def aclose(self) -> None: ...
@@ -46,6 +51,13 @@ def make_client(config: RemoteTier) -> Client:
     if config.client == "glide":
         return GlideClient(config)
     return RedisPyClient(config)
+
+
+def _type_name(reply: Any) -> Any:
+    """A ``TYPE`` reply as a str (clients give bytes or str); an exception as it is."""
+    if isinstance(reply, (bytes, bytearray)):
+        return bytes(reply).decode(errors="replace")
+    return reply
 
 
 # --- redis-py -----------------------------------------------------------------------------
@@ -136,7 +148,12 @@ class RedisPyClient:
         if self.config.cluster:  # one pipeline, split per node
             return await self._pipelined(names, lambda pipe, i, name: pipe.get(name))
         if len(names) == 1:
-            return [await self._connect().get(names[0])]
+            from redis.exceptions import ResponseError
+
+            try:
+                return [await self._connect().get(names[0])]
+            except ResponseError as exc:  # WRONGTYPE: that name's answer, as MGET's nil is
+                return [exc]
         # One command, one reply: less to parse than a pipeline of GETs, and no pipeline
         # connection release (a task and a shield: three loop passes).
         return list(await self._connect().mget(names))
@@ -165,6 +182,10 @@ class RedisPyClient:
             for name in names:
                 pipe.exists(name)
             return list(await pipe.execute())
+
+    async def types(self, names: list[bytes]) -> list[Any]:
+        replies = await self._pipelined(names, lambda pipe, i, name: pipe.type(name))
+        return [_type_name(reply) for reply in replies]
 
     async def delete(self, names: list[bytes]) -> None:
         await self._pipelined(names, lambda pipe, i, name: pipe.delete(name))
@@ -299,6 +320,16 @@ class GlideClient:
         for name in names:
             batch.exists([name])
         return [r == 1 for r in await client.exec(batch, raise_on_error=False) or []]
+
+    async def types(self, names: list[bytes]) -> list[Any]:
+        import glide
+
+        client = await self._connect()
+        batch = glide.ClusterBatch(is_atomic=False) if self._cluster else glide.Batch(False)
+        for name in names:
+            batch.type(name)
+        replies = await client.exec(batch, raise_on_error=False) or []
+        return [_type_name(reply) for reply in replies]
 
     async def delete(self, names: list[bytes]) -> None:
         client = await self._connect()

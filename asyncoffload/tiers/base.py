@@ -141,6 +141,9 @@ class TierCounters:
 
     writes: int = 0
     blocks_written: int = 0
+    #: Offered blocks the tier found there already (a shared tier's put-if-absent that
+    #: wrote nothing): ready in the index, not counted written.
+    blocks_present: int = 0
     bytes_written: int = 0
     write_failures: int = 0
     reads: int = 0
@@ -178,7 +181,9 @@ class LowerTier(ABC):
     def submit_write(
         self, keys: Sequence[OffloadKey], slots: Sequence[int], host: Sequence[int]
     ) -> CopyJob:
-        """Write host addresses ``host`` as the blocks of ``keys`` (tier slots ``slots``)."""
+        """Write host addresses ``host`` as the blocks of ``keys`` (tier slots ``slots``);
+        the job's ``results`` say, per block, ``block_bytes``, ``0`` (the block was there
+        already: nothing written) or ``-errno``."""
 
     def set_segments(self, deltas: Sequence[int]) -> None:
         """Each block's payload is in ``len(deltas)`` equal slices from now on, slice
@@ -267,8 +272,11 @@ def settle_write(
     manager = tier.manager
     if good:
         manager.complete_store(good, ctx, success=True)
-        counters.blocks_written += len(good)
-        counters.bytes_written += len(good) * tier.block_bytes
+        # 0 bytes: the block was there already (a put-if-absent that wrote nothing).
+        written = sum(1 for r in results if r > 0)
+        counters.blocks_written += written
+        counters.bytes_written += written * tier.block_bytes
+        counters.blocks_present += len(good) - written
     if not bad:
         return 0, {}
     manager.complete_store(bad, ctx, success=False)

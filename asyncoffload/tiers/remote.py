@@ -304,10 +304,17 @@ class _WaitFor:
         return False
 
 
+def _wrong_type(reply: object) -> bool:
+    """Whether ``reply`` is the server's WRONGTYPE error: a list, hash, ... at the name."""
+    return isinstance(reply, Exception) and "WRONGTYPE" in str(reply)
+
+
 def _reply_errno(value: object, whole: int) -> int:
     """0 for a reply to check natively, else the ``-errno`` of why it is a miss."""
     if value is None:
         return -errno.ENOENT  # evicted by the server, or never there
+    if _wrong_type(value):
+        return -errno.EBADMSG  # not a block: damaged, deleted like one
     if isinstance(value, Exception):
         return -_errno_of(value)
     if not isinstance(value, bytes):
@@ -567,17 +574,70 @@ class RemoteStore(LowerTier):
             ]
             packed = await self._natively(job, True, ops, values)
             names = [self.redis_key(key) for key in keys[start:end]]
-            replies = await client.put_absent(names, [value for value, _ in values], px)
+            buffers = [value for value, _ in values]
+            replies = await client.put_absent(names, buffers, px)
+            # None: the name was taken. A block there (put-if-absent: the same content,
+            # another engine's) is present, 0 bytes written; anything else at the name
+            # (a list, a hash) would keep every later store out: deleted, put again.
+            taken = [i for i, reply in enumerate(replies) if reply is None and packed[i] >= 0]
+            if taken:
+                again = await self._replace_wrong_types(
+                    [names[i] for i in taken], [buffers[i] for i in taken], px
+                )
+                for i, reply in zip(taken, again):
+                    replies[i] = reply
             # Answered: the socket is done with every buffer. (Not given back on an
             # exception: a transport cut short may still hold some.)
             self._values.give(values)
-            # None: already there (put-if-absent: the same content), fine.
             return [
-                -errno.EIO if isinstance(reply, Exception) or p < 0 else size
+                -errno.EIO
+                if isinstance(reply, Exception) or p < 0
+                else (0 if reply is None else size)
                 for reply, p in zip(replies, packed)
             ]
 
         return await self._batches(self._write_limit, len(keys), request)
+
+    async def _replace_wrong_types(
+        self, names: list[bytes], values: list[bytearray], px: int | None
+    ) -> list[Any]:
+        """``SET NX`` answered nil for ``names``: those holding another type than a
+        string are deleted and put again. Per name the reply that stands: ``None`` (a
+        block is there: present), the new put's, or an exception. Where ``TYPE`` fails
+        (an ACL without it), the names count as present, as before."""
+        client = self._client
+        try:
+            kinds = await client.types(names)
+        except Exception:
+            return [None] * len(names)
+        wrong = [i for i, kind in enumerate(kinds) if isinstance(kind, str) and kind != "string"]
+        out: list[Any] = [None] * len(names)
+        if not wrong:
+            return out
+        # "none": gone since the SET (evicted); put again as well.
+        bad = [i for i in wrong if kinds[i] != "none"]
+        if bad:
+            log.warning(
+                "remote tier %s: %d block keys held another type (%s): deleted",
+                self.name,
+                len(bad),
+                ", ".join(sorted({str(kinds[i]) for i in bad})),
+            )
+            await client.delete([names[i] for i in bad])
+        replies = await client.put_absent([names[i] for i in wrong], [values[i] for i in wrong], px)
+        for i, reply in zip(wrong, replies):
+            out[i] = reply
+        return out
+
+    async def _damaged_types(self, names: list[bytes]) -> list[bool]:
+        """MGET answered nil for ``names``: which hold another type than a string (a
+        list, a hash: damaged, to be deleted) rather than nothing (a miss). ``TYPE``
+        failing (an ACL without it) finds none."""
+        try:
+            kinds = await self._client.types(names)
+        except Exception:
+            return [False] * len(names)
+        return [isinstance(kind, str) and kind not in ("none", "string") for kind in kinds]
 
     def submit_read(
         self, keys: Sequence[OffloadKey], slots: Sequence[int], host: Sequence[int]
@@ -595,6 +655,12 @@ class RemoteStore(LowerTier):
             names = [self.redis_key(key) for key in keys[start:end]]
             replies = await client.get_many(names)
             out = [_reply_errno(value, whole) for value in replies]
+            absent = [i for i, value in enumerate(replies) if value is None]
+            if absent:  # MGET's nil is also its answer for a list or a hash at the name
+                typed = await self._damaged_types([names[i] for i in absent])
+                for i, bad in zip(absent, typed):
+                    if bad:
+                        out[i] = -errno.EBADMSG
             ops = [
                 (host[start + i], _address(value), keys[start + i])
                 for i, value in enumerate(replies)

@@ -731,6 +731,7 @@ class SchedulerTiers:
                     read_failures=c.read_failures,
                     dropped=tier.store.manager.dropped,
                     failures=dict(c.failures),
+                    blocks_present=c.blocks_present,
                 )
             )
         return tuple(out)
