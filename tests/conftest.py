@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import signal
 from collections.abc import Callable, Iterator, Mapping
 
 import pytest
@@ -61,5 +62,11 @@ valkey_cluster = _servers.valkey_cluster
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # A run started in the background by a non-interactive shell (`make test &`, nohup)
+    # inherits SIGINT ignored, and so would every process it starts: the tests of what a
+    # Ctrl-C does would see none. Take Python's own handler, as a terminal's process has
+    # (the processes it starts then get the default disposition, and Python's handler).
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     # Every skip for a missing redis-server on one summary line.
     config.pluginmanager.register(_servers.FoldMissingRedisSkips(), "tests.servers.skips")
