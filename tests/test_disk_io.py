@@ -464,32 +464,28 @@ def test_a_truncated_block_read_with_o_direct_is_short_not_invalid(
 
 
 class Blocker:
-    """Read ops on FIFOs: each holds a worker in ``open()`` until :meth:`release`."""
+    """Read ops on FIFOs, each holding a worker until :meth:`release`: the pool's test
+    gate (the read end of a pipe the workers poll) stays shut until then. A FIFO no
+    longer blocks ``open()``; let through, each op fails at once (no block file)."""
 
     def __init__(self, pool: IoPool, folder: Path, count: int) -> None:
         self.fifos = [folder / f"fifo{i}" for i in range(count)]
         for fifo in self.fifos:
             os.mkfifo(fifo)
         self.host = Host(pool.payload_len, aligned=False)
+        gate, self._opener = os.pipe()
+        try:
+            pool.set_gate(gate)  # the pool keeps its own duplicate
+        finally:
+            os.close(gate)
         ops = [IoOp(self.host.address, 0, str(f), b"fifo", -1) for f in self.fifos]
         self.job = pool.submit(False, ops)
 
-    def release(self, patience_s: float = 5.0) -> None:
-        """Open each FIFO for writing, which lets its worker's open return. A FIFO no
-        worker opened within ``patience_s`` (its op was discarded unrun) is skipped: a
-        blocking open would wait for a reader forever."""
-        for fifo in self.fifos:
-            deadline = time.monotonic() + patience_s
-            while True:
-                try:
-                    fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
-                except OSError as exc:
-                    if exc.errno != errno.ENXIO or time.monotonic() > deadline:
-                        break  # no reader: nothing waits on this one
-                    time.sleep(0.002)
-                else:
-                    os.close(fd)
-                    break
+    def release(self) -> None:
+        """Open the gate for good: closing the pipe's write end makes it poll hung up."""
+        if self._opener >= 0:
+            os.close(self._opener)
+            self._opener = -1
 
 
 def test_reads_go_before_queued_writes(tmp_path: Path, pools: list[IoPool]) -> None:
@@ -540,6 +536,60 @@ def test_ops_not_started_by_the_deadline_time_out_without_io(
     behind = pool.submit(True, [IoOp(host.address, 0, str(tmp_path / "t"), b"t", -1)], 0.01)
     assert wait(slow).results == [100]
     assert wait(behind).results == [-errno.ETIMEDOUT]
+
+
+@contextlib.contextmanager
+def fifo_writer_after(fifo: Path, seconds: float) -> Iterator[None]:
+    """Bounds a test in which a FIFO's ``open()`` could hang: after ``seconds``, or when
+    the context exits if sooner, a thread opens ``fifo`` for writing for a moment, which
+    lets a reader blocked in ``open()`` go; the exit waits for that thread."""
+    now = threading.Event()
+
+    def opener() -> None:
+        now.wait(seconds)
+        deadline = time.monotonic() + 0.5
+        while time.monotonic() < deadline:
+            try:
+                fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+            except FileNotFoundError:
+                return  # gone: nobody can block on it
+            except OSError:  # ENXIO: no reader (yet)
+                time.sleep(0.01)
+                continue
+            time.sleep(0.2)
+            os.close(fd)
+            return
+
+    thread = threading.Thread(target=opener, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        now.set()
+        thread.join(10)
+
+
+def test_a_read_of_anything_but_a_regular_file_fails_at_once(
+    tmp_path: Path, pools: list[IoPool]
+) -> None:
+    """A FIFO (whose open() would wait for a writer), a symlink (never followed: it
+    could lead out of the tier) or a directory in place of a block file is a miss."""
+    pool = make_pool(pools, 100, threads=1)
+    host = Host(100, aligned=False)
+    host.write(os.urandom(100))
+    real = tmp_path / "real"
+    wait(pool.submit(True, [IoOp(host.address, 0, str(real), b"k", -1)]))
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "link").symlink_to(real)
+    (tmp_path / "dir").mkdir()
+    names = ("fifo", "link", "dir")
+    ops = [IoOp(host.address, 0, str(tmp_path / n), b"k", -1) for n in names]
+    started = time.monotonic()
+    with fifo_writer_after(tmp_path / "fifo", 3.0):
+        job = wait(pool.submit(False, ops))
+    took = time.monotonic() - started
+    assert job.results == [-errno.EINVAL, -errno.ELOOP, -errno.EINVAL]
+    assert took < 2.0, f"the read of a FIFO took {took:.1f}s: blocked in open()"
 
 
 def test_the_fault_hook_fails_every_nth_op_without_touching_the_file(

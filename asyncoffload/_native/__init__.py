@@ -737,6 +737,8 @@ def _configure_disk_io(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.ao_io_set_fault.restype = None
     lib.ao_io_set_delay.argtypes = [ptr, i64]
     lib.ao_io_set_delay.restype = None
+    lib.ao_io_set_gate.argtypes = [ptr, cint]
+    lib.ao_io_set_gate.restype = cint
     lib.ao_crc32c.argtypes = [ctypes.c_uint32, ptr, ctypes.c_size_t]
     lib.ao_crc32c.restype = ctypes.c_uint32
     lib.ao_crc32c_soft.argtypes = [ctypes.c_uint32, ptr, ctypes.c_size_t]

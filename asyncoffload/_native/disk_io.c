@@ -36,6 +36,7 @@
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
+#include <poll.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -321,6 +322,7 @@ typedef struct {
     int fault_err[2];
     int64_t fault_count[2]; /* atomic */
     int64_t delay_ns;       /* atomic */
+    int gate_fd;            /* atomic; tests: -1, or ops wait until it polls readable */
     ao_segs segs;           /* under the mutex; copied into each job */
     pthread_t threads[];
 } ao_pool;
@@ -569,16 +571,36 @@ static int ao_direct_ok(const ao_pool *pool, const ao_iojob *job, const ao_op *o
            (pool->payload_len % AO_ALIGN) == 0;
 }
 
+/* Opens a block file, or -1 with errno set. Only a regular file is one: a symlink
+ * fails (ELOOP: never followed out of the tier's directory), and a FIFO, device, socket or
+ * directory fails with EINVAL. O_NONBLOCK keeps open() itself from blocking on a FIFO
+ * with no writer (or a device); it is cleared again once the file is known to be regular. */
 static int ao_open(const char *path, int flags, int direct) {
-    int fd;
+    int fd = -1;
+    flags |= O_NOFOLLOW | O_NONBLOCK;
     if (direct && O_DIRECT) {
         do fd = open(path, flags | O_DIRECT, 0600);
         while (fd < 0 && errno == EINTR);
-        if (fd >= 0 || errno != EINVAL) return fd;
-        /* The file system refuses O_DIRECT (tmpfs of old kernels ...): buffered I/O. */
+        if (fd < 0 && errno != EINVAL) return -1;
+        /* EINVAL: the file system refuses O_DIRECT (tmpfs of old kernels ...): buffered. */
     }
-    do fd = open(path, flags, 0600);
-    while (fd < 0 && errno == EINTR);
+    if (fd < 0) {
+        do fd = open(path, flags, 0600);
+        while (fd < 0 && errno == EINTR);
+        if (fd < 0) return -1;
+    }
+    struct stat st;
+    int e = 0;
+    int fl = -1;
+    if (fstat(fd, &st) != 0) e = errno;
+    else if (!S_ISREG(st.st_mode)) e = EINVAL;
+    else if ((fl = fcntl(fd, F_GETFL)) < 0 || fcntl(fd, F_SETFL, fl & ~O_NONBLOCK) != 0)
+        e = errno;
+    if (e) {
+        close(fd);
+        errno = e;
+        return -1;
+    }
     return fd;
 }
 
@@ -671,6 +693,13 @@ static int64_t ao_do_read(ao_worker *w, const ao_iojob *job, const ao_op *op) {
 static int64_t ao_run_op(ao_worker *w, const ao_iojob *job, const ao_op *op) {
     ao_pool *pool = w->pool;
     if (job->deadline > 0 && ao_now() > job->deadline) return -ETIMEDOUT;
+    int gate = __atomic_load_n(&pool->gate_fd, __ATOMIC_ACQUIRE);
+    if (gate >= 0) {
+        /* Tests: held here, as in a system call that hangs, until the gate opens. */
+        struct pollfd p = {gate, POLLIN, 0};
+        while (poll(&p, 1, -1) < 0 && errno == EINTR) {
+        }
+    }
     int64_t delay = __atomic_load_n(&pool->delay_ns, __ATOMIC_RELAXED);
     if (delay > 0) ao_sleep_ns(delay);
     int dir = (job->write == AO_KIND_WRITE || job->write == AO_KIND_PACK) ? 1 : 0;
@@ -759,6 +788,7 @@ void *ao_io_create(int nthreads, int wake_fd, int64_t payload_len, const uint8_t
     ao_pool *pool = (ao_pool *)calloc(1, sizeof *pool + (size_t)nthreads * sizeof(pthread_t));
     if (pool == NULL) return NULL;
     pool->wake_fd = wake_fd;
+    pool->gate_fd = -1;
     pool->flags = flags;
     pool->payload_len = payload_len;
     pool->slot_bytes = AO_HEADER + (payload_len + AO_ALIGN - 1) / AO_ALIGN * AO_ALIGN;
@@ -904,6 +934,7 @@ void ao_io_destroy(void *handle) {
     pthread_cond_broadcast(&pool->cond);
     pthread_mutex_unlock(&pool->mutex);
     for (int t = 0; t < pool->nthreads; t++) pthread_join(pool->threads[t], NULL);
+    if (pool->gate_fd >= 0) close(pool->gate_fd);
     pthread_mutex_destroy(&pool->mutex);
     pthread_cond_destroy(&pool->cond);
     free(pool);
@@ -930,6 +961,20 @@ int ao_io_set_segments(void *handle, int nseg, const int64_t *deltas) {
     pthread_mutex_lock(&pool->mutex);
     pool->segs = s;
     pthread_mutex_unlock(&pool->mutex);
+    return 0;
+}
+
+/* Tests: from now on each op, once past its deadline check, waits until fd polls
+ * readable or hung up (a pipe whose write end is closed opens the gate for good); -1
+ * removes the gate. The pool keeps a duplicate of fd (closed when replaced or at
+ * ao_io_destroy), so the caller may close its own. Not to be replaced while an op waits
+ * at it. 0, or -1 with errno set when fd cannot be duplicated. */
+int ao_io_set_gate(void *handle, int fd) {
+    ao_pool *pool = (ao_pool *)handle;
+    int dup_fd = -1;
+    if (fd >= 0 && (dup_fd = fcntl(fd, F_DUPFD_CLOEXEC, 0)) < 0) return -1;
+    int old = __atomic_exchange_n(&pool->gate_fd, dup_fd, __ATOMIC_ACQ_REL);
+    if (old >= 0) close(old);
     return 0;
 }
 

@@ -464,6 +464,20 @@ class IoPool:
         if self._handle is not None:
             self._lib.ao_io_set_delay(self._handle, self._delay_ns)
 
+    def set_gate(self, fd: int | None) -> None:
+        """Tests: from now on each op, once past its deadline check, waits until ``fd``
+        polls readable or hung up, as in a system call that hangs: the read end of a
+        pipe holds every op that starts until its write end is closed (then none, for
+        good). ``None`` removes the gate. The native pool keeps a duplicate of ``fd``
+        (the caller may close its own) and is started now if it was not yet. Not to be
+        replaced while an op waits at it."""
+        check_process(self.pid, "IoPool")
+        if self._closed:
+            raise RuntimeError("IoPool is closed")
+        handle = self._handle if self._handle is not None else self._start()
+        if self._lib.ao_io_set_gate(handle, -1 if fd is None else fd) != 0:
+            raise OSError(errno.EBADF, f"cannot duplicate the test gate fd {fd}")
+
     def close(self) -> None:
         """Finish the queued jobs, join the threads, free the pool. Idempotent. In a
         fork's child: only marks the pool closed (its threads are the parent's)."""
