@@ -23,7 +23,9 @@ import errno
 import json
 import logging
 import os
+import re
 import secrets
+import stat
 import time
 import uuid
 from collections.abc import Sequence
@@ -32,6 +34,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from asyncoffload._ownership import check_root_dir, make_private_dir
 from asyncoffload.keys import OffloadKey
 from asyncoffload.manager.base import Medium
 from asyncoffload.tiers.base import LowerTier, TierManager
@@ -48,6 +51,14 @@ __all__ = ["DiskStore", "DiskTier"]
 log = logging.getLogger("asyncoffload.tiers")
 
 _SUFFIX = ".kv"
+#: A files-mode write's temporary file (disk_io.c): ``<key hex>.kv.tmp.<pid>.<tid>.<n>``,
+#: and the namespace description's: ``.namespace.<pid>.<hex>``.
+_TEMP = re.compile(r"[0-9a-f]+\.kv\.tmp\.(\d+)\.\d+\.\d+|\.namespace\.(\d+)\.[0-9a-f]+")
+#: A temporary file this old is stale even if a process of its writer's pid runs (the
+#: pid was reused): no block write takes an hour.
+_TEMP_STALE_S = 3600.0
+#: The largest file offset (off_t): a slab cannot be larger.
+_MAX_FILE_BYTES = 2**63 - 1
 
 
 class DiskTier(BaseModel):
@@ -63,7 +74,10 @@ class DiskTier(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     kind: Literal["disk"] = "disk"
-    path: Path = Field(description="Directory of the tier's files (created if missing).")
+    path: Path = Field(
+        description="Directory of the tier's files (created if missing); a leading '~' is "
+        "expanded; must not be empty."
+    )
     capacity: int = Field(description="Bytes of disk the tier may use.")
     mode: Literal["slab", "files"] = "slab"
     policy: str = Field("lru", description="Eviction policy of the tier's index.")
@@ -98,6 +112,23 @@ class DiskTier(BaseModel):
             data[name] = value
         super().__init__(**data)
 
+    @field_validator("path", mode="before")
+    @classmethod
+    def _path(cls, value: object) -> object:
+        if isinstance(value, (str, os.PathLike)):
+            text = os.fspath(value)
+            if isinstance(text, str) and not text.strip():
+                raise ValueError(
+                    "path is empty: give the directory of the tier's files (an empty path "
+                    "would put them in the current directory)"
+                )
+            if isinstance(text, str) and text.startswith("~"):
+                expanded = os.path.expanduser(text)
+                if expanded.startswith("~"):
+                    raise ValueError(f"path {text!r}: '~' cannot be expanded (no such user)")
+                return expanded
+        return value
+
     @field_validator("capacity", mode="before")
     @classmethod
     def _bytes(cls, value: object) -> object:
@@ -125,6 +156,11 @@ class DiskTier(BaseModel):
     def _positive(self) -> DiskTier:
         if self.capacity <= 0:
             raise ValueError(f"capacity must be positive, got {self.capacity}")
+        if self.mode == "slab" and self.capacity > _MAX_FILE_BYTES:
+            raise ValueError(
+                f"capacity {self.capacity} is larger than any file can be (2**63 - 1 "
+                f"bytes): a slab tier at {self.path} is one file of that size"
+            )
         return self
 
     def blocks_for(self, block_bytes: int) -> int:
@@ -152,6 +188,37 @@ def _probe_direct(path: Path) -> bool:
     with contextlib.suppress(OSError):
         probe.unlink()
     return True
+
+
+def _process_start(pid: int) -> float | None:
+    """When process ``pid`` started (seconds since the epoch), from ``/proc``; ``None``
+    where that cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        with open("/proc/stat", "rb") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith(b"btime "))
+        return boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError, StopIteration):
+        return None
+
+
+def _writer_alive(pid: int, mtime: float) -> bool:
+    """Whether process ``pid`` may still be writing a temporary file last modified at
+    ``mtime``: it runs, it started before then (a later process that got the same pid
+    is not the writer), and the file is less than :data:`_TEMP_STALE_S` old."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # another user's process: it runs
+    start = _process_start(pid)
+    if start is not None and start > mtime + 1.0:  # btime has a one-second grain
+        return False
+    return time.time() - mtime < _TEMP_STALE_S
 
 
 class DiskStore(LowerTier):
@@ -191,6 +258,7 @@ class DiskStore(LowerTier):
             raise OSError(
                 exc.errno, f"disk tier {name}: cannot create {root}: {exc.strerror}"
             ) from None
+        check_root_dir(root, f"disk tier {name}")
         want = config.direct_io
         direct = _probe_direct(root) if want is not False else False
         if want and not direct:
@@ -227,40 +295,53 @@ class DiskStore(LowerTier):
         if self.direct_io:
             flags |= os.O_DIRECT
         fd = os.open(path, flags, 0o600)
+        # Unlinked before it is sized: nothing else may open it, and a crash (or a size
+        # the file system refuses) leaves nothing behind.
+        with contextlib.suppress(OSError):
+            path.unlink()
+        size = self.num_blocks * self.slot_bytes
         try:
-            size = self.num_blocks * self.slot_bytes
             try:
                 os.posix_fallocate(fd, 0, size)
             except OSError as exc:
-                if exc.errno == errno.ENOSPC:
-                    raise OSError(
-                        errno.ENOSPC,
-                        f"disk tier {self.name}: {root} has no room for a {size}-byte slab "
-                        f"(capacity={self.config.capacity})",
-                    ) from None
+                if exc.errno in (errno.ENOSPC, errno.EFBIG):
+                    raise self._slab_error(exc, root, size) from None
                 # fallocate refused (some network filesystems): a sparse file instead.
                 log.warning("disk tier %s: fallocate refused (%s): sparse slab", self.name, exc)
-                os.ftruncate(fd, size)
+                try:
+                    os.ftruncate(fd, size)
+                except OSError as exc2:
+                    raise self._slab_error(exc2, root, size) from None
         except BaseException:
             os.close(fd)
-            with contextlib.suppress(OSError):
-                path.unlink()
             raise
-        # Nothing else may open it, and a crash leaves nothing behind.
-        with contextlib.suppress(OSError):
-            path.unlink()
         self._fd = fd
+
+    def _slab_error(self, exc: OSError, root: Path, size: int) -> OSError:
+        code = exc.errno or errno.EIO
+        if code == errno.ENOSPC:
+            why = "has no room for it"
+        elif code in (errno.EFBIG, errno.EINVAL):
+            why = "cannot hold a file that large (a smaller capacity, or files mode)"
+        else:
+            why = f"refused it: {exc.strerror or exc}"
+        return OSError(
+            code,
+            f"disk tier {self.name}: capacity={self.config.capacity} needs a {size}-byte "
+            f"slab in {root}, and its file system {why}",
+        )
 
     def _open_files(self) -> None:
         ns_dir = self.dir
-        ns_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        what = f"disk tier {self.name}"
+        make_private_dir(ns_dir, what)
         meta = ns_dir / "namespace.json"
         if not meta.exists():
             tmp = ns_dir / f".namespace.{os.getpid()}.{secrets.token_hex(4)}"
             tmp.write_text(json.dumps(self.namespace.describe(), indent=1) + "\n")
             os.replace(tmp, meta)
         for i in range(256):
-            (ns_dir / f"{i:02x}").mkdir(exist_ok=True, mode=0o700)
+            make_private_dir(ns_dir / f"{i:02x}", what)
         self._recover()
 
     def path_of(self, key: OffloadKey) -> Path:
@@ -269,24 +350,34 @@ class DiskStore(LowerTier):
         return self.dir / hexkey[:2] / f"{hexkey}{_SUFFIX}"
 
     def _recover(self) -> None:
-        """Index the blocks a previous run left (files mode): each header must parse and
-        match this namespace, the file's name and its size; the newest ``num_blocks``
-        are kept, in age order (the newest is the most recently used)."""
+        """Index the blocks a previous run left (files mode): each must be a regular
+        file (anything else named like a block, a FIFO or a symlink, is removed unread)
+        whose header parses and matches this namespace, the file's name and its size;
+        the newest ``num_blocks`` are kept, in age order (the newest is the most recently
+        used). Temporary files of writers that are gone are removed."""
         found: list[tuple[float, OffloadKey]] = []
-        skipped = 0
+        skipped = removed = 0
         started = time.monotonic()
-        for sub in sorted(self.dir.iterdir()):
-            if not sub.is_dir():
-                continue
+        temps = self._remove_stale_temps(self.dir)
+        for i in range(256):  # only the subdirectories checked in _open_files
+            sub = self.dir / f"{i:02x}"
             for entry in os.scandir(sub):
-                if not entry.name.endswith(_SUFFIX):
+                name = entry.name
+                if not name.endswith(_SUFFIX):
+                    temps += self._remove_if_stale_temp(entry)
                     continue
-                key = self._check_file(Path(entry.path), entry.name[: -len(_SUFFIX)])
-                if key is None:
+                if not entry.is_file(follow_symlinks=False):
+                    skipped += 1
+                    if not entry.is_dir(follow_symlinks=False):
+                        with contextlib.suppress(OSError):
+                            os.unlink(entry.path)  # a symlink is removed, not followed
+                            removed += 1
+                    continue
+                checked = self._check_file(entry.path, name[: -len(_SUFFIX)])
+                if checked is None:
                     skipped += 1
                     continue
-                with contextlib.suppress(OSError):
-                    found.append((entry.stat().st_mtime, key))
+                found.append(checked)
         found.sort()
         keep = found[-self.num_blocks :]
         manager = self.manager
@@ -296,39 +387,85 @@ class DiskStore(LowerTier):
             assert out is not None
             manager.complete_store(keys)
             manager.take_events()  # not news: the snapshot of a subscriber shows them
-        if found or skipped:
+        if removed:
+            log.warning(
+                "disk tier %s: removed %d entries of %s named like blocks that are no "
+                "regular files (FIFOs, symlinks, devices)",
+                self.name,
+                removed,
+                self.dir,
+            )
+        if found or skipped or temps:
             log.info(
-                "disk tier %s: found %d blocks in %s (%d kept, %d unusable) in %.2fs",
+                "disk tier %s: found %d blocks in %s (%d kept, %d unusable, %d stale "
+                "temporary files removed) in %.2fs",
                 self.name,
                 len(found),
                 self.dir,
                 len(keep),
                 skipped,
+                temps,
                 time.monotonic() - started,
             )
         self.recovered = len(keep)
         self.unusable = skipped
+        self.stale_temps = temps
 
-    def _check_file(self, path: Path, hexkey: str) -> OffloadKey | None:
+    def _remove_stale_temps(self, folder: Path) -> int:
+        return sum(self._remove_if_stale_temp(entry) for entry in os.scandir(folder))
+
+    def _remove_if_stale_temp(self, entry: os.DirEntry[str]) -> int:
+        """Remove ``entry`` if it is a temporary file (:data:`_TEMP`) whose writer is
+        gone: 1 if removed. A live writer's, this process's included (another engine
+        may share the directory), is kept."""
+        match = _TEMP.fullmatch(entry.name)
+        if match is None:
+            return 0
+        try:
+            st = entry.stat(follow_symlinks=False)
+        except OSError:
+            return 0
+        if stat.S_ISDIR(st.st_mode):
+            return 0
+        pid = int(match.group(1) or match.group(2))
+        if _writer_alive(pid, st.st_mtime):
+            return 0
+        try:
+            os.unlink(entry.path)
+        except OSError:
+            return 0
+        return 1
+
+    def _check_file(self, path: str, hexkey: str) -> tuple[float, OffloadKey] | None:
+        """The file's modification time and key if it is this namespace's block of the
+        key its name says, else ``None``. Never blocks: opened ``O_NONBLOCK`` (a FIFO
+        swapped in after the scan) and ``O_NOFOLLOW``, and only a regular file is read."""
         try:
             key = bytes.fromhex(hexkey)
         except ValueError:
             return None
+        flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
         try:
-            with open(path, "rb") as f:
-                raw = f.read(HEADER_BYTES)
-                size = os.fstat(f.fileno()).st_size
-            header = parse_header(raw)
+            fd = os.open(path, flags)
+        except OSError:
+            return None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                return None
+            header = parse_header(os.pread(fd, HEADER_BYTES, 0))
         except (OSError, ValueError):
             return None
+        finally:
+            os.close(fd)
         if (
             header.identity != self.identity
             or header.key != key
             or header.payload_len != self.block_bytes
-            or size < self.slot_bytes
+            or st.st_size < self.slot_bytes
         ):
             return None
-        return OffloadKey(key)
+        return st.st_mtime, OffloadKey(key)
 
     # --- I/O ------------------------------------------------------------------------
 

@@ -38,6 +38,7 @@ from typing import Literal, NamedTuple, Protocol
 import torch
 
 from asyncoffload._native import load_copy_engine, load_cuda_helpers
+from asyncoffload._ownership import check_private_file, check_root_dir
 from asyncoffload.transfer.base import CopyJob, check_process, forked_since, host_bytes
 from asyncoffload.transfer.paged import CopyPlan, GroupSpan, PageLayout, _cat
 
@@ -89,6 +90,11 @@ class SharedHostFile:
     header, and renamed to ``path``. The creator unlinks it at :meth:`close` (and when
     collected); an opener may unlink it once it has mapped it (``unlink=True``), so that
     a crash of both leaves nothing behind. Mappings outlive the name.
+
+    Its directory must be owned by us or root and, if others may write it, sticky
+    (``/dev/shm``); an opener maps only a regular file owned by its own uid and not
+    writable by group or others (``PermissionError`` naming the path otherwise: another
+    user could read or forge the KV blocks in it).
     """
 
     def __init__(
@@ -120,10 +126,13 @@ class SharedHostFile:
         cls, path: str | os.PathLike[str], num_slots: int, slot_bytes: int
     ) -> SharedHostFile:
         """Make the file at ``path`` (replacing a stale one) and map it. ``OSError``
-        (``ENOSPC`` naming the sizes) where its directory has too little room."""
+        (``ENOSPC`` naming the sizes) where its directory has too little room;
+        ``PermissionError`` where others could replace it (see the class docstring) or
+        another user's file holds the name."""
         path = os.fspath(path)
         size = cls.file_bytes(num_slots, slot_bytes)
         folder = os.path.dirname(path) or "."
+        check_root_dir(folder, "shared host pool")
         try:
             st = os.statvfs(folder)
         except OSError:
@@ -153,7 +162,16 @@ class SharedHostFile:
             )
             os.pwrite(fd, header, 0)
             mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-            os.replace(tmp, path)
+            try:
+                os.replace(tmp, path)
+            except PermissionError:  # a sticky directory: another user's file has the name
+                owner = "?"
+                with contextlib.suppress(OSError):
+                    owner = str(os.lstat(path).st_uid)
+                raise PermissionError(
+                    f"shared host pool: cannot replace {path}, owned by uid {owner} (this "
+                    f"process's uid is {os.geteuid()}): remove it, or set another directory"
+                ) from None
         except BaseException:
             _unlink_quietly(tmp)
             raise
@@ -167,11 +185,15 @@ class SharedHostFile:
     ) -> SharedHostFile:
         """Map the file a creator made at ``path``. ``FileNotFoundError`` while it does
         not exist yet; ``ValueError`` if it is not a host pool of ``num_slots`` slots of
-        ``slot_bytes``. ``unlink``: remove the name once mapped."""
+        ``slot_bytes``; ``PermissionError`` naming the path if it is no regular file of
+        ours, or group or others may write it. ``unlink``: remove the name once mapped."""
         path = os.fspath(path)
-        fd = os.open(path, os.O_RDWR | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0))
+        fd = os.open(
+            path,
+            os.O_RDWR | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0),
+        )
         try:
-            size = os.fstat(fd).st_size
+            size = check_private_file(fd, path, "shared host pool").st_size
             raw = os.pread(fd, _HOST_FILE_STRUCT.size, 0)
             if len(raw) < _HOST_FILE_STRUCT.size:
                 raise ValueError(f"{path} is not a host pool file (too short)")
