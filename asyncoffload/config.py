@@ -135,7 +135,8 @@ class EngineConfig(BaseModel):
     (``ASYNCOFFLOAD_CPU_BLOCKS=4096`` and so on).
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    # Validation errors never show their input: a tier's may hold its password or MAC key.
+    model_config = ConfigDict(frozen=True, extra="forbid", hide_input_in_errors=True)
 
     cpu_blocks: int = Field(1024, gt=0, description="Slots of the CPU tier, one KV block each.")
     cpu_bytes: int | None = Field(
@@ -370,7 +371,8 @@ OTHER_ENV_SUFFIXES = (
 
 
 #: Settings whose values may hold secrets (a shared tier's password, in its url or on
-#: its own): an error names where they came from, never what they were.
+#: its own; a tier's ``mac_key``): an error names where they came from, never what they
+#: were.
 _SECRET_FIELDS = frozenset({"tiers"})
 
 

@@ -19,7 +19,7 @@ import asyncoffload as ao
 from asyncoffload.keys import make_offload_key
 from asyncoffload.manager.base import Medium
 from asyncoffload.tiers import remote
-from asyncoffload.tiers.format import HEADER_BYTES, Namespace, pack_header
+from asyncoffload.tiers.format import HEADER_BYTES, Namespace, pack_block, pack_header
 from asyncoffload.tiers.remote import RemoteJob, RemoteStore, RemoteTier
 
 redis = pytest.importorskip("redis", reason="the remote tier's tests need redis-py")
@@ -321,6 +321,68 @@ async def test_a_put_if_absent_that_writes_nothing_is_not_counted_written(
         assert (st.blocks_written, st.blocks_present, st.write_failures) == (1, 2, 0)
         assert st.bytes_written == BLOCK
         assert b.lookup(ks) == 3 and st.manager.ready == 3
+
+
+MAC_KEY = b"shared-tier-mac-key-0123456789ab"  # 32 bytes
+
+
+async def test_authenticated_blocks_load_and_blocks_without_the_mac_are_misses(
+    valkey_server: Any, values_on: str, client: str
+) -> None:
+    """``mac_key``: blocks carry a keyed BLAKE2b MAC. Engines with the key share them;
+    engines with another key or none see another namespace (nothing found, a copied
+    value is ``stale``); values put at the keyed names by a writer without the key are
+    misses (``unauthenticated``), deleted, and no byte of theirs reaches the KV."""
+    url = valkey_server.url
+    kv = kv_caches()
+    ks = keys(3)
+    keyed = {"client": client, "mac_key": MAC_KEY}
+    async with ao.AsyncOffloadEngine(kv, config(url, tier=keyed)) as a:
+        await store(a, ks, [0, 1, 2])
+        st = a.stats().tiers[0]
+        assert st.blocks_written == 3 and st.info["authenticated"] is True
+        tier = a.tiers[0]
+        assert isinstance(tier, RemoteStore)
+        rkeys = [tier.redis_key(k) for k in ks]
+        identity = tier.identity
+        assert identity == a.namespace.with_mac_key(MAC_KEY).identity()
+    for other in ({"client": client}, {"client": client, "mac_key": os.urandom(32)}):
+        async with ao.AsyncOffloadEngine(kv_caches(), config(url, tier=other)) as e:
+            assert await e.alookup(ks) == 0
+    raw = await _raw(url)
+    try:
+        value = await raw.get(rkeys[2])
+        evil = os.urandom(BLOCK)
+        await raw.set(rkeys[0], pack_block(identity, ks[0], evil))  # no MAC
+        await raw.set(rkeys[1], pack_block(identity, ks[1], evil, os.urandom(32)))
+        fresh = [torch.zeros_like(t) for t in kv]
+        async with ao.AsyncOffloadEngine(fresh, config(url, tier=keyed)) as b:
+            sub = b.events()
+            assert await b.alookup(ks) == 3
+            with pytest.raises(ao.TransferError, match="could not be read"):
+                await (await b.prepare_load(ks, [30, 31, 32]))
+            assert all(not t[30:33].any() for t in fresh)
+            assert b.stats().tiers[0].failures == {"unauthenticated": 2}
+            assert b.lookup(ks) == 0
+            events = await collect(b, sub)
+        gone = {k for e in events if e.removed and e.medium is Medium.REMOTE for k in e.keys}
+        assert {ks[0], ks[1]} <= gone
+        assert await raw.exists(rkeys[0], rkeys[1]) == 0  # deleted: stores can put them
+        async with ao.AsyncOffloadEngine(fresh, config(url, tier=keyed)) as c:
+            assert await c.alookup(ks[2:]) == 1
+            await (await c.prepare_load(ks[2:], [33]))
+        assert block(fresh, 33) == block(kv, 2)
+        # A keyed value copied to an unkeyed tier's name: another namespace's block.
+        async with ao.AsyncOffloadEngine(fresh, config(url, tier={"client": client})) as d:
+            plain = d.tiers[0]
+            assert isinstance(plain, RemoteStore)
+            await raw.set(plain.redis_key(ks[2]), value)
+            assert await d.alookup(ks[2:]) == 1
+            with pytest.raises(ao.TransferError):
+                await (await d.prepare_load(ks[2:], [34]))
+            assert d.stats().tiers[0].failures == {"stale": 1}
+    finally:
+        await raw.aclose()
 
 
 async def test_server_eviction_gives_misses_never_wrong_bytes(valkey_server_small: Any) -> None:

@@ -759,6 +759,20 @@ def _configure_disk_io(lib: ctypes.CDLL) -> ctypes.CDLL:
     # pool, nseg, deltas (int64[nseg])
     lib.ao_io_set_segments.argtypes = [ptr, cint, ptr]
     lib.ao_io_set_segments.restype = cint
+    # pool, MAC key, its length (0: none)
+    lib.ao_io_set_mac.argtypes = [ptr, ptr, ctypes.c_int32]
+    lib.ao_io_set_mac.restype = cint
+    # as ao_pack_value_segs / ao_unpack_value_segs, then the MAC key and its length
+    lib.ao_pack_block.argtypes = [ptr, ptr, i64, ptr, ptr, cint, cint, ptr, ptr, ctypes.c_int32]
+    lib.ao_pack_block.restype = i64
+    lib.ao_unpack_block.argtypes = [
+        ptr, i64, ptr, i64, ptr, ptr, cint, cint, ptr, ptr, ctypes.c_int32
+    ]  # fmt: skip
+    lib.ao_unpack_block.restype = i64
+    # out, outlen, key, keylen, data, len
+    size = ctypes.c_size_t
+    lib.ao_blake2b.argtypes = [ptr, size, ptr, size, ptr, size]
+    lib.ao_blake2b.restype = cint
     return lib
 
 

@@ -11,8 +11,10 @@ a file of its own (``IoOp.path``: written to a temporary name, then renamed into
 A job's ops end one by one, each with a result: ``payload_len`` when it worked, else
 ``-errno``: a read of a block that fails its checks ends with ``-EBADMSG`` (damaged:
 magic, version, header or payload CRC, payload length), ``-ESTALE`` (another identity),
-``-EKEYREJECTED`` (another key's block), ``-ENODATA`` (truncated) or ``-ENOENT`` (no
-file); an op that had not started by the job's deadline ends with ``-ETIMEDOUT``.
+``-EKEYREJECTED`` (another key's block), ``-ENOKEY`` (a pool with a MAC key: a block
+without its MAC, or another key's; a pool without: a block with a MAC), ``-ENODATA``
+(truncated) or ``-ENOENT`` (no file); an op that had not started by the job's deadline
+ends with ``-ETIMEDOUT``.
 
 Reads go before writes: a worker always takes the next op of the oldest read job with
 ops left before any write. A finished job writes 1 to the bound wake fd.
@@ -235,12 +237,20 @@ class IoPool:
     """``threads`` native threads moving blocks of ``payload_len`` bytes between host
     memory and disk, stamping and checking ``identity`` (16 bytes) in every block.
     ``direct_files``: open files-mode files with ``O_DIRECT`` (where the file system
-    refuses it, buffered I/O). The native threads start with the first submission: a
-    pool never used holds none. Raises ``RuntimeError`` (saying why) where the native
-    library is unavailable."""
+    refuses it, buffered I/O). ``mac_key`` (1 to 64 bytes): every block written or packed
+    carries its keyed BLAKE2b-256 MAC, and a block read or unpacked without it, or with
+    another key's, ends with ``-ENOKEY``. The native threads start with the first
+    submission: a pool never used holds none. Raises ``RuntimeError`` (saying why) where
+    the native library is unavailable."""
 
     def __init__(
-        self, *, threads: int, payload_len: int, identity: bytes, direct_files: bool
+        self,
+        *,
+        threads: int,
+        payload_len: int,
+        identity: bytes,
+        direct_files: bool,
+        mac_key: bytes | None = None,
     ) -> None:
         if threads < 1:
             raise ValueError(f"threads must be at least 1, got {threads}")
@@ -248,11 +258,15 @@ class IoPool:
             raise ValueError(f"payload_len must not be negative, got {payload_len}")
         if len(identity) != 16:
             raise ValueError(f"identity must be 16 bytes, got {len(identity)}")
+        if mac_key is not None and not 1 <= len(mac_key) <= 64:
+            raise ValueError(f"a MAC key must be 1 to 64 bytes, got {len(mac_key)}")
         self._lib = _library()
         self.threads = threads
         self.payload_len = payload_len
         self.identity = bytes(identity)
         self.direct_files = direct_files
+        #: Blocks carry a MAC with this key (never shown: not in repr).
+        self._mac_key = bytes(mac_key) if mac_key else None
         self.slot_bytes = slot_bytes(payload_len)
         self.pid = os.getpid()
         self._closed = False
@@ -329,6 +343,8 @@ class IoPool:
         if not handle:
             owned.clear()
             raise OSError("ao_io_create failed")
+        if self._mac_key is not None:
+            self._lib.ao_io_set_mac(handle, self._mac_key, len(self._mac_key))
         for write, (every, err) in self._faults.items():
             self._lib.ao_io_set_fault(handle, write, every, err)
         if self._delay_ns:
@@ -506,6 +522,7 @@ READ_ERRORS = {
     "damaged": errno.EBADMSG,
     "other identity": errno.ESTALE,
     "other key": errno.EKEYREJECTED,
+    "unauthenticated": errno.ENOKEY,
     "truncated": errno.ENODATA,
     "missing": errno.ENOENT,
     "deadline": errno.ETIMEDOUT,

@@ -214,6 +214,7 @@ _CAUSES = {
     errno.EBADMSG: "corrupt",
     errno.ESTALE: "stale",
     errno.EKEYREJECTED: "wrong_key",
+    errno.ENOKEY: "unauthenticated",
     errno.ENODATA: "short",
     errno.ENOENT: "missing",
     errno.ETIMEDOUT: "timeout",

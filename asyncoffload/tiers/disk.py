@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretBytes, field_validator, model_validator
 
 from asyncoffload._ownership import check_root_dir, make_private_dir
 from asyncoffload.keys import OffloadKey
@@ -42,6 +42,7 @@ from asyncoffload.tiers.format import (
     HEADER_BYTES,
     Namespace,
     block_file_bytes,
+    check_mac_key,
     parse_header,
 )
 from asyncoffload.transfer.base import CopyJob
@@ -71,7 +72,8 @@ class DiskTier(BaseModel):
     filter name (``"ghost"``, ``"adaptive"``) uses that filter.
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    # Validation errors never show their input: it may be the MAC key.
+    model_config = ConfigDict(frozen=True, extra="forbid", hide_input_in_errors=True)
 
     kind: Literal["disk"] = "disk"
     path: Path = Field(
@@ -97,6 +99,11 @@ class DiskTier(BaseModel):
         le=86_400,
         allow_inf_nan=False,
         description="An operation not started this long after submission fails (at most a day).",
+    )
+    mac_key: SecretBytes | None = Field(
+        None,
+        description="Authenticate blocks with a keyed BLAKE2b MAC: 16 to 64 bytes (a str: "
+        "its UTF-8 bytes). Blocks without it, or with another key's, are misses.",
     )
 
     def __init__(self, *args: Any, **data: Any) -> None:
@@ -127,6 +134,13 @@ class DiskTier(BaseModel):
                 if expanded.startswith("~"):
                     raise ValueError(f"path {text!r}: '~' cannot be expanded (no such user)")
                 return expanded
+        return value
+
+    @field_validator("mac_key")
+    @classmethod
+    def _mac_key(cls, value: SecretBytes | None) -> SecretBytes | None:
+        if value is not None:
+            check_mac_key(value.get_secret_value())
         return value
 
     @field_validator("capacity", mode="before")
@@ -233,6 +247,10 @@ class DiskStore(LowerTier):
         self.config = config
         self.name = name
         self.deadline_s = config.deadline_s
+        # Authenticated blocks: the key's fingerprint is part of the identity (so of every
+        # header and of files mode's directory name).
+        mac_key = config.mac_key.get_secret_value() if config.mac_key else None
+        namespace = namespace.with_mac_key(mac_key)
         self.namespace = namespace
         self.block_bytes = namespace.block_bytes
         self.slot_bytes = block_file_bytes(self.block_bytes)
@@ -284,6 +302,7 @@ class DiskStore(LowerTier):
             payload_len=self.block_bytes,
             identity=self.identity,
             direct_files=direct,
+            mac_key=mac_key,
         )
 
     # --- layouts --------------------------------------------------------------------
@@ -515,6 +534,7 @@ class DiskStore(LowerTier):
             "capacity_bytes": self.config.capacity,
             "slot_bytes": self.slot_bytes,
             "io_threads": self.config.io_threads,
+            "authenticated": self.config.mac_key is not None,
         }
 
     def close(self) -> None:

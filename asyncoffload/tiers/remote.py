@@ -28,13 +28,21 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Literal
 from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretBytes,
+    SecretStr,
+    field_validator,
+    model_validator,
+)
 
 from asyncoffload.keys import OffloadKey
 from asyncoffload.manager.base import Medium
 from asyncoffload.tiers._clients import make_client
 from asyncoffload.tiers.base import LowerTier, TierManager
-from asyncoffload.tiers.format import HEADER_BYTES, Namespace
+from asyncoffload.tiers.format import HEADER_BYTES, Namespace, check_mac_key
 from asyncoffload.transfer.base import CopyJob
 
 __all__ = ["RemoteStore", "RemoteTier"]
@@ -49,7 +57,7 @@ _TEN_YEARS_S = 10 * 365 * 86_400.0
 INLINE_BYTES = 1 << 20
 #: Read-back errors that mean the value on the server is damaged or not this block's:
 #: the tier deletes it, so that the next store of the block can put it again (NX).
-_DAMAGED = frozenset({errno.ENODATA, errno.EBADMSG, errno.ESTALE, errno.EKEYREJECTED})
+_DAMAGED = frozenset({errno.ENODATA, errno.EBADMSG, errno.ESTALE, errno.EKEYREJECTED, errno.ENOKEY})
 
 
 class RemoteTier(BaseModel):
@@ -60,9 +68,13 @@ class RemoteTier(BaseModel):
     the local index of blocks known to be on the server (the server's own ``maxmemory``
     bounds what it keeps). ``admission`` is ``None`` (every block, the default: a shared
     tier is for sharing), ``"frequency"`` (the ``min_offers``-th offer) or a filter name.
+    ``mac_key`` (16 to 64 bytes, a secret) authenticates blocks: each carries a keyed
+    BLAKE2b MAC, and a value without it, or with another key's, is a miss (see
+    docs/tiers.md, "Authenticated blocks").
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    # Validation errors never show their input: it may be the password or the MAC key.
+    model_config = ConfigDict(frozen=True, extra="forbid", hide_input_in_errors=True)
 
     kind: Literal["remote"] = "remote"
     url: str = "redis://127.0.0.1:6379/0"
@@ -72,6 +84,11 @@ class RemoteTier(BaseModel):
     cluster: bool = False
     username: str | None = None
     password: SecretStr | None = None
+    mac_key: SecretBytes | None = Field(
+        None,
+        description="Authenticate blocks with a keyed BLAKE2b MAC: 16 to 64 bytes (a str: "
+        "its UTF-8 bytes). Values without it, or with another key's, are misses.",
+    )
     ssl_ca_certs: str | None = Field(None, description="CA bundle for rediss:// URLs.")
     ssl_certfile: str | None = None
     ssl_keyfile: str | None = None
@@ -174,6 +191,13 @@ class RemoteTier(BaseModel):
     def _scheme(cls, value: str) -> str:
         if not value.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"url must start with redis://, rediss:// or unix://, got {value!r}")
+        return value
+
+    @field_validator("mac_key")
+    @classmethod
+    def _mac_key(cls, value: SecretBytes | None) -> SecretBytes | None:
+        if value is not None:
+            check_mac_key(value.get_secret_value())
         return value
 
     @field_validator("batch_bytes", mode="before")
@@ -355,6 +379,10 @@ class RemoteStore(LowerTier):
     def __init__(self, config: RemoteTier, namespace: Namespace, name: str = "remote") -> None:
         self.config = config
         self.name = name
+        # Authenticated blocks: the key's fingerprint is part of the identity (so of every
+        # name and header); other keys' and unkeyed tiers' blocks are never found.
+        self._mac_key = config.mac_key.get_secret_value() if config.mac_key else None
+        namespace = namespace.with_mac_key(self._mac_key)
         self.namespace = namespace
         self.identity = namespace.identity()
         self.block_bytes = namespace.block_bytes
@@ -376,6 +404,7 @@ class RemoteStore(LowerTier):
             payload_len=self.block_bytes,
             identity=self.identity,
             direct_files=False,
+            mac_key=self._mac_key,
         )
         self._wake_r = -1
         self._wake_w = -1
@@ -515,19 +544,19 @@ class RemoteStore(LowerTier):
         the loop instead: under a busy loop, the wake-up's extra pass costs more."""
         if len(ops) * self.block_bytes <= INLINE_BYTES:
             io = self._io
-            # The slices of every rank (set_segments), or one run.
-            segs: tuple[object, ...] = (io.nseg, io.deltas) if io.nseg > 1 else ()
-            pack_fn = self._lib.ao_pack_value_segs if segs else self._lib.ao_pack_value
-            unpack_fn = self._lib.ao_unpack_value_segs if segs else self._lib.ao_unpack_value
+            # The slices of every rank (set_segments), or one run; the MAC key, or none.
+            tail = (io.nseg, io.deltas, self._mac_key, len(self._mac_key or b""))
+            pack_fn, unpack_fn = self._lib.ao_pack_block, self._lib.ao_unpack_block
             out = []
             size = self.block_bytes
+            identity = self.identity
             for host, value, key in ops:
                 if pack:
-                    pack_fn(value, host, size, self.identity, key, len(key), *segs)
+                    pack_fn(value, host, size, identity, key, len(key), *tail)
                     out.append(size)
                 else:
                     whole = HEADER_BYTES + size
-                    r = unpack_fn(value, whole, host, size, self.identity, key, len(key), *segs)
+                    r = unpack_fn(value, whole, host, size, identity, key, len(key), *tail)
                     out.append(size if r == 0 else int(r))
             return out
         loop = asyncio.get_running_loop()
@@ -727,7 +756,13 @@ class RemoteStore(LowerTier):
     def describe(self) -> dict[str, object]:
         cfg = self.config
         host = cfg.url.split("@")[-1]  # never the password
-        return {"url": host, "cluster": cfg.cluster, "ttl_s": cfg.ttl_s, "prefix": cfg.prefix}
+        return {
+            "url": host,
+            "cluster": cfg.cluster,
+            "ttl_s": cfg.ttl_s,
+            "prefix": cfg.prefix,
+            "authenticated": self._mac_key is not None,
+        }
 
     async def aclose(self) -> None:
         self._closed = True
