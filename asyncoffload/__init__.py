@@ -21,6 +21,7 @@ from asyncoffload.engine import AsyncOffloadEngine, EngineStats, TierStats
 from asyncoffload.errors import (
     AsyncOffloadError,
     BlockIdError,
+    CapacityError,
     DuplicateKeyError,
     EngineClosedError,
     HostMemoryError,
@@ -88,6 +89,7 @@ __all__ = [
     "CPULoadStoreSpec",
     "CPUOffloadingManager",
     "CachePolicy",
+    "CapacityError",
     "CopyJob",
     "CpuCopyBackend",
     "DiskTier",

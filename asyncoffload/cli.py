@@ -735,6 +735,13 @@ def _run_replay(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
         bad = sum(int(r.extra.get("mismatches", 0)) for r in results)
         loaded = sum(r.loaded for r in results if r.policy != BELADY)
         print(f"\nthrough the engine: {loaded:,} loaded blocks checked, {bad} with wrong bytes")
+        too_large = sum(int(r.extra.get("too_large", 0)) for r in results)
+        if too_large:
+            what = (
+                f"{too_large:,} stores had more new blocks than the CPU tier holds: not "
+                "stored, counted as refused (as without --engine)"
+            )
+            print(textwrap.fill(what, terminal_columns() - 1))
         if bad:
             return 1
     if args.json:

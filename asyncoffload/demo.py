@@ -38,7 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from asyncoffload._term import terminal_columns, two_column_table
 from asyncoffload.config import EngineConfig, byte_setting
 from asyncoffload.engine import AsyncOffloadEngine, EngineStats
-from asyncoffload.errors import HostMemoryError, PromotionError, TransferError
+from asyncoffload.errors import CapacityError, HostMemoryError, PromotionError, TransferError
 from asyncoffload.events import EventSubscription, Lagged
 from asyncoffload.hostmem import check_host_bytes, format_bytes
 from asyncoffload.integrations import check_endpoint, shift_tcp_port
@@ -342,6 +342,7 @@ class _Progress:
     computed_blocks: int = 0
     bytes_moved: int = 0
     stores_rejected: int = 0
+    stores_cut: int = 0
     promotions_refused: int = 0
     verified_blocks: int = 0
     mismatches: int = 0
@@ -390,6 +391,9 @@ class DemoReport:
     metrics_url: str | None = None
     #: Loads of disk hits refused for want of an idle CPU slot (then recomputed).
     promotions_refused: int = 0
+    #: Stores with more new blocks than the CPU tier holds (``CapacityError``): the
+    #: front of the prompt that fits was stored instead.
+    stores_cut: int = 0
     #: The shared tier's lookup before the workload: distinct blocks asked about, blocks
     #: found on the server (stored by another process), and seconds it took.
     remote_prelookup: tuple[int, int, float] | None = None
@@ -474,6 +478,7 @@ class DemoReport:
                 f"{s.blocks_stored:,} / {s.blocks_loaded:,} / {s.blocks_evicted:,}",
             ),
             ("stores rejected (tier full)", f"{s.stores_rejected:,}"),
+            *self._cut_rows(),
             (
                 "GB moved (stored + loaded)",
                 f"{self.bytes_moved / _GB:.2f}  ({s.bytes_stored / _GB:.2f} + "
@@ -525,6 +530,12 @@ class DemoReport:
         if any(t.medium == "REMOTE" for t in tiers):
             parts.append(f"remote {self.remote_hit_blocks:,}")
         return [("hits by tier (blocks)", " / ".join(parts))]
+
+    def _cut_rows(self) -> list[tuple[str, str]]:
+        if not self.stores_cut:
+            return []
+        first = f"their first {self.config.cpu_blocks:,} new blocks offered instead"
+        return [("stores larger than the CPU tier", f"{self.stores_cut:,}: {first}")]
 
     def _refused(self) -> str:
         if not self.promotions_refused:
@@ -716,7 +727,14 @@ class _Server:
                 if compute_s > 0:
                     await asyncio.sleep(compute_s)
                 if n < len(keys):
-                    handle = await engine.prepare_store(keys[n:], blocks[n:], ctx)
+                    try:
+                        handle = await engine.prepare_store(keys[n:], blocks[n:], ctx)
+                    except CapacityError as exc:
+                        # More new blocks than the CPU tier holds: store the part of the
+                        # prompt that fits, its front (what a later lookup can hit).
+                        p.stores_cut += 1
+                        end = n + exc.num_blocks
+                        handle = await engine.prepare_store(keys[n:end], blocks[n:end], ctx)
                     if handle is None:
                         p.stores_rejected += 1
                     else:
@@ -892,6 +910,7 @@ async def _run(cfg: DemoConfig, progress_stream: TextIO | None) -> DemoReport:
         publish_endpoints=integrations.endpoints,
         metrics_url=integrations.metrics_url,
         promotions_refused=state.promotions_refused,
+        stores_cut=state.stores_cut,
         remote_prelookup=prelookup,
         prelookup_hits=prelookup_hits,
     )

@@ -31,6 +31,7 @@ import torch
 from asyncoffload.config import EngineConfig
 from asyncoffload.errors import (
     BlockIdError,
+    CapacityError,
     DuplicateKeyError,
     EngineClosedError,
     KeyNotReadyError,
@@ -864,7 +865,12 @@ class AsyncOffloadEngine:
         filter holds back; ``handle.keys_to_store`` lists those actually written and
         ``handle.evicted_keys`` what was evicted for them (already published as one
         removed event). Returns ``None``, storing nothing, when too few idle blocks can
-        be evicted. Bad input raises (see :meth:`prepare_load`) and changes nothing.
+        be evicted now (a later call may succeed). Where the call has more new keys
+        (neither stored nor in flight) than the CPU tier has blocks and the tier refuses
+        it (the ones admission lets in do not fit), it raises
+        :class:`~asyncoffload.CapacityError` (a ``ValueError``) instead, storing nothing:
+        that call can never succeed, so store a prefix that fits or skip the store. Bad
+        input raises (see :meth:`prepare_load`) and changes nothing.
 
         The source KV blocks must not be overwritten until the handle resolves; then the
         keys of ``keys_to_store`` are loadable and one stored event has been published.
@@ -902,16 +908,14 @@ class AsyncOffloadEngine:
             _check_described(keys, ctx.tokens)
         bridge = self._ensure_bridge()
         manager = self._manager
-        if len(keys) > manager.num_blocks:  # then maybe more new keys than the tier holds
-            new = sum(1 for key in dict.fromkeys(keys) if manager.block_of(key) is None)
-            if new > manager.num_blocks:
-                raise ValueError(
-                    f"prepare_store: {new} keys to store, more than the {manager.num_blocks} "
-                    "blocks the CPU tier holds: this store can never succeed (store the "
-                    "keys in parts, or give the tier more blocks)"
-                )
         out = manager.prepare_store(keys, ctx)
         if out is None:
+            # Refused, nothing changed. More new keys than the tier has blocks: no
+            # later call can take them either (the admission let too many in to fit).
+            if len(keys) > manager.num_blocks:
+                new = sum(1 for key in dict.fromkeys(keys) if manager.block_of(key) is None)
+                if new > manager.num_blocks:
+                    raise CapacityError(new, manager.num_blocks)
             self._publish_events()
             self._stores_rejected += 1
             return None

@@ -5,6 +5,7 @@ from __future__ import annotations
 __all__ = [
     "AsyncOffloadError",
     "BlockIdError",
+    "CapacityError",
     "DuplicateKeyError",
     "EngineClosedError",
     "HostMemoryError",
@@ -57,6 +58,25 @@ class LengthMismatchError(AsyncOffloadError, ValueError):
 
 class BlockIdError(AsyncOffloadError, ValueError):
     """A block id is not an int, is out of range, or is repeated where it must be unique."""
+
+
+class CapacityError(AsyncOffloadError, ValueError):
+    """``prepare_store`` refused a call with more new keys than the CPU tier has blocks:
+    it can never succeed, and nothing changed. ``new_keys`` and ``num_blocks`` hold both
+    numbers. Unlike ``None`` (no room *now*), retrying cannot help: store fewer keys (a
+    prefix of the call), skip the store, or give the tier more blocks."""
+
+    def __init__(self, new_keys: int, num_blocks: int) -> None:
+        super().__init__(
+            f"prepare_store: {new_keys} keys to store, more than the {num_blocks} blocks "
+            "the CPU tier holds: this store can never succeed (store fewer keys, or give "
+            "the tier more blocks)"
+        )
+        self.new_keys = new_keys
+        self.num_blocks = num_blocks
+
+    def __reduce__(self) -> tuple[type[CapacityError], tuple[int, int]]:
+        return (type(self), (self.new_keys, self.num_blocks))
 
 
 class PromotionError(TransferError):

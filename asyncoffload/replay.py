@@ -731,11 +731,14 @@ async def replay_engine(
     blocks as the longest request) holds each block's deterministic content; hits are
     loaded into it and checked bit for bit. Returns the result and the number of loaded
     blocks whose bytes did not match (0 when all is well). Requests run one at a time,
-    so the hits equal :func:`replay`'s.
+    so the hits equal :func:`replay`'s: a store of more new blocks than the tier holds
+    (:class:`~asyncoffload.CapacityError`) stores nothing and counts as refused, as the
+    manager's ``None`` does there; ``extra["too_large"]`` counts those stores.
     """
     from asyncoffload.config import EngineConfig
     from asyncoffload.demo import SimulatedKVCache
     from asyncoffload.engine import AsyncOffloadEngine
+    from asyncoffload.errors import CapacityError
 
     _check_capacity(capacity)
     width = max((len(req.keys) for req in requests), default=1) or 1
@@ -744,7 +747,7 @@ async def replay_engine(
         cpu_blocks=capacity, policy=policy, admission=admission, touch_on_load=False
     )
     tally = _Tally(len(requests), progress)
-    mismatches = 0
+    mismatches = too_large = 0
     clock = time.perf_counter
     async with AsyncOffloadEngine(cache.kv_caches, config) as engine:
         for req in requests:
@@ -758,7 +761,11 @@ async def replay_engine(
                 await load
                 mismatches += cache.check(keys[:n], ids[:n])
             cache.write(keys[n:], ids[n:])
-            handle = await engine.prepare_store(keys[n:], ids[n:])
+            try:
+                handle = await engine.prepare_store(keys[n:], ids[n:])
+            except CapacityError:
+                handle = None
+                too_large += 1
             if handle is not None:
                 await handle
             stored = None if handle is None else handle.keys_to_store
@@ -774,6 +781,7 @@ async def replay_engine(
             st.stored * block_bytes,
             st.loaded * block_bytes,
         )
+    result.extra["too_large"] = float(too_large)
     return result, mismatches
 
 

@@ -397,3 +397,24 @@ def test_cli_publish_rows_and_errors(capsys: pytest.CaptureFixture[str]) -> None
         with pytest.raises(SystemExit):
             cli.main([*CLI_TINY, "--publish", f"tcp://127.0.0.1:{port}"])
     assert f"cannot bind the endpoint 'tcp://127.0.0.1:{port}'" in capsys.readouterr().err
+
+
+def test_cli_demo_with_a_cpu_tier_smaller_than_the_largest_request_exits_0(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Each stored prompt has more new blocks than the 8-block tier: the demo stores the
+    front that fits (CapacityError) and says how often."""
+    argv = ["--requests", "20", "--cpu-blocks", "8", "--layers", "1", "--time-scale", "0"]
+    assert cli.main(["demo", *argv, "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "stores larger than the CPU tier" in out
+    assert "their first 8 new blocks offered instead" in out
+    assert "OK: verified" in out
+
+
+async def test_a_store_larger_than_the_tier_stores_its_front() -> None:
+    cfg = DemoConfig(requests=20, cpu_blocks=8, layers=1, time_scale=0.0, system_prompt_blocks=16)
+    report = await run_demo(cfg, progress=False)
+    assert report.ok
+    assert report.stores_cut > 0
+    assert report.stats.blocks_stored > 0

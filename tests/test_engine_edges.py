@@ -494,13 +494,30 @@ async def test_numpy_and_torch_block_ids_are_accepted() -> None:
         assert state_of(engine) == before
 
 
-async def test_a_store_larger_than_the_tier_is_refused_naming_both_numbers() -> None:
+async def test_a_store_larger_than_the_tier_raises_capacity_error_with_both_numbers() -> None:
+    """The documented contract (docs/api.md, prepare_store): ``CapacityError``, a
+    ``ValueError`` carrying both numbers, nothing changed; a prefix that fits stores."""
     engine, _ = make_engine(cpu_blocks=4, gpu_blocks=8)
     async with engine:
         before = state_of(engine)
-        with pytest.raises(ValueError, match=r"5 keys to store, more than the 4 blocks"):
+        with pytest.raises(
+            ao.CapacityError, match=r"5 keys to store, more than the 4 blocks"
+        ) as err:
             await engine.prepare_store(make_keys(5), [0, 1, 2, 3, 4])
+        assert isinstance(err.value, ValueError)
+        assert (err.value.new_keys, err.value.num_blocks) == (5, 4)
         assert state_of(engine) == before
+        # What a caller does with it: store the front that fits.
+        keys = make_keys(5)[: err.value.num_blocks]
+        handle = await engine.prepare_store(keys, [0, 1, 2, 3])
+        assert handle is not None and handle.keys_to_store == keys
+        await handle
+        assert engine.lookup(make_keys(5)) == 4
+        # Only new keys count: 4 stored + 1 new is refused (every key of a call is
+        # protected, so nothing can go), but as None, not CapacityError.
+        assert await engine.prepare_store(make_keys(5), [0, 1, 2, 3, 4]) is None
+    engine, _ = make_engine(cpu_blocks=4, gpu_blocks=8)
+    async with engine:
         # Room right now is another matter: None, as before.
         pinned = make_keys(4, prefix=b"p")
         handle = await engine.prepare_store(pinned, [0, 1, 2, 3])

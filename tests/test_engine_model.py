@@ -234,7 +234,12 @@ class EngineMachine(RuleBasedStateMachine):
         idle_ready = sum(1 for k in self.ready if not self.pins[k])
         new = [k for k in keys if k not in self.ready and k not in self.pending]
         free_before = self.eng.manager.num_free
-        handle = await self.eng.prepare_store(keys, blocks)
+        try:
+            handle = await self.eng.prepare_store(keys, blocks)
+        except ao.CapacityError as exc:
+            # Refused for good, nothing changed, not counted as a rejection.
+            assert exc.new_keys > self.cpu_blocks, "CapacityError with room"
+            return None
         if handle is None:
             self.counts["rejected"] += 1
             if self.admission is None and self.policy in ("lru", "arc"):

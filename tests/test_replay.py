@@ -701,3 +701,40 @@ def test_disk_hits_with_no_cpu_room_to_come_into_fail_as_the_engine_fails_them()
     # request hits nothing, and its store of 1,2 finds no room either.
     assert res.promote_failed == 1 and res.promoted == 0
     assert res.hit_blocks == 0 and res.refused == 1
+
+
+# --- stores larger than the tier (CapacityError) -----------------------------------------
+
+
+@pytest.mark.parametrize(("policy", "admission"), [("lru", None), ("kv", None), ("lru", "ghost")])
+async def test_the_engine_replay_agrees_at_a_capacity_smaller_than_a_request(
+    policy: str, admission: str | None
+) -> None:
+    """Requests of up to ~20 blocks on a 6-block tier: the engine refuses the stores that
+    cannot fit (CapacityError) where the manager returns None, and stores what admission
+    makes fit as the manager does; the hits are the same."""
+    reqs = small_workload(2, n=120)
+    assert max(len(r.keys) for r in reqs) > 6
+    ref = replay(reqs, 6, policy=policy, admission=admission)
+    res, mismatches = await replay_engine(reqs, 6, policy=policy, admission=admission)
+    assert mismatches == 0
+    assert res.extra["too_large"] > 0
+    assert (res.hit_blocks, res.stored, res.evicted, res.skipped, res.refused) == (
+        ref.hit_blocks,
+        ref.stored,
+        ref.evicted,
+        ref.skipped,
+        ref.refused,
+    )
+
+
+def test_command_through_the_engine_at_a_capacity_smaller_than_a_request_exits_0(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """family:chat:300 at 0.5% is a 10-block tier; its prompts reach dozens of blocks."""
+    argv = ["family:chat:300", "--engine", "--capacity", "0.5%", "--policy", "lru"]
+    assert main(["replay", *argv, "--no-progress"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "0.5% (10)" in out
+    assert "0 with wrong bytes" in out
+    assert "stores had more new blocks than the CPU tier holds: not stored" in out
