@@ -9,6 +9,12 @@ async with engine:
 
 from __future__ import annotations
 
+# First: in the command line, a Ctrl-C while the package (torch) imports exits with
+# "interrupted" and status 130, not a traceback (see asyncoffload._interrupt).
+from asyncoffload import _interrupt
+
+_interrupt.guard_startup()
+
 import warnings
 
 # torch warns at import when numpy is missing; nothing here needs numpy, so that one

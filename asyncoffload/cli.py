@@ -2,13 +2,18 @@
 
 Each subcommand is a function that adds its parser and one that runs it, registered in
 :data:`COMMANDS`; ``main`` parses and dispatches. Bad options are argparse errors (exit
-status 2), and so is a trace that cannot be read or parsed (one line naming the file and
-line, no usage text); a run returns 0 when all went well, 1 when it found a problem.
+status 2), and so are sizes the machine's memory cannot hold (checked before anything
+is allocated), an output path that cannot be written (checked before the run) and a
+trace that cannot be read or parsed (one line naming the file and line, no usage text);
+a run returns 0 when all went well, 1 when it found a problem or could not write an
+output at its end (one line on stderr). Ctrl-C at any point prints ``interrupted`` (one
+line on stderr) and exits with status 130; no path prints a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import textwrap
 import time
@@ -551,14 +556,37 @@ class _ProgressBar:
         self.stream.flush()
 
 
+#: What a generated request holds in memory at least (its object, ids, keys tuple).
+REQUEST_BYTES_AT_LEAST = 300
+
+
+def _check_generated(parser: argparse.ArgumentParser, trace: str, n: int) -> None:
+    """Refuse, before generating them, ``n`` requests that cannot fit in memory."""
+    from asyncoffload.hostmem import available_host_bytes, format_bytes
+
+    need = n * REQUEST_BYTES_AT_LEAST
+    available = available_host_bytes()
+    if available is not None and need > available:
+        parser.error(
+            f"TRACE: {trace!r}: {n:,} requests need at least "
+            f"{format_bytes(min(need, 1 << 60))} of host memory; this machine has "
+            f"{format_bytes(available)} available (ask for fewer, or use --limit)"
+        )
+
+
 def _load_workload(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[Any]:
-    from asyncoffload.replay import is_family_source, parse_family_source
+    from asyncoffload.replay import FAMILY_REQUESTS, is_family_source, parse_family_source
     from asyncoffload.workloads import TraceFormatError, load_mooncake, synthetic_sessions
 
     trace: str = args.trace
     if is_family_source(trace):
         try:
             source = parse_family_source(trace)
+        except ValueError as exc:
+            parser.error(f"TRACE: {exc}")
+        n = FAMILY_REQUESTS if source.num_requests is None else source.num_requests
+        _check_generated(parser, trace, n if args.limit is None else min(n, args.limit))
+        try:
             return source.requests(seed=args.seed, block_size=args.block_size, limit=args.limit)
         except ValueError as exc:
             parser.error(f"TRACE: {exc}")
@@ -572,6 +600,7 @@ def _load_workload(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
             parser.error(f"TRACE: expected synthetic:N with N a positive integer, got {trace!r}")
         if args.limit is not None:
             n = min(n, args.limit)
+        _check_generated(parser, trace, n)
         return synthetic_sessions(n, block_size=args.block_size, seed=args.seed)
     # A trace that cannot be read is no usage error: one line, no usage text, exit 2.
     try:
@@ -611,6 +640,17 @@ def _check_output(
         parser.error(f"{option} {path}: the folder {folder} is not writable")
     if os.path.exists(path) and not os.access(path, os.W_OK):
         parser.error(f"{option} {path}: the file is not writable")
+    # os.access answers for permissions only (root passes on /proc): open it for real,
+    # without truncating a file that is there, and remove one that was not.
+    existed = os.path.exists(path)
+    try:
+        with open(path, "ab" if existed else "xb"):
+            pass
+    except OSError as exc:
+        parser.error(f"{option} {path}: cannot be written: {exc.strerror or exc}")
+    if not existed:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
 
 
 #: What --json writes of a result with a disk tier, besides its fields.
@@ -744,19 +784,39 @@ def _run_replay(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
             print(textwrap.fill(what, terminal_columns() - 1))
         if bad:
             return 1
+    status = 0
     if args.json:
         rows = [_json_row(r, disk_shares is not None) for r in results]
-        with open(args.json, "w") as fh:
-            json.dump({"trace": args.trace, "results": rows}, fh, indent=1)
+        text = json.dumps({"trace": args.trace, "results": rows}, indent=1)
+        try:
+            with open(args.json, "w") as fh:
+                fh.write(text)
+        except OSError as exc:
+            status = _write_failed(parser, "--json", args.json, exc)
     if args.plot:
-        plot(
-            [r for r in results if not r.has_disk],
-            args.plot,
-            title=f"{args.trace.rsplit('/', 1)[-1]}: hit rate and blocks written vs capacity",
-            metric=args.metric,
-        )
-        print(f"\nplot: {args.plot}")
-    return 0
+        try:
+            plot(
+                [r for r in results if not r.has_disk],
+                args.plot,
+                title=f"{args.trace.rsplit('/', 1)[-1]}: hit rate and blocks written vs capacity",
+                metric=args.metric,
+            )
+        except OSError as exc:
+            status = _write_failed(parser, "--plot", args.plot, exc)
+        else:
+            print(f"\nplot: {args.plot}")
+    return status
+
+
+def _write_failed(parser: argparse.ArgumentParser, option: str, path: str, exc: OSError) -> int:
+    """One line on stderr for an output the run could not write at its end; status 1."""
+    sys.stdout.flush()
+    print(
+        f"{parser.prog}: error: {option} {path}: writing it failed: {exc.strerror or exc} "
+        "(the table above has the results)",
+        file=sys.stderr,
+    )
+    return 1
 
 
 #: The subcommands, in help order.
@@ -801,7 +861,29 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the command line; the exit status. Option errors raise ``SystemExit(2)``."""
+    """Run the command line; the exit status. Option errors raise ``SystemExit(2)``.
+
+    Ctrl-C anywhere in it prints ``interrupted`` (one line on stderr) and returns 130.
+    In ``python -m asyncoffload`` and the ``asyncoffload`` script, SIGINT exits at once
+    with both before ``main`` runs and after it returns (see :mod:`asyncoffload._interrupt`).
+    """
+    from asyncoffload import _interrupt
+
+    guarded = False
+    try:
+        guarded = _interrupt.release()
+        return _main(argv)
+    except KeyboardInterrupt:
+        if guarded:
+            _interrupt.hold()
+        print("interrupted", file=sys.stderr)
+        return 130
+    finally:
+        if guarded:
+            _interrupt.hold()
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     cmd: Command = args._command

@@ -33,14 +33,21 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal, TextIO
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from asyncoffload._term import terminal_columns, two_column_table
 from asyncoffload.config import EngineConfig, byte_setting
 from asyncoffload.engine import AsyncOffloadEngine, EngineStats
 from asyncoffload.errors import CapacityError, HostMemoryError, PromotionError, TransferError
 from asyncoffload.events import EventSubscription, Lagged
-from asyncoffload.hostmem import check_host_bytes, format_bytes
+from asyncoffload.hostmem import available_host_bytes, check_host_bytes, format_bytes
 from asyncoffload.integrations import check_endpoint, shift_tcp_port
 from asyncoffload.keys import OffloadKey
 from asyncoffload.manager import ReqContext, available_policies
@@ -85,7 +92,11 @@ class DemoConfig(BaseModel):
     output_tokens: float = Field(128.0, gt=0, description="Mean reply length, in tokens.")
     arrival_rate: float = Field(150.0, gt=0, description="Requests per workload second.")
     think_time_s: float = Field(1.0, ge=0, description="Mean gap between turns of a session.")
-    seed: int = Field(0, description="Seed of the workload and the block contents.")
+    seed: int = Field(
+        0,
+        description="Seed of the workload and the block contents: any int (the contents "
+        "take it modulo 2**64).",
+    )
     # The engine.
     cpu_blocks: int = Field(4096, gt=0, description="Slots of the CPU tier.")
     policy: str = Field("lru", description="Cache policy of the CPU tier.")
@@ -177,7 +188,14 @@ class DemoConfig(BaseModel):
     @field_validator("publish", "publish_replay")
     @classmethod
     def _zmq_endpoint(cls, value: str | None) -> str | None:
-        return None if value is None else check_endpoint(value)
+        if value is None:
+            return None
+        check_endpoint(value)
+        port = value.rpartition(":")[2]
+        # ZeroMQ binds a port above 65535 as another one (modulo 2**16), silently.
+        if value.startswith("tcp://") and port.isdigit() and int(port) > 65535:
+            raise ValueError(f"endpoint {value!r}: port {port} is not a TCP port (0 to 65535)")
+        return value
 
     @model_validator(mode="after")
     def _whole_words(self) -> DemoConfig:
@@ -240,7 +258,8 @@ class SimulatedKVCache:
         self.num_blocks = num_blocks
         self._words = self.storage.view(layers, 2, num_blocks, -1).view(torch.int64)
         n_words = self._words.shape[-1]
-        gen = torch.Generator().manual_seed(seed)
+        # torch takes 64-bit seeds and reduces negative ones modulo 2**64: so for any int.
+        gen = torch.Generator().manual_seed(seed % (1 << 64))
         self._salt = torch.randint(0, 1 << 61, (layers, 2, 1, 1), generator=gen)
         self._ramp = torch.arange(n_words, dtype=torch.int64)
 
@@ -812,7 +831,57 @@ async def run_demo(
         torch.set_num_threads(saved_threads)
 
 
+#: Lower bounds of what generating the workload holds in memory (CPython, 64 bits): a
+#: generated token (a list slot and an int object), a key in a request's prompt (a
+#: tuple slot), and a request (its object, ids and tuple), a system prompt's lists.
+_TOKEN_BYTES = 36
+_KEY_REF_BYTES = 8
+_REQUEST_BYTES = 300
+_PROMPT_BYTES = 200
+
+
+def _check_workload_size(cfg: DemoConfig) -> None:
+    """Refuse, before generating anything, a workload whose generation would take more
+    memory than the machine has (it would allocate until ``MemoryError``, or longer):
+    :class:`DemoConfigError` naming the options of the largest part and both sizes.
+
+    The figures are lower bounds: the whole system prompts, one session's tokens (a
+    session is generated whole, every turn) and the prompts of at least
+    ``requests / turns`` whole sessions (they are cut to ``requests`` at the end)."""
+    big = 1e300  # ints of any size, as floats that cannot overflow
+
+    def f(x: float) -> float:
+        return min(float(min(x, 10**300)) if isinstance(x, int) else x, big)
+
+    bs, turns = f(cfg.block_size), f(cfg.turns)
+    user, reply = f(cfg.blocks_per_turn), f(cfg.output_tokens) / bs
+    system = f(cfg.system_prompt_blocks)
+    sessions = max(1.0, math.ceil(f(cfg.requests) / turns))
+    keys = turns * system + user * turns * (turns + 1) / 2 + reply * turns * (turns - 1) / 2
+    parts = {
+        f"--requests {cfg.requests} in sessions of --turns {cfg.turns} (their prompts: "
+        f"--blocks-per-turn {cfg.blocks_per_turn:g}, --system-prompt-blocks "
+        f"{cfg.system_prompt_blocks})": sessions * (keys * _KEY_REF_BYTES + turns * _REQUEST_BYTES),
+        f"--turns {cfg.turns} of --blocks-per-turn {cfg.blocks_per_turn:g} (one session's "
+        "tokens)": (turns * user + (turns - 1) * reply) * bs * _TOKEN_BYTES,
+        f"--system-prompts {cfg.system_prompts} of --system-prompt-blocks "
+        f"{cfg.system_prompt_blocks}": f(cfg.system_prompts)
+        * (system * bs * _TOKEN_BYTES + _PROMPT_BYTES),
+    }
+    need = min(sum(parts.values()), big)
+    available = available_host_bytes()
+    if available is None or need <= available:
+        return
+    largest = max(parts, key=lambda k: parts[k])
+    shown = format_bytes(min(need, 1 << 60))
+    raise DemoConfigError(
+        f"{largest}: generating the workload needs at least {shown} of host memory; this "
+        f"machine has {format_bytes(available)} available"
+    )
+
+
 async def _run(cfg: DemoConfig, progress_stream: TextIO | None) -> DemoReport:
+    _check_workload_size(cfg)
     requests = cfg.workload()
     summary = summarize(requests)
     largest = summary.max_request_blocks
@@ -929,7 +998,18 @@ def _disk_tiers(cfg: DemoConfig) -> list[DiskTier]:
         raise DemoConfigError(
             f"--disk-bytes {cfg.disk_bytes} holds no block: one takes {format_bytes(slot)} on disk"
         )
-    return [DiskTier(cfg.disk_path, cfg.disk_bytes, "slab", admission=None)]
+    try:
+        return [DiskTier(cfg.disk_path, cfg.disk_bytes, "slab", admission=None)]
+    except ValueError as exc:
+        # The tier's own checks (a capacity no file can have...): one line, no traceback.
+        problems = (
+            [str(e["msg"]).removeprefix("Value error, ") for e in exc.errors()]
+            if isinstance(exc, ValidationError)
+            else [str(exc)]
+        )
+        raise DemoConfigError(
+            f"the disk tier (--disk, --disk-bytes): {'; '.join(problems)}"
+        ) from None
 
 
 def _remote_tiers(cfg: DemoConfig) -> list[RemoteTier]:
