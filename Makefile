@@ -25,7 +25,7 @@ VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed
 ARGS ?=
 
-.PHONY: demo test lint unit bench soak test-vllm clean
+.PHONY: demo test lint unit bench soak test-vllm test-long clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -46,8 +46,9 @@ lint: $(STAMP)
 	$(PY) -m ruff format --check asyncoffload tests benchmarks examples
 	$(PY) -m mypy
 
+# Tests marked `long` (long profiles, harness self-checks) run in `make test-long` only.
 unit: $(STAMP)
-	$(PY) -m pytest -q --ignore=tests/vllm $(ARGS)
+	$(PY) -m pytest -q -m "not long" --ignore=tests/vllm $(ARGS)
 
 $(VLLM_STAMP): pyproject.toml
 	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
@@ -65,7 +66,13 @@ test-vllm: $(VLLM_STAMP)
 	# mypy of the modules that import vLLM (make lint checks everything else).
 	$(VLLM_PY) -m mypy --follow-imports=silent $(wildcard asyncoffload/integrations/vllm/*.py) \
 		$(wildcard tests/vllm/*.py) $(wildcard benchmarks/vllm_*.py)
-	$(VLLM_PY) -m pytest -q tests/vllm $(ARGS)
+	$(VLLM_PY) -m pytest -q -m "not long" tests/vllm $(ARGS)
+
+# The long profiles of both suites (CI runs them too): what `make test` and
+# `make test-vllm` leave out.
+test-long: $(STAMP) $(VLLM_STAMP)
+	$(PY) -m pytest -q -m long --ignore=tests/vllm $(ARGS)
+	$(VLLM_PY) -m pytest -q -m long tests/vllm $(ARGS)
 
 test: lint unit
 
@@ -77,7 +84,7 @@ bench: $(STAMP)
 # (SOAK_S=seconds to change it). Hours in all; CI runs the bounded profiles in `make test`.
 SOAK_S ?= 3600
 soak: $(STAMP)
-	ASYNCOFFLOAD_SOAK=1 $(PY) -m pytest -q -p no:cacheprovider -o timeout=14400 \
+	ASYNCOFFLOAD_SOAK=1 $(PY) -m pytest -q -p no:cacheprovider -o timeout=14400 -m "not long" \
 		tests/test_engine_model.py tests/test_sigint.py tests/test_faults.py $(ARGS)
 	mkdir -p build && $(PY) benchmarks/soak.py --duration $(SOAK_S) --plot build/soak.png --json build/soak.json
 

@@ -48,6 +48,8 @@ from tests.helpers import FailingBackend, make_keys
 SOAK = os.environ.get("ASYNCOFFLOAD_SOAK") == "1"
 #: CI: about 30 s on a 2-CPU VM for both loops. Soak (`make soak`): about an hour.
 EXAMPLES = 4000 if SOAK else 30
+#: ``make test-long``: ten times CI's examples, shrinking included.
+LONG_EXAMPLES = 300
 STEPS = 80 if SOAK else 40
 
 POLICIES = ("lru", "arc", "kv", "s3fifo", "sieve")
@@ -605,13 +607,22 @@ def _machine(loop_kind: str) -> type[EngineMachine]:
     return type(f"EngineMachine_{loop_kind}", (EngineMachine,), {"loop_kind": loop_kind})
 
 
-@pytest.mark.timeout(1800 if SOAK else 240)
+@pytest.mark.parametrize(
+    "profile",
+    [
+        pytest.param("ci", marks=pytest.mark.timeout(1800 if SOAK else 240)),
+        pytest.param("long", marks=[pytest.mark.long, pytest.mark.timeout(1800)]),
+    ],
+)
 @pytest.mark.parametrize("loop_kind", ["asyncio", "uvloop"])
-def test_engine_against_the_model(loop_kind: str) -> None:
+def test_engine_against_the_model(loop_kind: str, profile: str) -> None:
     if loop_kind == "uvloop":
         pytest.importorskip("uvloop")
     threads = threading.active_count()
-    run_state_machine_as_test(_machine(loop_kind), settings=PROFILE)
+    chosen = PROFILE
+    if profile == "long" and not SOAK:
+        chosen = settings(PROFILE, max_examples=LONG_EXAMPLES, phases=list(Phase))
+    run_state_machine_as_test(_machine(loop_kind), settings=chosen)
     gc.collect()
     assert threading.active_count() <= threads, "engines left threads behind"
 

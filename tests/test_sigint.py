@@ -76,6 +76,8 @@ from tests.test_faults import (
 REPO = Path(__file__).resolve().parents[1]
 SOAK = os.environ.get("ASYNCOFFLOAD_SOAK") == "1"
 RUNS = 80
+#: ``make test-long``: five times CI's runs per copy engine and loop.
+LONG_RUNS = 400
 SOAK_RUNS = 2000
 ACLOSE_TIMEOUT_S = 5.0
 #: The signal comes within this many seconds of the workload's start.
@@ -94,11 +96,13 @@ BATCHES = (4, 16)
 POLICIES = ("lru", "arc", "s3fifo", "sieve", "kv")
 
 
-def _runs() -> int:
+def _runs(profile: str = "ci") -> int:
     explicit = os.environ.get("ASYNCOFFLOAD_SIGINT_RUNS")
     if explicit:
         return int(explicit)
-    return SOAK_RUNS if SOAK else RUNS
+    if SOAK:
+        return SOAK_RUNS
+    return LONG_RUNS if profile == "long" else RUNS
 
 
 # --- the child: one run ---------------------------------------------------------------------
@@ -531,13 +535,19 @@ LOOPS = [
 @pytest.mark.skipif(not hasattr(signal, "pthread_kill"), reason="needs POSIX signals")
 @pytest.mark.parametrize("loop_name", LOOPS)
 @pytest.mark.parametrize("engine_kind", ["native", "threads"])
-@pytest.mark.timeout(3600 if SOAK else 120)
+@pytest.mark.parametrize(
+    "profile",
+    [
+        pytest.param("ci", marks=pytest.mark.timeout(3600 if SOAK else 120)),
+        pytest.param("long", marks=[pytest.mark.long, pytest.mark.timeout(600)]),
+    ],
+)
 def test_a_real_sigint_at_random_points_never_hangs_or_leaks(
-    engine_kind: str, loop_name: str
+    engine_kind: str, loop_name: str, profile: str
 ) -> None:
     if engine_kind == "native" and not _native_available():
         pytest.skip("the native copy engine cannot be built here")
-    runs = _runs()
+    runs = _runs(profile)
     proc = subprocess.run(
         [
             sys.executable,
@@ -554,7 +564,7 @@ def test_a_real_sigint_at_random_points_never_hangs_or_leaks(
         text=True,
         cwd=REPO,
         env={**os.environ, "PYTHONPATH": str(REPO)},
-        timeout=3500 if SOAK else 110,
+        timeout=3500 if SOAK else 580 if profile == "long" else 110,
     )
     assert proc.returncode == 0, (
         f"the stress child died ({proc.returncode}):\n{proc.stderr[-4000:]}"

@@ -26,7 +26,16 @@ from tests.vllm.harness import (
 )
 
 VLLM_TIMEOUT = 900
-POLICIES = ("lru", "arc", "kv", "s3fifo", "sieve")
+#: ``make test-vllm`` runs vLLM with the first two (the recency baseline and the default
+#: family's own); ``make test-long`` the other three too (the differential tests compare
+#: every policy's decisions with vLLM's in every run).
+POLICIES = (
+    "lru",
+    "kv",
+    pytest.param("arc", marks=pytest.mark.long),
+    pytest.param("s3fifo", marks=pytest.mark.long),
+    pytest.param("sieve", marks=pytest.mark.long),
+)
 #: The tiny model's KV per 32-token block: 4 layers x (K, V) x 2 heads x 64 x 4 bytes.
 BLOCK_BYTES = 4 * 2 * 2 * 64 * BLOCK_SIZE * 4
 TIER_CHUNKS = 24

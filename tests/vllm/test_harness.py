@@ -64,6 +64,7 @@ def test_baseline_runs_without_cached_tokens(reuse_baseline: dict[str, Any]) -> 
     assert generation_diff(a0, a2) == (True, 0.0)
 
 
+@pytest.mark.long  # the harness checking itself: `make test-long`
 @pytest.mark.timeout(VLLM_TIMEOUT)
 def test_baseline_is_deterministic_across_runs(
     run_vllm: RunVLLM, reuse_baseline: dict[str, Any]
@@ -87,6 +88,7 @@ def test_outputs_depend_on_early_prompt_tokens(reuse_baseline: dict[str, Any]) -
         assert not same_tokens or lp_diff > 100 * LOGPROB_ATOL, pos
 
 
+@pytest.mark.long  # the harness checking itself: `make test-long`
 @pytest.mark.timeout(VLLM_TIMEOUT)
 def test_toy_spec_serves_repeated_prompt_from_connector(
     run_vllm: RunVLLM, reuse_baseline: dict[str, Any]
@@ -109,6 +111,7 @@ def test_toy_spec_serves_repeated_prompt_from_connector(
     assert result["kv_events_missing_seqs"] == []
 
 
+@pytest.mark.long  # the harness checking itself: `make test-long`
 @pytest.mark.timeout(VLLM_TIMEOUT)
 def test_workload_catches_a_spec_that_copies_nothing(
     run_vllm: RunVLLM, reuse_baseline: dict[str, Any]
@@ -125,6 +128,7 @@ def test_workload_catches_a_spec_that_copies_nothing(
     assert not same_tokens or lp_diff > 100 * LOGPROB_ATOL
 
 
+@pytest.mark.long  # the harness checking itself: `make test-long`
 @pytest.mark.timeout(VLLM_TIMEOUT)
 def test_runner_fails_clearly_when_vllm_cannot_start(run_vllm: RunVLLM) -> None:
     bad = offloading_kv_transfer_config("NoSuchSpec", "tests.vllm.no_such_module")
