@@ -11,9 +11,9 @@ import asyncio
 import logging
 import random
 import sys
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 import pydantic
@@ -21,6 +21,7 @@ import pytest
 import zmq
 
 import asyncoffload as ao
+from asyncoffload.integrations import kv_events
 from asyncoffload.integrations.kv_events import (
     END_SEQ,
     AllBlocksCleared,
@@ -40,10 +41,33 @@ import kv_index
 
 LOCAL = "tcp://127.0.0.1:*"
 
+#: How long a test waits for anything (a reply, a batch, a transfer) before it fails,
+#: naming what it waited for: generous, so that a busy machine is slow, not a failure.
+WAIT_S = 30.0
+
+T = TypeVar("T")
+
+
+async def within(awaitable: Awaitable[T], timeout: float, what: str) -> T:
+    """``await awaitable``, failing after ``timeout`` seconds with a message naming
+    ``what`` was awaited (it is cancelled then)."""
+    try:
+        return await asyncio.wait_for(awaitable, timeout)
+    except asyncio.TimeoutError:
+        raise AssertionError(f"waited {timeout:g} s for {what}") from None
+
+
+async def done(transfer: Awaitable[object], what: str = "a store to complete") -> None:
+    await within(transfer, WAIT_S, what)
+
 
 @pytest.fixture
 def zctx() -> Iterator[zmq.Context[Any]]:
     ctx: zmq.Context[Any] = zmq.Context()
+    # Every socket closes without waiting for unsent messages, also one that a test left
+    # to the garbage collector (ZMQ's default is to wait for ever, and destroy() below
+    # closes only the sockets still alive).
+    ctx.setsockopt(zmq.LINGER, 0)
     yield ctx
     ctx.destroy(linger=0)
 
@@ -68,13 +92,26 @@ async def flushed(pub: KVEventPublisher) -> int:
     return pub.stats().last_seq
 
 
-async def catch_up(sub: kv_index.Subscriber, pub: KVEventPublisher, timeout: float = 10) -> None:
+def subscriber(pub: KVEventPublisher, topic: str, ctx: zmq.Context[Any]) -> kv_index.Subscriber:
+    """A consumer of ``pub`` that waits up to ``WAIT_S`` for each message of a replay
+    (not kv_index's 2 s: the publisher shares a busy machine)."""
+    return kv_index.Subscriber(
+        pub.endpoint, pub.replay_endpoint, topic, context=ctx, replay_timeout_ms=int(WAIT_S * 1e3)
+    )
+
+
+async def catch_up(
+    sub: kv_index.Subscriber, pub: KVEventPublisher, timeout: float = WAIT_S
+) -> None:
     target = await flushed(pub)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     quiet = 0
     while sub.last_seq < target:
-        assert loop.time() < deadline, f"subscriber at seq {sub.last_seq}, publisher at {target}"
+        assert loop.time() < deadline, (
+            f"waited {timeout:g} s for the subscriber to catch up: at seq {sub.last_seq}, "
+            f"the publisher at {target}"
+        )
         got = await asyncio.to_thread(sub.poll, 50)
         quiet = 0 if got else quiet + 1
         if quiet == 20:  # a SUB that was still joining missed the last batches: ask
@@ -112,13 +149,13 @@ class Workload:
         engine = self.engine
         n = engine.lookup(keys)
         if n:
-            await (await engine.prepare_load(keys[:n], ids[:n]))
+            await done(await engine.prepare_load(keys[:n], ids[:n]), "a load to complete")
         if n < len(keys):
             ctx = ao.ReqContext(f"r{conv}", tokens=bt if rng.random() < 0.7 else None)
             handle = await engine.prepare_store(keys[n:], ids[n:], ctx)
             if handle is not None:
                 if rng.random() < 0.5:
-                    await handle
+                    await done(handle)
                 else:
                     self.pending.append(handle)
 
@@ -129,7 +166,7 @@ class Workload:
 
     async def finish(self) -> None:
         for handle in self.pending:
-            await handle
+            await done(handle)
         self.pending.clear()
 
 
@@ -256,7 +293,7 @@ async def test_the_index_follows_a_random_workload_with_evictions(
     engine: ao.AsyncOffloadEngine, zctx: zmq.Context[Any]
 ) -> None:
     async with KVEventPublisher(engine, config()) as pub:
-        sub = kv_index.Subscriber(pub.endpoint, pub.replay_endpoint, "kv@pod@model", context=zctx)
+        sub = subscriber(pub, "kv@pod@model", zctx)
         await connect(sub)
         work = Workload(engine, seed=1)
         for _ in range(8):
@@ -273,7 +310,7 @@ async def test_a_subscriber_that_was_away_fills_the_gap_by_replay(
     engine: ao.AsyncOffloadEngine, zctx: zmq.Context[Any]
 ) -> None:
     async with KVEventPublisher(engine, config()) as pub:
-        sub = kv_index.Subscriber(pub.endpoint, pub.replay_endpoint, "kv@pod@model", context=zctx)
+        sub = subscriber(pub, "kv@pod@model", zctx)
         await connect(sub)
         work = Workload(engine, seed=2)
         await work.run(20)
@@ -299,9 +336,16 @@ async def test_a_subscriber_that_was_away_fills_the_gap_by_replay(
         sub.sub = zctx.socket(zmq.SUB)
         sub.sub.setsockopt(zmq.SUBSCRIBE, b"")
         sub.sub.connect(pub.endpoint)
-        await asyncio.sleep(0.2)  # the subscription reaches the publisher
         replayed = sub.replayed
-        await work.run(5)
+        # The SUB joins asynchronously (a sleep would be a guess): publish until a live
+        # batch reaches it, past the gap.
+        for _ in range(100):
+            await work.run(1)
+            await flushed(pub)
+            if await asyncio.to_thread(sub.sub.poll, 100):
+                break
+        else:
+            pytest.fail("no live batch reached the SUB socket in 100 steps")
         await catch_up(sub, pub)
         assert sub.replayed > replayed
         check_index(sub, engine, work)
@@ -316,7 +360,7 @@ async def test_a_late_subscriber_rebuilds_everything_from_sequence_zero(
     async with KVEventPublisher(engine, config()) as pub:
         await work.run(10)
         await flushed(pub)
-        sub = kv_index.Subscriber(pub.endpoint, pub.replay_endpoint, "", context=zctx)
+        sub = subscriber(pub, "", zctx)
         await connect(sub)  # replays from 0: AllBlocksCleared + snapshot, then live
         await catch_up(sub, pub)
         check_index(sub, engine, work)
@@ -328,7 +372,7 @@ async def test_an_overflowing_subscription_resyncs_with_a_snapshot(
 ) -> None:
     eng, _ = make_engine(cpu_blocks=24, gpu_blocks=16)
     async with eng, KVEventPublisher(eng, config(subscription_buffer=2)) as pub:
-        sub = kv_index.Subscriber(pub.endpoint, pub.replay_endpoint, "", context=zctx)
+        sub = subscriber(pub, "", zctx)
         await connect(sub)
         keys = make_keys(40)
         # Stores that each evict, with no await that yields between them: the engine
@@ -336,14 +380,14 @@ async def test_an_overflowing_subscription_resyncs_with_a_snapshot(
         for i in range(0, 40, 4):
             handle = await eng.prepare_store(keys[i : i + 4], [0, 1, 2, 3])
             assert handle is not None
-            await handle
+            await done(handle)
         burst = []
         for i in range(0, 24, 4):
             handle = await eng.prepare_store(make_keys(4, prefix=bytes([i])), [0, 1, 2, 3])
             assert handle is not None
             burst.append(handle)
         for handle in burst:
-            await handle
+            await done(handle)
         await catch_up(sub, pub)
         stats = pub.stats()
         assert stats.resyncs >= 1 and stats.events_dropped >= 1
@@ -367,8 +411,8 @@ async def test_malformed_replay_requests_get_an_error_and_the_publisher_goes_on(
             dealer.send_multipart(list(frames))
             replies = []
             while True:
-                ready = await asyncio.to_thread(dealer.poll, 2000)
-                assert ready, "no reply"
+                ready = await asyncio.to_thread(dealer.poll, int(WAIT_S * 1e3))
+                assert ready, f"waited {WAIT_S:g} s for a reply to {list(frames)}"
                 reply = dealer.recv_multipart()
                 replies.append(reply)
                 if reply[-2] == END_SEQ:
@@ -436,7 +480,7 @@ async def test_map_format_tags_each_event_under_type(
             bt = ao.BlockTokens(keys, list(range(8)), 4)
             handle = await engine.prepare_store(keys, [0, 1], tokens=bt)
             assert handle is not None
-            await handle
+            await done(handle)
             await flushed(pub)
             if await asyncio.to_thread(sub.poll, 100):
                 break
@@ -458,11 +502,11 @@ async def test_one_batch_per_loop_iteration_and_dp_rank_on_every_batch(
     eng, _ = make_engine(cpu_blocks=8, gpu_blocks=16)
     cfg = config(data_parallel_rank=3, max_batch_blocks=max_batch_blocks)
     async with eng, KVEventPublisher(eng, cfg) as pub:
-        sub = kv_index.Subscriber(pub.endpoint, pub.replay_endpoint, "", context=zctx)
+        sub = subscriber(pub, "", zctx)
         await connect(sub)
         handle = await eng.prepare_store(make_keys(8), list(range(8)))
         assert handle is not None
-        await handle
+        await done(handle)
         start = await flushed(pub)
         # Two stores that each evict 4 blocks, with no await that yields between them:
         # their removed events are published in one loop iteration, so they go out in
@@ -476,7 +520,7 @@ async def test_one_batch_per_loop_iteration_and_dp_rank_on_every_batch(
         assert [n for n in removed if n] == removed_per_batch
         for handle in burst:
             assert handle is not None
-            await handle
+            await done(handle)
         await catch_up(sub, pub)
         raw = [msgspec.msgpack.decode(payload) for _, payload in pub._buffer]
         assert all(batch[2] == 3 for batch in raw)
@@ -493,10 +537,10 @@ async def test_the_last_events_go_out_when_the_engine_closes_and_replay_still_an
         await pub.start()
         handle = await eng.prepare_store(make_keys(4), [0, 1, 2, 3])
         assert handle is not None
-        await handle
+        await done(handle)
     # The engine is closed; the stored event was published; replay still works.
     await flushed(pub)
-    sub = kv_index.Subscriber(pub.endpoint, pub.replay_endpoint, "", context=zctx)
+    sub = subscriber(pub, "", zctx)
     await connect(sub)
     assert sub.index.tiers["CPU"] == {(ao.get_offload_block_hash(k), 0) for k in make_keys(4)}
     sub.disconnect()
@@ -573,14 +617,15 @@ async def test_tokens_must_describe_every_stored_key(engine: ao.AsyncOffloadEngi
 async def test_batch_interval_gathers_events_of_several_iterations(
     engine: ao.AsyncOffloadEngine, zctx: zmq.Context[Any]
 ) -> None:
-    async with KVEventPublisher(engine, config(batch_interval_ms=200)) as pub:
+    # An interval that three stores fit in on a busy machine too (200 ms did not always).
+    async with KVEventPublisher(engine, config(batch_interval_ms=1000)) as pub:
         start = pub.stats().last_seq
         assert start == 0  # the start-up batch (AllBlocksCleared + snapshot) went out at once
         for i in range(3):  # each store completes in an iteration of its own
             handle = await engine.prepare_store(make_keys(2, prefix=bytes([i])), [0, 1])
             assert handle is not None
-            await handle
-        await asyncio.sleep(0.3)
+            await done(handle)
+        await until(lambda: pub.stats().last_seq > start, "the batch of the interval")
         assert pub.stats().last_seq == start + 1
         (_, payload) = pub._buffer[-1]
         batch = msgspec.msgpack.decode(payload)
@@ -590,12 +635,13 @@ async def test_batch_interval_gathers_events_of_several_iterations(
 # --- the replay socket against peers that misbehave --------------------------------------
 
 
-async def until(check: Callable[[], bool], what: str, timeout: float = 30) -> None:
-    """Wait (polling) until ``check()`` holds; fail after ``timeout`` seconds."""
+async def until(check: Callable[[], bool], what: str, timeout: float = WAIT_S) -> None:
+    """Wait (polling: the publisher's counters have no event) until ``check()`` holds;
+    fail after ``timeout`` seconds, naming ``what``."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while not check():
-        assert loop.time() < deadline, f"still waiting for {what}: {check}"
+        assert loop.time() < deadline, f"waited {timeout:g} s for {what}"
         await asyncio.sleep(0.005)
 
 
@@ -637,7 +683,7 @@ async def publish_big_batches(engine: ao.AsyncOffloadEngine, pub: KVEventPublish
         bt = ao.BlockTokens(keys, tokens, block_size)
         handle = await engine.prepare_store(keys, list(range(16)), tokens=bt)
         assert handle is not None
-        await handle
+        await done(handle)
     return await flushed(pub) + 1
 
 
@@ -660,6 +706,8 @@ async def test_a_frame_over_the_request_limit_disconnects_its_peer_unread(
         stats = pub.stats()
         assert (stats.replay_requests, stats.replay_errors, stats.replays_active) == (0, 0, 0)
         big.disable_monitor()
+        monitor.close()
+        big.close()
 
 
 async def test_a_client_is_answered_after_a_peer_was_disconnected_for_a_big_frame(
@@ -677,6 +725,8 @@ async def test_a_client_is_answered_after_a_peer_was_disconnected_for_a_big_fram
         assert reply[-1] == [b"", END_SEQ, b""]
         assert pub.stats().replay_requests == 1
         big.disable_monitor()
+        monitor.close()
+        big.close()
 
 
 async def test_a_dealer_replay_gets_every_buffered_batch_then_the_end_marker(
@@ -688,9 +738,12 @@ async def test_a_dealer_replay_gets_every_buffered_batch_then_the_end_marker(
         for i in range(300):  # a batch each at least
             handle = await engine.prepare_store(make_keys(2, prefix=i.to_bytes(2, "big")), [0, 1])
             assert handle is not None
-            await handle
+            await done(handle)
         last = await flushed(pub)
-        assert last > 300
+        # The start-up batch and one a store: seq 300 at least. Each store's evictions go
+        # out in a batch of their own only when the publisher runs before the copy's
+        # completion does (on uvloop, a copy done by the loop's next poll comes first).
+        assert last >= 300
         reply = await replay_from(dealer(zctx, pub.replay_endpoint), 0)
         assert [int.from_bytes(m[1], "big") for m in reply[:-1]] == list(range(last + 1))
         assert [m[2] for m in reply[:-1]] == [payload for _, payload in pub._buffer]
@@ -761,6 +814,65 @@ async def test_a_reply_to_a_peer_that_left_is_abandoned(zctx: zmq.Context[Any]) 
         peer.close(linger=0)
         await until(lambda: pub.stats().replays_active == 0, "the reply to be given up")
         assert pub.stats().replays_abandoned == 1
+
+
+async def test_closing_as_a_request_wakes_the_reply_sender_stops_it(
+    engine: ao.AsyncOffloadEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """aclose() cancels the reply sender while it waits for a full peer queue to drain
+    or for a new request. When a request woke it in the same loop iteration,
+    ``asyncio.wait_for`` (Python before 3.12) returned the wake-up and dropped the
+    cancellation: the sender went on retrying and aclose() waited for it forever (the
+    hang of test_a_peer_has_one_reply_in_progress_... on a busy machine)."""
+    monkeypatch.setattr(kv_events, "_RETRY_MIN_S", 30.0)  # no retry timer in the way
+    pub = KVEventPublisher(engine, config())
+    await pub.start()
+    # Every peer's queue is full: the sender finds nothing it can send.
+    monkeypatch.setattr(pub, "_send_replies_nowait", lambda: False)
+    start = (0).to_bytes(8, "big")
+    pub._request([b"peer-a", b"", start])  # as _serve_replay hands a request over
+    for _ in range(5):  # the sender wakes, sends nothing, waits for a request or 30 s
+        await asyncio.sleep(0)
+    pub._request([b"peer-b", b"", start])  # wakes the sender ...
+    closing = asyncio.create_task(pub.aclose())  # ... as aclose() cancels it
+    try:
+        await within(asyncio.shield(closing), 10, "aclose() to stop the reply sender")
+    finally:
+        for task in pub._tasks:  # a sender that dropped the cancellation: cancel it again
+            task.cancel()
+        await within(closing, 10, "aclose() once its tasks were cancelled again")
+
+
+async def test_a_cancelled_aclose_is_cancelled_and_closes_the_sockets(
+    engine: ao.AsyncOffloadEngine,
+) -> None:
+    """aclose() awaited its tasks under suppress(CancelledError), which swallowed a
+    cancellation of aclose() itself (a caller's timeout): with a task slow to stop it
+    went on waiting. Cancelled, it stops, and the sockets are closed all the same."""
+    pub = KVEventPublisher(engine, config())
+    await pub.start()
+    release = asyncio.Event()
+
+    async def slow_to_stop() -> None:
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            await release.wait()  # a task that takes its time to stop
+
+    pub._tasks.append(asyncio.create_task(slow_to_stop()))
+    await asyncio.sleep(0)
+    closing = asyncio.create_task(pub.aclose())
+    await asyncio.sleep(0)  # aclose() cancelled the tasks and waits for them
+    closing.cancel()
+    try:
+        finished, _ = await asyncio.wait({closing}, timeout=WAIT_S)
+        assert finished, f"waited {WAIT_S:g} s for the cancelled aclose() to stop"
+        assert closing.cancelled()
+        assert (pub._router, pub._pub) == (None, None)
+    finally:
+        release.set()
+        await within(asyncio.wait({closing}), WAIT_S, "aclose() once the task stopped")
+    await pub.aclose()  # closed already: nothing to do
 
 
 async def test_warnings_about_malformed_replay_requests_are_rate_limited(

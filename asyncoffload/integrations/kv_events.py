@@ -57,7 +57,6 @@ reply.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 import time
@@ -526,26 +525,41 @@ class KVEventPublisher:
         )
 
     async def aclose(self) -> None:
-        """Publish what the engine has already sent, stop, close the sockets. Idempotent."""
+        """Publish what the engine has already sent, stop, close the sockets. Idempotent.
+
+        Cancelled, it stops waiting for the publisher's tasks, and still closes the
+        sockets (the pending events are not published then)."""
         if self._closed:
             return
         self._closed = True
         for task in self._tasks:
             task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        if self._started:
-            self._drain()
-            self._flush()
-        if self._sub is not None:
-            self._sub.close()
-        self._replies.clear()
-        self._replays_active = 0
-        # Closing the context waits up to linger_ms for unsent messages: off the loop.
-        self._close_sockets(term=False)
-        if self._own_context:
-            await asyncio.to_thread(self._ctx.term)
+        term: asyncio.Future[None] | None = None
+        try:
+            # asyncio.wait, not `await task` under suppress(CancelledError), which would
+            # swallow a cancellation of aclose() itself as well.
+            if self._tasks:
+                await asyncio.wait(self._tasks)
+            for task in self._tasks:
+                failure = None if task.cancelled() else task.exception()
+                if failure is not None:  # a bug in the publisher: not to pass unseen
+                    raise failure
+            if self._started:
+                self._drain()
+                self._flush()
+        finally:
+            if self._sub is not None:
+                self._sub.close()
+            self._replies.clear()
+            self._replays_active = 0
+            self._close_sockets(term=False)
+            if self._own_context:
+                # Terminating waits up to linger_ms for unsent messages: off the loop,
+                # and started even when aclose() was cancelled.
+                loop = asyncio.get_running_loop()
+                term = loop.run_in_executor(None, self._ctx.term)
+        if term is not None:
+            await term
 
     async def __aenter__(self) -> KVEventPublisher:
         await self.start()
@@ -701,8 +715,14 @@ class KVEventPublisher:
                 await asyncio.sleep(0)  # one slice at a time: the loop runs between
             else:  # every peer's queue is full: look again later, or on a new request
                 self._replies_waiting.clear()
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self._replies_waiting.wait(), delay)
+                # A timer sets the event, not asyncio.wait_for: before Python 3.12 that
+                # returns a wake-up that races with a cancellation and drops the
+                # cancellation, and aclose() then waited for this task forever.
+                retry = asyncio.get_running_loop().call_later(delay, self._replies_waiting.set)
+                try:
+                    await self._replies_waiting.wait()
+                finally:
+                    retry.cancel()
                 delay = min(2 * delay, _RETRY_MAX_S)
 
     def _send_replies_nowait(self) -> bool:
