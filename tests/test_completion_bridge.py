@@ -5,11 +5,27 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+from typing import TypeVar
 
 import pytest
 
 import asyncoffload as ao
 from asyncoffload.transfer import CompletionBridge, CopyJob
+
+T = TypeVar("T")
+
+#: How long a test waits for a completion: generous, so that a busy machine is slow, not
+#: a failure.
+WAIT_S = 30.0
+
+
+async def resolved(future: asyncio.Future[T], what: str) -> T:
+    """``future``'s result, failing after ``WAIT_S`` seconds with a message naming what
+    was awaited."""
+    try:
+        return await asyncio.wait_for(future, WAIT_S)
+    except asyncio.TimeoutError:
+        raise AssertionError(f"waited {WAIT_S:g} s for {what}") from None
 
 
 class StuckJob(CopyJob):
@@ -50,7 +66,7 @@ async def test_a_wake_up_from_another_thread_resolves_on_the_loop_thread() -> No
         bridge.notify()
 
     threading.Thread(target=copy_thread).start()
-    assert await asyncio.wait_for(done, timeout=5) == threading.get_ident()
+    assert await resolved(done, "the job woken from another thread") == threading.get_ident()
     assert bridge.latency.count == 1
     bridge.close()
 
@@ -61,7 +77,7 @@ async def test_watchdog_fails_a_job_that_never_signals() -> None:
     job = StuckJob(1, 1)
     got: asyncio.Future[CopyJob] = asyncio.get_running_loop().create_future()
     bridge.watch(lane, job, got.set_result)
-    ended = await asyncio.wait_for(got, timeout=5)
+    ended = await resolved(got, "the watchdog to fail the stuck job")
     assert isinstance(ended.error, RuntimeError)
     bridge.close()
 
@@ -76,7 +92,7 @@ async def test_pipe_wake_up_where_eventfd_is_missing(monkeypatch: pytest.MonkeyP
     bridge.watch(lane, job, got.set_result)
     job.finish()
     bridge.notify()
-    assert await asyncio.wait_for(got, timeout=5) is job
+    assert await resolved(got, "the job woken through the pipe") is job
     bridge.close()
 
 
