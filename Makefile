@@ -47,8 +47,12 @@ lint: $(STAMP)
 	$(PY) -m mypy
 
 # Tests marked `long` (long profiles, harness self-checks) run in `make test-long` only.
+# The unit suite runs on JOBS pytest-xdist workers (JOBS=1: one process, no xdist); each
+# run ends with its 30 slowest tests.
+JOBS ?= 2
+XDIST = $(if $(filter-out 1,$(JOBS)),-n $(JOBS),)
 unit: $(STAMP)
-	$(PY) -m pytest -q -m "not long" --ignore=tests/vllm $(ARGS)
+	$(PY) -m pytest -q $(XDIST) --durations=30 -m "not long" --ignore=tests/vllm $(ARGS)
 
 $(VLLM_STAMP): pyproject.toml
 	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
@@ -66,13 +70,13 @@ test-vllm: $(VLLM_STAMP)
 	# mypy of the modules that import vLLM (make lint checks everything else).
 	$(VLLM_PY) -m mypy --follow-imports=silent $(wildcard asyncoffload/integrations/vllm/*.py) \
 		$(wildcard tests/vllm/*.py) $(wildcard benchmarks/vllm_*.py)
-	$(VLLM_PY) -m pytest -q -m "not long" tests/vllm $(ARGS)
+	$(VLLM_PY) -m pytest -q --durations=30 -m "not long" tests/vllm $(ARGS)
 
 # The long profiles of both suites (CI runs them too): what `make test` and
 # `make test-vllm` leave out.
 test-long: $(STAMP) $(VLLM_STAMP)
-	$(PY) -m pytest -q -m long --ignore=tests/vllm $(ARGS)
-	$(VLLM_PY) -m pytest -q -m long tests/vllm $(ARGS)
+	$(PY) -m pytest -q $(XDIST) --durations=30 -m long --ignore=tests/vllm $(ARGS)
+	$(VLLM_PY) -m pytest -q --durations=30 -m long tests/vllm $(ARGS)
 
 test: lint unit
 
