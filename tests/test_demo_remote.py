@@ -62,7 +62,7 @@ async def test_two_demo_runs_share_the_remote_tier(server: Any) -> None:
     assert first.remote_prelookup is not None and first.remote_prelookup[1] == 0
     assert second.remote_prelookup is not None
     asked, found, _ = second.remote_prelookup
-    assert found == asked == first.unique_blocks
+    assert found == asked == first.unique_blocks, (r1, second.stats.tiers)
     # The first has remote hits too: its own blocks, evicted from its CPU tier (80 slots
     # for 186 blocks). The second finds every block on the server from the start.
     assert second.remote_hit_blocks > first.remote_hit_blocks

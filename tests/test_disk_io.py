@@ -478,8 +478,25 @@ class Blocker:
             pool.set_gate(gate)  # the pool keeps its own duplicate
         finally:
             os.close(gate)
-        ops = [IoOp(self.host.address, 0, str(f), b"fifo", -1) for f in self.fifos]
-        self.job = pool.submit(False, ops)
+        # One job per op, so that each can be seen taken: a worker held at the gate has
+        # stamped its job's first op. Until then the job is only queued (a dropped pool
+        # would discard it), so wait for every one, boundedly.
+        self.jobs = [
+            pool.submit(False, [IoOp(self.host.address, 0, str(f), b"fifo", -1)])
+            for f in self.fifos
+        ]
+        deadline = time.monotonic() + 10.0
+        while not all(job.first_op_ns for job in self.jobs):
+            assert time.monotonic() < deadline, (
+                f"{sum(1 for j in self.jobs if not j.first_op_ns)} of {count} blocking ops "
+                "were not taken by a worker within 10 s"
+            )
+            time.sleep(0.001)
+
+    @property
+    def job(self) -> IoJob:
+        """The first op's job (the only one where ``count`` is 1)."""
+        return self.jobs[0]
 
     def release(self) -> None:
         """Open the gate for good: closing the pipe's write end makes it poll hung up."""
@@ -725,7 +742,7 @@ def test_a_dropped_pool_discards_its_queued_jobs_and_joins_its_threads(tmp_path:
     gc.collect()
     releaser.join(10)
     assert wait_tasks(before) == before
-    assert wait(blocker.job).error is None
+    assert all(wait(job).error is None for job in blocker.jobs)
     for job in jobs:
         assert job.query()
         assert isinstance(job.error, OSError) and job.error.errno == errno.ECANCELED
