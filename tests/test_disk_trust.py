@@ -113,7 +113,7 @@ def test_a_symlink_named_like_a_block_is_removed_never_followed(
 async def test_a_fifo_swapped_in_under_an_indexed_block_is_a_miss_and_aclose_returns(
     tmp_path: Path,
 ) -> None:
-    cfg = config(tmp_path, "files", tier={"deadline_s": 0.5})
+    cfg = config(tmp_path, "files")
     ks = keys(2)
     eng = ao.AsyncOffloadEngine(kv_caches(), cfg)
     try:
@@ -123,17 +123,19 @@ async def test_a_fifo_swapped_in_under_an_indexed_block_is_a_miss_and_aclose_ret
         fifo = store.path_of(ks[0])
         fifo.unlink()
         os.mkfifo(fifo)
-        with fifo_writer_after(fifo, 4.0):  # bounds the test if a lane blocks in open()
+        # The writer bounds the test if a lane blocks in open(); the limits below leave a
+        # busy machine room, and a lane blocked until the writer comes exceeds them.
+        with fifo_writer_after(fifo, 8.0):
             started = time.monotonic()
             with pytest.raises(ao.TransferError, match="EINVAL"):
                 await asyncio.wait_for(await eng.prepare_load(ks, [10, 11]), 10)
             took = time.monotonic() - started
-            assert took < 1.0, f"the load of a FIFO took {took:.1f}s: a lane blocked in open()"
+            assert took < 4.0, f"the load of a FIFO took {took:.1f}s: a lane blocked in open()"
             assert eng.lookup(ks) == 0
             started = time.monotonic()
             await asyncio.wait_for(eng.aclose(), 10)
             closed_in = time.monotonic() - started
-        assert closed_in < 2.0, f"aclose() took {closed_in:.1f}s: a lane stuck in open()"
+        assert closed_in < 4.0, f"aclose() took {closed_in:.1f}s: a lane stuck in open()"
     finally:
         await asyncio.wait_for(eng.aclose(), 10)
 

@@ -423,13 +423,21 @@ async def test_an_io_error_on_read_is_a_miss(tmp_path: Path) -> None:
         assert eng.stats().tiers[0].failures == {"EIO": 2}
 
 
+def short_deadline(tier: object, seconds: float = 0.05) -> DiskStore:
+    """The tier's deadline from now on: stores before it had the default one (30 s),
+    which a busy machine cannot miss."""
+    assert isinstance(tier, DiskStore)
+    tier.config = tier.config.model_copy(update={"deadline_s": seconds})
+    tier.deadline_s = seconds
+    return tier
+
+
 async def test_an_operation_past_its_deadline_fails(tmp_path: Path) -> None:
-    cfg = config(tmp_path, tier={"deadline_s": 0.05, "io_threads": 1})
+    cfg = config(tmp_path, tier={"io_threads": 1})
     async with engine(cfg) as eng:
         ks = keys(2)
         await store_to_disk_only(eng, ks, [0, 1])
-        tier = eng.tiers[0]
-        assert isinstance(tier, DiskStore)
+        tier = short_deadline(eng.tiers[0])
         tier.pool.set_delay(0.2)  # a stalled disk: the second op starts after its deadline
         with pytest.raises(ao.TransferError, match="timeout"):
             await (await eng.prepare_load(ks, [3, 4]))
@@ -441,13 +449,12 @@ async def test_a_stalled_read_fails_its_load_without_waiting_for_the_disk(tmp_pa
     """A read stuck in the kernel (a hung mount) cannot be interrupted: the load fails
     once the deadline and a grace second have passed; its slots stay reserved until the
     read really ends, and then everything is released."""
-    cfg = config(tmp_path, tier={"deadline_s": 0.05, "io_threads": 1})
+    cfg = config(tmp_path, tier={"io_threads": 1})
     kv = kv_caches()
     async with engine(cfg, kv) as eng:
         ks = keys(2)
         await store_to_disk_only(eng, ks, [0, 1])
-        tier = eng.tiers[0]
-        assert isinstance(tier, DiskStore)
+        tier = short_deadline(eng.tiers[0])
         tier.pool.set_delay(3.0)  # the first read starts at once, then takes 3 s
         before = [t[5:7].clone() for t in kv]
         handle = await eng.prepare_load(ks, [5, 6])
