@@ -388,7 +388,10 @@ def test_settings_take_a_remote_tier_as_a_dict_or_json() -> None:
     ("tier", "message"),
     [
         ({"url": "http://h:1"}, r"\['tiers\.0\.url'\]: url must start with redis://"),
-        ({"url": "redis://h:1", "ttl_s": 0}, r"\['tiers\.0\.ttl_s'\]: .*greater than 0"),
+        (
+            {"url": "redis://h:1", "ttl_s": 0},
+            r"\['tiers\.0\.ttl_s'\]: .*greater than or equal to 0\.001",
+        ),
         ({"url": "redis://h:1", "tll_s": 5}, r"\['tiers\.0\.tll_s'\]: unknown key"),
         ({"kind": "remote", "path": "/kv"}, r"\['tiers\.0\.path'\]: unknown key"),
         ({"kind": "tape"}, r"\['tiers\.0'\]: unknown tier kind 'tape'; known: disk, remote"),

@@ -100,7 +100,10 @@ def test_tp2_with_disk_and_shared_tiers(
     assert files and all(f.stat().st_size == 4096 + 2 * RANK_BYTES for f in files)
 
     # 2. A shared tier: a second TP 2 process is served the blocks the first stored.
-    remote = [{"url": valkey_server.url, "admission": None}]
+    # The scheduler's client completes on a loop stepped by vLLM's calls: on a busy
+    # machine a reply that came in time can be seen after the default 5 s (a skipped
+    # write), which this test is not about.
+    remote = [{"url": valkey_server.url, "admission": None, "timeout_s": 60}]
     stored = run_vllm(
         [a], name="tp2-shared-a", kv_transfer_config=_config(tmp_path / "two", remote), **tp2
     )
