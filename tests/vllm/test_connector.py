@@ -416,6 +416,7 @@ def test_failed_loads_are_recomputed_with_the_baselines_outputs(
         assert fatal not in log  # no worker died
 
 
+@pytest.mark.long  # vLLM's own behaviour without our connector, for contrast: `make test-long`
 @pytest.mark.timeout(VLLM_TIMEOUT)
 def test_without_the_connector_a_failed_load_stops_vllm_with_a_clear_error(
     run_vllm: RunVLLM,

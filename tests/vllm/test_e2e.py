@@ -26,12 +26,12 @@ from tests.vllm.harness import (
 )
 
 VLLM_TIMEOUT = 900
-#: ``make test-vllm`` runs vLLM with the first two (the recency baseline and the default
-#: family's own); ``make test-long`` the other three too (the differential tests compare
-#: every policy's decisions with vLLM's in every run).
+#: ``make test-vllm`` runs vLLM with the spec's default, lru; ``make test-long`` the
+#: other four too (the differential tests compare every policy's decisions with vLLM's
+#: in every run).
 POLICIES = (
     "lru",
-    "kv",
+    pytest.param("kv", marks=pytest.mark.long),
     pytest.param("arc", marks=pytest.mark.long),
     pytest.param("s3fifo", marks=pytest.mark.long),
     pytest.param("sieve", marks=pytest.mark.long),
@@ -99,6 +99,7 @@ def test_repeated_prompt_is_served_from_our_tier_with_identical_outputs(
     assert metrics["vllm:kv_offload_load_bytes"] == cached // BLOCK_SIZE * BLOCK_BYTES
 
 
+@pytest.mark.long  # a chunk size beside the default one: `make test-long`
 @pytest.mark.timeout(VLLM_TIMEOUT)
 def test_chunks_of_two_blocks_serve_the_repeated_prompt(
     run_vllm: RunVLLM, reuse_baseline: dict[str, Any]
