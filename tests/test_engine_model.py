@@ -233,7 +233,10 @@ class EngineMachine(RuleBasedStateMachine):
         settled since the last suspension (a copy may complete at any suspension)."""
         for key, block in zip(keys, blocks, strict=True):
             self._write(block, key)
-        idle_ready = sum(1 for k in self.ready if not self.pins[k])
+        # What the store may evict: ready keys no load pins, outside this call (the
+        # manager never evicts a key of the call itself to make room for the others).
+        called = set(keys)
+        idle_ready = sum(1 for k in self.ready if not self.pins[k] and k not in called)
         new = [k for k in keys if k not in self.ready and k not in self.pending]
         free_before = self.eng.manager.num_free
         try:
