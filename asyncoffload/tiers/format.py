@@ -262,7 +262,9 @@ def _seal(body: bytearray, payload: bytes | memoryview, mac_key: bytes | None) -
     struct.pack_into("<I", body, HEADER_BYTES - 4, _crc32c(memoryview(body)[: HEADER_BYTES - 4]))
 
 
-def pack_header(identity: bytes, key: bytes, payload: bytes, mac_key: bytes | None = None) -> bytes:
+def pack_header(
+    identity: bytes, key: bytes, payload: bytes | memoryview, mac_key: bytes | None = None
+) -> bytes:
     """The header of a block holding ``payload``; with ``mac_key``, an authenticated one."""
     if len(identity) != 16:
         raise ValueError(f"identity must be 16 bytes, got {len(identity)}")
@@ -298,30 +300,7 @@ def pack_header_into(
 ) -> None:
     """Write the header of the block in ``block`` (``HEADER_BYTES`` of room, then the
     payload) in place: one buffer, no copy of the payload."""
-    if len(identity) != 16:
-        raise ValueError(f"identity must be 16 bytes, got {len(identity)}")
-    if not 1 <= len(key) <= MAX_KEY_BYTES:
-        raise ValueError(f"a key must have 1..{MAX_KEY_BYTES} bytes, got {len(key)}")
-    if mac_key is not None:
-        check_mac_key(mac_key)
-    view = memoryview(block)
-    payload = view[HEADER_BYTES:]
-    view[:HEADER_BYTES] = bytes(HEADER_BYTES)
-    _FIXED.pack_into(
-        view,
-        0,
-        MAGIC,
-        FORMAT_VERSION,
-        HEADER_BYTES,
-        identity,
-        len(payload),
-        _crc32c(payload),
-        len(key),
-    )
-    view[_FIXED.size : _FIXED.size + len(key)] = key
-    head = bytearray(view[:HEADER_BYTES])
-    _seal(head, payload, mac_key)
-    view[:HEADER_BYTES] = head
+    block[:HEADER_BYTES] = pack_header(identity, key, memoryview(block)[HEADER_BYTES:], mac_key)
 
 
 def parse_header(raw: bytes | bytearray | memoryview) -> BlockHeader:
