@@ -56,16 +56,13 @@ def check_private_dir(path: os.PathLike[str] | str, what: str) -> os.stat_result
         raise _refuse(what, path, "a symlink", "it must be a real directory of this user")
     if not stat.S_ISDIR(st.st_mode):
         raise _refuse(what, path, "not a directory", "remove it or choose another path")
-    owner = _owner_problem(st, allow_root=False)
-    if owner is not None:
-        raise _refuse(what, path, owner, "another user could plant or read blocks there")
-    if st.st_mode & _GROUP_OTHER_WRITE:
-        raise _refuse(
-            what,
-            path,
-            f"writable by group or others (mode {stat.S_IMODE(st.st_mode):04o})",
-            f"chmod go-w {os.fspath(path)}",
-        )
+    _check_ours(
+        st,
+        path,
+        what,
+        "another user could plant or read blocks there",
+        f"chmod go-w {os.fspath(path)}",
+    )
     return st
 
 
@@ -75,17 +72,31 @@ def check_private_file(fd: int, path: os.PathLike[str] | str, what: str) -> os.s
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
         raise _refuse(what, path, "not a regular file", "remove it or choose another path")
+    _check_ours(
+        st,
+        path,
+        what,
+        "another user made it: remove it",
+        "another user could write into it: remove it",
+    )
+    return st
+
+
+def _check_ours(
+    st: os.stat_result, path: os.PathLike[str] | str, what: str, foreign: str, writable: str
+) -> None:
+    """Owned by us, not writable by group or others, or ``PermissionError`` with the
+    hint ``foreign`` or ``writable``."""
     owner = _owner_problem(st, allow_root=False)
     if owner is not None:
-        raise _refuse(what, path, owner, "another user made it: remove it")
+        raise _refuse(what, path, owner, foreign)
     if st.st_mode & _GROUP_OTHER_WRITE:
         raise _refuse(
             what,
             path,
             f"writable by group or others (mode {stat.S_IMODE(st.st_mode):04o})",
-            "another user could write into it: remove it",
+            writable,
         )
-    return st
 
 
 def _shared_ok(st: os.stat_result) -> bool:
