@@ -11,15 +11,24 @@ already buffered have been read.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import weakref
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Sequence
 from types import TracebackType
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
-from asyncoffload.manager.base import OffloadingEvent
+from asyncoffload.keys import OffloadKey
+from asyncoffload.manager.base import Medium, OffloadingEvent
 
-__all__ = ["EventHub", "EventSubscription", "Lagged", "SubscriptionStats"]
+__all__ = [
+    "EventHub",
+    "EventSource",
+    "EventStream",
+    "EventSubscription",
+    "Lagged",
+    "SubscriptionStats",
+]
 
 
 class Lagged(NamedTuple):
@@ -224,3 +233,64 @@ class EventHub:
 
     def __repr__(self) -> str:
         return f"<EventHub [{len(self._subs)} subscribers, {self.published} published]>"
+
+
+class EventSource(Protocol):
+    """A manager whose events a stream publishes: the CPU tier's or a lower tier's."""
+
+    medium: Medium
+
+    @property
+    def last_seq(self) -> int: ...
+
+    def take_events(self) -> list[OffloadingEvent]: ...
+
+    def resident_keys(self) -> Iterator[OffloadKey]: ...
+
+
+#: Keys per stored event of a snapshot.
+SNAPSHOT_CHUNK = 4096
+
+
+class EventStream:
+    """One engine's event stream: the events of ``sources`` (the CPU tier's manager,
+    then each lower tier's) published to one :class:`EventHub`, and snapshots of what
+    they hold. With one source its events keep their own ``seq``; with several, the
+    stream numbers them 1, 2, 3, ... in publication order."""
+
+    def __init__(self, sources: Sequence[EventSource]) -> None:
+        self.hub = EventHub()
+        self._sources = list(sources)
+        self._seq = 0
+
+    def publish(self) -> None:
+        """Publish every source's pending events."""
+        sources = self._sources
+        events = sources[0].take_events()
+        if len(sources) == 1:
+            for event in events:
+                self.hub.publish(event)
+            return
+        for source in sources[1:]:
+            events += source.take_events()
+        for event in events:
+            self._seq += 1
+            self.hub.publish(dataclasses.replace(event, seq=self._seq))
+
+    def subscribe(self, max_buffer: int, snapshot: bool = False) -> EventSubscription:
+        """A subscription to what is published from now on, first (``snapshot``) every
+        resident key as stored events marked ``snapshot=True``, in chunks of
+        :data:`SNAPSHOT_CHUNK` keys, carrying the ``seq`` of the last event published."""
+        self.publish()
+        initial: list[OffloadingEvent] = []
+        if snapshot:
+            sources = self._sources
+            seq = self._seq if len(sources) > 1 else sources[0].last_seq
+            for source in sources:
+                keys = list(source.resident_keys())
+                for i in range(0, len(keys), SNAPSHOT_CHUNK):
+                    chunk = tuple(keys[i : i + SNAPSHOT_CHUNK])
+                    initial.append(
+                        OffloadingEvent(chunk, source.medium, False, seq, 0.0, snapshot=True)
+                    )
+        return self.hub.subscribe(max_buffer, initial)

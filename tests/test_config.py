@@ -300,7 +300,7 @@ async def test_periodic_summary_line(caplog: pytest.LogCaptureFixture) -> None:
         assert totals == [2, 2, 4, 3, 1, 2]
         # The two lookups run back to back, never split over two lines.
         assert any("lookups 2, hit rate 50.0% (2/4 keys)" in line for line in lines)
-        assert engine._summary_timer is None  # cancelled at aclose
+        assert engine._summary is not None and engine._summary.timer is None  # cancelled
         count = len(lines)
         await asyncio.sleep(0.15)
     after = [r for r in caplog.records if "summary" in r.getMessage()]
@@ -310,7 +310,7 @@ async def test_periodic_summary_line(caplog: pytest.LogCaptureFixture) -> None:
 def test_no_summary_timer_before_first_use_or_by_default() -> None:
     kv = random_kv(2, 32)
     engine = ao.AsyncOffloadEngine(kv, ao.EngineConfig(log_summary_s=1.0, copy_engine="threads"))
-    assert engine._summary_timer is None
+    assert engine._summary is not None and engine._summary.timer is None
     engine.backend.close()
     engine._closed = True
     with pytest.raises(ValidationError, match="log_summary_s"):

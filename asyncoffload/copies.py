@@ -1,0 +1,435 @@
+"""The CPU tier's copies on the event loop: jobs handed to the backend's lanes, their
+completions told to the manager, their handles resolved.
+
+:class:`Copies` is the engine's room for everything between "the manager decided" and
+"the handle resolved": submission (a submission that raises becomes a failed job, so
+failures take one path), the completion callbacks (run by the completion bridge on the
+loop thread, in submission order per direction), the undo of a call cut short by an
+interrupt (a fence job of the same lane), the in-flight set that ``aclose`` waits for,
+and the copy counters and histograms of ``engine.stats()``.
+
+A completion callback may run twice: when an interrupt (``KeyboardInterrupt``,
+``SystemExit``) cuts a run short, the bridge runs it again at once, before the interrupt
+goes on (see ``CompletionBridge.drain``). A transfer's ``step`` says how far earlier
+runs got: 0 (none ran), 1 (one began, the manager was not told yet), 2 (the manager was
+told). A run that finds 1 fails the transfer (its slots freed or unpinned); one that
+finds 2 only resolves the handle. So the manager is told exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Literal
+
+import torch
+
+from asyncoffload._sigint import InterruptsHeld
+from asyncoffload.config import EngineConfig
+from asyncoffload.errors import TransferError
+from asyncoffload.handles import Completion, Transfer, TransferResult
+from asyncoffload.histogram import BYTES_PER_SECOND_BUCKETS, TRANSFER_BUCKETS_S, Histogram
+from asyncoffload.keys import OffloadKey
+from asyncoffload.layout import KVLayout
+from asyncoffload.manager import CPUOffloadingManager, ReqContext
+from asyncoffload.transfer import CompletionBridge, CopyJob, CpuCopyBackend, TransferBackend
+from asyncoffload.transfer.base import FailedJob
+
+__all__ = ["Copies", "make_backend"]
+
+log = logging.getLogger("asyncoffload")
+
+# How often waiting for the transfers checks for handles whose copy job was lost.
+_ORPHAN_CHECK_S = 0.5
+# How often it looks again at lane jobs that no handle waits for.
+_FENCE_POLL_S = 0.001
+
+
+class Copies:
+    """The copies between the KV blocks and the CPU tier ``manager``'s host slots.
+
+    ``publish`` sends the manager's pending events to subscribers; ``stored`` is told
+    the keys (and context) of each store that completed, after its stored event (the
+    write-through to lower tiers)."""
+
+    def __init__(
+        self,
+        manager: CPUOffloadingManager,
+        backend: TransferBackend,
+        publish: Callable[[], None],
+        stored: Callable[[list[OffloadKey], ReqContext], None] | None = None,
+    ) -> None:
+        self._manager = manager
+        self._backend = backend
+        self._publish = publish
+        self.stored = stored
+        self.bridge: CompletionBridge | None = None
+        #: Every handle whose transfer has not resolved.
+        self.inflight: set[asyncio.Future[TransferResult]] = set()
+        self.stores = self.loads = self.failed = 0
+        self.bytes_stored = self.bytes_loaded = 0
+        self.store_hist = Histogram(TRANSFER_BUCKETS_S)
+        self.load_hist = Histogram(TRANSFER_BUCKETS_S)
+        self.store_rate = Histogram(BYTES_PER_SECOND_BUCKETS)
+        self.load_rate = Histogram(BYTES_PER_SECOND_BUCKETS)
+
+    def open(
+        self, loop: asyncio.AbstractEventLoop, config: EngineConfig, block_bytes: int
+    ) -> CompletionBridge:
+        """Bind to ``loop``: the completion bridge of ``config.completion`` (``poll``
+        for a backend that cannot signal an fd), the store and load lanes."""
+        backend = self._backend
+        mode = config.completion
+        if not backend.can_wake and mode != "poll":
+            if mode == "eventfd":
+                log.warning(
+                    "completion='eventfd' but backend %s cannot signal an fd: polling",
+                    backend.name,
+                )
+            mode = "poll"
+        self.bridge = bridge = CompletionBridge(loop, mode, config.poll_interval_s)
+        self._store_lane = bridge.lane("store")
+        self._load_lane = bridge.lane("load")
+        backend.bind(bridge.notify, bridge.wake_fd)
+        log.info(
+            "asyncoffload engine ready: backend=%s completion=%s cpu_blocks=%d block_bytes=%d",
+            backend.name,
+            bridge.mechanism,
+            config.cpu_blocks,
+            block_bytes,
+        )
+        return bridge
+
+    def close(self) -> None:
+        """Join the copy lanes, then close the bridge they signal."""
+        self._backend.close()  # nothing signals the bridge after this
+        if self.bridge is not None:
+            self.bridge.close()
+
+    def handle(
+        self,
+        kind: Literal["store", "load"],
+        keys: list[OffloadKey],
+        to_store: list[OffloadKey] | None = None,
+        evicted: list[OffloadKey] | None = None,
+    ) -> Transfer:
+        """A handle of a transfer on the engine's loop (not resolved, not tracked)."""
+        assert self.bridge is not None
+        return Transfer(Completion(loop=self.bridge.loop), kind, keys, to_store, evicted)
+
+    def track(self, fut: asyncio.Future[TransferResult]) -> None:
+        self.inflight.add(fut)
+        # Failures are reported through the handle and logged; a fire-and-forget
+        # store that failed must not also print "exception was never retrieved".
+        fut.add_done_callback(_retrieve)
+        fut.add_done_callback(self.inflight.discard)
+
+    # --- a store -----------------------------------------------------------------------
+
+    def store(
+        self,
+        handle: Transfer,
+        src: list[int],
+        slots: list[int],
+        ctx: ReqContext,
+        before: Callable[[], None] | None = None,
+    ) -> None:
+        """Copy KV blocks ``src`` into the host ``slots`` reserved for
+        ``handle.keys_to_store`` (being written in the manager), after ``before`` (the
+        caller's last step). Every way out frees them or hands them to a job whose
+        completion does."""
+        to_store = handle.keys_to_store
+        fut: asyncio.Future[TransferResult] | None = None
+        attempted = False
+        step = [0]
+        try:
+            if before is not None:
+                before()
+            fut = handle._future
+            if not to_store:
+                fut.set_result(TransferResult(0, 0, 0.0))
+                return
+            self.stores += 1
+            self.track(fut)
+            attempted = True
+            job = _start(self._backend.submit_store, src, slots)
+            assert self.bridge is not None
+            self.bridge.watch(
+                self._store_lane, job, lambda j: self._store_done(j, handle, ctx, step)
+            )
+        except BaseException as exc:
+            self.abandon(
+                "store",
+                fut,
+                attempted,
+                lambda: self._manager.complete_store(to_store, ctx, success=False),
+                exc,
+                step,
+            )
+            raise
+
+    def _store_done(self, job: CopyJob, handle: Transfer, ctx: ReqContext, step: list[int]) -> None:
+        with InterruptsHeld():
+            error: BaseException | None = None
+            try:
+                error = _rerun_error(step, "store")
+                if error is None:
+                    error = job.error
+                if step[0] == 1:
+                    self._manager.complete_store(handle.keys_to_store, ctx, success=error is None)
+                    step[0] = 2
+                    self._publish()
+                    if error is None:
+                        if self.stored is not None:
+                            self.stored(handle.keys_to_store, ctx)
+                        self.bytes_stored += job.nbytes
+                        _observe(self.store_hist, self.store_rate, job)
+            except Exception as exc:  # never leave the handle (and aclose) hanging
+                log.exception("complete_store failed")
+                error = error or exc
+            self.resolve(handle, job, error)
+
+    # --- a load ------------------------------------------------------------------------
+
+    def load(
+        self,
+        handle: Transfer,
+        slots: Sequence[int],
+        ids: list[int],
+        ctx: ReqContext,
+        before: Callable[[], None] | None = None,
+    ) -> None:
+        """Copy the pinned host ``slots`` of ``handle.keys`` into KV blocks ``ids``,
+        after ``before`` (the caller's last manager update). Every way out unpins them
+        or hands them to a job whose completion does."""
+        keys = list(handle.keys)
+        fut: asyncio.Future[TransferResult] | None = None
+        attempted = False
+        step = [0]
+        try:
+            if before is not None:
+                before()
+            fut = handle._future
+            if not keys:
+                fut.set_result(TransferResult(0, 0, 0.0))
+                return
+            self.loads += 1
+            self.track(fut)
+            attempted = True
+            self.copy_in(handle, slots, ids, ctx, step)
+        except BaseException as exc:
+            self.abandon(
+                "load",
+                fut,
+                attempted,
+                lambda: self._manager.complete_load(keys),
+                exc,
+                step,
+            )
+            raise
+
+    def copy_in(
+        self,
+        handle: Transfer,
+        slots: Sequence[int],
+        ids: list[int],
+        ctx: ReqContext,
+        step: list[int] | None = None,
+    ) -> None:
+        """Submit the load of a counted, tracked ``handle`` (its host ``slots`` pinned) to
+        the load lane; its completion unpins them and resolves the handle."""
+        keys = list(handle.keys)
+        step = [0] if step is None else step
+        job = _start(self._backend.submit_load, list(slots), ids)
+        assert self.bridge is not None
+        self.bridge.watch(
+            self._load_lane, job, lambda j: self._load_done(j, handle, keys, ctx, step)
+        )
+
+    def _load_done(
+        self,
+        job: CopyJob,
+        handle: Transfer,
+        keys: list[OffloadKey],
+        ctx: ReqContext,
+        step: list[int],
+    ) -> None:
+        with InterruptsHeld():
+            error: BaseException | None = None
+            try:
+                error = _rerun_error(step, "load")
+                if error is None:
+                    error = job.error
+                if step[0] == 1:
+                    self._manager.complete_load(keys, ctx)
+                    step[0] = 2
+                    if error is None:
+                        self.bytes_loaded += job.nbytes
+                        _observe(self.load_hist, self.load_rate, job)
+            except Exception as exc:
+                log.exception("complete_load failed")
+                error = error or exc
+            self.resolve(handle, job, error)
+
+    # --- endings -----------------------------------------------------------------------
+
+    def resolve(self, handle: Transfer, job: CopyJob, error: BaseException | None) -> None:
+        fut = handle._future
+        self.inflight.discard(fut)  # in_flight counts only what is still running
+        if fut.done():
+            return
+        if error is None:
+            fut.set_result(TransferResult(job.num_blocks, job.nbytes, job.duration_s))
+            return
+        log.warning("%s of %d blocks failed: %r", handle.kind, job.num_blocks, error)
+        err = TransferError(f"{handle.kind} of {job.num_blocks} blocks failed: {error!r}")
+        err.__cause__ = error
+        self.fail(handle, err)
+
+    def fail(self, handle: Transfer, error: BaseException) -> None:
+        """End ``handle`` with ``error`` (a failed transfer, counted), unless it ended."""
+        fut = handle._future
+        self.inflight.discard(fut)
+        if not fut.done():
+            self.failed += 1
+            fut.set_exception(error)
+
+    def abandon(
+        self,
+        kind: str,
+        fut: asyncio.Future[TransferResult] | None,
+        attempted: bool,
+        undo: Callable[[], None],
+        exc: BaseException,
+        step: list[int],
+    ) -> None:
+        """Something (an interrupt, say) escaped a call between reserving slots and
+        handing the copy to a lane. If no copy was submitted, undo now. If one may have
+        been (the interrupt may have come just after the lane took it), the slots stay
+        reserved until a fence (an empty job of the same direction, which completes
+        after every earlier one) shows the lane is past it. If the job did reach the
+        bridge (the interrupt came inside ``watch``), its own completion, which runs
+        first, tells the manager, and ``step`` keeps the fence from doing it again."""
+        error = TransferError(f"{kind} abandoned: {exc!r}")
+        error.__cause__ = exc
+
+        def finish(_job: CopyJob | None = None) -> None:
+            with InterruptsHeld():  # the undo is a manager update: whole or not at all
+                try:
+                    if step[0] < 2:
+                        step[0] = 1
+                        undo()
+                        step[0] = 2
+                finally:
+                    if fut is not None:
+                        self.inflight.discard(fut)
+                        if not fut.done():
+                            fut.set_exception(error)
+
+        if not attempted:
+            finish()
+            return
+        bridge = self.bridge
+        assert bridge is not None
+        submit = self._backend.submit_store if kind == "store" else self._backend.submit_load
+        lane = self._store_lane if kind == "store" else self._load_lane
+        try:
+            fence = submit([], [])
+            bridge.watch(lane, fence, finish)
+        except BaseException:
+            # No way to learn when the lane is past the copy: keep its slots reserved
+            # (a leak beats a write into a slot handed out again) and fail the handle.
+            log.error("an interrupted %s keeps its slots reserved: no fence could be queued", kind)
+            if fut is not None:
+                self.inflight.discard(fut)
+                if not fut.done():
+                    fut.set_exception(error)
+
+    async def wait_idle(self, fail_orphans: bool) -> None:
+        """Wait until every transfer resolved and every lane job ended (a fence of an
+        interrupted call, a write to a lower tier); ``fail_orphans``: fail handles whose
+        job was lost (closing never waits forever)."""
+        bridge = self.bridge
+        while self.inflight or (bridge is not None and bridge.pending):
+            if self.inflight:
+                await asyncio.wait(list(self.inflight), timeout=_ORPHAN_CHECK_S)
+                if fail_orphans:
+                    self.fail_orphans()
+            else:  # a job no handle waits for (the fence of an interrupted call) ends soon
+                await asyncio.sleep(_FENCE_POLL_S)
+
+    def fail_orphans(self) -> None:
+        """Resolve, with an error, in-flight handles whose job no lane holds any more
+        (it can never complete), so that closing never waits forever."""
+        bridge = self.bridge
+        if not self.inflight or (bridge is not None and bridge.pending):
+            return
+        for fut in list(self.inflight):
+            if not fut.done():
+                log.error("a transfer lost its copy job; failing its handle")
+                fut.set_exception(TransferError("the transfer's copy job was lost"))
+            self.inflight.discard(fut)
+
+
+def _rerun_error(step: list[int], kind: str) -> BaseException | None:
+    """Advance a completion's ``step`` (see the module docstring): the error of a rerun
+    that finds the manager untold, else None."""
+    if step[0]:
+        return TransferError(f"{kind} completion interrupted") if step[0] == 1 else None
+    step[0] = 1
+    return None
+
+
+def _start(
+    submit: Callable[[list[int], list[int]], CopyJob], src: list[int], dst: list[int]
+) -> CopyJob:
+    """Submit a copy; a submission that raises an ``Exception`` becomes a failed job
+    (the failure path frees the slots). Anything else propagates to the caller."""
+    try:
+        return submit(src, dst)
+    except Exception as exc:
+        # The traceback's frames (and their callers, through f_back) hold the engine and
+        # the caller's handle, whose error leads back here: a cycle that kept a closed
+        # engine and its host pool alive until the next full collection. Keep the
+        # traceback as text (a note, where notes exist) and drop the frames.
+        if hasattr(exc, "add_note"):
+            exc.add_note("".join(traceback.format_tb(exc.__traceback__)).rstrip())
+        return FailedJob(len(src), exc.with_traceback(None))
+
+
+def _observe(durations: Histogram, rates: Histogram, job: CopyJob) -> None:
+    seconds = job.duration_s
+    durations.observe(seconds)
+    if seconds > 0:
+        rates.observe(job.nbytes / seconds)
+
+
+def _retrieve(fut: asyncio.Future[TransferResult]) -> None:
+    if not fut.cancelled():
+        fut.exception()
+
+
+def make_backend(
+    kv_caches: Sequence[torch.Tensor], layout: KVLayout, config: EngineConfig
+) -> TransferBackend:
+    """The transfer backend for KV tensors on ``layout.device``: CPU or CUDA."""
+    if layout.device.type == "cpu":
+        return CpuCopyBackend(kv_caches, layout, config.cpu_blocks, config.copy_engine)
+    if layout.device.type == "cuda":
+        from asyncoffload.transfer.cuda import CudaCopyBackend
+
+        return CudaCopyBackend(
+            kv_caches,
+            layout,
+            config.cpu_blocks,
+            copy_method=config.copy_method,
+            chunk_bytes=config.host_chunk_bytes,
+            pin=config.pin_memory,
+            staging_bytes=config.staging_bytes,
+        )
+    raise ValueError(
+        f"no transfer backend for KV tensors on {layout.device}: this build copies CPU "
+        "and CUDA tensors; pass backend= to use your own"
+    )
