@@ -23,7 +23,7 @@ from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
 from asyncoffload.integrations.vllm import AsyncOffloadManager, AsyncOffloadSpec, AsyncOffloadWorker
 from asyncoffload.tiers.disk import DiskStore
-from asyncoffload.transfer import paged_engines
+from asyncoffload.transfer import host_file
 from tests.vllm.test_spec import LAYERS, PAGE, _block, _caches, _config, _extra, _finish, _keys
 from tests.vllm.test_tiers_vllm import _lookup_until_settled, _settle, _tier
 
@@ -326,12 +326,12 @@ def test_a_replica_worker_waits_for_rank_0s_pool_and_says_so(tmp_path: Path) -> 
     extra = _extra(cpu_bytes_to_use=CPU_CHUNKS * CHUNK, host_pool_dir=str(tmp_path / "shm"))
     spec1 = AsyncOffloadSpec(_rank_config(extra, 2, 1, replicated=True))
     assert spec1.shared_pool  # a replicated layout shares its pool even without tiers
-    paged_engines.HOST_FILE_WAIT_S, saved = 0.2, paged_engines.HOST_FILE_WAIT_S
+    host_file.HOST_FILE_WAIT_S, saved = 0.2, host_file.HOST_FILE_WAIT_S
     try:
         with pytest.raises(TimeoutError, match=r"no shared host pool at .*rank0\.pool after"):
             spec1.get_worker(_caches(num_blocks=4))
     finally:
-        paged_engines.HOST_FILE_WAIT_S = saved
+        host_file.HOST_FILE_WAIT_S = saved
     spec0 = AsyncOffloadSpec(_rank_config(extra, 2, 0, replicated=True))
     worker0 = spec0.get_worker(_caches(num_blocks=4))
     worker1 = spec1.get_worker(_caches(num_blocks=4))
