@@ -108,7 +108,7 @@ class LoopTiers:
         after each answer (raises if the engine closed meanwhile)."""
         core = self.core
         for tier in core.shared_tiers:
-            unknown = core.unknown(tier, keys)
+            unknown = core.ask(tier, keys)
             if not unknown:
                 continue
             assert tier.shared is not None

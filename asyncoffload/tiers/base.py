@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from asyncoffload.keys import OffloadKey
 from asyncoffload.manager.admission import AdmissionFilter
-from asyncoffload.manager.base import Medium, ReqContext
+from asyncoffload.manager.base import Medium
 from asyncoffload.manager.cpu import CPUOffloadingManager
 from asyncoffload.manager.policies import CachePolicy
 from asyncoffload.transfer.base import CopyJob
@@ -29,8 +29,6 @@ __all__ = [
     "count_failures",
     "failure_cause",
     "outcomes",
-    "settle_read",
-    "settle_write",
 ]
 
 
@@ -248,59 +246,3 @@ def count_failures(counters: TierCounters, results: Sequence[int]) -> dict[str, 
             causes[cause] = causes.get(cause, 0) + 1
             counters.failures[cause] = counters.failures.get(cause, 0) + 1
     return causes
-
-
-def _split(
-    keys: Sequence[OffloadKey], results: Sequence[int]
-) -> tuple[list[OffloadKey], list[OffloadKey]]:
-    good = [key for key, r in zip(keys, results) if r >= 0]
-    bad = [key for key, r in zip(keys, results) if r < 0]
-    return good, bad
-
-
-def settle_write(
-    tier: LowerTier,
-    counters: TierCounters,
-    keys: Sequence[OffloadKey],
-    job: CopyJob,
-    ctx: ReqContext | None,
-) -> tuple[int, dict[str, int]]:
-    """A write job of ``keys`` to ``tier`` ended: the blocks written become ready there
-    (a stored event), the others are dropped; counted. Returns how many failed and
-    their causes (the caller logs them and unpins the CPU slots)."""
-    results = outcomes(job, len(keys))
-    good, bad = _split(keys, results)
-    manager = tier.manager
-    if good:
-        manager.complete_store(good, ctx, success=True)
-        # 0 bytes: the block was there already (a put-if-absent that wrote nothing).
-        written = sum(1 for r in results if r > 0)
-        counters.blocks_written += written
-        counters.bytes_written += written * tier.block_bytes
-        counters.blocks_present += len(good) - written
-    if not bad:
-        return 0, {}
-    manager.complete_store(bad, ctx, success=False)
-    counters.write_failures += len(bad)
-    return len(bad), count_failures(counters, results)
-
-
-def settle_read(
-    tier: LowerTier, counters: TierCounters, keys: Sequence[OffloadKey], job: CopyJob
-) -> tuple[list[OffloadKey], list[OffloadKey], dict[str, int]]:
-    """A read job of ``keys`` from ``tier`` ended: the good blocks are unpinned there,
-    the bad ones are misses, dropped from the index in this step (a removed event) and
-    forgotten; counted. Returns (good, bad, causes of the bad)."""
-    results = outcomes(job, len(keys))
-    good, bad = _split(keys, results)
-    manager = tier.manager
-    manager.complete_load(good)
-    counters.blocks_read += len(good)
-    counters.bytes_read += len(good) * tier.block_bytes
-    if not bad:
-        return good, bad, {}
-    causes = count_failures(counters, results)
-    counters.read_failures += len(bad)
-    manager.drop(bad)
-    tier.forget(bad)
-    return good, bad, causes

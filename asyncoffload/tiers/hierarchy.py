@@ -157,6 +157,8 @@ class TierIo:
     #: Set once its result was taken: a second hand-back (a completion rerun after an
     #: interrupt) changes nothing.
     settled: bool = False
+    #: Reads, once settled: the keys that could not be read (misses now).
+    bad: list[OffloadKey] = field(default_factory=list)
 
 
 def submit(io: TierIo, host: Sequence[int]) -> CopyJob:
@@ -248,11 +250,14 @@ class TierHierarchy:
         sources: Mapping[OffloadKey, TierState],
         ctx: ReqContext | None = None,
         protect: Sequence[OffloadKey] = (),
+        *,
+        lookup: bool = False,
     ) -> Promotion | None:
         """Reserve CPU slots for the keys of ``sources`` (each absent from the CPU tier
         and ready in its tier), never evicting one of ``protect``, and pin each in its
         tier; their reads wait for :meth:`take_reads`. ``None``, changing nothing but a
-        ``no_slot`` count, when the CPU tier has too few idle slots."""
+        ``no_slot`` count, when the CPU tier has too few idle slots. ``lookup``: each
+        key counts as a lookup hit of its tier (a driver whose lookups promote)."""
         keys = list(sources)
         out = self.cpu.reserve(keys, protect)
         if out is None:
@@ -265,7 +270,8 @@ class TierHierarchy:
             by_tier.setdefault(sources[key], []).append((key, cpu_slot))
         for tier, pairs in by_tier.items():
             tier_slots = tier.store.manager.prepare_load([key for key, _ in pairs]).block_ids
-            tier.counters.lookup_hits += 0  # counted by lookup
+            if lookup:
+                tier.counters.lookup_hits += len(pairs)
             tier.batch.extend(
                 (key, slot, cpu_slot, promotion) for (key, cpu_slot), slot in zip(pairs, tier_slots)
             )
@@ -321,20 +327,21 @@ class TierHierarchy:
                 manager.drop(bad)
                 tier.store.forget(bad)
                 self.cpu.complete_store(bad, None, success=False)
-                what = ", ".join(f"{k} {v}" for k, v in causes.items())
                 log.warning(
                     "%d of %d blocks read from %s failed (%s): misses, dropped from its index",
                     len(bad),
                     len(keys),
                     tier.name,
-                    what,
+                    ", ".join(f"{k} {v}" for k, v in causes.items()),
                 )
                 failed = set(bad)
+                hit: dict[Promotion, None] = {}
                 for key, promotion in zip(keys, io.promotions):
                     if key in failed:
                         promotion.bad += 1
-                        if not promotion.causes or promotion.causes[-1] != f"{tier.name}: {what}":
-                            promotion.causes.append(f"{tier.name}: {what}")
+                        hit[promotion] = None
+                for promotion in hit:
+                    promotion.causes.append(f"{tier.name}: {causes}")
         except Exception as exc:  # a defect: fail the promotions, never leave them open
             log.exception("settling a read from %s failed", tier.name)
             for promotion in io.promotions:
@@ -344,7 +351,7 @@ class TierHierarchy:
             promotion.left -= 1
             if promotion.left == 0:
                 finished.append(promotion)
-        io.bad = bad  # type: ignore[attr-defined]
+        io.bad = bad
         return finished
 
     def cancel_reads(self) -> list[Promotion]:
@@ -451,10 +458,13 @@ class TierHierarchy:
 
     # --- shared tiers ----------------------------------------------------------------
 
-    def unknown(self, tier: TierState, keys: Sequence[OffloadKey]) -> list[OffloadKey]:
-        """The keys of ``keys`` that ``tier``'s index does not hold (to ask it about)."""
+    def ask(self, tier: TierState, keys: Sequence[OffloadKey]) -> list[OffloadKey]:
+        """The keys of ``keys`` to ask the shared ``tier`` about: those its index does
+        not hold (counted as asked)."""
         block_of = tier.store.manager.block_of
-        return [key for key in keys if block_of(key) is None and len(key) <= MAX_KEY_BYTES]
+        unknown = [key for key in keys if block_of(key) is None and len(key) <= MAX_KEY_BYTES]
+        tier.asked += len(unknown)
+        return unknown
 
     def join(
         self, tier: TierState, keys: Sequence[OffloadKey], found: Sequence[bool]
@@ -463,7 +473,6 @@ class TierHierarchy:
         does not know join it, ready (a stored event), as if written here. Returns the
         keys it holds now (not those its full index could not take: ``full``)."""
         manager = tier.store.manager
-        tier.asked += len(keys)
         hits = [key for key, hit in zip(keys, found) if hit]
         new = [key for key in hits if manager.block_of(key) is None]
         if new:

@@ -25,6 +25,12 @@ flight on it. It does not import vLLM.
   again). No free or idle CPU slot: ``MISS`` (counted as ``no_slot``).
 - Stores the CPU tier completed are written through to each tier its admission lets in,
   from their CPU slots, pinned until the write ends, as the engine does.
+- Every rule of the tiers (which tier holds a key, how a promotion reserves, reads,
+  settles or fails, write-through, drops, counters, events) is the sans-I/O core's,
+  :class:`~asyncoffload.tiers.hierarchy.TierHierarchy`, which the engine drives too;
+  this module only carries its I/O requests to the lanes and the private loop and
+  polls for their ends, and keeps the scheduler's world: ``HIT_PENDING``, the shared
+  tiers' questions and their negative answers, the host pool file.
 - A shared tier knows only the blocks this engine wrote or found there. A key absent
   from the CPU tier and unknown to every lower tier is asked about (``EXISTS``, once per
   key, the step's keys in one pipelined query per shared tier, sent at the step's end)
@@ -50,15 +56,15 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, TypeVar, cast
+from typing import Any, TypeVar
 
-from asyncoffload.engine import TierStats
 from asyncoffload.keys import OffloadKey
 from asyncoffload.manager import CPUOffloadingManager
-from asyncoffload.tiers.base import LowerTier, TierCounters, settle_read, settle_write
+from asyncoffload.tiers.base import LowerTier
 from asyncoffload.tiers.format import MAX_KEY_BYTES
+from asyncoffload.tiers.hierarchy import TierHierarchy, TierIo, TierState, TierStats, submit
 from asyncoffload.transfer.base import CopyJob, FailedJob
-from asyncoffload.transfer.paged_engines import SharedHostFile
+from asyncoffload.transfer.host_file import SharedHostFile
 
 __all__ = ["SchedulerTiers", "host_pool_path"]
 
@@ -98,42 +104,21 @@ def host_pool_path(directory: str | os.PathLike[str], engine_id: str, rank: int)
     return Path(directory) / f"asyncoffload-{safe}-rank{rank}.pool"
 
 
-class _Shared(Protocol):
-    """A tier that can be asked which blocks it holds (the shared tier's server)."""
-
-    async def exists(self, keys: Sequence[OffloadKey]) -> list[bool]: ...
-
-
 @dataclass
-class _Io:
-    job: CopyJob
-    tier: _Tier
-    keys: list[OffloadKey]
+class _Jobs:
+    """A tier's I/O jobs in flight, in submission order (they end about in order), and
+    when a shared tier whose last query failed may be asked again."""
 
-
-@dataclass
-class _Tier:
-    store: LowerTier
-    counters: TierCounters = field(default_factory=TierCounters)
-    #: Promotions of this step not submitted yet: (key, tier slot, CPU slot).
-    batch: list[tuple[OffloadKey, int, int]] = field(default_factory=list)
-    #: I/O jobs in flight, in submission order (they end about in order per tier).
-    reads: deque[_Io] = field(default_factory=deque)
-    writes: deque[_Io] = field(default_factory=deque)
-    #: A shared tier: its client runs on the private loop, and it answers ``exists``.
-    shared: _Shared | None = None
-    #: A shared tier whose last query failed is not asked again before this time.
+    reads: deque[tuple[TierIo, CopyJob]] = field(default_factory=deque)
+    writes: deque[tuple[TierIo, CopyJob]] = field(default_factory=deque)
     down_until: float = 0.0
-    #: Keys a shared tier was asked about, and those it held.
-    asked: int = 0
-    found: int = 0
 
 
 @dataclass
 class _Query:
     """An ``exists`` query of one shared tier, a task on the private loop."""
 
-    tier: _Tier
+    tier: TierState
     keys: list[OffloadKey]
     task: asyncio.Task[list[bool]]
 
@@ -178,8 +163,10 @@ class SchedulerTiers:
         #: Whether a pool file's name goes once it is mapped here (not for a pool that
         #: other workers still have to find: a replicated layout's).
         self.unlink_pools = unlink_pools
-        self.tiers = [_Tier(store, shared=_shared(store)) for store in stores]
-        self._shared = [tier for tier in self.tiers if tier.shared is not None]
+        self.core = TierHierarchy(cpu, stores)
+        self.tiers = self.core.tiers
+        self._shared = self.core.shared_tiers
+        self._jobs = {tier: _Jobs() for tier in self.tiers}
         if isinstance(pool_paths, (str, os.PathLike)):
             pool_paths = [pool_paths]
         #: Each rank's host pool file, rank order: a block in a lower tier is one value
@@ -204,7 +191,6 @@ class SchedulerTiers:
         self._first_try = 0.0
         self._next_try = 0.0
         self._warned = False
-        self._batched = 0
         self._closed = False
         # The shared tiers' private loop, stepped from here (see the module docstring),
         # and what of ours is in flight on it (jobs' tasks, queries).
@@ -222,7 +208,7 @@ class SchedulerTiers:
         self.miss_ttl_s = _MISS_TTL_S
         self._logged_at = -_LOG_EVERY_S
         self._unlogged = 0
-        self.deadline_s = max((s.deadline_s for s in stores), default=0.0)
+        self.deadline_s = self.core.deadline_s
         for store in stores:
             store.bind(None)  # vLLM polls: no wake-up fd
         for tier in self._shared:
@@ -306,7 +292,7 @@ class SchedulerTiers:
         self._mapped = True
         return self._base
 
-    def _connect(self, tier: _Tier) -> None:
+    def _connect(self, tier: TierState) -> None:
         """Open a shared tier's connections now, once, at start-up: the private loop
         runs only while vLLM calls the manager, and under load a step can take a
         second, so a handshake of several round trips made in the middle of a request
@@ -324,69 +310,58 @@ class SchedulerTiers:
                 exc,
             )
 
-    def _skip(self, tier: _Tier, cause: str, n: int) -> None:
-        tier.counters.failures[cause] = tier.counters.failures.get(cause, 0) + n
-
     # --- polling --------------------------------------------------------------------
 
     def pending(self) -> bool:
         """Whether I/O or a shared tier's query is in flight, or promotions or queries
         wait to be submitted."""
-        return bool(self._batched or self._asking or self._io_in_flight())
+        return bool(self.core.batched or self._asking or self._io_in_flight())
 
     def _io_in_flight(self) -> bool:
-        return any(t.reads or t.writes for t in self.tiers)
+        return any(jobs.reads or jobs.writes for jobs in self._jobs.values())
 
     def poll(self) -> None:
         """Finish the I/O jobs that ended (only each tier's heads: a tier's jobs end
         about in order) and take the shared tiers' answers that arrived. It does not
         step the private loop (cheap enough for every lookup)."""
-        for tier in self.tiers:
-            reads = tier.reads
-            while reads and reads[0].job.query():
-                self._read_done(reads.popleft())
-            writes = tier.writes
-            while writes and writes[0].job.query():
-                self._written(writes.popleft())
+        core = self.core
+        for jobs in self._jobs.values():
+            reads = jobs.reads
+            while reads and reads[0][1].query():
+                io, job = reads.popleft()
+                core.read_done(io, job)
+                if io.bad and self._shared:  # gone from every index: not asked at once
+                    now = time.monotonic()
+                    for key in io.bad:
+                        self._remember_miss(key, now)
+            writes = jobs.writes
+            while writes and writes[0][1].query():
+                core.write_done(*writes.popleft())
         if self._queries:
             self._answers()
 
     def flush(self) -> None:
         """Submit the promotions found since the last flush, one read job per tier, and
         the shared tiers' queries; then step the private loop and take what ended."""
-        if self._batched:
-            self._batched = 0
-            base = self._base
-            size = self.slot_bytes
-            for tier in self.tiers:
-                batch = tier.batch
-                if not batch:
-                    continue
-                tier.batch = []
-                keys = [key for key, _, _ in batch]
-                host = [base + cpu_slot * size for _, _, cpu_slot in batch]
-                job = self._submit(tier, False, keys, [s for _, s, _ in batch], host)
-                tier.counters.reads += 1
-                tier.reads.append(_Io(job, tier, keys))
+        for io in self.core.take_reads():
+            self._jobs[io.tier].reads.append((io, self._submit(io)))
         if self._ask:
             self._send_queries()
         if self._on_loop:
             self._step()
             self.poll()
 
-    def _submit(
-        self, tier: _Tier, write: bool, keys: list[OffloadKey], slots: list[int], host: list[int]
-    ) -> CopyJob:
-        store = tier.store
-        submit = store.submit_write if write else store.submit_read
+    def _submit(self, io: TierIo) -> CopyJob:
+        """Hand ``io`` to its tier: a shared tier's job is a task on the private loop,
+        submitted from inside it."""
+        host = [self._base + slot * self.slot_bytes for slot in io.cpu_slots]
+        if io.tier.shared is None:
+            return submit(io, host)
         try:
-            if tier.shared is None:
-                return submit(keys, slots, host)
-            # A shared tier's job is a task on the private loop: submitted from inside it.
-            job = self._in_loop(submit, keys, slots, host)
+            job = self._in_loop(submit, io, host)
         except Exception as exc:
             log.warning("a tier I/O submission failed: %r", exc)
-            return FailedJob(len(keys), exc.with_traceback(None))
+            return FailedJob(len(io.keys), exc.with_traceback(None))
         task = getattr(job, "task", None)
         if isinstance(task, asyncio.Future):
             self._track(task)
@@ -447,28 +422,18 @@ class SchedulerTiers:
         """``key`` is absent from the CPU tier: if a lower tier has it ready, reserve a
         CPU slot (never evicting one of ``protect``: the keys of the same lookup walk
         found before it) and queue its read (True: the caller answers ``HIT_PENDING``)."""
-        for tier in self.tiers:
-            manager = tier.store.manager
-            if not manager.ready(key):
-                continue
-            if self._pool_base() is None:
-                self._skip(tier, "no_pool", 1)
-                return False
-            out = self.cpu.reserve([key], protect)
-            if out is None:
-                self._skip(tier, "no_slot", 1)
-                return False
-            (cpu_slot,) = out.store_spec.block_ids
-            (tier_slot,) = manager.prepare_load([key]).block_ids
-            tier.counters.lookup_hits += 1
-            tier.batch.append((key, tier_slot, cpu_slot))
-            self._batched += 1
-            if self._batched >= _MAX_BATCH:
-                self.flush()
-            return True
-        if self._shared:
-            return self._ask_shared(key)
-        return False
+        core = self.core
+        tier = core.source(key)
+        if tier is None:
+            return self._ask_shared(key) if self._shared else False
+        if self._pool_base() is None:
+            core.skip(tier, "no_pool", 1)
+            return False
+        if core.promote({key: tier}, None, protect, lookup=True) is None:
+            return False
+        if core.batched >= _MAX_BATCH:
+            self.flush()
+        return True
 
     # --- asking the shared tiers ------------------------------------------------------
 
@@ -491,10 +456,10 @@ class SchedulerTiers:
                 del misses[key]
         if len(key) > MAX_KEY_BYTES or self._closed:
             return False
-        if all(tier.down_until > now for tier in self._shared):
+        if all(self._jobs[tier].down_until > now for tier in self._shared):
             return False
         if self._pool_base() is None:  # nothing could be read: do not ask
-            self._skip(self._shared[0], "no_pool", 1)
+            self.core.skip(self._shared[0], "no_pool", 1)
             return False
         self._ask[key] = None
         self._asking[key] = 0
@@ -512,17 +477,15 @@ class SchedulerTiers:
         asking = self._asking
         now = time.monotonic()
         for tier in self._shared:
-            if tier.down_until > now:
+            if self._jobs[tier].down_until > now:
                 continue
-            manager = tier.store.manager
-            unknown = [key for key in keys if manager.block_of(key) is None]
+            unknown = self.core.ask(tier, keys)
             if not unknown:
                 continue
             assert tier.shared is not None
             task = loop.create_task(tier.shared.exists(unknown))
             self._track(task)
             self._queries.append(_Query(tier, unknown, task))
-            tier.asked += len(unknown)
             for key in unknown:
                 asking[key] += 1
         for key in keys:
@@ -552,27 +515,13 @@ class SchedulerTiers:
                 found = task.result()
         if found is None or len(found) != len(keys):
             # The server is down or late: misses, and no more queries for a while.
-            tier.down_until = now + self.miss_ttl_s
-            self._skip(tier, "lookup_failed", len(keys))
+            self._jobs[tier].down_until = now + self.miss_ttl_s
+            self.core.skip(tier, "lookup_failed", len(keys))
             self._log_failure(tier, error)
         else:
-            manager = tier.store.manager
-            hits = [key for key, hit in zip(keys, found) if hit]
-            new = [key for key in hits if manager.block_of(key) is None]
-            if new:
-                # They join the tier's index as alookup's do (a stored event); the next
-                # lookup promotes them as from disk.
-                out = manager.reserve(new)
-                if out is None:  # the index is full of blocks in flight
-                    self._skip(tier, "full", len(new))
-                    gone = set(new)
-                    hits = [key for key in hits if key not in gone]
-                else:
-                    manager.complete_store(new)
-                    if out.evicted_keys:
-                        tier.store.forget(out.evicted_keys)
-            tier.found += len(hits)
-            self._found.update(hits)
+            # Those found join the tier's index (a stored event), as alookup's do; the
+            # next lookup promotes them as from disk.
+            self._found.update(self.core.join(tier, keys, found))
         asking = self._asking
         for key in keys:
             left = asking.get(key, 0) - 1
@@ -596,7 +545,7 @@ class SchedulerTiers:
         if len(misses) > _MISS_KEYS:
             misses.popitem(last=False)
 
-    def _log_failure(self, tier: _Tier, error: BaseException | None) -> None:
+    def _log_failure(self, tier: TierState, error: BaseException | None) -> None:
         now = time.monotonic()
         if now - self._logged_at < _LOG_EVERY_S:
             self._unlogged += 1
@@ -613,128 +562,33 @@ class SchedulerTiers:
             more,
         )
 
-    def _read_done(self, io: _Io) -> None:
-        tier, keys = io.tier, io.keys
-        good, bad, causes = settle_read(tier.store, tier.counters, keys, io.job)
-        if good:
-            self.cpu.complete_store(good, None, success=True)
-        if bad:
-            self.cpu.complete_store(bad, None, success=False)
-            if self._shared:  # gone from every index: not asked about again at once
-                now = time.monotonic()
-                for key in bad:
-                    self._remember_miss(key, now)
-            log.warning(
-                "%d of %d blocks read from %s failed (%s): misses, dropped from its index",
-                len(bad),
-                len(keys),
-                tier.store.name,
-                ", ".join(f"{k} {v}" for k, v in causes.items()),
-            )
-
-    def _cancel_batches(self) -> None:
-        """Promotions reserved but not submitted: release them (nothing was read)."""
-        for tier in self.tiers:
-            if tier.batch:
-                keys = [key for key, _, _ in tier.batch]
-                tier.batch = []
-                tier.store.manager.complete_load(keys)
-                self.cpu.complete_store(keys, None, success=False)
-        self._batched = 0
-
     # --- write-through --------------------------------------------------------------
 
     def write_through(self, keys: Sequence[OffloadKey]) -> None:
         """Offer CPU-ready ``keys`` to each tier; those its admission takes are written
         from their CPU slots, which stay pinned until the write ends."""
-        get = self.cpu.block_of
-        ready = []
-        for key in keys:
-            block = get(key)
-            if block is not None and block.ref_cnt >= 0 and len(key) <= MAX_KEY_BYTES:
-                ready.append(key)
-        if not ready or self._closed:
+        if self._closed or not keys:
             return
-        base = self._pool_base()
-        if base is None:
-            for tier in self.tiers:
-                self._skip(tier, "no_pool", len(ready))
-            return
-        size = self.slot_bytes
-        for tier in self.tiers:
-            manager = tier.store.manager
-            out = manager.prepare_store(ready)
-            if out is None:  # the tier is full of blocks being read or written
-                self._skip(tier, "full", 1)
-                continue
-            if out.evicted_keys:
-                tier.store.forget(out.evicted_keys)
-            chosen = list(out.keys_to_store)
-            if not chosen:
-                continue
-            spec = self.cpu.pin(chosen)
-            host = [base + b * size for b in spec.block_ids]
-            job = self._submit(tier, True, chosen, list(out.store_spec.block_ids), host)
-            tier.counters.writes += 1
-            tier.writes.append(_Io(job, tier, chosen))
-
-    def _written(self, io: _Io) -> None:
-        tier, keys = io.tier, io.keys
-        try:
-            failed, causes = settle_write(tier.store, tier.counters, keys, io.job, None)
-            if failed:
-                log.warning(
-                    "%d of %d blocks could not be written to %s (%s): skipped",
-                    failed,
-                    len(keys),
-                    tier.store.name,
-                    ", ".join(f"{k} {v}" for k, v in causes.items()),
-                )
-        finally:
-            self.cpu.complete_load(keys)  # unpin
+        blocked = "" if self._pool_base() is not None else "no_pool"
+        for io in self.core.write_through(keys, None, blocked=blocked):
+            self._jobs[io.tier].writes.append((io, self._submit(io)))
 
     # --- events, stats --------------------------------------------------------------
 
     def take_events(self) -> list[tuple[list[OffloadKey], bool]]:
         """Each tier's stored / removed events since the last call, as ``(keys,
         removed)``."""
-        out: list[tuple[list[OffloadKey], bool]] = []
-        for tier in self.tiers:
-            for event in tier.store.manager.take_events():
-                out.append((list(event.keys), event.removed))
-        return out
+        return [(list(event.keys), event.removed) for event in self.core.take_events()]
 
     def stats(self) -> tuple[TierStats, ...]:
-        out = []
-        for tier in self.tiers:
-            c = tier.counters
-            info = dict(tier.store.describe())
-            if tier.shared is not None:
-                info["keys_asked"] = tier.asked
-                info["keys_found"] = tier.found
-            info["host_pool"] = str(self.pool_path)
-            if len(self.pool_paths) > 1:
-                info["host_pools"] = [str(p) for p in self.pool_paths]
-            info["host_pool_mapped"] = self._mapped
-            out.append(
-                TierStats(
-                    name=tier.store.name,
-                    medium=tier.store.medium.value,
-                    info=info,
-                    manager=tier.store.manager.stats(),
-                    lookup_hits=c.lookup_hits,
-                    blocks_written=c.blocks_written,
-                    bytes_written=c.bytes_written,
-                    write_failures=c.write_failures,
-                    blocks_read=c.blocks_read,
-                    bytes_read=c.bytes_read,
-                    read_failures=c.read_failures,
-                    dropped=tier.store.manager.dropped,
-                    failures=dict(c.failures),
-                    blocks_present=c.blocks_present,
-                )
-            )
-        return tuple(out)
+        return self.core.stats(self._info)
+
+    def _info(self, tier: TierState) -> dict[str, object]:
+        info: dict[str, object] = {"host_pool": str(self.pool_path)}
+        if len(self.pool_paths) > 1:
+            info["host_pools"] = [str(p) for p in self.pool_paths]
+        info["host_pool_mapped"] = self._mapped
+        return info
 
     # --- lifecycle ------------------------------------------------------------------
 
@@ -743,7 +597,7 @@ class SchedulerTiers:
         shared tiers go on, they touch no slot): wait at most the tiers' deadline plus a
         second. False if a job still runs then (a stalled disk or server: its slots may
         still be read or written)."""
-        self._cancel_batches()
+        self.core.cancel_reads()
         limit = time.monotonic() + self.deadline_s + _DRAIN_GRACE_S
         while True:
             self._step()
@@ -754,7 +608,7 @@ class SchedulerTiers:
                 log.error(
                     "%d tier I/O jobs still run %.1fs after the drain began (a stalled "
                     "disk or server?): going on without them",
-                    sum(len(t.reads) + len(t.writes) for t in self.tiers),
+                    sum(len(j.reads) + len(j.writes) for j in self._jobs.values()),
                     self.deadline_s + _DRAIN_GRACE_S,
                 )
                 return False
@@ -785,8 +639,8 @@ class SchedulerTiers:
                 if tier.shared is not None:
                     with contextlib.suppress(Exception):
                         tier.store.close()
-            tier.reads.clear()
-            tier.writes.clear()
+            self._jobs[tier].reads.clear()
+            self._jobs[tier].writes.clear()
         self._close_loop()
         pools, self._pools = self._pools, [None] * len(self.pool_paths)
         self._views = []
@@ -818,8 +672,3 @@ class SchedulerTiers:
 async def _aclose_shared(store: LowerTier) -> None:
     """``store.aclose()`` (which closes its client's connections too)."""
     await store.aclose()
-
-
-def _shared(store: LowerTier) -> _Shared | None:
-    """``store`` as a shared tier (one that answers ``exists``), or None."""
-    return cast(_Shared, store) if callable(getattr(store, "exists", None)) else None
