@@ -126,7 +126,7 @@ class Copies:
         fut.add_done_callback(_retrieve)
         fut.add_done_callback(self.inflight.discard)
 
-    # --- a store -----------------------------------------------------------------------
+    # --- a store, a load ---------------------------------------------------------------
 
     def store(
         self,
@@ -141,57 +141,26 @@ class Copies:
         caller's last step). Every way out frees them or hands them to a job whose
         completion does."""
         to_store = handle.keys_to_store
-        fut: asyncio.Future[TransferResult] | None = None
-        attempted = False
-        step = [0]
-        try:
-            if before is not None:
-                before()
-            fut = handle._future
-            if not to_store:
-                fut.set_result(TransferResult(0, 0, 0.0))
-                return
+        manager = self._manager
+
+        def stored(error: BaseException | None, job: CopyJob, step: list[int]) -> None:
+            manager.complete_store(to_store, ctx, success=error is None)
+            step[0] = 2
+            self._publish()
+            if error is None:
+                if self.stored is not None:
+                    self.stored(to_store, ctx)
+                self.bytes_stored += job.nbytes
+                _observe(self.store_hist, self.store_rate, job)
+
+        def go(step: list[int]) -> None:
             self.stores += 1
-            self.track(fut)
-            attempted = True
-            job = _start(self._backend.submit_store, src, slots)
-            assert self.bridge is not None
-            self.bridge.watch(
-                self._store_lane, job, lambda j: self._store_done(j, handle, ctx, step)
+            self._watch(
+                "store", _start(self._backend.submit_store, src, slots), handle, step, stored
             )
-        except BaseException as exc:
-            self.abandon(
-                "store",
-                fut,
-                attempted,
-                lambda: self._manager.complete_store(to_store, ctx, success=False),
-                exc,
-                step,
-            )
-            raise
 
-    def _store_done(self, job: CopyJob, handle: Transfer, ctx: ReqContext, step: list[int]) -> None:
-        with InterruptsHeld():
-            error: BaseException | None = None
-            try:
-                error = _rerun_error(step, "store")
-                if error is None:
-                    error = job.error
-                if step[0] == 1:
-                    self._manager.complete_store(handle.keys_to_store, ctx, success=error is None)
-                    step[0] = 2
-                    self._publish()
-                    if error is None:
-                        if self.stored is not None:
-                            self.stored(handle.keys_to_store, ctx)
-                        self.bytes_stored += job.nbytes
-                        _observe(self.store_hist, self.store_rate, job)
-            except Exception as exc:  # never leave the handle (and aclose) hanging
-                log.exception("complete_store failed")
-                error = error or exc
-            self.resolve(handle, job, error)
-
-    # --- a load ------------------------------------------------------------------------
+        undo = lambda: manager.complete_store(to_store, ctx, success=False)  # noqa: E731
+        self._begin("store", handle, len(to_store), before, go, undo)
 
     def load(
         self,
@@ -205,30 +174,13 @@ class Copies:
         after ``before`` (the caller's last manager update). Every way out unpins them
         or hands them to a job whose completion does."""
         keys = list(handle.keys)
-        fut: asyncio.Future[TransferResult] | None = None
-        attempted = False
-        step = [0]
-        try:
-            if before is not None:
-                before()
-            fut = handle._future
-            if not keys:
-                fut.set_result(TransferResult(0, 0, 0.0))
-                return
+
+        def go(step: list[int]) -> None:
             self.loads += 1
-            self.track(fut)
-            attempted = True
             self.copy_in(handle, slots, ids, ctx, step)
-        except BaseException as exc:
-            self.abandon(
-                "load",
-                fut,
-                attempted,
-                lambda: self._manager.complete_load(keys),
-                exc,
-                step,
-            )
-            raise
+
+        undo = lambda: self._manager.complete_load(keys)  # noqa: E731
+        self._begin("load", handle, len(keys), before, go, undo)
 
     def copy_in(
         self,
@@ -241,37 +193,72 @@ class Copies:
         """Submit the load of a counted, tracked ``handle`` (its host ``slots`` pinned) to
         the load lane; its completion unpins them and resolves the handle."""
         keys = list(handle.keys)
-        step = [0] if step is None else step
-        job = _start(self._backend.submit_load, list(slots), ids)
-        assert self.bridge is not None
-        self.bridge.watch(
-            self._load_lane, job, lambda j: self._load_done(j, handle, keys, ctx, step)
-        )
+        manager = self._manager
 
-    def _load_done(
+        def loaded(error: BaseException | None, job: CopyJob, step: list[int]) -> None:
+            manager.complete_load(keys, ctx)
+            step[0] = 2
+            if error is None:
+                self.bytes_loaded += job.nbytes
+                _observe(self.load_hist, self.load_rate, job)
+
+        job = _start(self._backend.submit_load, list(slots), ids)
+        self._watch("load", job, handle, [0] if step is None else step, loaded)
+
+    def _begin(
         self,
+        kind: Literal["store", "load"],
+        handle: Transfer,
+        n: int,
+        before: Callable[[], None] | None,
+        go: Callable[[list[int]], None],
+        undo: Callable[[], None],
+    ) -> None:
+        """Run ``before``, then (``n`` blocks to copy) track ``handle`` and ``go``
+        (submit); whatever escapes after the slots were taken is undone (see
+        :meth:`abandon`). No block to copy: the handle resolves at once."""
+        fut: asyncio.Future[TransferResult] | None = None
+        attempted = False
+        step = [0]
+        try:
+            if before is not None:
+                before()
+            fut = handle._future
+            if not n:
+                fut.set_result(TransferResult(0, 0, 0.0))
+                return
+            self.track(fut)
+            attempted = True
+            go(step)
+        except BaseException as exc:
+            self.abandon(kind, fut, attempted, undo, exc, step)
+            raise
+
+    def _watch(
+        self,
+        kind: Literal["store", "load"],
         job: CopyJob,
         handle: Transfer,
-        keys: list[OffloadKey],
-        ctx: ReqContext,
         step: list[int],
+        tell: Callable[[BaseException | None, CopyJob, list[int]], None],
     ) -> None:
-        with InterruptsHeld():
-            error: BaseException | None = None
-            try:
-                error = _rerun_error(step, "load")
-                if error is None:
-                    error = job.error
-                if step[0] == 1:
-                    self._manager.complete_load(keys, ctx)
-                    step[0] = 2
-                    if error is None:
-                        self.bytes_loaded += job.nbytes
-                        _observe(self.load_hist, self.load_rate, job)
-            except Exception as exc:
-                log.exception("complete_load failed")
-                error = error or exc
-            self.resolve(handle, job, error)
+        """Hand ``job`` to its lane; its completion ``tell``s the manager (once: see the
+        module docstring) and resolves ``handle``."""
+
+        def done(job: CopyJob) -> None:
+            with InterruptsHeld():
+                error: BaseException | None = None
+                try:
+                    error = _rerun_error(step, kind) or job.error
+                    if step[0] == 1:
+                        tell(error, job, step)
+                except Exception as exc:  # never leave the handle (and aclose) hanging
+                    log.exception("complete_%s failed", kind)
+                    error = error or exc
+                self.resolve(handle, job, error)
+
+        assert self.bridge is not None
+        self.bridge.watch(self._store_lane if kind == "store" else self._load_lane, job, done)
 
     # --- endings -----------------------------------------------------------------------
 

@@ -55,7 +55,7 @@ from asyncoffload.manager.native import (
 )
 
 if TYPE_CHECKING:
-    from asyncoffload.engine import TierStats
+    from asyncoffload.tiers.hierarchy import TierStats
     from asyncoffload.integrations.vllm.tiers import SchedulerTiers
     from asyncoffload.tiers.base import LowerTier
 
