@@ -53,7 +53,7 @@ class Tier(LowerTier):
         self.forgotten: list[OffloadKey] = []
         self.submitted: list[tuple[bool, list[OffloadKey], list[int]]] = []
         if shared:
-            self.exists = self._exists  # type: ignore[method-assign]
+            self.exists = self._exists
 
     async def _exists(self, keys: Sequence[OffloadKey]) -> list[bool]:
         raise AssertionError("the core never asks a server itself")
