@@ -22,6 +22,7 @@ import warnings
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
 
 from asyncoffload import logs as _logs
+from asyncoffload._version import __version__
 from asyncoffload.config import EngineConfig
 from asyncoffload.engine import AsyncOffloadEngine, EngineStats, TierStats
 from asyncoffload.errors import (
@@ -83,8 +84,6 @@ from asyncoffload.transfer import (
     InjectedFault,
     TransferBackend,
 )
-
-__version__ = "0.1.0"
 
 __all__ = [
     "AdmissionFilter",

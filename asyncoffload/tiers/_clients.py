@@ -69,7 +69,7 @@ def _driver_identity() -> dict[str, Any]:
     each here)."""
     import redis
 
-    from asyncoffload import __version__
+    from asyncoffload._version import __version__
 
     try:
         from redis.driver_info import DriverInfo
