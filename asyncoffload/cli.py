@@ -1,25 +1,27 @@
 """The ``asyncoffload`` command line: ``asyncoffload demo [options]``.
 
-Each subcommand is a function that adds its parser and one that runs it, registered in
-:data:`COMMANDS`; ``main`` parses and dispatches. Bad options are argparse errors (exit
-status 2), and so are sizes the machine's memory cannot hold (checked before anything
-is allocated), an output path that cannot be written (checked before the run) and a
-trace that cannot be read or parsed (one line naming the file and line, no usage text);
-a run returns 0 when all went well, 1 when it found a problem or could not write an
-output at its end (one line on stderr). Ctrl-C at any point prints ``interrupted`` (one
-line on stderr) and exits with status 130; no path prints a traceback.
+It parses and dispatches, nothing more: each subcommand is a function that adds its
+parser and one that turns the parsed options into its app's settings and calls the app
+(:func:`asyncoffload.demo.command.run_command`,
+:func:`asyncoffload.replay.command.run_command`), registered in :data:`COMMANDS`; ``main``
+parses and dispatches. The apps check their settings, run, and print their reports; a
+setting they refuse comes back here as an option error. Bad options are argparse errors
+(exit status 2), and so are sizes the machine's memory cannot hold (checked before
+anything is allocated), an output path that cannot be written (checked before the run)
+and a trace that cannot be read or parsed (one line naming the file and line, no usage
+text); a run returns 0 when all went well, 1 when it found a problem or could not write
+an output at its end (one line on stderr). Ctrl-C at any point prints ``interrupted``
+(one line on stderr) and exits with status 130; no path prints a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
 import textwrap
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NoReturn, TextIO
+from typing import NoReturn
 
 from pydantic import ValidationError
 
@@ -278,8 +280,8 @@ def _options_message(
 
 
 def _run_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from asyncoffload.demo import DemoConfig, DemoConfigError, run_demo
-    from asyncoffload.loops import run
+    from asyncoffload.demo import DemoConfig, DemoConfigError
+    from asyncoffload.demo.command import run_command
 
     use_uvloop = _check_loop(args, parser)
     if args.disk_bytes is not None and args.disk is None:
@@ -323,28 +325,9 @@ def _run_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             )
         )
     try:
-        report = run(run_demo(cfg, progress=args.progress), use_uvloop=use_uvloop)
+        return run_command(cfg, progress=args.progress, use_uvloop=use_uvloop)
     except DemoConfigError as exc:
         parser.error(str(exc))
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
-    from asyncoffload._term import terminal_columns
-
-    headline = (
-        f"asyncoffload demo: {cfg.requests} chat requests ({cfg.turns} turns per session, "
-        f"{cfg.system_prompts} system prompts), seed {cfg.seed}"
-    )
-    print(textwrap.fill(headline, terminal_columns() - 1, subsequent_indent="  ") + "\n")
-    print(report.format_table())
-    if not report.ok:
-        print(
-            f"asyncoffload demo: FAILED: {report.mismatches} blocks loaded with wrong bytes, "
-            f"{report.failed_requests} requests failed",
-            file=sys.stderr,
-        )
-        return 1
-    return 0
 
 
 # --- replay ----------------------------------------------------------------------------
@@ -476,14 +459,19 @@ def _add_replay(parser: argparse.ArgumentParser) -> None:
     _add_progress_options(parser)
 
 
-def _disk_options(
-    args: argparse.Namespace, parser: argparse.ArgumentParser
-) -> tuple[list[float] | None, str, str | None]:
-    """``--disk-shares`` / ``--disk-policy`` / ``--disk-admission``, checked: the disk
-    shares (``None``: no disk tier), the disk policy and admission."""
-    from asyncoffload.manager.policies import get_policy_cls
-    from asyncoffload.replay import BELADY, DISK_ADMISSION, parse_disk_admission
+def _run_replay(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from asyncoffload.replay.command import (
+        ReplayInputError,
+        ReplayOptions,
+        ReplayUsageError,
+        run_command,
+    )
 
+    try:
+        shares = capacity_shares(",".join(args.capacity or [DEFAULT_SHARES]))
+    except argparse.ArgumentTypeError as exc:
+        parser.error(f"--capacity: {exc}")
+    disk_shares: list[float] | None = None
     if args.disk_shares is None:
         for option, value in (
             ("--disk-policy", args.disk_policy),
@@ -491,332 +479,42 @@ def _disk_options(
         ):
             if value is not None:
                 parser.error(f"{option}: needs --disk-shares (the disk tier's capacities)")
-        return None, "lru", DISK_ADMISSION
-    try:
-        disk = sorted(set(capacity_shares(",".join(args.disk_shares), at_most_all=False)))
-    except argparse.ArgumentTypeError as exc:
-        parser.error(f"--disk-shares: {exc}")
-    if args.engine:
-        parser.error("--disk-shares: not with --engine (the engine replay is the CPU tier's)")
-    policy = args.disk_policy if args.disk_policy is not None else "lru"
-    try:
-        if policy == BELADY:
-            raise ValueError("the offline bound is no policy a disk tier can run")
-        get_policy_cls(policy)
-    except ValueError as exc:
-        parser.error(f"--disk-policy: {exc}")
-    admission = args.disk_admission if args.disk_admission is not None else DISK_ADMISSION
-    try:
-        parse_disk_admission(admission)
-    except ValueError as exc:
-        parser.error(f"--disk-admission: {exc}")
-    return disk, policy, None if admission == "none" else admission
-
-
-ALL_SPECS_EXTRA = ("lru+ghost", "lru+adaptive", "kv+adaptive")
-
-
-def _policy_specs(values: list[str] | None) -> list[str]:
-    from asyncoffload.manager import available_policies
-
-    specs: list[str] = []
-    for value in values or ["all"]:
-        for part in value.split(","):
-            part = part.strip()
-            if part == "all":
-                specs.extend(available_policies())
-                specs.extend(ALL_SPECS_EXTRA)
-            elif part:
-                specs.append(part)
-    return list(dict.fromkeys(specs))
-
-
-class _ProgressBar:
-    """A one-line progress bar on a stream."""
-
-    def __init__(self, stream: TextIO, width: int = 30) -> None:
-        self.stream = stream
-        self.width = width
-        self.started = time.monotonic()
-        self._last = -1.0
-
-    def __call__(self, label: str, done: int, total: int) -> None:
-        now = time.monotonic()
-        if done < total and now - self._last < 0.1:
-            return
-        self._last = now
-        frac = done / total if total else 1.0
-        fill = int(frac * self.width)
-        bar = "#" * fill + "." * (self.width - fill)
-        elapsed = now - self.started
-        eta = elapsed / frac - elapsed if frac > 0 else 0.0
-        self.stream.write(f"\r[{bar}] {frac:6.1%}  {label:<24} eta {eta:5.0f}s ")
-        if done >= total:
-            self.stream.write("\n")
-        self.stream.flush()
-
-
-#: What a generated request holds in memory at least (its object, ids, keys tuple).
-REQUEST_BYTES_AT_LEAST = 300
-
-
-def _check_generated(parser: argparse.ArgumentParser, trace: str, n: int) -> None:
-    """Refuse, before generating them, ``n`` requests that cannot fit in memory."""
-    from asyncoffload.hostmem import available_host_bytes, format_bytes
-
-    need = n * REQUEST_BYTES_AT_LEAST
-    available = available_host_bytes()
-    if available is not None and need > available:
-        parser.error(
-            f"TRACE: {trace!r}: {n:,} requests need at least "
-            f"{format_bytes(min(need, 1 << 60))} of host memory; this machine has "
-            f"{format_bytes(available)} available (ask for fewer, or use --limit)"
-        )
-
-
-def _load_workload(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[Any]:
-    from asyncoffload.replay import FAMILY_REQUESTS, is_family_source, parse_family_source
-    from asyncoffload.workloads import TraceFormatError, load_mooncake, synthetic_sessions
-
-    trace: str = args.trace
-    if is_family_source(trace):
+    else:
         try:
-            source = parse_family_source(trace)
-        except ValueError as exc:
-            parser.error(f"TRACE: {exc}")
-        n = FAMILY_REQUESTS if source.num_requests is None else source.num_requests
-        _check_generated(parser, trace, n if args.limit is None else min(n, args.limit))
-        try:
-            return source.requests(seed=args.seed, block_size=args.block_size, limit=args.limit)
-        except ValueError as exc:
-            parser.error(f"TRACE: {exc}")
-    if trace == "synthetic" or trace.startswith("synthetic:"):
-        _, _, count = trace.partition(":")
-        try:
-            n = int(count) if count else 20_000
-        except ValueError:
-            parser.error(f"TRACE: expected synthetic:N with N a positive integer, got {trace!r}")
-        if n <= 0:
-            parser.error(f"TRACE: expected synthetic:N with N a positive integer, got {trace!r}")
-        if args.limit is not None:
-            n = min(n, args.limit)
-        _check_generated(parser, trace, n)
-        return synthetic_sessions(n, block_size=args.block_size, seed=args.seed)
-    # A trace that cannot be read is no usage error: one line, no usage text, exit 2.
+            disk_shares = capacity_shares(",".join(args.disk_shares), at_most_all=False)
+        except argparse.ArgumentTypeError as exc:
+            parser.error(f"--disk-shares: {exc}")
+        if args.engine:
+            parser.error("--disk-shares: not with --engine (the engine replay is the CPU tier's)")
+    options = ReplayOptions(
+        trace=args.trace,
+        shares=shares,
+        policies=args.policy,
+        bound=not args.no_bound,
+        engine=args.engine,
+        block_size=args.block_size,
+        limit=args.limit,
+        metric=args.metric,
+        disk_shares=disk_shares,
+        disk_policy=args.disk_policy,
+        disk_admission=args.disk_admission,
+        plot=args.plot,
+        json=args.json,
+        seed=args.seed,
+        progress=args.progress,
+    )
     try:
-        return load_mooncake(trace, block_size=args.block_size, limit=args.limit)
-    except OSError as exc:
-        _fail(parser, f"cannot read the trace {trace!r}: {exc.strerror or exc}")
-    except TraceFormatError as exc:
+        return run_command(options, prog=parser.prog)
+    except ReplayUsageError as exc:
+        parser.error(str(exc))
+    except ReplayInputError as exc:
+        # A trace that cannot be read is no usage error: one line, no usage text, exit 2.
         _fail(parser, str(exc))
 
 
 def _fail(parser: argparse.ArgumentParser, message: str) -> NoReturn:
     """Exit with status 2 after one line on stderr: ``<prog>: error: <message>``."""
     parser.exit(2, f"{parser.prog}: error: {message}\n")
-
-
-#: File name suffixes ``--plot`` writes (formats every matplotlib backend saves).
-PLOT_FORMATS = (".png", ".svg", ".pdf", ".jpg", ".jpeg", ".webp", ".eps", ".ps")
-
-
-def _check_output(
-    parser: argparse.ArgumentParser,
-    option: str,
-    path: str,
-    suffixes: tuple[str, ...] | None = None,
-) -> None:
-    """Refuse, before any work, an output path the run could not write at its end."""
-    import os
-
-    if os.path.isdir(path):
-        parser.error(f"{option} {path}: is a directory")
-    if suffixes is not None and os.path.splitext(path)[1].lower() not in suffixes:
-        parser.error(f"{option} {path}: name a {', '.join(suffixes)} file")
-    folder = os.path.dirname(path) or "."
-    if not os.path.isdir(folder):
-        parser.error(f"{option} {path}: the folder {folder} does not exist")
-    if not os.access(folder, os.W_OK):
-        parser.error(f"{option} {path}: the folder {folder} is not writable")
-    if os.path.exists(path) and not os.access(path, os.W_OK):
-        parser.error(f"{option} {path}: the file is not writable")
-    # os.access answers for permissions only (root passes on /proc): open it for real,
-    # without truncating a file that is there, and remove one that was not.
-    existed = os.path.exists(path)
-    try:
-        with open(path, "ab" if existed else "xb"):
-            pass
-    except OSError as exc:
-        parser.error(f"{option} {path}: cannot be written: {exc.strerror or exc}")
-    if not existed:
-        with contextlib.suppress(OSError):
-            os.unlink(path)
-
-
-#: What --json writes of a result with a disk tier, besides its fields.
-_TIER_RATES = (
-    "cpu_hit_blocks",
-    "cpu_hit_tokens",
-    "cpu_block_hit_rate",
-    "cpu_token_hit_rate",
-    "disk_block_hit_rate",
-    "disk_token_hit_rate",
-)
-
-
-def _json_row(result: Any, disk: bool) -> dict[str, Any]:
-    """A result for --json: its fields and rates; the disk tier's only with ``disk``."""
-    import dataclasses
-
-    row = {
-        **result.__dict__,
-        "label": result.label,
-        "block_hit_rate": result.block_hit_rate,
-        "token_hit_rate": result.token_hit_rate,
-    }
-    defaults = {f.name for f in dataclasses.fields(result) if f.name.startswith("disk_")}
-    defaults.add("promoted")
-    if not disk:
-        for name in defaults:
-            del row[name]
-    else:
-        row.update({name: getattr(result, name) for name in _TIER_RATES})
-    return row
-
-
-def _run_replay(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    import json
-
-    from asyncoffload.replay import (
-        BELADY,
-        LLAMA3_8B_BYTES_PER_TOKEN,
-        format_table,
-        infinite_tier_hit_rate,
-        parse_spec,
-        plot,
-        replay_matrix,
-    )
-    from asyncoffload.workloads import summarize
-
-    try:
-        shares = sorted(set(capacity_shares(",".join(args.capacity or [DEFAULT_SHARES]))))
-    except argparse.ArgumentTypeError as exc:
-        parser.error(f"--capacity: {exc}")
-    disk_shares, disk_policy, disk_admission = _disk_options(args, parser)
-    specs = _policy_specs(args.policy)
-    if not args.no_bound and BELADY not in specs:
-        specs.append(BELADY)
-    try:
-        for spec in specs:
-            parse_spec(spec)
-    except ValueError as exc:
-        parser.error(f"--policy: {exc}")
-    if args.plot:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            parser.error("--plot needs matplotlib: pip install 'asyncoffload[replay]'")
-        _check_output(parser, "--plot", args.plot, PLOT_FORMATS)
-    if args.json:
-        _check_output(parser, "--json", args.json)
-    requests = _load_workload(args, parser)
-    if not requests:
-        parser.error(f"TRACE: {args.trace!r} holds no requests")
-    summary = summarize(requests)
-    show = args.progress == "always" or (args.progress == "auto" and sys.stderr.isatty())
-    bar = _ProgressBar(sys.stderr) if show else None
-    try:
-        results = replay_matrix(
-            requests,
-            shares,
-            specs,
-            progress=bar,
-            engine=args.engine,
-            disk_shares=None if disk_shares is None else [None, *disk_shares],
-            disk_policy=disk_policy,
-            disk_admission=disk_admission,
-        )
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
-    from asyncoffload._term import terminal_columns
-
-    headline = (
-        f"asyncoffload replay: {args.trace}: {summary.requests:,} requests, "
-        f"{summary.total_blocks:,} blocks, {summary.unique_blocks:,} unique "
-        f"(an infinite tier would hit {infinite_tier_hit_rate(requests, args.metric):.3f} "
-        f"of the {args.metric}s)"
-    )
-    print(textwrap.fill(headline, terminal_columns() - 1, subsequent_indent="  ") + "\n")
-    if disk_shares is None:
-        print(f"prefix hit rate ({args.metric}s) / blocks written, by tier capacity:\n")
-    else:
-        what = (
-            f"prefix hit rate ({args.metric}s) served from the CPU tier / disk / both, and "
-            f"GB written to disk (10^9 bytes, at {LLAMA3_8B_BYTES_PER_TOKEN:,} bytes a "
-            f"token), by CPU x disk capacity (disk: {disk_policy}, admission "
-            f"{disk_admission or 'none: every block'}; disk none: no disk tier"
-            f"{'; belady: the bound of the CPU tier alone' if not args.no_bound else ''}):"
-        )
-        print(textwrap.fill(what, terminal_columns() - 1) + "\n")
-    print(format_table(results, args.metric))
-    costs: dict[str, list[float]] = {}
-    for r in results:
-        if r.policy != BELADY and not r.has_disk:
-            costs.setdefault(r.label, []).append(r.us_per_block)
-    if "lru" in costs:
-        base = sum(costs["lru"]) / len(costs["lru"])
-        what = "engine time per block, copies awaited" if args.engine else "manager time per block"
-        print(f"\n{what} (mean over capacities), against lru:")
-        for label, values in costs.items():
-            mean = sum(values) / len(values)
-            print(f"  {label:<14} {mean:6.2f} us  x{mean / base:.2f}")
-    if args.engine:
-        bad = sum(int(r.extra.get("mismatches", 0)) for r in results)
-        loaded = sum(r.loaded for r in results if r.policy != BELADY)
-        print(f"\nthrough the engine: {loaded:,} loaded blocks checked, {bad} with wrong bytes")
-        too_large = sum(int(r.extra.get("too_large", 0)) for r in results)
-        if too_large:
-            what = (
-                f"{too_large:,} stores had more new blocks than the CPU tier holds: not "
-                "stored, counted as refused (as without --engine)"
-            )
-            print(textwrap.fill(what, terminal_columns() - 1))
-        if bad:
-            return 1
-    status = 0
-    if args.json:
-        rows = [_json_row(r, disk_shares is not None) for r in results]
-        text = json.dumps({"trace": args.trace, "results": rows}, indent=1)
-        try:
-            with open(args.json, "w") as fh:
-                fh.write(text)
-        except OSError as exc:
-            status = _write_failed(parser, "--json", args.json, exc)
-    if args.plot:
-        try:
-            plot(
-                [r for r in results if not r.has_disk],
-                args.plot,
-                title=f"{args.trace.rsplit('/', 1)[-1]}: hit rate and blocks written vs capacity",
-                metric=args.metric,
-            )
-        except OSError as exc:
-            status = _write_failed(parser, "--plot", args.plot, exc)
-        else:
-            print(f"\nplot: {args.plot}")
-    return status
-
-
-def _write_failed(parser: argparse.ArgumentParser, option: str, path: str, exc: OSError) -> int:
-    """One line on stderr for an output the run could not write at its end; status 1."""
-    sys.stdout.flush()
-    print(
-        f"{parser.prog}: error: {option} {path}: writing it failed: {exc.strerror or exc} "
-        "(the table above has the results)",
-        file=sys.stderr,
-    )
-    return 1
 
 
 #: The subcommands, in help order.
@@ -839,7 +537,7 @@ COMMANDS: list[Command] = [
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from asyncoffload import __version__
+    from asyncoffload._version import __version__
 
     parser = argparse.ArgumentParser(
         prog="asyncoffload",

@@ -69,12 +69,12 @@ def test_replay_refuses_an_output_path_before_any_work(
     capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import asyncoffload.cli as cli
+    import asyncoffload.replay.command as command
 
     def no_work(*args: object, **kwargs: object) -> None:
         raise AssertionError("the trace was loaded before the output path was checked")
 
-    monkeypatch.setattr(cli, "_load_workload", no_work)
+    monkeypatch.setattr(command, "_load_workload", no_work)
     with pytest.raises(SystemExit) as exit_info:
         main(["replay", "synthetic", option, path.format(tmp=tmp_path)])
     assert exit_info.value.code == 2
@@ -109,7 +109,7 @@ def test_demo_option_errors_name_the_option_not_pydantic(
 
 @pytest.mark.parametrize("columns", [40, 60, 80, 100])
 def test_the_demo_progress_line_is_shorter_than_the_terminal(columns: int) -> None:
-    from asyncoffload.demo import _Progress, _render
+    from asyncoffload.demo.progress import _Progress, _render
 
     progress = _Progress()
     progress.done = 12345
@@ -267,7 +267,8 @@ def test_demo_sizes_too_large_for_memory_are_refused_naming_the_option(
 
 
 def test_demo_size_check_lets_real_workloads_through() -> None:
-    from asyncoffload.demo import DemoConfig, _check_workload_size
+    from asyncoffload.demo import DemoConfig
+    from asyncoffload.demo.settings import _check_workload_size
 
     for cfg in (
         DemoConfig(),
@@ -315,12 +316,12 @@ def test_the_output_check_truncates_nothing_and_leaves_nothing_behind(
 ) -> None:
     """Checking --json / --plot by opening them keeps an existing file's bytes and
     removes a file it had to create (the run may still fail before writing it)."""
-    import asyncoffload.cli as cli
+    import asyncoffload.replay.command as command
 
     def stop(*args: object, **kwargs: object) -> None:
         raise SystemExit(3)
 
-    monkeypatch.setattr(cli, "_load_workload", stop)
+    monkeypatch.setattr(command, "_load_workload", stop)
     old, new = tmp_path / "old.json", tmp_path / "new.png"
     old.write_text("keep me")
     with pytest.raises(SystemExit) as exit_info:
