@@ -41,10 +41,12 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(PY) -m asyncoffload demo $(ARGS)
 
+# lint-imports: the layering contracts in pyproject.toml ([tool.importlinter]).
 lint: $(STAMP)
 	$(PY) -m ruff check asyncoffload tests benchmarks examples
 	$(PY) -m ruff format --check asyncoffload tests benchmarks examples
 	$(PY) -m mypy
+	$(VENV)/bin/lint-imports
 
 # Tests marked `long` (long profiles, harness self-checks) run in `make test-long` only.
 # The unit suite runs on JOBS pytest-xdist workers (JOBS=1: one process, no xdist); each
