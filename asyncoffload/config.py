@@ -6,12 +6,10 @@ import difflib
 import importlib
 import json
 import os
-import re
 import sys
 from collections.abc import Mapping
-from decimal import Decimal, InvalidOperation
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -28,104 +26,16 @@ from pydantic_settings import (
     InitSettingsSource,
 )
 
-from asyncoffload.manager.admission import available_admissions
-from asyncoffload.manager.policies import available_policies
 from asyncoffload.tiers.disk import DiskTier
-from asyncoffload.tiers.remote import RemoteTier
+from asyncoffload.tiers.settings import known_admission, known_policy
+from asyncoffload.tiers.specs import TierSpec, tier_specs
+from asyncoffload.validators import byte_setting, not_bool, parse_bytes
 
-__all__ = ["EngineConfig", "known_admission", "known_policy", "parse_bytes"]
+# known_admission, known_policy, byte_setting and parse_bytes were defined here first:
+# they are still importable from here.
+__all__ = ["EngineConfig", "byte_setting", "known_admission", "known_policy", "parse_bytes"]
 
 CompletionMode = Literal["auto", "eventfd", "poll"]
-
-
-def known_policy(value: str) -> str:
-    """``value`` if it names a registered cache policy, else ``ValueError`` listing them
-    (a pydantic field validator for every settings model with a policy)."""
-    known = available_policies()
-    if value not in known:
-        raise ValueError(f"unknown cache policy {value!r}; known: {', '.join(known)}")
-    return value
-
-
-def known_admission(value: object) -> object:
-    """``None`` for no filter (``None``, ``""``, ``"none"``), ``value`` if it names a
-    registered admission filter, else ``ValueError`` listing them; a value that is not a
-    string is left to the field's type check."""
-    if value is None or (isinstance(value, str) and value.lower() in ("", "none")):
-        return None
-    if not isinstance(value, str):
-        return value
-    known = available_admissions()
-    if value not in known:
-        raise ValueError(f"unknown admission filter {value!r}; known: {', '.join(known)}")
-    return value
-
-
-# --- byte sizes (cpu_bytes) ------------------------------------------------------------
-
-#: Units of a byte size: decimal (powers of 1000) and binary (powers of 1024), spelled out.
-_BYTE_UNITS = {
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "pb": 10**15,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-    "pib": 2**50,
-}
-_BYTE_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*$", re.IGNORECASE)
-
-
-def byte_setting(value: object, what: str) -> int:
-    """:func:`parse_bytes` for a settings field (``what``), refusing booleans (an ``int``
-    to Python, never a byte size a user meant)."""
-    if isinstance(value, bool):
-        raise ValueError(f"expected a byte size, got {value!r}")
-    return parse_bytes(value, what)
-
-
-def parse_bytes(value: object, what: str = "size") -> int:
-    """A byte count from an int or a string: ``"16GiB"``, ``"16 GB"``, ``"512MiB"``,
-    ``"1073741824"``. Units are explicit: ``KB``/``MB``/``GB``/``TB``/``PB`` are powers of
-    1000, ``KiB``/``MiB``/``GiB``/``TiB``/``PiB`` powers of 1024 (case is ignored); a bare
-    ``"16G"`` is ambiguous and rejected. ``ValueError`` naming ``what`` otherwise."""
-    if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise ValueError(
-            f"{what}: expected a byte count (an int, or a string like '16GiB' or '16 GB'), "
-            f"got {value!r}"
-        )
-    if isinstance(value, int):
-        n = value
-    else:
-        match = _BYTE_SIZE.match(value)
-        if match is None:
-            raise ValueError(
-                f"{what}: {value!r} is not a byte size; write e.g. '16GiB', '16 GB', "
-                "'512MiB' or a number of bytes"
-            )
-        number, unit = match.groups()
-        factor = _BYTE_UNITS.get(unit.lower() or "b")
-        if factor is None:
-            hint = (
-                f" ('{unit}B' for powers of 1000 or '{unit}iB' for powers of 1024)"
-                if unit.lower() in ("k", "m", "g", "t", "p")
-                else ""
-            )
-            units = ", ".join(u.upper().replace("I", "i") for u in _BYTE_UNITS)
-            raise ValueError(
-                f"{what}: unknown unit {unit!r} in {value!r}{hint}; use one of {units}"
-            )
-        try:
-            n = int(Decimal(number) * factor)
-        except InvalidOperation:  # pragma: no cover - the pattern admits only numbers
-            raise ValueError(f"{what}: {value!r} is not a byte size") from None
-    if n <= 0:
-        raise ValueError(f"{what}: must be more than 0 bytes, got {value!r}")
-    return n
 
 
 class EngineConfig(BaseModel):
@@ -201,7 +111,7 @@ class EngineConfig(BaseModel):
     max_tracker_size: int = Field(
         64_000, gt=0, description="Keys whose offers store_threshold remembers."
     )
-    tiers: list[Annotated[DiskTier | RemoteTier, Field(discriminator="kind")]] = Field(
+    tiers: list[TierSpec] = Field(
         default_factory=list,
         description="Tiers below the CPU tier, highest first: DiskTier(path, capacity, "
         "mode). Stores write through to them after the CPU copy; loads of keys found only "
@@ -244,10 +154,7 @@ class EngineConfig(BaseModel):
     )
     @classmethod
     def _not_a_bool(cls, value: object) -> object:
-        # pydantic reads True as 1; a count given as a bool is a mistake, not a count.
-        if isinstance(value, bool):
-            raise ValueError(f"expected an integer, got {value!r}")
-        return value
+        return not_bool(value, "an integer")
 
     @field_validator("cpu_bytes", mode="before")
     @classmethod
@@ -280,25 +187,7 @@ class EngineConfig(BaseModel):
     @field_validator("tiers", mode="before")
     @classmethod
     def _tiers_json(cls, value: object) -> object:
-        if isinstance(value, str):  # from the environment
-            try:
-                value = json.loads(value)
-            except ValueError as exc:
-                raise ValueError(f"tiers: expected a JSON list of tiers: {exc}") from None
-            except RecursionError:  # json.loads recurses once per level: "[" * 100_000
-                raise ValueError(
-                    "tiers: expected a JSON list of tiers: nested too deeply to read"
-                ) from None
-        if isinstance(value, list):
-            # A tier given as a mapping without its kind: a disk tier has a path, a
-            # remote one a url.
-            value = [
-                dict(t, kind="remote" if "url" in t else "disk")
-                if isinstance(t, dict) and "kind" not in t
-                else t
-                for t in value
-            ]
-        return value
+        return tier_specs(value, "tiers: ")  # a JSON list from the environment
 
     @model_validator(mode="after")
     def _tier_identity(self) -> EngineConfig:

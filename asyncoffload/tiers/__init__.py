@@ -1,2 +1,3 @@
-"""Tiers below the CPU tier: disk (and later remote), reading into and writing out of
-the pinned host pool. See docs/tiers.md."""
+"""Tiers below the CPU tier: disk and remote (Redis / Valkey), reading into and writing out
+of the pinned host pool. Their settings: :mod:`asyncoffload.tiers.settings` (what they
+share), :mod:`asyncoffload.tiers.specs` (a list of them). See docs/tiers.md."""

@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretBytes, field_validator, model_validator
+from pydantic import Field, SecretBytes, field_validator, model_validator
 
 from asyncoffload._ownership import check_root_dir, make_private_dir
 from asyncoffload.keys import OffloadKey
@@ -42,10 +42,11 @@ from asyncoffload.tiers.format import (
     HEADER_BYTES,
     Namespace,
     block_file_bytes,
-    check_mac_key,
     parse_header,
 )
+from asyncoffload.tiers.settings import TierSettings
 from asyncoffload.transfer.base import CopyJob
+from asyncoffload.validators import ByteSize
 
 __all__ = ["DiskStore", "DiskTier"]
 
@@ -62,7 +63,7 @@ _TEMP_STALE_S = 3600.0
 _MAX_FILE_BYTES = 2**63 - 1
 
 
-class DiskTier(BaseModel):
+class DiskTier(TierSettings):
     """Settings of a disk tier below the CPU tier: ``DiskTier(path, capacity, mode)``.
 
     ``capacity`` is in bytes (an int or a string like ``"64GiB"``); the tier holds
@@ -72,15 +73,15 @@ class DiskTier(BaseModel):
     filter name (``"ghost"``, ``"adaptive"``) uses that filter.
     """
 
-    # Validation errors never show their input: it may be the MAC key.
-    model_config = ConfigDict(frozen=True, extra="forbid", hide_input_in_errors=True)
+    _positional = ("path", "capacity", "mode")
+    _positional_words = "path, capacity and mode"
 
     kind: Literal["disk"] = "disk"
     path: Path = Field(
         description="Directory of the tier's files (created if missing); a leading '~' is "
         "expanded; must not be empty."
     )
-    capacity: int = Field(description="Bytes of disk the tier may use.")
+    capacity: ByteSize = Field(description="Bytes of disk the tier may use.")
     mode: Literal["slab", "files"] = "slab"
     policy: str = Field("lru", description="Eviction policy of the tier's index.")
     admission: str | None = Field(
@@ -109,15 +110,7 @@ class DiskTier(BaseModel):
     def __init__(self, *args: Any, **data: Any) -> None:
         """``DiskTier(path, capacity, mode, **settings)``, the first three also by name.
         An explicit ``None`` for any of them is an error, not its default."""
-        if len(args) > 3:
-            raise TypeError(
-                f"DiskTier takes path, capacity and mode positionally, got {len(args)} values"
-            )
-        for name, value in zip(("path", "capacity", "mode"), args):
-            if name in data:
-                raise TypeError(f"DiskTier got {name} twice")
-            data[name] = value
-        super().__init__(**data)
+        super().__init__(*args, **data)  # (here for mypy's pydantic plugin)
 
     @field_validator("path", mode="before")
     @classmethod
@@ -135,36 +128,6 @@ class DiskTier(BaseModel):
                     raise ValueError(f"path {text!r}: '~' cannot be expanded (no such user)")
                 return expanded
         return value
-
-    @field_validator("mac_key")
-    @classmethod
-    def _mac_key(cls, value: SecretBytes | None) -> SecretBytes | None:
-        if value is not None:
-            check_mac_key(value.get_secret_value())
-        return value
-
-    @field_validator("capacity", mode="before")
-    @classmethod
-    def _bytes(cls, value: object) -> object:
-        from asyncoffload.config import byte_setting
-
-        return byte_setting(value, "capacity")
-
-    @field_validator("policy")
-    @classmethod
-    def _policy(cls, value: str) -> str:
-        from asyncoffload.config import known_policy
-
-        return known_policy(value)
-
-    @field_validator("admission", mode="before")
-    @classmethod
-    def _admission(cls, value: object) -> object:
-        from asyncoffload.config import known_admission
-
-        if isinstance(value, str) and value == "frequency":
-            return value
-        return known_admission(value)
 
     @model_validator(mode="after")
     def _positive(self) -> DiskTier:

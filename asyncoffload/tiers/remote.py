@@ -28,22 +28,16 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Literal
 from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit
 
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    SecretBytes,
-    SecretStr,
-    field_validator,
-    model_validator,
-)
+from pydantic import Field, SecretBytes, SecretStr, field_validator, model_validator
 
 from asyncoffload.keys import OffloadKey
 from asyncoffload.manager.base import Medium
 from asyncoffload.tiers._clients import make_client
 from asyncoffload.tiers.base import LowerTier, TierManager
-from asyncoffload.tiers.format import HEADER_BYTES, Namespace, check_mac_key
+from asyncoffload.tiers.format import HEADER_BYTES, Namespace
+from asyncoffload.tiers.settings import TierSettings
 from asyncoffload.transfer.base import CopyJob
+from asyncoffload.validators import ByteSize
 
 __all__ = ["RemoteStore", "RemoteTier"]
 
@@ -60,7 +54,7 @@ INLINE_BYTES = 1 << 20
 _DAMAGED = frozenset({errno.ENODATA, errno.EBADMSG, errno.ESTALE, errno.EKEYREJECTED, errno.ENOKEY})
 
 
-class RemoteTier(BaseModel):
+class RemoteTier(TierSettings):
     """Settings of a shared tier on Redis or Valkey: ``RemoteTier(url=...)``.
 
     ``url`` is ``redis://[user:password@]host:port/db`` (``rediss://`` for TLS); with
@@ -73,8 +67,8 @@ class RemoteTier(BaseModel):
     docs/tiers.md, "Authenticated blocks").
     """
 
-    # Validation errors never show their input: it may be the password or the MAC key.
-    model_config = ConfigDict(frozen=True, extra="forbid", hide_input_in_errors=True)
+    _positional = ("url",)
+    _positional_words = "the url alone"
 
     kind: Literal["remote"] = "remote"
     url: str = "redis://127.0.0.1:6379/0"
@@ -106,7 +100,7 @@ class RemoteTier(BaseModel):
     min_offers: int = Field(2, ge=1)
     max_connections: int = Field(32, gt=0, le=1024)
     batch_blocks: int = Field(64, gt=0, description="Blocks per pipelined request.")
-    batch_bytes: int = Field(
+    batch_bytes: ByteSize = Field(
         16 << 20,
         gt=0,
         description="...and at most this many payload bytes per request (at least one "
@@ -132,11 +126,7 @@ class RemoteTier(BaseModel):
     def __init__(self, *args: Any, **data: Any) -> None:
         """``RemoteTier(url, **settings)``. An explicit ``url=None`` is an error, not the
         default URL."""
-        if len(args) > 1:
-            raise TypeError(f"RemoteTier takes the url alone positionally, got {len(args)} values")
-        if args:
-            data["url"] = args[0]
-        super().__init__(**data)
+        super().__init__(*args, **data)  # (here for mypy's pydantic plugin)
 
     @model_validator(mode="before")
     @classmethod
@@ -192,36 +182,6 @@ class RemoteTier(BaseModel):
         if not value.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"url must start with redis://, rediss:// or unix://, got {value!r}")
         return value
-
-    @field_validator("mac_key")
-    @classmethod
-    def _mac_key(cls, value: SecretBytes | None) -> SecretBytes | None:
-        if value is not None:
-            check_mac_key(value.get_secret_value())
-        return value
-
-    @field_validator("batch_bytes", mode="before")
-    @classmethod
-    def _bytes(cls, value: object) -> object:
-        from asyncoffload.config import byte_setting
-
-        return byte_setting(value, "batch_bytes")
-
-    @field_validator("policy")
-    @classmethod
-    def _policy(cls, value: str) -> str:
-        from asyncoffload.config import known_policy
-
-        return known_policy(value)
-
-    @field_validator("admission", mode="before")
-    @classmethod
-    def _admission(cls, value: object) -> object:
-        from asyncoffload.config import known_admission
-
-        if isinstance(value, str) and value == "frequency":
-            return value
-        return known_admission(value)
 
     def open(self, namespace: Namespace, name: str = "remote") -> RemoteStore:
         return RemoteStore(self, namespace, name)

@@ -20,17 +20,17 @@ from __future__ import annotations
 
 import ctypes
 import os
-import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
 from asyncoffload.layout import KVLayout
+from asyncoffload.transfer.faults import FaultDecision, FaultPlan, install, wrap_job
 
-if TYPE_CHECKING:
-    from asyncoffload.transfer.faults import FaultDecision, FaultPlan
+# CopyJob and FailedJob live in asyncoffload.transfer.jobs (which the fault injection
+# imports too); this module, where they were first, still exports them.
+from asyncoffload.transfer.jobs import CopyJob, FailedJob
 
 __all__ = ["CopyJob", "FailedJob", "TransferBackend", "check_process", "forked_since", "host_bytes"]
 
@@ -62,56 +62,6 @@ def check_process(pid: int, what: str) -> None:
             f"{what} was created in process {pid}, used in process {os.getpid()} after "
             "fork; its copy threads exist only in the parent: create a new engine in the child"
         )
-
-
-class CopyJob:
-    """One submitted copy. ``query()`` is True once the copy has ended, well or not;
-    then ``error`` is ``None`` or the exception that ended it, and ``finished_ns``
-    (``time.perf_counter_ns``) says when it ended."""
-
-    __slots__ = ("_done", "error", "finished_ns", "nbytes", "num_blocks", "stamped", "started_ns")
-
-    def __init__(self, num_blocks: int, nbytes: int) -> None:
-        self.num_blocks = num_blocks
-        self.nbytes = nbytes
-        self.started_ns = time.perf_counter_ns()
-        self.finished_ns = 0
-        self.error: BaseException | None = None
-        #: Whether ``finished_ns`` is when the copy really ended (stamped by whoever ran
-        #: it), rather than when someone noticed; only stamped jobs feed latency figures.
-        self.stamped = True
-        self._done = False
-
-    def query(self) -> bool:
-        return self._done
-
-    def check_failed(self) -> bool:
-        """Look for a failure that would stop the job from ever completing (a device
-        error); the bridge calls it now and then on a job that seems stuck. True if the
-        job has ended."""
-        return self._done
-
-    def finish(self, error: BaseException | None = None) -> None:
-        """Mark the job ended. Called once, by whoever ran the copy."""
-        self.error = error
-        self.finished_ns = time.perf_counter_ns()
-        self._done = True  # last: a reader that sees _done sees error and finished_ns
-
-    @property
-    def duration_s(self) -> float:
-        return (self.finished_ns - self.started_ns) / 1e9 if self._done else 0.0
-
-    def __repr__(self) -> str:
-        state = "failed" if self.error is not None else ("done" if self._done else "running")
-        return f"<CopyJob {self.num_blocks} blocks {self.nbytes} B {state}>"
-
-
-class FailedJob(CopyJob):
-    """A job that failed at submission: already ended, with ``error`` set."""
-
-    def __init__(self, num_blocks: int, error: BaseException) -> None:
-        super().__init__(num_blocks, 0)
-        self.finish(error)
 
 
 class TransferBackend(ABC):
@@ -149,8 +99,6 @@ class TransferBackend(ABC):
         copy errors, submission errors, interrupts at submission and in completion
         callbacks, slow lanes (see :mod:`asyncoffload.transfer.faults`). Without a plan
         submissions run unwrapped. Call it from the thread that submits."""
-        from asyncoffload.transfer.faults import install
-
         install(self, plan)
 
     def _submit_faulted(
@@ -164,8 +112,6 @@ class TransferBackend(ABC):
         it raises at submission): the job ends late or failed, or interrupts its
         callback, as decided. Backends whose lanes can apply a delay or an error
         themselves override this."""
-        from asyncoffload.transfer.faults import wrap_job
-
         return wrap_job(submit(first, second), decision, self._notify)
 
     def _notify(self) -> None:

@@ -53,12 +53,9 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, get_args
+from typing import Literal, Protocol, get_args
 
-from asyncoffload.transfer.base import CopyJob
-
-if TYPE_CHECKING:
-    from asyncoffload.transfer.base import TransferBackend
+from asyncoffload.transfer.jobs import CopyJob
 
 __all__ = [
     "Fault",
@@ -507,13 +504,24 @@ def delayer_idle() -> bool:
 # --- installing a plan ----------------------------------------------------------------------
 
 
+class _Backend(Protocol):
+    """What a plan is installed on: a :class:`~asyncoffload.transfer.base.TransferBackend`
+    (which imports this module, so it is named here by what is used of it)."""
+
+    faults: FaultPlan | None
+
+    def _submit_faulted(
+        self, submit: Submit, first: Sequence[int], second: Sequence[int], decision: FaultDecision
+    ) -> CopyJob: ...
+
+
 class _FaultySubmit:
     """Stands in for a backend's ``submit_store`` / ``submit_load`` under a plan."""
 
     __slots__ = ("backend", "direction", "plan", "real")
 
     def __init__(
-        self, backend: TransferBackend, direction: Direction, plan: FaultPlan, real: Submit
+        self, backend: _Backend, direction: Direction, plan: FaultPlan, real: Submit
     ) -> None:
         self.backend = backend
         self.direction = direction
@@ -532,7 +540,7 @@ class _FaultySubmit:
         return job
 
 
-def install(backend: TransferBackend, plan: FaultPlan | None) -> None:
+def install(backend: _Backend, plan: FaultPlan | None) -> None:
     """Make ``backend`` consult ``plan`` (``None``: stop); see
     :meth:`TransferBackend.inject_faults`."""
     if plan is not None and not isinstance(plan, FaultPlan):

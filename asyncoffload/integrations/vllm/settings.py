@@ -9,13 +9,13 @@ error naming it, so a misspelt setting never passes silently.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from asyncoffload.config import known_admission, known_policy
-from asyncoffload.tiers.disk import DiskTier
-from asyncoffload.tiers.remote import RemoteTier
+from asyncoffload.tiers.settings import known_admission, known_policy
+from asyncoffload.tiers.specs import TIER_KINDS, TierSpec, tier_specs
+from asyncoffload.validators import not_bool
 
 __all__ = ["VLLM_KEYS", "VllmOffloadSettings"]
 
@@ -32,9 +32,6 @@ VLLM_KEYS = frozenset(
         "canonical_layout",
     }
 )
-
-#: The ``kind`` of each tier ``tiers`` takes.
-_TIER_KINDS = ("disk", "remote")
 
 
 class VllmOffloadSettings(BaseModel):
@@ -79,7 +76,7 @@ class VllmOffloadSettings(BaseModel):
         description="CUDA: device memory per direction for staged copies (a Triton gather "
         "into rows laid out like host slots, then one DMA per run), allocated on first use.",
     )
-    tiers: list[Annotated[DiskTier | RemoteTier, Field(discriminator="kind")]] = Field(
+    tiers: list[TierSpec] = Field(
         default_factory=list,
         description="Tiers below the CPU tier, highest first, as EngineConfig.tiers: "
         '[{"kind": "disk", "path": ..., "capacity": "64GiB", "mode": "slab", ...}, '
@@ -120,10 +117,7 @@ class VllmOffloadSettings(BaseModel):
     )
     @classmethod
     def _no_bool_counts(cls, value: object) -> object:
-        # JSON's true is not a count (pydantic would take it as 1), as EngineConfig says.
-        if isinstance(value, bool):
-            raise ValueError(f"expected a number, got {value!r}")
-        return value
+        return not_bool(value, "a number")  # JSON's true is not a count
 
     @field_validator("policy", "eviction_policy")
     @classmethod
@@ -138,27 +132,7 @@ class VllmOffloadSettings(BaseModel):
     @field_validator("tiers", mode="before")
     @classmethod
     def _tiers_list(cls, value: object) -> object:
-        if isinstance(value, str):  # a JSON list, as EngineConfig takes from the environment
-            import json
-
-            try:
-                value = json.loads(value)
-            except ValueError as exc:
-                raise ValueError(f"expected a JSON list of tiers: {exc}") from None
-            except RecursionError:  # json.loads recurses once per level: "[" * 100_000
-                raise ValueError(
-                    "expected a JSON list of tiers: nested too deeply to read"
-                ) from None
-        if isinstance(value, list):
-            # A tier without its kind, as EngineConfig reads it: a disk tier has a path, a
-            # remote one a url.
-            value = [
-                dict(t, kind="remote" if "url" in t else "disk")
-                if isinstance(t, dict) and "kind" not in t
-                else t
-                for t in value
-            ]
-        return value
+        return tier_specs(value)  # a JSON list, as EngineConfig takes from the environment
 
     @field_validator("canonical_layout")
     @classmethod
@@ -185,7 +159,7 @@ class VllmOffloadSettings(BaseModel):
         except ValidationError as exc:
             for error in exc.errors():
                 loc = list(error["loc"])
-                if loc[:1] == ["tiers"] and len(loc) > 2 and loc[2] in _TIER_KINDS:
+                if loc[:1] == ["tiers"] and len(loc) > 2 and loc[2] in TIER_KINDS:
                     del loc[2]  # the kind pydantic picked the model by: the user wrote none
                 key = ".".join(str(part) for part in loc) or "?"
                 msg = str(error["msg"]).removeprefix("Value error, ")
@@ -193,7 +167,7 @@ class VllmOffloadSettings(BaseModel):
                     msg = "unknown key (a typo?)"
                 elif error["type"] == "union_tag_invalid":
                     tag = error.get("ctx", {}).get("tag")
-                    msg = f"unknown tier kind {tag!r}; known: {', '.join(_TIER_KINDS)}"
+                    msg = f"unknown tier kind {tag!r}; known: {', '.join(TIER_KINDS)}"
                 problems.append(f"kv_connector_extra_config[{key!r}]: {msg}")
             raise ValueError("; ".join(problems)) from None
         if (

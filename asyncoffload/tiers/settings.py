@@ -1,0 +1,89 @@
+"""What the settings of the tiers below the CPU tier share, and the checks of the
+registered policy and admission names that every settings model uses.
+
+:class:`TierSettings` is the base of :class:`~asyncoffload.tiers.disk.DiskTier` and
+:class:`~asyncoffload.tiers.remote.RemoteTier`: their model config (frozen, strict,
+errors that never show their input), positional arguments, and the checks of the fields
+both have (``mac_key``, ``policy``, ``admission``). Each declares its own fields, in its
+own order and with its own defaults.
+
+:func:`known_policy` and :func:`known_admission` live here, the lowest place that may
+see the manager's registries (:mod:`asyncoffload.validators`, below, may not); the
+engine's and vLLM's settings use them too (``asyncoffload.config`` re-exports them).
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict, SecretBytes, field_validator
+
+from asyncoffload.manager.admission import available_admissions
+from asyncoffload.manager.policies import available_policies
+from asyncoffload.tiers.format import check_mac_key
+from asyncoffload.validators import known_name, optional_name
+
+__all__ = ["TierSettings", "known_admission", "known_policy"]
+
+
+def known_policy(value: str) -> str:
+    """``value`` if it names a registered cache policy, else ``ValueError`` listing them
+    (a pydantic field validator for every settings model with a policy)."""
+    return known_name(value, available_policies(), "cache policy")
+
+
+def known_admission(value: object) -> object:
+    """``None`` for no filter (``None``, ``""``, ``"none"``), ``value`` if it names a
+    registered admission filter, else ``ValueError`` listing them; a value that is not a
+    string is left to the field's type check."""
+    return optional_name(value, available_admissions, "admission filter")
+
+
+class TierSettings(BaseModel):
+    """Base of a lower tier's settings. A subclass declares the fields (``policy``,
+    ``admission`` and ``mac_key`` among them), names those it takes positionally in
+    ``_positional`` (worded for errors in ``_positional_words``), and defines an
+    ``__init__`` that calls this one: mypy's pydantic plugin gives a model without its
+    own ``__init__`` one that takes keywords only."""
+
+    # Validation errors never show their input: it may be a password or the MAC key.
+    model_config = ConfigDict(frozen=True, extra="forbid", hide_input_in_errors=True)
+
+    #: Fields the constructor takes positionally, in order.
+    _positional: ClassVar[tuple[str, ...]] = ()
+    #: How a TypeError words them: ``"{cls} takes {words} positionally"``.
+    _positional_words: ClassVar[str] = "no value"
+
+    def __init__(self, *args: Any, **data: Any) -> None:
+        """The fields of ``_positional`` by position or by name, the others by name. An
+        explicit ``None`` for any of them is an error, not its default."""
+        cls = type(self).__name__
+        if len(args) > len(self._positional):
+            raise TypeError(
+                f"{cls} takes {self._positional_words} positionally, got {len(args)} values"
+            )
+        for name, value in zip(self._positional, args):
+            if name in data:
+                raise TypeError(f"{cls} got {name} twice")
+            data[name] = value
+        super().__init__(**data)
+
+    # check_fields=False: the fields are the subclasses'.
+    @field_validator("mac_key", check_fields=False)
+    @classmethod
+    def _mac_key(cls, value: SecretBytes | None) -> SecretBytes | None:
+        if value is not None:
+            check_mac_key(value.get_secret_value())
+        return value
+
+    @field_validator("policy", check_fields=False)
+    @classmethod
+    def _policy(cls, value: str) -> str:
+        return known_policy(value)
+
+    @field_validator("admission", mode="before", check_fields=False)
+    @classmethod
+    def _admission(cls, value: object) -> object:
+        if isinstance(value, str) and value == "frequency":
+            return value
+        return known_admission(value)

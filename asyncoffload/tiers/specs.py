@@ -1,0 +1,48 @@
+"""A list of tiers below the CPU tier, as settings take it: ``EngineConfig.tiers`` and
+vLLM's ``kv_connector_extra_config["tiers"]``.
+
+A setting is ``list[TierSpec]``, validated after :func:`tier_specs` has read it: a JSON
+string (from the environment, or a command line) becomes a list, and a tier given as a
+mapping without its ``kind`` gets one (a disk tier has a path, a remote one a url).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated
+
+from pydantic import Field
+
+from asyncoffload.tiers.disk import DiskTier
+from asyncoffload.tiers.remote import RemoteTier
+
+__all__ = ["TIER_KINDS", "TierSpec", "tier_specs"]
+
+#: The ``kind`` of each tier a list takes.
+TIER_KINDS = ("disk", "remote")
+
+#: One tier of a list: its settings model, picked by ``kind``.
+TierSpec = Annotated[DiskTier | RemoteTier, Field(discriminator="kind")]
+
+
+def tier_specs(value: object, where: str = "") -> object:
+    """``value`` (a tiers setting, before validation) with a JSON string read into a list
+    and a kind given to each mapping without one; anything else is left to validation.
+    ``ValueError`` (prefixed with ``where``) for a string that is not JSON."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as exc:
+            raise ValueError(f"{where}expected a JSON list of tiers: {exc}") from None
+        except RecursionError:  # json.loads recurses once per level: "[" * 100_000
+            raise ValueError(
+                f"{where}expected a JSON list of tiers: nested too deeply to read"
+            ) from None
+    if isinstance(value, list):
+        value = [
+            dict(t, kind="remote" if "url" in t else "disk")
+            if isinstance(t, dict) and "kind" not in t
+            else t
+            for t in value
+        ]
+    return value
