@@ -55,9 +55,9 @@ from asyncoffload.manager.native import (
 )
 
 if TYPE_CHECKING:
-    from asyncoffload.tiers.hierarchy import TierStats
     from asyncoffload.integrations.vllm.tiers import SchedulerTiers
     from asyncoffload.tiers.base import LowerTier
+    from asyncoffload.tiers.hierarchy import TierStats
 
 __all__ = ["AsyncOffloadManager", "metric_definitions"]
 
