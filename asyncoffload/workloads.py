@@ -22,25 +22,36 @@ shared tool prompts, :func:`synthetic_agent`), ``rag`` (chunks of Zipf popularit
 :func:`synthetic_rag`), ``scan`` (one-off scans through a hot set,
 :func:`synthetic_scan`) and ``diurnal`` (a hot set that shifts in phases,
 :func:`synthetic_diurnal`).
+
+Every generator runs the same session-and-arrival loop: sessions start as a Poisson
+process, a session's turns come an exponential think time apart (single-request families:
+one turn, no session), and generation stops once the ``num_requests`` earliest requests
+are known. A family adds its prompt builder (:mod:`asyncoffload.workload_families`): what
+each turn's prompt holds, how many turns a session has, what a reply adds.
 """
 
 from __future__ import annotations
 
-import bisect
 import heapq
 import inspect
-import itertools
 import json
-import math
 import os
-import random
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
 
-from asyncoffload.keys import OffloadKey, hash_token_blocks, make_offload_key
+from asyncoffload import workload_families as _builders
+from asyncoffload.keys import OffloadKey, make_offload_key
+from asyncoffload.workload_families import (
+    RAG_ORDERS,
+    Params,
+    Plan,
+    check_args,
+    check_int,
+    think_time,
+)
 
 __all__ = [
     "RAG_ORDERS",
@@ -159,33 +170,6 @@ def summarize(requests: Sequence[Request]) -> WorkloadSummary:
     )
 
 
-def _check_positive(name: str, value: float) -> None:
-    if isinstance(value, bool) or not value > 0 or not math.isfinite(value):
-        raise ValueError(f"{name} must be a positive number, got {value!r}")
-
-
-def _check_at_least(name: str, value: float, low: float) -> None:
-    if isinstance(value, bool) or not value >= low or not math.isfinite(value):
-        raise ValueError(f"{name} must be a number >= {low}, got {value!r}")
-
-
-def _check_int(name: str, value: int, *, positive: bool) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < int(positive):
-        kind = "positive" if positive else "non-negative"
-        raise ValueError(f"{name} must be a {kind} int, got {value!r}")
-
-
-def _uniform_mean(rng: random.Random, mean: float) -> int:
-    """An int uniform in ``[1, 2 * mean - 1]`` (mean ``mean``), at least 1."""
-    hi = max(1, round(2 * mean) - 1)
-    return rng.randint(1, hi)
-
-
-def _think_time(rng: random.Random, mean: float) -> float:
-    """An exponential time of mean ``mean`` (0 when ``mean`` is 0)."""
-    return rng.expovariate(1.0 / mean) if mean > 0 else 0.0
-
-
 class _Earliest:
     """The ``n`` earliest arrival times seen so far, to cut a workload at ``n`` requests.
 
@@ -211,24 +195,54 @@ class _Earliest:
         return len(self._heap) == self._n and t > -self._heap[0]
 
 
-class _Session:
-    """A conversation's running token list and the keys of its full blocks."""
+def _generate(build: Callable[[Params], Plan], params: Params) -> list[Request]:
+    """The requests of a generator: ``params`` are its arguments (its ``locals()`` on
+    entry), checked, and ``build`` its family's prompts.
 
-    __slots__ = ("hashes", "keys", "tokens")
-
-    def __init__(self, tokens: list[int], hashes: list[bytes], keys: list[OffloadKey]) -> None:
-        self.tokens = tokens
-        self.hashes = hashes
-        self.keys = keys
-
-    def extend(self, new_tokens: list[int], block_size: int) -> None:
-        """Append tokens, hashing the blocks that became full."""
-        self.tokens.extend(new_tokens)
-        start = len(self.hashes) * block_size
-        parent = self.hashes[-1] if self.hashes else None
-        fresh = hash_token_blocks(self.tokens[start:], block_size, parent=parent)
-        self.hashes.extend(fresh)
-        self.keys.extend(make_offload_key(h) for h in fresh)
+    Sessions start as a Poisson process of the plan's rate and open on their family's
+    prompts (:class:`~asyncoffload.workload_families.Dialog`); a session's turns come an
+    exponential think time apart. Sessions are made in start order until no later start
+    can be among the ``num_requests`` earliest requests, which are returned in arrival
+    order (the sessions still open then are cut short).
+    """
+    check_args(params)
+    num_requests, block_size = params["num_requests"], params["block_size"]
+    plan = build(params)
+    rng, sessions = plan.rng, plan.sessions
+    out: list[Request] = []
+    earliest = _Earliest(num_requests)
+    start = 0.0
+    index = 0
+    while num_requests:
+        start += rng.expovariate(plan.session_rate)
+        if earliest.too_late(start):
+            break
+        dialog = plan.open_session(start)
+        t = start
+        turn = 0
+        while True:
+            keys, input_tokens, output_tokens = dialog.prompt()
+            name = f"{dialog.label}{index}"
+            out.append(
+                Request(
+                    req_id=f"{name}-t{turn}" if sessions else name,
+                    arrival_s=t,
+                    keys=tuple(keys),
+                    input_tokens=input_tokens,
+                    output_tokens=output_tokens,
+                    session_id=name if sessions else "",
+                    turn=turn,
+                    block_size=block_size,
+                )
+            )
+            earliest.add(t)
+            if not dialog.follow(output_tokens):
+                break
+            turn += 1
+            t += think_time(rng, plan.think_time_s)
+        index += 1
+    out.sort(key=lambda r: r.arrival_s)
+    return out[:num_requests]
 
 
 def synthetic_chat(
@@ -260,68 +274,7 @@ def synthetic_chat(
     (:func:`~asyncoffload.hash_token_blocks`), so the result is deterministic for a
     ``seed``. Only full blocks have keys.
     """
-    _check_int("num_requests", num_requests, positive=False)
-    _check_int("num_system_prompts", num_system_prompts, positive=True)
-    _check_int("turns", turns, positive=True)
-    _check_int("block_size", block_size, positive=True)
-    _check_int("vocab_size", vocab_size, positive=True)
-    _check_int("system_prompt_blocks", system_prompt_blocks, positive=False)
-    _check_positive("blocks_per_turn", blocks_per_turn)
-    _check_positive("output_tokens", output_tokens)
-    _check_positive("arrival_rate", arrival_rate)
-    _check_at_least("think_time_s", think_time_s, 0)
-
-    rng = random.Random(seed)
-    vocab = range(vocab_size)
-
-    def tokens(n: int) -> list[int]:
-        return rng.choices(vocab, k=n)
-
-    system_prompts: list[tuple[list[int], list[bytes]]] = []
-    for _ in range(num_system_prompts):
-        toks = tokens(system_prompt_blocks * block_size)
-        system_prompts.append((toks, hash_token_blocks(toks, block_size)))
-    sys_keys = [[make_offload_key(h) for h in hashes] for _, hashes in system_prompts]
-
-    session_rate = arrival_rate / turns
-    mean_user_tokens = blocks_per_turn * block_size
-    out: list[Request] = []
-    earliest = _Earliest(num_requests)
-    start = 0.0
-    session_idx = 0
-    while num_requests:
-        start += rng.expovariate(session_rate)
-        if earliest.too_late(start):
-            break
-        prompt = rng.randrange(num_system_prompts)
-        sys_tokens, sys_hashes = system_prompts[prompt]
-        session = _Session(list(sys_tokens), list(sys_hashes), list(sys_keys[prompt]))
-        session_id = f"s{session_idx}"
-        session_idx += 1
-        t = start
-        for turn in range(turns):
-            if turn:
-                t += _think_time(rng, think_time_s)
-            session.extend(tokens(_uniform_mean(rng, mean_user_tokens)), block_size)
-            n_out = _uniform_mean(rng, output_tokens)
-            out.append(
-                Request(
-                    req_id=f"{session_id}-t{turn}",
-                    arrival_s=t,
-                    keys=tuple(session.keys),
-                    input_tokens=len(session.tokens),
-                    output_tokens=n_out,
-                    session_id=session_id,
-                    turn=turn,
-                    block_size=block_size,
-                )
-            )
-            earliest.add(t)
-            if turn + 1 < turns:
-                session.extend(tokens(n_out), block_size)
-
-    out.sort(key=lambda r: r.arrival_s)
-    return out[:num_requests]
+    return _generate(_builders.chat, locals())
 
 
 def synthetic_sessions(
@@ -357,191 +310,10 @@ def synthetic_sessions(
     seeds share no key (nor with traces: the hash part is 16 bytes, not 8); the result is
     deterministic for a ``seed``.
     """
-    _check_int("num_requests", num_requests, positive=False)
-    _check_int("num_system_prompts", num_system_prompts, positive=True)
-    _check_int("system_prompt_blocks", system_prompt_blocks, positive=False)
-    _check_at_least("mean_turns", mean_turns, 1)
-    _check_positive("blocks_per_turn", blocks_per_turn)
-    _check_positive("output_blocks", output_blocks)
-    _check_int("block_size", block_size, positive=True)
-    _check_positive("arrival_rate", arrival_rate)
-    _check_at_least("think_time_s", think_time_s, 0)
-
-    rng = random.Random(seed)
-    namespace = rng.randbytes(8)
-    counter = itertools.count()
-
-    def fresh(n: int) -> list[OffloadKey]:
-        return [
-            make_offload_key(namespace + i.to_bytes(8, "big")) for i in itertools.islice(counter, n)
-        ]
-
-    sys_keys = [fresh(system_prompt_blocks) for _ in range(num_system_prompts)]
-    prompts = range(num_system_prompts)
-    popularity = list(itertools.accumulate(1 / (i + 1) for i in prompts))
-    more_turns = 1 - 1 / mean_turns
-    session_rate = arrival_rate / mean_turns
-    mean_user_tokens = blocks_per_turn * block_size
-    mean_output_tokens = output_blocks * block_size
-
-    out: list[Request] = []
-    earliest = _Earliest(num_requests)
-    start = 0.0
-    session_idx = 0
-    while num_requests:
-        start += rng.expovariate(session_rate)
-        if earliest.too_late(start):
-            break
-        turns = 1
-        while rng.random() < more_turns:
-            turns += 1
-        # The keys of the conversation's full blocks, and its length in tokens.
-        keys = list(sys_keys[rng.choices(prompts, cum_weights=popularity)[0]])
-        n_tokens = system_prompt_blocks * block_size
-        session_id = f"s{session_idx}"
-        session_idx += 1
-        t = start
-        for turn in range(turns):
-            if turn:
-                t += _think_time(rng, think_time_s)
-            n_tokens += _uniform_mean(rng, mean_user_tokens)
-            keys += fresh(-(-n_tokens // block_size) - len(keys))
-            n_out = _uniform_mean(rng, mean_output_tokens)
-            out.append(
-                Request(
-                    req_id=f"{session_id}-t{turn}",
-                    arrival_s=t,
-                    keys=tuple(keys),
-                    input_tokens=n_tokens,
-                    output_tokens=n_out,
-                    session_id=session_id,
-                    turn=turn,
-                    block_size=block_size,
-                )
-            )
-            earliest.add(t)
-            # The reply continues the prompt's partial last block: that block's key goes.
-            del keys[n_tokens // block_size :]
-            n_tokens += n_out
-
-    out.sort(key=lambda r: r.arrival_s)
-    return out[:num_requests]
+    return _generate(_builders.sessions, locals())
 
 
-# --- trace families --------------------------------------------------------------------
-#
-# Seeded generators of the workload shapes a default policy must hold its ground on
-# (issue 15), each as fast as synthetic_sessions: keys alone, no token ids. They share
-# synthetic_sessions' conventions: every block of a prompt has a key, the last usually
-# partial (len(keys) == ceil(input_tokens / block_size)); shared prefixes (system, tool
-# and app prompts, document chunks) are whole blocks; keys are a counter under a
-# namespace drawn from the family's own random stream, so workloads of different seeds
-# or families share no key.
-
-
-def _check_number(name: str, value: float, low: float, high: float) -> None:
-    """``value`` is a number in ``[low, high]`` (bools, NaN and other types refused)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
-        raise ValueError(f"{name} must be a number in [{low}, {high}], got {value!r}")
-
-
-def _check_seed(seed: int) -> None:
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise ValueError(f"seed must be an int, got {seed!r}")
-
-
-def _family_rng(family: str, seed: int) -> random.Random:
-    """The random stream of ``family`` at ``seed``: families drawn with the same seed
-    are independent (a str seed hashes all its characters)."""
-    return random.Random(f"{family}:{seed}")
-
-
-#: The group index part of every generated key (group 0).
-_GROUP_0 = make_offload_key(b"\0")[1:]
-
-
-class _FreshKeys:
-    """Keys never handed out before: a counter under a random 8-byte namespace."""
-
-    __slots__ = ("_namespace", "_next")
-
-    def __init__(self, rng: random.Random) -> None:
-        self._namespace = rng.randbytes(8)
-        self._next = 0
-
-    def take(self, n: int) -> list[OffloadKey]:
-        ns, start = self._namespace, self._next
-        self._next = start + n
-        raw = [ns + i.to_bytes(8, "big") + _GROUP_0 for i in range(start, start + n)]
-        return cast("list[OffloadKey]", raw)
-
-
-def _zipf_cum_weights(n: int, s: float) -> list[float]:
-    """Cumulative weights of ranks ``0..n-1``, rank ``i`` weighing ``(i + 1) ** -s``."""
-    return list(itertools.accumulate((i + 1) ** -s for i in range(n)))
-
-
-def _conversations(
-    num_requests: int,
-    rng: random.Random,
-    fresh: _FreshKeys,
-    prefix: Callable[[float], list[OffloadKey]],
-    *,
-    session_rate: float,
-    mean_turns: float,
-    first_tokens: float,
-    turn_tokens: float,
-    output_tokens: float,
-    think_time_s: float,
-    block_size: int,
-    id_prefix: str,
-) -> list[Request]:
-    """Sessions as in :func:`synthetic_sessions`, each on the shared prefix
-    ``prefix(start)`` (full blocks), the first turn adding about ``first_tokens`` tokens
-    and every later one its predecessor's output and about ``turn_tokens`` more."""
-    more_turns = 1 - 1 / mean_turns
-    out: list[Request] = []
-    earliest = _Earliest(num_requests)
-    start = 0.0
-    session_idx = 0
-    while num_requests:
-        start += rng.expovariate(session_rate)
-        if earliest.too_late(start):
-            break
-        keys = list(prefix(start))
-        n_tokens = len(keys) * block_size
-        session_id = f"{id_prefix}{session_idx}"
-        session_idx += 1
-        t = start
-        turn = 0
-        new_tokens = first_tokens
-        while True:
-            n_tokens += _uniform_mean(rng, new_tokens)
-            keys += fresh.take(-(-n_tokens // block_size) - len(keys))
-            n_out = _uniform_mean(rng, output_tokens)
-            out.append(
-                Request(
-                    req_id=f"{session_id}-t{turn}",
-                    arrival_s=t,
-                    keys=tuple(keys),
-                    input_tokens=n_tokens,
-                    output_tokens=n_out,
-                    session_id=session_id,
-                    turn=turn,
-                    block_size=block_size,
-                )
-            )
-            earliest.add(t)
-            if rng.random() >= more_turns:
-                break
-            # The output continues the prompt's partial last block: that block's key goes.
-            del keys[n_tokens // block_size :]
-            n_tokens += n_out
-            turn += 1
-            t += _think_time(rng, think_time_s)
-            new_tokens = turn_tokens
-    out.sort(key=lambda r: r.arrival_s)
-    return out[:num_requests]
+# --- trace families ------------------------------------------------------------------
 
 
 def synthetic_agent(
@@ -576,46 +348,7 @@ def synthetic_agent(
     keys is :func:`synthetic_sessions`' (the last block partial, re-keyed by the next
     step). Deterministic for a ``seed``.
     """
-    _check_int("num_requests", num_requests, positive=False)
-    _check_int("num_tool_prompts", num_tool_prompts, positive=True)
-    _check_int("tool_prompt_blocks", tool_prompt_blocks, positive=False)
-    _check_positive("task_blocks", task_blocks)
-    _check_at_least("mean_steps", mean_steps, 1)
-    _check_positive("call_tokens", call_tokens)
-    _check_positive("result_tokens", result_tokens)
-    _check_int("block_size", block_size, positive=True)
-    _check_positive("arrival_rate", arrival_rate)
-    _check_at_least("step_time_s", step_time_s, 0)
-    _check_seed(seed)
-
-    rng = _family_rng("agent", seed)
-    fresh = _FreshKeys(rng)
-    tools = [fresh.take(tool_prompt_blocks) for _ in range(num_tool_prompts)]
-    popularity = _zipf_cum_weights(num_tool_prompts, 1.0)
-    choices = range(num_tool_prompts)
-
-    def tool_prompt(_start: float) -> list[OffloadKey]:
-        return tools[rng.choices(choices, cum_weights=popularity)[0]]
-
-    return _conversations(
-        num_requests,
-        rng,
-        fresh,
-        tool_prompt,
-        session_rate=arrival_rate / mean_steps,
-        mean_turns=mean_steps,
-        first_tokens=task_blocks * block_size,
-        # A step's new input is the previous call's result (the call is its output).
-        turn_tokens=result_tokens,
-        output_tokens=call_tokens,
-        think_time_s=step_time_s,
-        block_size=block_size,
-        id_prefix="a",
-    )
-
-
-#: How :func:`synthetic_rag` orders a request's retrieved chunks.
-RAG_ORDERS = ("score", "id")
+    return _generate(_builders.agent, locals())
 
 
 def synthetic_rag(
@@ -660,88 +393,7 @@ def synthetic_rag(
 
     Deterministic for a ``seed``.
     """
-    _check_int("num_requests", num_requests, positive=False)
-    _check_int("num_chunks", num_chunks, positive=True)
-    _check_int("chunks_per_request", chunks_per_request, positive=False)
-    if chunks_per_request > num_chunks:
-        raise ValueError(
-            f"chunks_per_request must be at most num_chunks ({num_chunks}), "
-            f"got {chunks_per_request!r}"
-        )
-    _check_number("zipf_s", zipf_s, 0, 10)
-    _check_int("chunk_blocks", chunk_blocks, positive=True)
-    if order not in RAG_ORDERS:
-        raise ValueError(f"order must be one of {', '.join(RAG_ORDERS)}, got {order!r}")
-    _check_int("system_prompt_blocks", system_prompt_blocks, positive=False)
-    _check_positive("question_tokens", question_tokens)
-    _check_positive("output_tokens", output_tokens)
-    _check_int("block_size", block_size, positive=True)
-    _check_positive("arrival_rate", arrival_rate)
-    _check_seed(seed)
-
-    rng = _family_rng("rag", seed)
-    fresh = _FreshKeys(rng)
-    system = fresh.take(system_prompt_blocks)
-    ranks = range(num_chunks)
-    cum = _zipf_cum_weights(num_chunks, zipf_s)
-    chunk_id = list(ranks)
-    rng.shuffle(chunk_id)
-    # The keys of a chunk behind a prefix, by (the prefix's last key, chunk rank).
-    chunk_keys: dict[tuple[bytes, int], list[OffloadKey]] = {}
-    k = chunks_per_request
-    out: list[Request] = []
-    t = 0.0
-    for i in range(num_requests):
-        t += rng.expovariate(arrival_rate)
-        picked = _draw_distinct(rng, ranks, cum, k, zipf_s)
-        if order == "id":
-            picked.sort(key=chunk_id.__getitem__)
-        keys = list(system)
-        for rank in picked:
-            memo = (keys[-1] if keys else b"", rank)
-            found = chunk_keys.get(memo)
-            if found is None:
-                found = chunk_keys[memo] = fresh.take(chunk_blocks)
-            keys += found
-        n_question = _uniform_mean(rng, question_tokens)
-        keys += fresh.take(-(-n_question // block_size))
-        out.append(
-            Request(
-                req_id=f"q{i}",
-                arrival_s=t,
-                keys=tuple(keys),
-                input_tokens=(system_prompt_blocks + k * chunk_blocks) * block_size + n_question,
-                output_tokens=_uniform_mean(rng, output_tokens),
-                block_size=block_size,
-            )
-        )
-    return out
-
-
-def _draw_distinct(
-    rng: random.Random, ranks: range, cum: list[float], k: int, s: float
-) -> list[int]:
-    """``k`` distinct ranks drawn one after the other, rank ``r`` with weight
-    ``(r + 1) ** -s`` (``cum``: the cumulative weights), without replacement, in draw
-    order."""
-    picked: list[int] = []
-    seen: set[int] = set()
-    # Rejection draws the next pick from the rest's weights; it stalls only when the
-    # picks hold nearly all the weight, where the equivalent exponential-key draw
-    # (Efraimidis-Spirakis: the k largest u ** (1 / w), in order) takes over.
-    total, hi, uniform = cum[-1], len(cum) - 1, rng.random
-    for _ in range(8 * k + 8):
-        if len(picked) == k:
-            return picked
-        rank = bisect.bisect(cum, uniform() * total, 0, hi)  # rng.choices(ranks, cum)
-        if rank not in seen:
-            seen.add(rank)
-            picked.append(rank)
-    if len(picked) == k:
-        return picked
-    # log(u) / w is u ** (1 / w) in order, and stays finite for the tiniest weights.
-    order = sorted(ranks, key=lambda r: math.log(1.0 - rng.random()) * (r + 1) ** s)
-    return order[-k:][::-1]
+    return _generate(_builders.rag, locals())
 
 
 def synthetic_scan(
@@ -775,51 +427,7 @@ def synthetic_scan(
     lets the scans flush the hot set's tail between its re-reads. Deterministic for a
     ``seed``.
     """
-    _check_int("num_requests", num_requests, positive=False)
-    _check_int("hot_prefixes", hot_prefixes, positive=True)
-    _check_positive("hot_blocks", hot_blocks)
-    _check_number("zipf_s", zipf_s, 0, 10)
-    _check_number("scan_fraction", scan_fraction, 0, 1)
-    _check_positive("scan_blocks", scan_blocks)
-    _check_int("system_prompt_blocks", system_prompt_blocks, positive=False)
-    _check_positive("question_tokens", question_tokens)
-    _check_positive("output_tokens", output_tokens)
-    _check_int("block_size", block_size, positive=True)
-    _check_positive("arrival_rate", arrival_rate)
-    _check_seed(seed)
-
-    rng = _family_rng("scan", seed)
-    fresh = _FreshKeys(rng)
-    system = fresh.take(system_prompt_blocks)
-    hot = [fresh.take(_uniform_mean(rng, hot_blocks)) for _ in range(hot_prefixes)]
-    cum = _zipf_cum_weights(hot_prefixes, zipf_s)
-    ranks = range(hot_prefixes)
-    mean_scan_tokens = scan_blocks * block_size
-    out: list[Request] = []
-    t = 0.0
-    for i in range(num_requests):
-        t += rng.expovariate(arrival_rate)
-        keys = list(system)
-        if rng.random() < scan_fraction:
-            req_id = f"scan{i}"
-            n_new = _uniform_mean(rng, mean_scan_tokens)
-        else:
-            req_id = f"hot{i}"
-            keys += hot[rng.choices(ranks, cum_weights=cum)[0]]
-            n_new = _uniform_mean(rng, question_tokens)
-        n_tokens = len(keys) * block_size + n_new
-        keys += fresh.take(-(-n_new // block_size))
-        out.append(
-            Request(
-                req_id=req_id,
-                arrival_s=t,
-                keys=tuple(keys),
-                input_tokens=n_tokens,
-                output_tokens=_uniform_mean(rng, output_tokens),
-                block_size=block_size,
-            )
-        )
-    return out
+    return _generate(_builders.scan, locals())
 
 
 def synthetic_diurnal(
@@ -855,55 +463,7 @@ def synthetic_diurnal(
     goes cold in the next: a policy that trusts old frequency keeps the wrong blocks.
     Deterministic for a ``seed``.
     """
-    _check_int("num_requests", num_requests, positive=False)
-    _check_int("num_phases", num_phases, positive=True)
-    _check_int("hot_prefixes", hot_prefixes, positive=True)
-    _check_positive("prefix_blocks", prefix_blocks)
-    _check_number("overlap", overlap, 0, 1)
-    _check_number("zipf_s", zipf_s, 0, 10)
-    _check_at_least("mean_turns", mean_turns, 1)
-    _check_positive("blocks_per_turn", blocks_per_turn)
-    _check_positive("output_blocks", output_blocks)
-    _check_int("block_size", block_size, positive=True)
-    _check_positive("arrival_rate", arrival_rate)
-    _check_at_least("think_time_s", think_time_s, 0)
-    _check_seed(seed)
-
-    rng = _family_rng("diurnal", seed)
-    fresh = _FreshKeys(rng)
-
-    def app_prompt() -> list[OffloadKey]:
-        return fresh.take(_uniform_mean(rng, prefix_blocks))
-
-    kept = round(overlap * hot_prefixes)
-    phases = [[app_prompt() for _ in range(hot_prefixes)]]
-    for _ in range(num_phases - 1):
-        hot = rng.sample(phases[-1], kept)
-        hot += [app_prompt() for _ in range(hot_prefixes - kept)]
-        rng.shuffle(hot)
-        phases.append(hot)
-    cum = _zipf_cum_weights(hot_prefixes, zipf_s)
-    ranks = range(hot_prefixes)
-    phase_s = num_requests / arrival_rate / num_phases
-
-    def phase_prompt(start: float) -> list[OffloadKey]:
-        phase = min(num_phases - 1, int(start / phase_s))
-        return phases[phase][rng.choices(ranks, cum_weights=cum)[0]]
-
-    return _conversations(
-        num_requests,
-        rng,
-        fresh,
-        phase_prompt,
-        session_rate=arrival_rate / mean_turns,
-        mean_turns=mean_turns,
-        first_tokens=blocks_per_turn * block_size,
-        turn_tokens=blocks_per_turn * block_size,
-        output_tokens=output_blocks * block_size,
-        think_time_s=think_time_s,
-        block_size=block_size,
-        id_prefix="d",
-    )
+    return _generate(_builders.diurnal, locals())
 
 
 @dataclass(frozen=True, slots=True)
@@ -1105,9 +665,9 @@ def iter_mooncake(
     Arguments are checked at once; the file is opened when iteration starts. See
     :func:`load_mooncake`.
     """
-    _check_int("block_size", block_size, positive=True)
+    check_int("block_size", block_size, positive=True)
     if limit is not None:
-        _check_int("limit", limit, positive=True)
+        check_int("limit", limit, positive=True)
     group = make_offload_key(b"\0", group_idx)[1:]  # group_idx's 4 bytes, checked
     return _read_mooncake(os.fspath(path), block_size, limit, group)
 
