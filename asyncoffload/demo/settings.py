@@ -15,8 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from asyncoffload.config import byte_setting
 from asyncoffload.hostmem import available_host_bytes, format_bytes
 from asyncoffload.integrations import check_endpoint, shift_tcp_port
-from asyncoffload.manager import available_policies
 from asyncoffload.tiers.remote import RemoteTier
+from asyncoffload.tiers.settings import known_policy
 from asyncoffload.workloads import Request, synthetic_chat
 
 __all__ = ["DemoConfig", "DemoConfigError"]
@@ -116,10 +116,7 @@ class DemoConfig(BaseModel):
     @field_validator("policy")
     @classmethod
     def _known_policy(cls, value: str) -> str:
-        known = available_policies()
-        if value not in known:
-            raise ValueError(f"unknown cache policy {value!r}; known: {', '.join(known)}")
-        return value
+        return known_policy(value)
 
     @field_validator("disk_bytes", mode="before")
     @classmethod
