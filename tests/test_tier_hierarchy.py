@@ -120,7 +120,7 @@ def test_which_tier_holds_a_key_and_lookup_counts_it() -> None:
 def test_sources_refuse_bad_loads_and_change_nothing() -> None:
     cpu, disk, _, core = setup()
     stored(disk, [key(1)])
-    with pytest.raises(DuplicateKeyError, match="listed twice"):
+    with pytest.raises(DuplicateKeyError, match="appears more than once"):
         core.sources([key(1), key(1)])
     with pytest.raises(UnknownKeyError, match="not stored in any tier"):
         core.sources([key(1), key(9)])

@@ -119,7 +119,8 @@ def _group_keys(
     return out
 
 
-def _reject_duplicates(keys: Sequence[OffloadKey], what: str) -> None:
+def reject_duplicates(keys: Sequence[OffloadKey], what: str) -> None:
+    """``DuplicateKeyError`` (naming the call ``what``) for a key listed twice."""
     if len(set(keys)) != len(keys):
         seen: set[OffloadKey] = set()
         for key in keys:
@@ -307,7 +308,7 @@ class CPUOffloadingManager(OffloadingManager):
         Raises :class:`UnknownKeyError` / :class:`KeyNotReadyError` /
         :class:`DuplicateKeyError` and pins nothing if any key cannot be loaded.
         """
-        _reject_duplicates(keys, "prepare_load")
+        reject_duplicates(keys, "prepare_load")
         found = list(map(self._policy.get, keys))
         if None in found or (found and min(map(_ref_cnt, found)) < 0):
             for key, block in zip(keys, found):
@@ -393,7 +394,7 @@ class CPUOffloadingManager(OffloadingManager):
         in one removed event. A refused call (``None``) changes no slot; a
         request-scoped manager still records the request's offer (as vLLM's does).
         """
-        _reject_duplicates(keys, "prepare_store")
+        reject_duplicates(keys, "prepare_store")
         get = self._policy.get
         requests = self._requests
         log: _RequestLog | None = None
@@ -446,7 +447,7 @@ class CPUOffloadingManager(OffloadingManager):
         offer counting (the block earned its place when it was stored). ``None``,
         changing nothing, when too few idle blocks can be evicted. Finish it with
         :meth:`complete_store` like a store."""
-        _reject_duplicates(keys, "reserve")
+        reject_duplicates(keys, "reserve")
         get = self._policy.get
         for key in keys:
             if get(key) is not None:

@@ -36,9 +36,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
 
-from asyncoffload.errors import DuplicateKeyError, KeyNotReadyError, UnknownKeyError
+from asyncoffload.errors import KeyNotReadyError, UnknownKeyError
 from asyncoffload.keys import OffloadKey
 from asyncoffload.manager import CPUOffloadingManager, ManagerStats, OffloadingEvent, ReqContext
+from asyncoffload.manager.cpu import reject_duplicates
 from asyncoffload.tiers.base import LowerTier, TierCounters, count_failures, outcomes
 from asyncoffload.tiers.format import MAX_KEY_BYTES
 from asyncoffload.transfer.base import CopyJob, FailedJob
@@ -219,12 +220,7 @@ class TierHierarchy:
         """The keys of a load that are absent from the CPU tier, with the tier that
         gives each; raises (changing nothing) for a key listed twice, still being
         stored, or in no tier."""
-        if len(set(keys)) != len(keys):
-            seen: set[OffloadKey] = set()
-            for key in keys:
-                if key in seen:
-                    raise DuplicateKeyError(f"prepare_load: key {key.hex()} is listed twice")
-                seen.add(key)
+        reject_duplicates(keys, "prepare_load")
         get = self.cpu.block_of
         out: dict[OffloadKey, TierState] = {}
         for key in keys:
