@@ -140,27 +140,7 @@ class Copies:
         ``handle.keys_to_store`` (being written in the manager), after ``before`` (the
         caller's last step). Every way out frees them or hands them to a job whose
         completion does."""
-        to_store = handle.keys_to_store
-        manager = self._manager
-
-        def stored(error: BaseException | None, job: CopyJob, step: list[int]) -> None:
-            manager.complete_store(to_store, ctx, success=error is None)
-            step[0] = 2
-            self._publish()
-            if error is None:
-                if self.stored is not None:
-                    self.stored(to_store, ctx)
-                self.bytes_stored += job.nbytes
-                _observe(self.store_hist, self.store_rate, job)
-
-        def go(step: list[int]) -> None:
-            self.stores += 1
-            self._watch(
-                "store", _start(self._backend.submit_store, src, slots), handle, step, stored
-            )
-
-        undo = lambda: manager.complete_store(to_store, ctx, success=False)  # noqa: E731
-        self._begin("store", handle, len(to_store), before, go, undo)
+        self._begin("store", handle, len(handle.keys_to_store), before, src, slots, ctx)
 
     def load(
         self,
@@ -168,42 +148,23 @@ class Copies:
         slots: Sequence[int],
         ids: list[int],
         ctx: ReqContext,
-        before: Callable[[], None] | None = None,
+        touch: bool = False,
     ) -> None:
         """Copy the pinned host ``slots`` of ``handle.keys`` into KV blocks ``ids``,
-        after ``before`` (the caller's last manager update). Every way out unpins them
-        or hands them to a job whose completion does."""
-        keys = list(handle.keys)
-
-        def go(step: list[int]) -> None:
-            self.loads += 1
-            self.copy_in(handle, slots, ids, ctx, step)
-
-        undo = lambda: self._manager.complete_load(keys)  # noqa: E731
-        self._begin("load", handle, len(keys), before, go, undo)
+        the keys first touched (``touch``). Every way out unpins them or hands them to a
+        job whose completion does."""
+        before = self._touch(handle.keys, ctx) if touch else None
+        self._begin("load", handle, len(handle.keys), before, list(slots), ids, ctx)
 
     def copy_in(
-        self,
-        handle: Transfer,
-        slots: Sequence[int],
-        ids: list[int],
-        ctx: ReqContext,
-        step: list[int] | None = None,
+        self, handle: Transfer, slots: Sequence[int], ids: list[int], ctx: ReqContext
     ) -> None:
         """Submit the load of a counted, tracked ``handle`` (its host ``slots`` pinned) to
         the load lane; its completion unpins them and resolves the handle."""
-        keys = list(handle.keys)
-        manager = self._manager
+        self._submit("load", handle, list(slots), ids, ctx, [0])
 
-        def loaded(error: BaseException | None, job: CopyJob, step: list[int]) -> None:
-            manager.complete_load(keys, ctx)
-            step[0] = 2
-            if error is None:
-                self.bytes_loaded += job.nbytes
-                _observe(self.load_hist, self.load_rate, job)
-
-        job = _start(self._backend.submit_load, list(slots), ids)
-        self._watch("load", job, handle, [0] if step is None else step, loaded)
+    def _touch(self, keys: list[OffloadKey], ctx: ReqContext) -> Callable[[], None]:
+        return lambda: self._manager.touch(keys, ctx)
 
     def _begin(
         self,
@@ -211,15 +172,16 @@ class Copies:
         handle: Transfer,
         n: int,
         before: Callable[[], None] | None,
-        go: Callable[[list[int]], None],
-        undo: Callable[[], None],
+        src: list[int],
+        dst: list[int],
+        ctx: ReqContext,
     ) -> None:
-        """Run ``before``, then (``n`` blocks to copy) track ``handle`` and ``go``
-        (submit); whatever escapes after the slots were taken is undone (see
+        """Run ``before``, then (``n`` blocks to copy) count and track ``handle`` and
+        submit its copy; whatever escapes after the slots were taken is undone (see
         :meth:`abandon`). No block to copy: the handle resolves at once."""
         fut: asyncio.Future[TransferResult] | None = None
         attempted = False
-        step = [0]
+        step = [0]  # how far the completion got (see the module docstring)
         try:
             if before is not None:
                 before()
@@ -227,38 +189,73 @@ class Copies:
             if not n:
                 fut.set_result(TransferResult(0, 0, 0.0))
                 return
+            if kind == "store":
+                self.stores += 1
+            else:
+                self.loads += 1
             self.track(fut)
             attempted = True
-            go(step)
+            self._submit(kind, handle, src, dst, ctx, step)
         except BaseException as exc:
-            self.abandon(kind, fut, attempted, undo, exc, step)
+            self.abandon(kind, fut, attempted, self._undo(kind, handle, ctx), exc, step)
             raise
 
-    def _watch(
+    def _undo(
+        self, kind: Literal["store", "load"], handle: Transfer, ctx: ReqContext
+    ) -> Callable[[], None]:
+        """What frees (store) or unpins (load) the slots of a transfer that never ran."""
+        manager = self._manager
+        if kind == "store":
+            return lambda: manager.complete_store(handle.keys_to_store, ctx, success=False)
+        return lambda: manager.complete_load(handle.keys)
+
+    def _submit(
         self,
         kind: Literal["store", "load"],
-        job: CopyJob,
         handle: Transfer,
+        src: list[int],
+        dst: list[int],
+        ctx: ReqContext,
         step: list[int],
-        tell: Callable[[BaseException | None, CopyJob, list[int]], None],
     ) -> None:
-        """Hand ``job`` to its lane; its completion ``tell``s the manager (once: see the
-        module docstring) and resolves ``handle``."""
+        bridge = self.bridge
+        assert bridge is not None
+        if kind == "store":
+            job = _start(self._backend.submit_store, src, dst)
+            bridge.watch(self._store_lane, job, lambda j: self._complete(j, handle, ctx, step))
+        else:
+            job = _start(self._backend.submit_load, src, dst)
+            bridge.watch(self._load_lane, job, lambda j: self._complete(j, handle, ctx, step))
 
-        def done(job: CopyJob) -> None:
-            with InterruptsHeld():
-                error: BaseException | None = None
-                try:
-                    error = _rerun_error(step, kind) or job.error
-                    if step[0] == 1:
-                        tell(error, job, step)
-                except Exception as exc:  # never leave the handle (and aclose) hanging
-                    log.exception("complete_%s failed", kind)
-                    error = error or exc
-                self.resolve(handle, job, error)
-
-        assert self.bridge is not None
-        self.bridge.watch(self._store_lane if kind == "store" else self._load_lane, job, done)
+    def _complete(self, job: CopyJob, handle: Transfer, ctx: ReqContext, step: list[int]) -> None:
+        """A copy ended: tell the manager (once: see the module docstring), publish a
+        store's stored event and send its keys on down, resolve the handle."""
+        with InterruptsHeld():
+            error: BaseException | None = None
+            store = handle.kind == "store"
+            try:
+                error = _rerun_error(step, handle.kind) or job.error
+                if step[0] == 1:
+                    if store:
+                        keys = handle.keys_to_store
+                        self._manager.complete_store(keys, ctx, success=error is None)
+                        step[0] = 2
+                        self._publish()
+                        if error is None:
+                            if self.stored is not None:
+                                self.stored(keys, ctx)
+                            self.bytes_stored += job.nbytes
+                            _observe(self.store_hist, self.store_rate, job)
+                    else:
+                        self._manager.complete_load(handle.keys, ctx)
+                        step[0] = 2
+                        if error is None:
+                            self.bytes_loaded += job.nbytes
+                            _observe(self.load_hist, self.load_rate, job)
+            except Exception as exc:  # never leave the handle (and aclose) hanging
+                log.exception("complete_%s failed", handle.kind)
+                error = error or exc
+            self.resolve(handle, job, error)
 
     # --- endings -----------------------------------------------------------------------
 

@@ -352,8 +352,7 @@ class AsyncOffloadEngine:
         spec = self._manager.prepare_load(keys, ctx)
         # From here the slots are pinned: every way out unpins them or hands them to a
         # job whose completion does (an interrupt included; see Copies.abandon).
-        touch = (lambda: self._manager.touch(keys, ctx)) if self.config.touch_on_load else None
-        self._copies.load(handle, spec.block_ids, ids, ctx, before=touch)
+        self._copies.load(handle, spec.block_ids, ids, ctx, self.config.touch_on_load)
         return handle
 
     async def prepare_store(
