@@ -5,12 +5,9 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 
-import torch  # noqa: F401
-
 from asyncoffload.keys import OffloadKey
 from asyncoffload.manager.base import BlockStatus
 from asyncoffload.manager.policies.base import CachePolicy, order_request_keys, register_policy
-from asyncoffload.tiers.hierarchy import TierHierarchy  # noqa: F401
 
 __all__ = ["LRUPolicy"]
 
