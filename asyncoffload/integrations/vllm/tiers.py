@@ -3,18 +3,14 @@ tiers below the CPU tier.
 
 vLLM splits the offloading backend in two: the manager (every index) in the scheduler
 process, the host slots and their copies in each worker process. With ``tiers`` set,
-the worker keeps its host slots in a :class:`~asyncoffload.transfer.paged_engines.
-SharedHostFile` named after the engine and its rank (:func:`host_pool_path`), and the
-scheduler maps that file (lazily, the first time it needs it) so that the disk tier's
-native I/O lanes move blocks straight between the slots and disk, driven from here.
+the scheduler maps every worker's host pool file (``host_pools.HostPools``) so that the
+tiers' lanes move blocks straight between the slots and the tier, driven from here.
 
 Nothing here blocks or runs a Python thread: I/O jobs are submitted to the native
 lanes and polled (:meth:`SchedulerTiers.poll`) at the start of every manager call,
-which vLLM makes every step. A shared tier's client (``redis.asyncio``) runs on a
-private event loop that is never run on a thread of its own and never becomes the
-thread's current loop: :meth:`SchedulerTiers.flush` (every manager call but ``lookup``)
-*steps* it, a bounded number of non-blocking iterations, while something of ours is in
-flight on it. It does not import vLLM.
+which vLLM makes every step. A shared tier's client runs on a private event loop
+(``private_loop.PrivateLoop``) that :meth:`SchedulerTiers.flush` (every manager call
+but ``lookup``) steps while something of ours is in flight on it. It does not import vLLM.
 
 - A lookup of a key absent from the CPU tier and ready in a lower tier starts a
   *promotion*: a CPU slot is reserved (the CPU tier's ``reserve``), the key answers
@@ -47,41 +43,32 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 import os
-import re
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Coroutine, Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
 
+from asyncoffload.integrations.vllm.host_pools import HostPools, host_pool_path
+from asyncoffload.integrations.vllm.private_loop import PrivateLoop
 from asyncoffload.keys import OffloadKey
 from asyncoffload.manager import CPUOffloadingManager
 from asyncoffload.tiers.base import LowerTier
 from asyncoffload.tiers.format import MAX_KEY_BYTES
 from asyncoffload.tiers.hierarchy import TierHierarchy, TierIo, TierState, TierStats, submit
 from asyncoffload.transfer.base import CopyJob, FailedJob
-from asyncoffload.transfer.host_file import SharedHostFile
 
 __all__ = ["SchedulerTiers", "host_pool_path"]
 
 log = logging.getLogger("asyncoffload.vllm")
 
-#: How often the scheduler looks for a host pool file not there yet, and after how long
-#: it warns (once) that it is still missing.
-_RETRY_S = 0.1
-_WARN_AFTER_S = 60.0
 #: A drain waits for I/O at most the tiers' deadline plus this.
 _DRAIN_GRACE_S = 1.0
 #: Promotions found in one step are read as one job per tier; a batch this large is
 #: submitted at once (and so is a shared tier's query of this many keys).
 _MAX_BATCH = 256
-#: Iterations of the private event loop per step of it (each runs what is ready, with
-#: no wait for I/O); it stops sooner once nothing of ours is in flight on it.
-_LOOP_ITERATIONS = 16
 #: Seconds a shared tier's "not there" (or a failed query) is remembered, and how many
 #: such keys at most.
 _MISS_TTL_S = 2.0
@@ -90,18 +77,6 @@ _MISS_KEYS = 65_536
 _LOG_EVERY_S = 60.0
 #: Seconds the shutdown waits for a shared tier's client to close.
 _CLOSE_TIMEOUT_S = 5.0
-
-_T = TypeVar("_T")
-
-
-def host_pool_path(directory: str | os.PathLike[str], engine_id: str, rank: int) -> Path:
-    """The shared host pool file of ``engine_id``'s worker ``rank``: the worker makes it,
-    the scheduler finds it by the same name. Characters outside ``[A-Za-z0-9_.-]`` in
-    the engine id are replaced, with a hash of the id so that names stay distinct."""
-    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", engine_id)[:64]
-    if safe != engine_id:
-        safe += "-" + hashlib.blake2b(engine_id.encode(), digest_size=6).hexdigest()
-    return Path(directory) / f"asyncoffload-{safe}-rank{rank}.pool"
 
 
 @dataclass
@@ -121,22 +96,6 @@ class _Query:
     tier: TierState
     keys: list[OffloadKey]
     task: asyncio.Task[list[bool]]
-
-
-@contextlib.contextmanager
-def _outside_any_loop() -> Iterator[None]:
-    """Runs the body with no event loop marked running in this thread, then restores
-    the one that was: a private loop can only be stepped where no other loop runs, and
-    the scheduler thread has none (unless a caller drives vLLM from a coroutine)."""
-    outer = asyncio._get_running_loop()
-    if outer is None:
-        yield
-        return
-    asyncio._set_running_loop(None)
-    try:
-        yield
-    finally:
-        asyncio._set_running_loop(outer)
 
 
 class SchedulerTiers:
@@ -160,20 +119,12 @@ class SchedulerTiers:
         unlink_pools: bool = True,
     ) -> None:
         self.cpu = cpu
-        #: Whether a pool file's name goes once it is mapped here (not for a pool that
-        #: other workers still have to find: a replicated layout's).
-        self.unlink_pools = unlink_pools
         self.core = TierHierarchy(cpu, stores)
         self.tiers = self.core.tiers
         self._shared = self.core.shared_tiers
         self._jobs = {tier: _Jobs() for tier in self.tiers}
-        if isinstance(pool_paths, (str, os.PathLike)):
-            pool_paths = [pool_paths]
-        #: Each rank's host pool file, rank order: a block in a lower tier is one value
-        #: holding the same slot of every one of them (see :meth:`_pool_base`).
-        self.pool_paths = [Path(p) for p in pool_paths]
-        if not self.pool_paths:
-            raise ValueError("lower tiers need at least one worker's host pool")
+        self.pools = HostPools(pool_paths, num_slots, slot_bytes, unlink=unlink_pools)
+        self.pool_paths = self.pools.pool_paths
         for store in stores:
             if store.block_bytes != slot_bytes * len(self.pool_paths):
                 raise ValueError(
@@ -182,20 +133,9 @@ class SchedulerTiers:
                 )
         self.num_slots = num_slots
         self.slot_bytes = slot_bytes
-        #: The pools mapped so far, by rank (all of them before any tier I/O).
-        self._pools: list[SharedHostFile | None] = [None] * len(self.pool_paths)
-        self._views: list[object] = []
-        self._mapped = False
-        self._base = 0
-        self._pool_error: str | None = None
-        self._first_try = 0.0
-        self._next_try = 0.0
-        self._warned = False
         self._closed = False
-        # The shared tiers' private loop, stepped from here (see the module docstring),
-        # and what of ours is in flight on it (jobs' tasks, queries).
-        self._loop = asyncio.new_event_loop() if self._shared else None
-        self._on_loop: set[asyncio.Future[Any]] = set()
+        # The shared tiers' private loop, stepped from here (see the module docstring).
+        self._loop = PrivateLoop() if self._shared else None
         #: Keys to ask the shared tiers about at the next flush.
         self._ask: dict[OffloadKey, None] = {}
         #: Keys asked about (or to be): how many queries of them are still out.
@@ -223,74 +163,11 @@ class SchedulerTiers:
 
     @property
     def pool_mapped(self) -> bool:
-        return self._mapped
+        return self.pools.mapped
 
     def _pool_base(self) -> int | None:
-        """The address of rank 0's slot 0 in this process, mapping each worker's file
-        the first time it is there; ``None`` (tier I/O is skipped) until every rank's
-        is, or for good where a file is not a pool of this engine. With several ranks,
-        each tier is told where the other ranks' slots are (``set_segments``): a block
-        is written from, and read into, the same slot of every rank's pool at once."""
-        if self._mapped:
-            return self._base
-        if self._pool_error is not None or self._closed:
-            return None
-        now = time.monotonic()
-        if now < self._next_try:
-            return None
-        self._next_try = now + _RETRY_S
-        if not self._first_try:
-            self._first_try = now
-        pools = self._pools
-        for rank, path in enumerate(self.pool_paths):
-            if pools[rank] is not None:
-                continue
-            try:
-                pool = SharedHostFile.open(path, self.num_slots, self.slot_bytes)
-            except FileNotFoundError:
-                if not self._warned and now - self._first_try > _WARN_AFTER_S:
-                    self._warned = True
-                    log.warning(
-                        "the host pool of worker %d (%s) is still missing after %.0fs: "
-                        "tier I/O is skipped until every worker's is there",
-                        rank,
-                        path,
-                        now - self._first_try,
-                    )
-                continue
-            except (OSError, ValueError) as exc:
-                self._pool_error = str(exc)
-                log.error("cannot map the host pool of worker %d (%s): tier I/O is off", rank, exc)
-                return None
-            if not pool.creator_alive():  # a stale file of a dead worker: not ours
-                pool.close()
-                continue
-            if self.unlink_pools:
-                with contextlib.suppress(OSError):  # mapped by both: nothing need name it now
-                    os.unlink(path)
-            pools[rank] = pool
-            log.info("mapped the host pool of worker %d: %s", rank, path)
-        if any(pool is None for pool in pools):
-            return None
-        views = [pool.tensor() for pool in pools if pool is not None]
-        bases = [view.data_ptr() for view in views]
-        if len(bases) > 1:
-            deltas = [b - bases[0] for b in bases]
-            try:
-                for tier in self.tiers:
-                    tier.store.set_segments(deltas)
-            except (ValueError, NotImplementedError, RuntimeError) as exc:
-                self._pool_error = str(exc)
-                log.error(
-                    "the lower tiers cannot take %d ranks' slices (%s): tier I/O is off",
-                    len(bases),
-                    exc,
-                )
-                return None
-        self._views = list(views)
-        self._base = bases[0]
-        self._mapped = True
-        return self._base
+        """Rank 0's slot 0 here, once every rank's pool is mapped (see HostPools.base)."""
+        return None if self._closed else self.pools.base([t.store for t in self.tiers])
 
     def _connect(self, tier: TierState) -> None:
         """Open a shared tier's connections now, once, at start-up: the private loop
@@ -302,7 +179,8 @@ class SchedulerTiers:
         if connect is None:
             return
         try:
-            self._run(connect())
+            assert self._loop is not None
+            self._loop.run(connect())
         except Exception as exc:
             log.warning(
                 "shared tier %s: no connection at start-up (%r): it connects when first used",
@@ -347,74 +225,27 @@ class SchedulerTiers:
             self._jobs[io.tier].reads.append((io, self._submit(io)))
         if self._ask:
             self._send_queries()
-        if self._on_loop:
-            self._step()
+        loop = self._loop
+        if loop is not None and loop.on_loop:
+            loop.step()
             self.poll()
 
     def _submit(self, io: TierIo) -> CopyJob:
         """Hand ``io`` to its tier: a shared tier's job is a task on the private loop,
         submitted from inside it."""
-        host = [self._base + slot * self.slot_bytes for slot in io.cpu_slots]
-        if io.tier.shared is None:
+        host = [self.pools.address(slot) for slot in io.cpu_slots]
+        loop = self._loop
+        if io.tier.shared is None or loop is None:
             return submit(io, host)
         try:
-            job = self._in_loop(submit, io, host)
+            job = loop.call(submit, io, host)
         except Exception as exc:
             log.warning("a tier I/O submission failed: %r", exc)
             return FailedJob(len(io.keys), exc.with_traceback(None))
         task = getattr(job, "task", None)
         if isinstance(task, asyncio.Future):
-            self._track(task)
+            loop.track(task)
         return job
-
-    # --- the private loop -----------------------------------------------------------
-
-    def _track(self, future: asyncio.Future[Any]) -> None:
-        self._on_loop.add(future)
-        future.add_done_callback(self._on_loop.discard)
-
-    def _run(self, coro: Coroutine[Any, Any, _T]) -> _T:
-        """Run ``coro`` to its end on the private loop (only what ends without waiting
-        for I/O, or within a timeout: a submission, the start-up connection, a
-        close)."""
-        loop = self._loop
-        if loop is None or loop.is_closed():
-            coro.close()
-            raise RuntimeError("the shared tiers' event loop is closed")
-        with _outside_any_loop():
-            return loop.run_until_complete(coro)
-
-    def _in_loop(self, fn: Callable[..., _T], *args: Any) -> _T:
-        """``fn(*args)`` called inside the private loop (it may create tasks on it)."""
-
-        async def call() -> _T:
-            return fn(*args)
-
-        return self._run(call())
-
-    def _step(self) -> None:
-        """Up to ``_LOOP_ITERATIONS`` iterations of the private loop, none waiting for
-        I/O; fewer once nothing of ours is in flight on it."""
-        loop = self._loop
-        if loop is None or loop.is_closed():
-            return
-        left = _LOOP_ITERATIONS
-        busy = self._on_loop
-
-        def again() -> None:
-            nonlocal left
-            left -= 1
-            if left > 0 and busy:
-                loop.call_soon(again)  # runs in the next iteration
-            else:
-                loop.stop()
-
-        loop.call_soon(again)
-        try:
-            with _outside_any_loop():
-                loop.run_forever()
-        except RuntimeError as exc:  # a defect of ours: never raise into vLLM
-            log.error("stepping the shared tiers' event loop failed: %s", exc)
 
     # --- promotions -----------------------------------------------------------------
 
@@ -473,7 +304,7 @@ class SchedulerTiers:
         keys = list(self._ask)
         self._ask.clear()
         loop = self._loop
-        assert loop is not None
+        assert loop is not None and loop.loop is not None
         asking = self._asking
         now = time.monotonic()
         for tier in self._shared:
@@ -483,8 +314,8 @@ class SchedulerTiers:
             if not unknown:
                 continue
             assert tier.shared is not None
-            task = loop.create_task(tier.shared.exists(unknown))
-            self._track(task)
+            task = loop.loop.create_task(tier.shared.exists(unknown))
+            loop.track(task)
             self._queries.append(_Query(tier, unknown, task))
             for key in unknown:
                 asking[key] += 1
@@ -584,11 +415,7 @@ class SchedulerTiers:
         return self.core.stats(self._info)
 
     def _info(self, tier: TierState) -> dict[str, object]:
-        info: dict[str, object] = {"host_pool": str(self.pool_path)}
-        if len(self.pool_paths) > 1:
-            info["host_pools"] = [str(p) for p in self.pool_paths]
-        info["host_pool_mapped"] = self._mapped
-        return info
+        return self.pools.describe()
 
     # --- lifecycle ------------------------------------------------------------------
 
@@ -600,7 +427,8 @@ class SchedulerTiers:
         self.core.cancel_reads()
         limit = time.monotonic() + self.deadline_s + _DRAIN_GRACE_S
         while True:
-            self._step()
+            if self._loop is not None:
+                self._loop.step()
             self.poll()
             if not self._io_in_flight():
                 return True
@@ -631,7 +459,8 @@ class SchedulerTiers:
         for tier in self.tiers:
             try:
                 if tier.shared is not None and self._loop is not None:
-                    self._run(asyncio.wait_for(_aclose_shared(tier.store), _CLOSE_TIMEOUT_S))
+                    closing = asyncio.wait_for(_aclose_shared(tier.store), _CLOSE_TIMEOUT_S)
+                    self._loop.run(closing)
                 else:
                     tier.store.close()
             except Exception:
@@ -641,32 +470,9 @@ class SchedulerTiers:
                         tier.store.close()
             self._jobs[tier].reads.clear()
             self._jobs[tier].writes.clear()
-        self._close_loop()
-        pools, self._pools = self._pools, [None] * len(self.pool_paths)
-        self._views = []
-        self._mapped = False
-        for pool in pools:
-            if pool is not None:
-                pool.close()
-
-    def _close_loop(self) -> None:
-        """Cancel what is left on the private loop, let it end, close the loop."""
-        loop, self._loop = self._loop, None
-        if loop is None or loop.is_closed():
-            return
-        try:
-            left = asyncio.all_tasks(loop)
-            for task in left:
-                task.cancel()
-            with _outside_any_loop():
-                if left:
-                    loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
-                loop.run_until_complete(loop.shutdown_asyncgens())
-        except Exception:
-            log.exception("closing the shared tiers' event loop failed")
-        finally:
-            loop.close()
-        self._on_loop.clear()
+        if self._loop is not None:
+            self._loop.close()
+        self.pools.close()
 
 
 async def _aclose_shared(store: LowerTier) -> None:
