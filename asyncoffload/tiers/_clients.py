@@ -12,11 +12,11 @@ cannot be made at all (the server down, a timeout) raises.
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 from urllib.parse import unquote, urlsplit
 
 if TYPE_CHECKING:
-    from asyncoffload.tiers.remote import RemoteTier
+    from pydantic import SecretStr
 
 __all__ = ["Client", "GlideClient", "RedisPyClient", "make_client"]
 
@@ -47,7 +47,35 @@ class Client(Protocol):
     async def aclose(self) -> None: ...
 
 
-def make_client(config: RemoteTier) -> Client:
+class ClientSettings(Protocol):
+    """What a client reads of the shared tier's settings (a ``RemoteTier``); a
+    protocol, so that this module need not import the tier that imports it."""
+
+    @property
+    def url(self) -> str: ...
+    @property
+    def client(self) -> Literal["redis-py", "glide"]: ...
+    @property
+    def cluster(self) -> bool: ...
+    @property
+    def username(self) -> str | None: ...
+    @property
+    def password(self) -> SecretStr | None: ...
+    @property
+    def ssl_ca_certs(self) -> str | None: ...
+    @property
+    def ssl_certfile(self) -> str | None: ...
+    @property
+    def ssl_keyfile(self) -> str | None: ...
+    @property
+    def max_connections(self) -> int: ...
+    @property
+    def pipelines(self) -> int: ...
+    @property
+    def timeout_s(self) -> float: ...
+
+
+def make_client(config: ClientSettings) -> Client:
     if config.client == "glide":
         return GlideClient(config)
     return RedisPyClient(config)
@@ -89,7 +117,7 @@ class RedisPyClient:
     raises ``MaxConnectionsError`` under ``gather``), or ``RedisCluster``, whose pipelines
     split per node."""
 
-    def __init__(self, config: RemoteTier) -> None:
+    def __init__(self, config: ClientSettings) -> None:
         try:
             import redis.asyncio  # noqa: F401
         except ImportError:
@@ -205,7 +233,7 @@ class RedisPyClient:
 # --- valkey-glide ---------------------------------------------------------------------------
 
 
-def glide_settings(config: RemoteTier) -> tuple[Any, bool]:
+def glide_settings(config: ClientSettings) -> tuple[Any, bool]:
     """valkey-glide's configuration for ``config``, and whether it is a cluster's.
     ``ValueError`` for what glide cannot do here (a unix socket URL)."""
     import glide
@@ -268,7 +296,7 @@ class GlideClient:
     """valkey-glide (its Rust core; replies come back to the loop through a pipe). Made
     on first use; a cluster client's batches and multi-key commands split per node."""
 
-    def __init__(self, config: RemoteTier) -> None:
+    def __init__(self, config: ClientSettings) -> None:
         try:
             import glide  # noqa: F401
         except ImportError:
