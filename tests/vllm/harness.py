@@ -155,6 +155,19 @@ def _tail(path: Path, lines: int = 60) -> str:
         return "(no log)"
 
 
+def _own_core() -> str:
+    """The core a vLLM run of this pytest process computes on, alone: one OpenMP thread
+    bound to the xdist worker's own core (gw0 the first this process may use, gw1 the
+    next, ...). vLLM's default binding ran the model on every core, and two runs at once
+    (two xdist workers) then summed in another order: a baseline and a run that loaded
+    nothing differed by 2e-3 in a logprob. One thread sums in one order whatever else
+    runs, and two workers never share a core. A run's own ``env`` (TP binds) still wins.
+    """
+    cores = sorted(os.sched_getaffinity(0))
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    return str(cores[(int(worker) if worker.isdigit() else 0) % len(cores)])
+
+
 def run_llm(
     args: dict[str, Any],
     workdir: Path,
@@ -179,6 +192,8 @@ def run_llm(
     env = dict(os.environ)
     # vLLM spawns its engine core and worker; both import the spec by module path.
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+    if "VLLM_CPU_OMP_THREADS_BIND" not in env:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = _own_core()
     cmd = [python or sys.executable, "-m", "tests.vllm.llm_runner", str(args_path), str(out_path)]
     t0 = time.monotonic()
     with log_path.open("wb") as log:
