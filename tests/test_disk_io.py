@@ -70,15 +70,18 @@ def wait(job: IoJob, timeout: float = 10.0) -> IoJob:
     return job
 
 
-def tasks() -> int:
-    return len(os.listdir("/proc/self/task"))
+def task_ids() -> set[str]:
+    """This process's threads. Tests compare sets, not counts: another test's thread (a
+    cancelled pytest-timeout timer) may still be ending while this one runs."""
+    return set(os.listdir("/proc/self/task"))
 
 
-def wait_tasks(expected: int, timeout: float = 5.0) -> int:
+def wait_gone(threads: set[str], timeout: float = 5.0) -> set[str]:
+    """Waits (at most ``timeout`` s) until none of ``threads`` runs; those still running."""
     deadline = time.monotonic() + timeout
-    while tasks() != expected and time.monotonic() < deadline:
+    while (left := threads & task_ids()) and time.monotonic() < deadline:
         time.sleep(0.005)
-    return tasks()
+    return left
 
 
 @pytest.fixture
@@ -693,9 +696,9 @@ def test_a_finished_job_writes_the_bound_wake_fd(tmp_path: Path, pools: list[IoP
 def test_close_finishes_queued_jobs_and_joins_the_threads(
     tmp_path: Path, pools: list[IoPool]
 ) -> None:
-    before = tasks()
+    before = task_ids()
     pool = make_pool(pools, 100, threads=3)
-    assert not pool.started and tasks() == before  # a pool never used holds no threads
+    assert not pool.started and not task_ids() - before  # a pool never used holds no threads
     pool.set_delay(0.005)
     host = Host(100, aligned=False)
     jobs = [
@@ -704,9 +707,10 @@ def test_close_finishes_queued_jobs_and_joins_the_threads(
         )
         for j in range(4)
     ]
-    assert pool.started and tasks() == before + 3
+    lanes = task_ids() - before
+    assert pool.started and len(lanes) == 3
     pool.close()
-    assert tasks() == before
+    assert not lanes & task_ids()  # joined: none left running
     for job in jobs:
         assert job.query() and job.results == [100] * 4
     with pytest.raises(RuntimeError, match="closed"):
@@ -715,11 +719,11 @@ def test_close_finishes_queued_jobs_and_joins_the_threads(
 
     idle = make_pool(pools, 100, threads=2)
     idle.close()
-    assert tasks() == before
+    assert not task_ids() - before
 
 
 def test_a_dropped_pool_discards_its_queued_jobs_and_joins_its_threads(tmp_path: Path) -> None:
-    before = tasks()
+    before = task_ids()
     pool = IoPool(threads=2, payload_len=100, identity=IDENTITY, direct_files=False)
     blocker = Blocker(pool, tmp_path, 2)  # both workers busy until released
     host = Host(100, aligned=False)
@@ -727,7 +731,8 @@ def test_a_dropped_pool_discards_its_queued_jobs_and_joins_its_threads(tmp_path:
         pool.submit(True, [IoOp(host.address, 0, str(tmp_path / f"{j}"), b"k", -1)])
         for j in range(5)
     ]
-    assert tasks() == before + 2
+    lanes = task_ids() - before
+    assert len(lanes) == 2
     gone = weakref.ref(pool)
 
     def release_once_dropped() -> None:
@@ -741,7 +746,7 @@ def test_a_dropped_pool_discards_its_queued_jobs_and_joins_its_threads(tmp_path:
     del pool
     gc.collect()
     releaser.join(10)
-    assert wait_tasks(before) == before
+    assert not wait_gone(lanes), "the dropped pool's lanes are still running after 5 s"
     assert all(wait(job).error is None for job in blocker.jobs)
     for job in jobs:
         assert job.query()
