@@ -411,7 +411,8 @@ class AsyncOffloadEngine:
         if self._tiers is not None and len(to_store) < len(keys):
             # Keys already in the CPU tier are offered to the lower tiers again (their
             # admission counts offers): written from their slots now.
-            self._tiers.write_through([k for k in keys if k not in set(to_store)], ctx)
+            fresh = set(to_store)
+            self._tiers.write_through([k for k in keys if k not in fresh], ctx)
         # From here the slots are being written: every way out frees them or hands them
         # to a job whose completion does (an interrupt included; see Copies.abandon).
         handle = self._copies.handle("store", keys, to_store, out.evicted_keys)

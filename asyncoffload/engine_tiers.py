@@ -29,7 +29,7 @@ from asyncoffload.errors import PromotionError, TransferError
 from asyncoffload.handles import Transfer
 from asyncoffload.keys import OffloadKey
 from asyncoffload.layout import KVLayout
-from asyncoffload.manager import CPUOffloadingManager, OffloadingEvent, ReqContext
+from asyncoffload.manager import CPUOffloadingManager, ReqContext
 from asyncoffload.tiers.base import LowerTier
 from asyncoffload.tiers.format import Namespace
 from asyncoffload.tiers.hierarchy import (
@@ -251,9 +251,6 @@ class LoopTiers:
                 self._publish()
 
     # --- events, stats, closing ------------------------------------------------------
-
-    def take_events(self) -> list[OffloadingEvent]:
-        return self.core.take_events()
 
     def stats(self) -> tuple[TierStats, ...]:
         return self.core.stats()

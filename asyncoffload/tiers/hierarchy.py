@@ -186,9 +186,6 @@ class TierHierarchy:
         #: Promotions reserved and not yet handed out by :meth:`take_reads`.
         self.batched = 0
 
-    def __bool__(self) -> bool:
-        return bool(self.tiers)
-
     # --- which tier holds a key ------------------------------------------------------
 
     def source(self, key: OffloadKey) -> TierState | None:

@@ -121,6 +121,7 @@ class SchedulerTiers:
         self.cpu = cpu
         self.core = TierHierarchy(cpu, stores)
         self.tiers = self.core.tiers
+        self._stores = list(stores)
         self._shared = self.core.shared_tiers
         self._jobs = {tier: _Jobs() for tier in self.tiers}
         self.pools = HostPools(pool_paths, num_slots, slot_bytes, unlink=unlink_pools)
@@ -167,7 +168,7 @@ class SchedulerTiers:
 
     def _pool_base(self) -> int | None:
         """Rank 0's slot 0 here, once every rank's pool is mapped (see HostPools.base)."""
-        return None if self._closed else self.pools.base([t.store for t in self.tiers])
+        return None if self._closed else self.pools.base(self._stores)
 
     def _connect(self, tier: TierState) -> None:
         """Open a shared tier's connections now, once, at start-up: the private loop
