@@ -108,6 +108,13 @@ class EngineConfig(BaseModel):
     touch_on_load: bool = Field(
         True, description="prepare_load marks the loaded keys recently used."
     )
+    touch_on_store: bool = Field(
+        True,
+        description="prepare_store marks its keys used before storing them, so that with "
+        "touch_on_load the policy sees every block of a request that loads its prefix "
+        "and stores the rest (lookup, prepare_load, prepare_store). Turn both off when "
+        "you call touch yourself.",
+    )
     max_tracker_size: int = Field(
         64_000, gt=0, description="Keys whose offers store_threshold remembers."
     )

@@ -286,8 +286,8 @@ class AsyncOffloadEngine:
         self._lookup_hits += n
         return n
 
-    def _lookup(self, keys: list[OffloadKey], ctx: ReqContext) -> int:
-        n = self._manager.lookup_prefix(keys, ctx)
+    def _lookup(self, keys: list[OffloadKey], ctx: ReqContext, observe: bool = True) -> int:
+        n = self._manager.lookup_prefix(keys, ctx, observe=observe)
         if self._tiers is not None and n < len(keys):
             n = self._tiers.lookup(keys, n)
         return n
@@ -304,7 +304,7 @@ class AsyncOffloadEngine:
         if tiers is not None and tiers.core.shared_tiers:
             # Asked about what the first pass does not find; counted once, as one lookup.
             hits = [tier.counters.lookup_hits for tier in tiers.core.tiers]
-            n = self._lookup(keys, ctx)
+            n = self._lookup(keys, ctx, observe=False)  # the policy hears of it once, below
             for tier, before in zip(tiers.core.tiers, hits):
                 tier.counters.lookup_hits = before
             if n < len(keys):
@@ -401,6 +401,9 @@ class AsyncOffloadEngine:
         if (ctx := check_tokens(ctx, tokens)).tokens is not None:
             check_described(keys, ctx.tokens)
         self._ensure_bridge()
+        if self.config.touch_on_store and keys:
+            # The request uses these blocks, stored or not (see EngineConfig).
+            self._manager.touch(keys if len(set(keys)) == len(keys) else _unique(keys), ctx)
         out = self._manager.prepare_store(keys, ctx)
         if out is None:  # refused, nothing changed
             _check_capacity(self._manager, keys)
@@ -503,3 +506,8 @@ def _sources(keys: list[OffloadKey], ids: list[int], chosen: list[OffloadKey]) -
     """The KV block ids of the ``chosen`` of ``keys`` (``ids``: one per key)."""
     position = {key: i for i, key in enumerate(keys)}
     return [ids[position[key]] for key in chosen]
+
+
+def _unique(keys: list[OffloadKey]) -> list[OffloadKey]:
+    """``keys`` without repeats, each where it first appears."""
+    return list(dict.fromkeys(keys))

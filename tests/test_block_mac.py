@@ -305,7 +305,8 @@ def block(kv: list[torch.Tensor], i: int) -> bytes:
 
 def config(path: Path, mode: str, mac_key: bytes | None, cpu_blocks: int = 4) -> ao.EngineConfig:
     tier = DiskTier(path, 16 * SLOT, mode, admission=None, mac_key=mac_key)
-    return ao.EngineConfig(cpu_blocks=cpu_blocks, tiers=[tier], model="test-model")
+    # LRU: the tests count on which block the CPU tier evicts.
+    return ao.EngineConfig(cpu_blocks=cpu_blocks, tiers=[tier], model="test-model", policy="lru")
 
 
 @contextlib.asynccontextmanager
@@ -486,7 +487,7 @@ async def test_the_key_is_never_shown(tmp_path: Path) -> None:
     disk = DiskTier(tmp_path, 16 * SLOT, "files", mac_key=SECRET, admission=None)
     remote_tier = RemoteTier("redis://127.0.0.1:1/0", mac_key=SECRET.encode())
     assert disk.mac_key is not None and disk.mac_key.get_secret_value() == SECRET.encode()
-    cfg = ao.EngineConfig(cpu_blocks=4, tiers=[disk, remote_tier], model="m")
+    cfg = ao.EngineConfig(cpu_blocks=4, tiers=[disk, remote_tier], model="m", policy="lru")
     texts = [
         shown(disk, remote_tier, cfg),
         disk.model_dump_json(),
@@ -494,7 +495,7 @@ async def test_the_key_is_never_shown(tmp_path: Path) -> None:
         cfg.model_dump_json(),
         str(cfg.model_dump()),
     ]
-    async with engine(ao.EngineConfig(cpu_blocks=4, tiers=[disk], model="m")) as eng:
+    async with engine(ao.EngineConfig(cpu_blocks=4, tiers=[disk], model="m", policy="lru")) as eng:
         texts.append(shown(eng, eng.stats(), eng.tiers[0], eng.tiers[0].pool))  # type: ignore[attr-defined]
         tier = eng.tiers[0]
         assert isinstance(tier, DiskStore)

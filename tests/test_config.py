@@ -269,7 +269,9 @@ async def test_periodic_summary_line(caplog: pytest.LogCaptureFixture) -> None:
     import asyncio
 
     kv = random_kv(2, 32)
-    cfg = ao.EngineConfig(cpu_blocks=4, log_summary_s=0.05, copy_engine="threads")
+    cfg = ao.EngineConfig(
+        cpu_blocks=4, log_summary_s=0.05, copy_engine="threads", policy="lru"
+    )  # LRU: the first store is the one evicted
     engine = ao.AsyncOffloadEngine(kv, cfg)
     keys = make_keys(6)
     with caplog.at_level(logging.INFO, logger="asyncoffload"):

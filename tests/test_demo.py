@@ -24,6 +24,7 @@ from asyncoffload.demo import (
     run_demo,
 )
 from asyncoffload.keys import make_offload_key
+from asyncoffload.replay import replay
 from asyncoffload.workloads import summarize
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
@@ -50,6 +51,27 @@ TINY: dict[str, Any] = dict(
 
 def tiny(**overrides: Any) -> DemoConfig:
     return DemoConfig(**{**TINY, **overrides})
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc", "kv", "auto"])
+async def test_the_demo_drives_its_policy_as_the_replay_does(policy: str) -> None:
+    # Served one at a time, the demo's requests (lookup, prepare_load of the hits,
+    # prepare_store of the rest: the engine touches both) make the CPU tier decide as
+    # the replay's manager does: the same hits, stores and evictions. Before issue 24
+    # the engine touched only the loaded blocks: ARC never adapted (its ghosts are
+    # used by misses) and kv saw a fraction of each request.
+    cfg = tiny(requests=400, concurrency=1, policy=policy, cpu_blocks=40)
+    requests = cfg.workload()
+    assert max(len(req.keys) for req in requests) <= cfg.cpu_blocks  # no cut stores
+    report = await run_demo(cfg, progress=False)
+    ref = replay(requests, cfg.cpu_blocks, policy=policy)
+    s = report.stats
+    assert ref.evicted > 0 and ref.hit_blocks > 0
+    assert (s.lookup_hits, s.blocks_stored, s.blocks_evicted) == (
+        ref.hit_blocks,
+        ref.stored,
+        ref.evicted,
+    )
 
 
 def assert_consistent(report: DemoReport, cfg: DemoConfig) -> None:

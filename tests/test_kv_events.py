@@ -186,7 +186,8 @@ def check_index(
 
 @pytest.fixture
 async def engine() -> AsyncIterator[ao.AsyncOffloadEngine]:
-    eng, _ = make_engine(cpu_blocks=24, gpu_blocks=32)
+    # LRU: the checks count on what the workload leaves resident.
+    eng, _ = make_engine(cpu_blocks=24, gpu_blocks=32, policy="lru")
     async with eng:
         yield eng
 
@@ -758,7 +759,7 @@ SILENT_PEERS = 3
 async def test_a_peer_has_one_reply_in_progress_and_its_extra_requests_are_dropped(
     zctx: zmq.Context[Any],
 ) -> None:
-    eng, _ = make_engine(cpu_blocks=16, gpu_blocks=16)
+    eng, _ = make_engine(cpu_blocks=16, gpu_blocks=16, policy="lru")  # stores every batch
     async with eng, KVEventPublisher(eng, config(replay_hwm=4)) as pub:
         await publish_big_batches(eng, pub)
         peers = [dealer(zctx, pub.replay_endpoint, reads=False) for _ in range(SILENT_PEERS)]
@@ -772,7 +773,7 @@ async def test_a_peer_has_one_reply_in_progress_and_its_extra_requests_are_dropp
 
 
 async def test_peers_that_never_read_get_only_part_of_one_reply(zctx: zmq.Context[Any]) -> None:
-    eng, _ = make_engine(cpu_blocks=16, gpu_blocks=16)
+    eng, _ = make_engine(cpu_blocks=16, gpu_blocks=16, policy="lru")  # stores every batch
     async with eng, KVEventPublisher(eng, config(replay_hwm=4)) as pub:
         batches = await publish_big_batches(eng, pub)
         peers = [dealer(zctx, pub.replay_endpoint, reads=False) for _ in range(SILENT_PEERS)]
@@ -791,7 +792,7 @@ async def test_peers_that_never_read_get_only_part_of_one_reply(zctx: zmq.Contex
 async def test_a_reading_peer_is_answered_while_others_never_read(
     zctx: zmq.Context[Any],
 ) -> None:
-    eng, _ = make_engine(cpu_blocks=16, gpu_blocks=16)
+    eng, _ = make_engine(cpu_blocks=16, gpu_blocks=16, policy="lru")  # stores every batch
     async with eng, KVEventPublisher(eng, config(replay_hwm=4)) as pub:
         batches = await publish_big_batches(eng, pub)
         peers = [dealer(zctx, pub.replay_endpoint, reads=False) for _ in range(SILENT_PEERS)]
@@ -805,7 +806,7 @@ async def test_a_reading_peer_is_answered_while_others_never_read(
 
 
 async def test_a_reply_to_a_peer_that_left_is_abandoned(zctx: zmq.Context[Any]) -> None:
-    eng, _ = make_engine(cpu_blocks=16, gpu_blocks=16)
+    eng, _ = make_engine(cpu_blocks=16, gpu_blocks=16, policy="lru")  # stores every batch
     async with eng, KVEventPublisher(eng, config(replay_hwm=4)) as pub:
         await publish_big_batches(eng, pub)
         peer = dealer(zctx, pub.replay_endpoint, reads=False)

@@ -18,7 +18,9 @@ from hypothesis import strategies as st
 import asyncoffload as ao
 from asyncoffload.keys import OffloadKey
 from asyncoffload.manager import BlockStatus
+from asyncoffload.manager.native import native_manager_available
 from asyncoffload.manager.policies import AdaptivePolicy, available_policies
+from asyncoffload.manager.policies.adaptive import Ghost
 from asyncoffload.replay import capacity_blocks, replay
 from asyncoffload.workloads import Request, summarize, synthetic_sessions
 
@@ -77,11 +79,6 @@ def test_auto_is_the_engines_default_and_vllms_stays_lru() -> None:
         {"candidates": ("lru", "auto")},
         {"candidates": ("lru", "nope")},
         {"initial": "sieve"},
-        {"rate": 0.0},
-        {"rate": 1.5},
-        {"min_shadow": 0},
-        {"sampling": "keys"},
-        {"depth": -1},
         {"epoch": 0.0},
         {"margin": -0.1},
         {"patience": 0},
@@ -92,20 +89,48 @@ def test_bad_options_are_refused(options: dict[str, object]) -> None:
         AdaptivePolicy(100, **options)  # type: ignore[arg-type]
 
 
-def test_small_tiers_are_simulated_at_full_size() -> None:
-    assert AdaptivePolicy(100).rate == 1.0
-    assert AdaptivePolicy(100).shadow_capacity == 100
-    big = AdaptivePolicy(100_000, rate=1 / 16, min_shadow=512)
-    assert big.rate == pytest.approx(1 / 16)
-    assert big.shadow_capacity == 6250
-    raised = AdaptivePolicy(2048, rate=1 / 16, min_shadow=512)
-    assert raised.shadow_capacity == 512
+@pytest.mark.skipif(not native_manager_available(), reason="the C manager core does not build")
+def test_every_candidate_runs_at_full_size_on_the_c_core() -> None:
+    policy = AdaptivePolicy(100_000)
+    assert [(g.name, g.capacity, g.native) for g in policy.ghosts] == [
+        (name, 100_000, True) for name in CANDIDATES
+    ]
+    assert not any(g.native for g in AdaptivePolicy(100, native=False).ghosts)
+
+
+@pytest.mark.parametrize("name", ["lru", "arc", "kv", "s3fifo", "sieve"])
+def test_a_ghost_decides_the_same_in_c_and_in_python(name: str) -> None:
+    if not native_manager_available():
+        pytest.skip("the C manager core does not build")
+    requests = scan_workload(600, seed=5) + chat_workload(600)
+    for capacity in (7, 90, 700):
+        c, py = Ghost(name, capacity, native=True), Ghost(name, capacity, native=False)
+        hits_c = [c.request(req.keys) for req in requests]
+        hits_py = [py.request(req.keys) for req in requests]
+        assert hits_c == hits_py, (name, capacity)
+        assert sum(hits_c) > 0
+        assert c.resident() == py.resident() <= capacity
+
+
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("name", CANDIDATES)
+def test_a_ghost_is_the_real_tier_at_full_size(name: str, native: bool) -> None:
+    # The leader is judged by its ghost: the ghost of a candidate hits exactly where
+    # the real tier running that candidate does, request by request (the replay drives
+    # the manager as the engine does).
+    if native and not native_manager_available():
+        pytest.skip("the C manager core does not build")
+    requests = chat_workload(800)
+    cap = capacity_blocks(0.05, summarize(requests).unique_blocks)
+    ghost = Ghost(name, cap, native=native)
+    m = ao.CPUOffloadingManager(cap, policy=name)
+    assert [ghost.request(req.keys) for req in requests] == drive_each(m, requests)
 
 
 def test_repr_names_the_leader_and_the_scores() -> None:
     m, policy = manager(8)
     store(m, [A, B])
-    assert repr(policy).startswith("<AdaptivePolicy leader=kv [2 of 8, shadows of 8")
+    assert repr(policy).startswith("<AdaptivePolicy leader=kv [2 of 8, full-size ghosts in ")
 
 
 # --- switching -------------------------------------------------------------------------
@@ -170,7 +195,8 @@ def test_clear_forgets_everything_and_restores_the_initial_leader() -> None:
     assert policy.snapshot() == AdaptivePolicy(8).snapshot()
 
 
-OPS = ["store"] * 3 + ["complete"] * 2 + ["fail", "load", "unload", "touch", "switch", "switch"]
+OPS = ["store"] * 3 + ["complete"] * 2 + ["fail", "load", "unload", "touch", "lookup"]
+OPS += ["switch", "switch"]
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -178,7 +204,7 @@ OPS = ["store"] * 3 + ["complete"] * 2 + ["fail", "load", "unload", "touch", "sw
 def test_switches_never_lose_duplicate_or_break_a_guarantee(
     data: st.DataObject, capacity: int
 ) -> None:
-    m, policy = manager(capacity)
+    m, policy = manager(capacity, epoch=0.5, margin=0.0, patience=1)
     blocks: dict[OffloadKey, BlockStatus] = {}
     pins: dict[OffloadKey, int] = {}
     pool = KEYS[:12]
@@ -219,10 +245,39 @@ def test_switches_never_lose_duplicate_or_break_a_guarantee(
                 del pins[key]
         elif kind == "touch":
             m.touch(data.draw(st.lists(st.sampled_from(pool), max_size=6, unique=True)))
+        elif kind == "lookup":
+            # The ghosts hear of a request here, and an epoch's end may switch.
+            m.lookup_prefix(data.draw(st.lists(st.sampled_from(pool), max_size=6, unique=True)))
         elif kind == "switch":
             policy.switch_to(data.draw(st.sampled_from(CANDIDATES)))
         check_view(m, blocks)
         assert {k: b.ref_cnt for k, b in blocks.items() if b.ref_cnt > 0} == pins
+
+
+def drive_each(
+    m: ao.CPUOffloadingManager,
+    requests: Sequence[Request],
+    check: Callable[[], None] | None = None,
+) -> list[int]:
+    """The engine's calls per request (as the replay makes them), with ``check`` after
+    each; each request's prefix hits."""
+    out = []
+    for req in requests:
+        keys = req.keys
+        n = m.lookup_prefix(keys)
+        out.append(n)
+        if n:
+            m.prepare_load(keys[:n])
+            m.touch(keys[:n])
+            m.complete_load(keys[:n])
+        if n < len(keys):
+            m.touch(keys[n:])
+        store_out = m.prepare_store(keys[n:])
+        if store_out is not None and store_out.keys_to_store:
+            m.complete_store(store_out.keys_to_store)
+        if check is not None:
+            check()
+    return out
 
 
 def drive(
@@ -230,22 +285,7 @@ def drive(
     requests: Sequence[Request],
     check: Callable[[], None] | None = None,
 ) -> int:
-    """The replay's sequence per request, with ``check`` after each; the prefix hits."""
-    hits = 0
-    for req in requests:
-        keys = req.keys
-        n = m.lookup_prefix(keys)
-        hits += n
-        m.touch(keys)
-        if n:
-            m.prepare_load(keys[:n])
-            m.complete_load(keys[:n])
-        out = m.prepare_store(keys[n:])
-        if out is not None and out.keys_to_store:
-            m.complete_store(out.keys_to_store)
-        if check is not None:
-            check()
-    return hits
+    return sum(drive_each(m, requests, check))
 
 
 def test_its_own_switches_keep_the_manager_consistent() -> None:
@@ -277,7 +317,7 @@ def test_under_request_scoped_calls_every_candidate_gets_its_touch() -> None:
         assert out is not None
         m.complete_store(out.keys_to_store, ctx)
         m.on_request_finished(ctx)
-    # The shadows saw every request (full size here): 0 + 3 + 4 prefix hits of 12.
+    # The ghosts saw every request, once: 0 + 3 + 4 prefix hits of 12.
     assert policy.scores() == pytest.approx({name: 7 / 12 for name in CANDIDATES})
     assert set(m.resident_keys()) == {A, B, C, D, E}
 
@@ -285,17 +325,19 @@ def test_under_request_scoped_calls_every_candidate_gets_its_touch() -> None:
 # --- determinism -----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("sampling", ["request", "block"])
-def test_the_same_trace_gives_the_same_decisions(sampling: str) -> None:
+@pytest.mark.parametrize("native", [True, False])
+def test_the_same_trace_gives_the_same_decisions(native: bool) -> None:
+    if native and not native_manager_available():
+        pytest.skip("the C manager core does not build")
     requests = scan_workload(1500, seed=3)
     cap = capacity_blocks(0.05, summarize(requests).unique_blocks)
     runs = []
     for _ in range(2):
-        policy = AdaptivePolicy(cap, min_shadow=64, rate=0.25, sampling=sampling, epoch=1.0)
+        policy = AdaptivePolicy(cap, native=native, epoch=1.0, initial="lru")
         res = replay(requests, cap, policy=policy)
         runs.append((res.hit_blocks, res.stored, res.evicted, policy.switches, policy.snapshot()))
     assert runs[0] == runs[1]
-    assert 0 < policy.rate < 1
+    assert policy.switches >= 1
 
 
 # --- following the best candidate ------------------------------------------------------
@@ -362,19 +404,21 @@ def chat_workload(n: int) -> list[Request]:
 
 
 # Each starts on a candidate the workload does not favour, so it has to find the best.
-# Epochs of one shadow capacity and no patience let it switch early in a run this short;
-# the chat workload, where the candidates are close, runs with the defaults.
+# Epochs of one capacity and no patience let it switch early in a run this short; the
+# chat workload, where the candidates are close, runs with the defaults. There a switch
+# into kv starts kv's learning over (it cost 0.007 of 0.507 on this run), so the bar is
+# the issue's: 0.005 below the best of LRU and ARC; elsewhere 0.01 below the best.
 FAST = {"epoch": 1.0, "patience": 1}
 
 
 @pytest.mark.parametrize(
-    ("build", "share", "candidates", "options"),
+    ("build", "share", "candidates", "options", "bar"),
     [
-        (scan_workload, 0.02, ("lru", "arc"), {"initial": "lru", **FAST}),
-        (scan_workload, 0.02, CANDIDATES, {"initial": "lru", **FAST}),
-        (shifting_workload, 0.05, ("lru", "arc"), {"initial": "arc", **FAST}),
-        (shifting_workload, 0.05, CANDIDATES, {"initial": "arc", **FAST}),
-        (chat_workload, 0.05, CANDIDATES, {"initial": "arc"}),
+        (scan_workload, 0.02, ("lru", "arc"), {"initial": "lru", **FAST}, "best"),
+        (scan_workload, 0.02, CANDIDATES, {"initial": "lru", **FAST}, "best"),
+        (shifting_workload, 0.05, ("lru", "arc"), {"initial": "arc", **FAST}, "best"),
+        (shifting_workload, 0.05, CANDIDATES, {"initial": "arc", **FAST}, "best"),
+        (chat_workload, 0.05, CANDIDATES, {"initial": "arc"}, "lru/arc"),
     ],
 )
 def test_auto_ends_close_to_the_best_candidate(
@@ -382,14 +426,19 @@ def test_auto_ends_close_to_the_best_candidate(
     share: float,
     candidates: tuple[str, ...],
     options: dict[str, object],
+    bar: str,
 ) -> None:
     requests = build(4000)
     cap = capacity_blocks(share, summarize(requests).unique_blocks)
     rates = {name: replay(requests, cap, policy=name).block_hit_rate for name in candidates}
     best = max(rates.values())
-    assert rates[str(options["initial"])] < best - 0.01  # the workload favours another
+    start = rates[str(options["initial"])]
+    assert start < best - 0.01  # the workload favours another
     policy = AdaptivePolicy(cap, candidates=candidates, **options)  # type: ignore[arg-type]
-    assert 0 < policy.rate < 1  # sampled shadows
     auto = replay(requests, cap, policy=policy).block_hit_rate
-    assert auto >= best - 0.01, (rates, auto, repr(policy))
+    if bar == "best":
+        assert auto >= best - 0.01, (rates, auto, repr(policy))
+    else:
+        assert auto >= max(rates["lru"], rates["arc"]) - 0.005, (rates, auto, repr(policy))
+        assert auto >= start + 0.01, (rates, auto, repr(policy))
     assert policy.switches >= 1

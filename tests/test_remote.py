@@ -68,6 +68,7 @@ def block(kv: list[torch.Tensor], i: int) -> bytes:
 
 def config(url: str, cpu_blocks: int = 8, **kw: Any) -> ao.EngineConfig:
     tier = kw.pop("tier", {})
+    kw.setdefault("policy", "lru")  # the tests count on which block the CPU tier evicts
     return ao.EngineConfig(
         cpu_blocks=cpu_blocks, tiers=[RemoteTier(url, **tier)], model=kw.pop("model", "m"), **kw
     )

@@ -160,7 +160,10 @@ def test_results_do_not_depend_on_the_run() -> None:
         assert (a.hit_blocks, a.stored, a.evicted) == (b.hit_blocks, b.stored, b.evicted)
 
 
-@pytest.mark.parametrize(("policy", "admission"), [("lru", None), ("kv", None), ("lru", "ghost")])
+@pytest.mark.parametrize(
+    ("policy", "admission"),
+    [("lru", None), ("arc", None), ("kv", None), ("auto", None), ("lru", "ghost")],
+)
 async def test_the_engine_replay_moves_real_bytes_and_agrees(
     policy: str, admission: str | None
 ) -> None:
@@ -706,7 +709,10 @@ def test_disk_hits_with_no_cpu_room_to_come_into_fail_as_the_engine_fails_them()
 # --- stores larger than the tier (CapacityError) -----------------------------------------
 
 
-@pytest.mark.parametrize(("policy", "admission"), [("lru", None), ("kv", None), ("lru", "ghost")])
+@pytest.mark.parametrize(
+    ("policy", "admission"),
+    [("lru", None), ("arc", None), ("kv", None), ("auto", None), ("lru", "ghost")],
+)
 async def test_the_engine_replay_agrees_at_a_capacity_smaller_than_a_request(
     policy: str, admission: str | None
 ) -> None:

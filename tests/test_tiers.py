@@ -52,6 +52,7 @@ def config(
     path: Path, mode: str = "slab", cpu_blocks: int = 4, blocks: int = 16, **kw: Any
 ) -> ao.EngineConfig:
     tier_kw = {"admission": None, **kw.pop("tier", {})}
+    kw.setdefault("policy", "lru")  # the tests count on which block the CPU tier evicts
     return ao.EngineConfig(
         cpu_blocks=cpu_blocks,
         tiers=[DiskTier(path, blocks * SLOT, mode, **tier_kw)],

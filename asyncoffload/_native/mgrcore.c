@@ -2113,6 +2113,50 @@ GUARDED(complete_store)
 GUARDED(on_request_finished)
 GUARDED(reset_cache)
 
+/* One request as the engine runs it, with every store complete at once (a key-only
+ * ghost of a tier: the adaptive policy's): lookup_prefix, the load's touch of the hits,
+ * the store's touch of the rest, prepare_store of the rest, complete_store of what it
+ * stored. The prefix hits. */
+static PyObject *Core_simulate(Core *c, PyObject *keys_arg) {
+    PyObject *seq = PySequence_Fast(keys_arg, "keys must be a sequence");
+    if (!seq) return NULL;
+    Py_ssize_t len = PySequence_Fast_GET_SIZE(seq), n = -1;
+    PyObject *part = NULL, *out = NULL, *tmp;
+    tmp = Core_lookup_prefix(c, &seq, 1, NULL);
+    if (!tmp) goto done;
+    n = PyLong_AsSsize_t(tmp);
+    Py_DECREF(tmp);
+    if (n < 0) goto done;
+    if (n) {
+        part = PySequence_GetSlice(seq, 0, n);
+        if (!part || !(tmp = Core_touch(c, &part, 1, NULL))) goto fail;
+        Py_DECREF(tmp);
+        Py_CLEAR(part);
+    }
+    if (n < len) {
+        part = PySequence_GetSlice(seq, n, len);
+        if (!part || !(tmp = Core_touch(c, &part, 1, NULL))) goto fail;
+        Py_DECREF(tmp);
+        if (!(out = Core_prepare_store(c, &part, 1, NULL))) goto fail;
+        if (out != Py_None && PyObject_Length(PyTuple_GET_ITEM(out, 0)) > 0) {
+            PyObject *a[3] = {PyTuple_GET_ITEM(out, 0), Py_None, Py_True};
+            if (!(tmp = Core_complete_store(c, a, 3, NULL))) goto fail;
+            Py_DECREF(tmp);
+        }
+    }
+    Py_XDECREF(part);
+    Py_XDECREF(out);
+    Py_DECREF(seq);
+    return PyLong_FromSsize_t(n);
+fail:
+    n = -1;
+    Py_XDECREF(part);
+    Py_XDECREF(out);
+done:
+    Py_DECREF(seq);
+    return n < 0 && PyErr_Occurred() ? NULL : PyLong_FromSsize_t(n);
+}
+
 static PyObject *Core_on_new_request(Core *c, PyObject *ctx) {
     if (enter(c) < 0) return NULL;
     PyObject *out = on_new_request_impl(c, ctx);
@@ -2227,6 +2271,8 @@ static PyMethodDef Core_methods[] = {
      "(keys_to_store, slot ids, evicted keys), or None when there is no room."},
     {"complete_store", FASTCALL(complete_store), "Finish stores (success=True) or drop them."},
     {"on_new_request", (PyCFunction)Core_on_new_request, METH_O, "A request starts."},
+    {"simulate", (PyCFunction)Core_simulate, METH_O,
+     "simulate(keys): one request run to its end at once (a key-only ghost); its hits."},
     {"on_request_finished", FASTCALL(on_request_finished), "A request ended."},
     {"take_events", (PyCFunction)Core_take_events, METH_NOARGS,
      "The (keys, removed) events since the last call."},
@@ -2285,6 +2331,7 @@ static int mgrcore_exec(PyObject *m) {
         Py_DECREF(&CoreType);
         return -1;
     }
+    if (PyModule_AddIntConstant(m, "MAX_NUM_BLOCKS", MAX_NUM_BLOCKS) < 0) return -1;
     Py_ssize_t count = 0;
     while (POLICIES[count]) count++;
     PyObject *names = PyTuple_New(count);

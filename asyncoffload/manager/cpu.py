@@ -194,6 +194,8 @@ class CPUOffloadingManager(OffloadingManager):
         self.last_store_size = 0
         self._touch_before_store = self._policy.touch_before_store
         self._observe_misses = self._policy.observes_store_misses
+        #: Whether ``lookup_prefix`` tells the policy of a request (see ``on_request``).
+        self._observe_lookups = self._policy.observes_requests and not request_scoped
         self._reset_slots()
         self._stored = self._store_failed = self._loaded = self._evicted = 0
         self._store_skipped = self._lookups = self._hits = 0
@@ -289,8 +291,14 @@ class CPUOffloadingManager(OffloadingManager):
         self._hits += 1
         return LookupResult.HIT if block.ref_cnt >= 0 else LookupResult.HIT_PENDING
 
-    def lookup_prefix(self, keys: Sequence[OffloadKey], ctx: ReqContext | None = None) -> int:
-        """How many leading ``keys`` are ready to load. Does not change recency."""
+    def lookup_prefix(
+        self, keys: Sequence[OffloadKey], ctx: ReqContext | None = None, *, observe: bool = True
+    ) -> int:
+        """How many leading ``keys`` are ready to load. Does not change recency.
+
+        Under a manager that does not track requests, a policy that ``observes_requests``
+        learns of the request here (its ``on_request``), unless ``observe`` is false: a
+        caller that looks a request up more than once passes it on all but one lookup."""
         get = self._policy.get
         n = 0
         for key in keys:
@@ -298,6 +306,8 @@ class CPUOffloadingManager(OffloadingManager):
             if block is None or block.ref_cnt < 0:
                 break
             n += 1
+        if self._observe_lookups and observe and keys:
+            self._policy.on_request(keys)
         return n
 
     def prepare_load(
@@ -524,7 +534,10 @@ class CPUOffloadingManager(OffloadingManager):
         if self._touch_before_store and not log.touched:
             log.touched = True
             loaded = [key for seen, reused, _ in log.calls for key in reused]
-            self._policy.touch(loaded + list(keys) if loaded else keys)
+            touched = loaded + list(keys) if loaded else keys
+            if self._policy.observes_requests:
+                self._policy.on_request(touched)
+            self._policy.touch(touched)
         if pending or len(to_store) != len(offered):
             used = set(to_store)
             used.update(ready)
@@ -632,7 +645,10 @@ class CPUOffloadingManager(OffloadingManager):
         policy = self._policy
         if self._touch_before_store:
             if not log.touched:
-                policy.touch([key for seen, _, _ in log.calls for key in seen])
+                touched = [key for seen, _, _ in log.calls for key in seen]
+                if policy.observes_requests:
+                    policy.on_request(touched)
+                policy.touch(touched)
             return
         seen_order: dict[OffloadKey, None] = {}
         inserted: set[OffloadKey] = set()

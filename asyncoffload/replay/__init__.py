@@ -4,10 +4,14 @@
 the sequence a scheduler runs for every request, in arrival order:
 
 1. ``lookup_prefix`` of the prompt's blocks: the leading stored blocks are prefix hits;
-2. ``touch`` of all the prompt's blocks (the hits become the most recently used);
-3. ``prepare_load`` / ``complete_load`` of the hits;
-4. ``prepare_store`` / ``complete_store`` of the rest (stores complete at once: the
-   replay measures what the tier holds, not how fast it copies).
+2. ``prepare_load`` / ``touch`` / ``complete_load`` of the hits;
+3. ``touch`` / ``prepare_store`` / ``complete_store`` of the rest (stores complete at
+   once: the replay measures what the tier holds, not how fast it copies).
+
+These are the calls the engine makes for a request that looks up its prompt, loads the
+hits and stores the rest (``EngineConfig.touch_on_load`` and ``touch_on_store``, both on
+by default), so the replay's policy decides as the engine's does (tests/test_demo.py
+serves a workload through the demo and compares).
 
 It reports prefix hits in tokens and blocks, blocks written / evicted / held back by
 admission, and the bytes the copies would move. :func:`replay_engine` runs the same

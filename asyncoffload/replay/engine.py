@@ -40,9 +40,7 @@ async def replay_engine(
     _check_capacity(capacity)
     width = max((len(req.keys) for req in requests), default=1) or 1
     cache = SimulatedKVCache(1, width, 16, 1, 8)
-    config = EngineConfig(
-        cpu_blocks=capacity, policy=policy, admission=admission, touch_on_load=False
-    )
+    config = EngineConfig(cpu_blocks=capacity, policy=policy, admission=admission)
     tally = _Tally(len(requests), progress)
     mismatches = too_large = 0
     clock = time.perf_counter
@@ -51,8 +49,7 @@ async def replay_engine(
             keys = list(req.keys)
             ids = list(range(len(keys)))
             t0 = clock()
-            n = engine.lookup(keys)
-            engine.touch(keys)
+            n = engine.lookup(keys)  # then the engine's own touches (touch_on_load/_store)
             if n:
                 load = await engine.prepare_load(keys[:n], ids[:n])
                 await load

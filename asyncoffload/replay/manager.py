@@ -123,12 +123,15 @@ def replay(
             before_request(i)
         keys = req.keys
         t0 = clock()
+        # The engine's calls, with its default touch_on_load and touch_on_store.
         n = lookup(keys)
-        touch(keys)
         if n:
             hits = keys[:n]
             prepare_load(hits)
+            touch(hits)
             complete_load(hits)
+        if n < len(keys):
+            touch(keys[n:])
         out = prepare_store(keys[n:])
         if out is not None and out.keys_to_store:
             complete_store(out.keys_to_store)

@@ -67,12 +67,16 @@ class TierManager(CPUOffloadingManager):
         block = self._policy.get(key)
         return block is not None and block.ref_cnt >= 0 and not (self._bad and key in self._bad)
 
-    def lookup_prefix(self, keys: Sequence[OffloadKey], ctx: object = None) -> int:
+    def lookup_prefix(
+        self, keys: Sequence[OffloadKey], ctx: object = None, *, observe: bool = True
+    ) -> int:
         n = 0
         for key in keys:
             if not self.ready(key):
                 break
             n += 1
+        if observe and keys and self._policy.observes_requests:
+            self._policy.on_request(keys)
         return n
 
     def complete_load(self, keys: Sequence[OffloadKey], ctx: object = None) -> None:

@@ -1,143 +1,166 @@
-"""An adaptive policy (``auto``): the tier follows whichever candidate would hit most.
+"""An adaptive policy (``auto``): the tier follows whichever candidate hits most at full size.
 
 No single policy wins everywhere: ``kv`` leads on multi-turn chat at small capacities,
 LRU where recency is all there is, ARC where scans pass through a hot set. This policy
-runs a *miniature simulation* of each candidate (SHARDS, Waldspurger et al., FAST'15;
-"Cache Modeling and Optimization using Miniature Simulations", ATC'17) and lets the real
-tier follow the one that hits most lately.
+runs every candidate (default ``lru``, ``arc``, ``kv``) as a *ghost*: a tier of the real
+tier's capacity that holds keys only, fed every request and driven exactly as the
+engine and the replay drive the real manager (prefix lookup, the load's touch of the
+hits, the store's touch of the rest, the store with the policy's own admission and an
+all-or-nothing eviction protecting the store's keys). The real tier follows the ghost
+that hits most lately.
 
-Shadows. Each candidate (default ``lru``, ``arc``, ``kv``) runs as a shadow tier of
-``capacity * rate`` slots on a spatially sampled share ``rate`` of the workload, driven
-exactly as the manager drives a policy: a request's prefix lookup (its hits are the
-shadow's score), its ``touch``, then the store of its misses with the policy's own
-admission and an all-or-nothing eviction that protects the store's keys. Shadows hold
-keys only (one shared, idle block record), so a shadow of ``kv`` behaves like ``kv``.
+Ghosts run on the manager's C core (``mgrcore``, which decides exactly as the Python
+manager and policies do, call for call): about 0.1x LRU's Python manager time per
+candidate and block. Where it cannot be built (``ASYNCOFFLOAD_NO_NATIVE``, no compiler)
+the same decisions are made in Python, at about 1x LRU's time per candidate.
 
-Sampling is deterministic, by the key's bytes (CRC-32 of the key: trace keys are often
-small counters, whose leading bytes are all zero, and Python's ``hash`` is salted), so
-replays are reproducible. It samples whole requests, by the key at depth ``depth`` (8)
-of the prompt, or its last key for a shorter one: the turns of a conversation share
-their first turn's leading blocks, so a conversation is in the sample or out of it as a
-whole, and the shadow of ``kv`` sees true request lengths and true last blocks (its
-classes). The rate is ``1/16``, raised so that a shadow has at least ``min_shadow``
-(256) slots; a tier of fewer slots is simulated at full size.
+Feed. Under a manager that does not track requests (the engine's and the replay's),
+the request arrives with ``lookup_prefix`` (``on_request``; the engine's ``alookup``
+looks up twice and feeds once); under a request-scoped manager (vLLM's pattern) with the
+request's touch at its first store. ``touch`` and every other call go straight to the
+leader (rebound methods, no indirection), so every :class:`CachePolicy` guarantee is
+the leader's own.
 
-Leader. Scores are each shadow's prefix hits and the sampled prompt blocks, halved every
-epoch of ``epoch * shadow capacity`` (4x) sampled blocks: a decayed window. At an
-epoch's end the tier switches to the best shadow once it has beaten the leader's hit
-rate by more than ``margin`` (0.005) at ``patience`` (2) epoch ends in a row. It starts
-as ``initial`` (``kv``, the best candidate at most points measured).
+Leader. Scores are each ghost's prefix hits and the prompt blocks seen, halved every
+epoch of ``epoch * capacity`` (4x) blocks: a decayed window. At an epoch's end the tier
+switches to the best ghost once it has beaten the leader's ghost by more than
+``margin`` (0.005) at ``patience`` (2) epoch ends in a row. It starts as ``initial``
+(``kv``). The leader is judged by its ghost, not by the real tier's own hits: they are
+the same while the tier follows the ghost's call pattern (tests/test_policy_adaptive.py
+checks it), and after a switch the real tier starts cold where its ghost does not.
 
 Switching hands every tracked block, ready or being stored, to the new candidate (reset
 first), in recency order (the old candidate's ``items()`` order; ``kv``'s by last use):
 the block records are shared, so reference counts and slots are untouched, and nothing
-is lost or duplicated. Between switches every call but ``touch`` goes straight to the
-leader (rebound methods, no indirection), so every :class:`CachePolicy` guarantee is
-the leader's own: no eviction of pinned, in-flight or protected blocks, eviction all or
-nothing. A switch forgets the new leader's history (ghosts, learned values); the
-shadows keep theirs.
+is lost or duplicated. A switch forgets the new leader's history (ghosts, learned
+values); the ghosts keep theirs.
 
-How the choices were measured (block hit rates of full-size replays of ``lru``, ``arc``,
-``kv`` at 1-50% capacity on four tuning workloads: ``synthetic:20000``, a second chat
-workload with longer think times, a scan-over-hot-set workload and one whose hot set
-shifts; the conversation trace and the ``family:`` traces were held out):
+Why full-size ghosts and not a sample. Until issue 24 the candidates ran as miniature
+tiers on a 1/16 sample of the requests (SHARDS, Waldspurger et al., FAST'15), sampled
+by the CRC-32 of the prompt's key at depth 8. Behind system prompts longer than 8
+blocks that key lies in the shared prefix, so every request behind one system prompt
+is in the sample or out of it together: a sample of a few lumps, whose miniature tiers
+(holding whole requests that do not shrink with the sample) ranked ``kv`` first where
+ARC wins at full size (the ``mixed`` trace family reproduces it: docs/policies.md).
+Full-size ghosts in C cost what the sampled Python shadows did, and have no sample to
+be fooled by.
 
-- *Which sampling.* Following the shadow that hit most over the whole run loses, against
-  the best candidate, at worst / in sum over the 24 points: 0.013 / 0.036 sampling
-  single blocks (SHARDS proper: ``kv``'s shadow sees sub-requests and loses its edge, so
-  LRU is picked where ``kv`` is 0.013 better), 0.013 / 0.038 sampling requests by their
-  first key (a shared system prompt puts every request in or out: no sample at all on
-  two workloads), 0.013 / 0.055 by depth 1, 0.006 / 0.014 by depth 4, 0.004 / 0.008
-  by depth 8. On the held-out conversation trace depth 8 picks the best candidate at
-  every capacity; depth 1 would lose 0.031 at 5%, single blocks 0.002 at 20%.
-- *Hysteresis.* Halving every 2 shadow capacities and switching at the first win flapped
-  (up to 50 switches at 1%) and lost up to 0.016 to ``kv`` (each switch to ``kv``
-  starts its learning over); every 4 with ``patience=2`` flaps at most 4 times, and no
-  point is more than 0.004 below the best of LRU and ARC.
-- *Cost* (manager time per prompt block against LRU, same process): 3 shadows at rate
-  1/16 add 0.2-0.3x; with ``min_shadow=512`` the 1% tiers (rate ~1/3) cost 1.6-1.8x
-  LRU, with 256 1.2-1.4x, losing at most 0.004 at any point. ``auto`` costs 1.05-1.20x
-  LRU from 1% to 50% on the conversation trace and ``synthetic:20000`` (its leader,
-  ``kv``, runs in C and is cheaper than LRU).
-
-Why miniature simulation and not expert weighting (LeCaR, CACHEUS): LeCaR's experts each
-rank the *real* resident set and learn from its evictions, which means running every
-candidate at full size on every request (LRU + ARC + ``kv``: about 1 + 1.6 + 1.0 = 3.6x
-LRU's manager time, against a budget of 1.5x), and candidates that can rank blocks they
-did not choose, which ``kv``'s admission and learned table cannot. Shadows run the
-unchanged policies on a sixteenth of the traffic.
-
-Under a request-scoped manager (vLLM's pattern) the policy is ``touch_before_store``:
-every candidate gets the engine's touch at a request's first store.
+Why not expert weighting (LeCaR, CACHEUS): its experts each rank the *real* resident
+set and learn from its evictions, and they must rank blocks they did not choose, which
+``kv``'s admission and learned table cannot. Ghosts run the unchanged policies.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
-from itertools import compress, repeat
-from operator import is_
+from itertools import repeat
 from typing import Any
-from zlib import crc32
 
+from asyncoffload._native import load_mgrcore
 from asyncoffload.keys import OffloadKey
-from asyncoffload.manager.base import BlockStatus
+from asyncoffload.manager.base import BlockStatus, LookupResult
 from asyncoffload.manager.policies.base import CachePolicy, get_policy_cls, register_policy
 
-__all__ = ["AdaptivePolicy", "Shadow"]
+__all__ = ["AdaptivePolicy", "Ghost"]
 
 #: Candidates, in order of preference on equal scores.
 CANDIDATES = ("lru", "arc", "kv")
-#: Sampling thresholds compare the CRC-32 of a key with ``rate * 2**32``.
-_FULL = 1 << 32
+#: The policies the C core runs (at their default options, as ``auto`` makes them).
+_NATIVE = ("lru", "arc", "kv", "s3fifo", "sieve")
+_RESULTS = (LookupResult.MISS, LookupResult.HIT, LookupResult.HIT_PENDING)
 
 
-class Shadow:
-    """A candidate run as a small tier on the sampled requests: key-only blocks."""
+class Ghost:
+    """A candidate run at the tier's full size on every request, keys only.
 
-    __slots__ = ("block", "capacity", "hits", "name", "policy")
+    ``request(keys)`` runs one request as the engine runs it and returns its prefix
+    hits: lookup, the load's touch of the hits, the store's touch of the rest, the store
+    (admission, eviction protecting the request's keys, insert), at once complete. On
+    the C core (``native``) when it builds, else with the policy's Python code: the same
+    decisions either way."""
 
-    def __init__(self, name: str, capacity: int) -> None:
+    __slots__ = ("block", "capacity", "core", "hits", "name", "native", "policy", "request")
+
+    def __init__(self, name: str, capacity: int, *, native: bool | None = None) -> None:
         self.name = name
         self.capacity = capacity
-        self.policy: CachePolicy = get_policy_cls(name)(capacity)
-        #: One idle record for every block: the shadow never loads or pins.
+        self.hits = 0.0
+        self.core: Any = None
+        self.policy: CachePolicy | None = None
+        mgrcore = load_mgrcore() if native is not False and name in _NATIVE else None
+        if mgrcore is not None and capacity > mgrcore.MAX_NUM_BLOCKS:
+            mgrcore = None  # past the C core's slot ids: Python (lazy: nothing per slot)
+        if native and mgrcore is None:
+            raise RuntimeError(f"the native manager core cannot run a {name} ghost here")
+        self.native = mgrcore is not None
+        #: One idle record for every block of a Python ghost: it never loads or pins.
         self.block = BlockStatus(0)
         self.block.ref_cnt = 0
-        #: Prefix hits, decayed with the epochs.
-        self.hits = 0.0
+        if mgrcore is not None:
+            self.core = mgrcore.Manager(capacity, name, False, _RESULTS)
+            self.request: Callable[[Sequence[OffloadKey]], int] = self.core.simulate
+        else:
+            self.policy = get_policy_cls(name)(capacity)
+            self.request = self._python_request
 
-    def request(self, keys: Sequence[OffloadKey]) -> None:
-        """One request as the manager runs it: prefix lookup, touch, store of the rest."""
+    def _python_request(self, keys: Sequence[OffloadKey]) -> int:
+        # CPUOffloadingManager's decisions, with every block idle and ready.
         policy = self.policy
-        # A touch moves blocks, never adds or drops one: what is resident now is
-        # what the store finds after it. Whole lists at a time, in C.
-        found = list(map(policy.get, keys))
-        n = found.index(None) if None in found else len(found)
-        self.hits += n
-        policy.touch(keys)
-        if n == len(found):
-            return
-        rest = keys[n:]
-        offered = list(compress(rest, map(is_, found[n:], repeat(None))))
-        free = self.capacity - len(policy)
-        to_store = policy.admissible(offered, len(offered) > free)
-        if not to_store:
-            return
-        if len(to_store) > free and policy.evict(len(to_store) - free, set(rest)) is None:
-            return  # refused, as the manager's store would be
-        policy.insert_many(list(zip(to_store, repeat(self.block))))
+        assert policy is not None
+        get = policy.get
+        n = 0
+        for key in keys:
+            if get(key) is None:
+                break
+            n += 1
+        if n:
+            policy.touch(keys[:n])
+        if n < len(keys):
+            rest = keys[n:]
+            policy.touch(rest)
+            offered = [key for key in rest if get(key) is None]
+            if offered:
+                free = self.capacity - len(policy)
+                to_store = policy.admissible(offered, len(offered) > free)
+                if to_store and (
+                    len(to_store) <= free
+                    or policy.evict(len(to_store) - free, set(rest)) is not None
+                ):
+                    policy.insert_many(list(zip(to_store, repeat(self.block))))
+        return n
+
+    def resident(self) -> int:
+        """Blocks the ghost holds."""
+        if self.core is not None:
+            return len(self.core.resident_keys())
+        assert self.policy is not None
+        return len(self.policy)
+
+    def state(self) -> object:
+        """Everything the ghost holds, as plain values (for tests)."""
+        if self.core is not None:
+            return self.core.snapshot()
+        assert self.policy is not None
+        return _state(self.policy)
 
     def clear(self) -> None:
-        self.policy.clear()
+        """Forget everything, history (ghost lists, learned values) included."""
+        if self.core is not None:
+            self.core = type(self.core)(self.capacity, self.name, False, _RESULTS)
+            self.request = self.core.simulate
+        else:
+            assert self.policy is not None
+            self.policy.clear()
         self.hits = 0.0
 
 
 @register_policy("auto")
 class AdaptivePolicy(CachePolicy):
-    """Follows the candidate whose sampled shadow hits most (see the module docstring)."""
+    """Follows the candidate whose full-size ghost hits most (see the module docstring)."""
 
     touch_before_store = True
     observes_store_misses = True
+    observes_requests = True
 
     def __init__(
         self,
@@ -145,20 +168,16 @@ class AdaptivePolicy(CachePolicy):
         *,
         candidates: Sequence[str] = CANDIDATES,
         initial: str = "kv",
-        rate: float = 1 / 16,
-        min_shadow: int = 256,
-        sampling: str = "request",
-        depth: int = 8,
         epoch: float = 4.0,
         margin: float = 0.005,
         patience: int = 2,
+        native: bool | None = None,
     ) -> None:
         """``candidates`` name registered policies (not ``auto``); ``initial`` is the
-        first leader. ``rate`` is the sampled share, raised to give each shadow at least
-        ``min_shadow`` slots; ``sampling`` is ``"request"`` (by the key at ``depth``)
-        or ``"block"``. Every ``epoch`` shadow capacities of sampled blocks the scores
-        halve and the leader may change, to a shadow whose hit rate beats it by more
-        than ``margin`` at ``patience`` epoch ends in a row."""
+        first leader. Every ``epoch`` capacities of prompt blocks the scores halve and
+        the leader may change, to a ghost whose hit rate beats the leader's by more than
+        ``margin`` at ``patience`` epoch ends in a row. ``native`` runs the ghosts on the
+        C core (``True``: or raise; ``False``: in Python; ``None``: where it builds)."""
         super().__init__(capacity)
         names = list(dict.fromkeys(candidates))
         if not names:
@@ -168,14 +187,6 @@ class AdaptivePolicy(CachePolicy):
                 raise ValueError("auto cannot be its own candidate")
         if initial not in names:
             raise ValueError(f"initial {initial!r} is not one of the candidates {names}")
-        if not 0 < rate <= 1:
-            raise ValueError(f"rate must be in (0, 1], got {rate}")
-        if min_shadow < 1:
-            raise ValueError(f"min_shadow must be >= 1, got {min_shadow}")
-        if sampling not in ("request", "block"):
-            raise ValueError(f"sampling must be 'request' or 'block', got {sampling!r}")
-        if depth < 0:
-            raise ValueError(f"depth must be >= 0, got {depth}")
         if not epoch > 0:
             raise ValueError(f"epoch must be positive, got {epoch}")
         if not margin >= 0:
@@ -184,21 +195,14 @@ class AdaptivePolicy(CachePolicy):
             raise ValueError(f"patience must be >= 1, got {patience}")
         self.candidates = tuple(names)
         self.initial = initial
-        self.sampling = sampling
-        self.depth = depth
         self.margin = margin
         self.patience = patience
-        rate = min(1.0, max(rate, min_shadow / capacity))
-        #: Keys whose CRC-32 is below this are sampled.
-        self._limit = min(_FULL, max(1, round(rate * _FULL)))
-        self.rate = self._limit / _FULL
-        self.shadow_capacity = max(1, round(capacity * self.rate))
-        self._epoch_blocks = max(1.0, epoch * self.shadow_capacity)
-        self.shadows = [Shadow(name, self.shadow_capacity) for name in names]
+        self._epoch_blocks = max(1.0, epoch * capacity)
+        self.ghosts = [Ghost(name, capacity, native=native) for name in names]
         self._policies: dict[str, CachePolicy] = {}
         self._seen = 0.0
         self._epoch_seen = 0.0
-        #: The shadow that beat the leader at the last epoch ends, and how many in a row.
+        #: The ghost that beat the leader at the last epoch ends, and how many in a row.
         self._challenger: str | None = None
         self._streak = 0
         #: Leader changes since creation or the last ``clear``.
@@ -219,18 +223,18 @@ class AdaptivePolicy(CachePolicy):
         return self._leader
 
     def scores(self) -> dict[str, float]:
-        """Each shadow's hit rate over the decayed window (0 before any sample)."""
+        """Each ghost's hit rate over the decayed window (0 before any request)."""
         seen = self._seen
-        return {s.name: s.hits / seen if seen else 0.0 for s in self.shadows}
+        return {g.name: g.hits / seen if seen else 0.0 for g in self.ghosts}
 
     def snapshot(self) -> dict[str, Any]:
         """Everything the policy holds, as plain values (for tests): the leader and its
-        state, the scores and each shadow's state."""
+        state, the scores and each ghost's state."""
         return {
             "leader": self.leader,
             "blocks": [(key, block.block_id, block.ref_cnt) for key, block in self.items()],
             "leader_state": _state(self._leader),
-            "shadows": [(s.name, s.hits, _state(s.policy)) for s in self.shadows],
+            "ghosts": [(g.name, g.hits, g.state()) for g in self.ghosts],
             "seen": (self._seen, self._epoch_seen),
             "challenger": (self._challenger, self._streak),
             "switches": self.switches,
@@ -252,7 +256,7 @@ class AdaptivePolicy(CachePolicy):
         self.evict = leader.evict  # type: ignore[method-assign]
         self.admissible = leader.admissible  # type: ignore[method-assign]
         self.items = leader.items  # type: ignore[method-assign]
-        self._leader_touch: Callable[[Sequence[OffloadKey]], None] = leader.touch
+        self.touch = leader.touch  # type: ignore[method-assign]
 
     def switch_to(self, name: str) -> None:
         """Make ``name`` the leader now, handing it every tracked block in recency
@@ -280,8 +284,8 @@ class AdaptivePolicy(CachePolicy):
     def _end_epoch(self) -> None:
         seen = self._seen
         leader = self._leader.name
-        lead = best = next(s for s in self.shadows if s.name == leader)
-        for s in self.shadows:
+        lead = best = next(g for g in self.ghosts if g.name == leader)
+        for s in self.ghosts:
             if s.hits > best.hits:
                 best = s
         if best is not lead and best.hits - lead.hits > self.margin * seen:
@@ -294,34 +298,27 @@ class AdaptivePolicy(CachePolicy):
         else:
             self._challenger, self._streak = None, 0
         self._seen = seen * 0.5
-        for s in self.shadows:
-            s.hits *= 0.5
+        for g in self.ghosts:
+            g.hits *= 0.5
         self._epoch_seen = 0.0
 
     # --- CachePolicy ------------------------------------------------------------------
 
+    def on_request(self, keys: Sequence[OffloadKey]) -> None:
+        if not keys:
+            return
+        if len(set(keys)) != len(keys):
+            # A request-scoped touch lists its loaded keys, then all it offers.
+            keys = list(dict.fromkeys(keys))
+        for ghost in self.ghosts:
+            ghost.hits += ghost.request(keys)
+        self._seen += len(keys)
+        self._epoch_seen += len(keys)
+        if self._epoch_seen >= self._epoch_blocks:
+            self._end_epoch()
+
     def touch(self, keys: Sequence[OffloadKey]) -> None:
-        if keys:
-            limit = self._limit
-            sample: Sequence[OffloadKey] = ()
-            if self.sampling == "request":
-                if crc32(keys[min(self.depth, len(keys) - 1)]) < limit:
-                    sample = keys
-            elif limit == _FULL:
-                sample = keys
-            else:
-                sample = list(compress(keys, map(limit.__gt__, map(crc32, keys))))
-            if sample:
-                if len(set(sample)) != len(sample):
-                    # A request-scoped touch lists its loaded keys, then all it offers.
-                    sample = list(dict.fromkeys(sample))
-                for shadow in self.shadows:
-                    shadow.request(sample)
-                self._seen += len(sample)
-                self._epoch_seen += len(sample)
-                if self._epoch_seen >= self._epoch_blocks:
-                    self._end_epoch()
-        self._leader_touch(keys)
+        self._leader.touch(keys)
 
     def on_store_miss(self, keys: Sequence[OffloadKey]) -> None:
         if self._leader.observes_store_misses:
@@ -354,11 +351,11 @@ class AdaptivePolicy(CachePolicy):
         return self._leader.items()
 
     def clear(self) -> None:
-        """Forget everything: blocks, shadows, scores; the leader is ``initial`` again."""
+        """Forget everything: blocks, ghosts, scores; the leader is ``initial`` again."""
         for policy in self._policies.values():
             policy.clear()
-        for shadow in self.shadows:
-            shadow.clear()
+        for ghost in self.ghosts:
+            ghost.clear()
         self._seen = self._epoch_seen = 0.0
         self._challenger, self._streak = None, 0
         self.switches = 0
@@ -370,10 +367,10 @@ class AdaptivePolicy(CachePolicy):
 
     def __repr__(self) -> str:
         scores = ", ".join(f"{name} {rate:.3f}" for name, rate in self.scores().items())
+        where = "C" if all(g.native for g in self.ghosts) else "Python"
         return (
             f"<AdaptivePolicy leader={self.leader} [{len(self)} of {self.capacity}, "
-            f"shadows of {self.shadow_capacity} at rate {self.rate:.4f}: {scores}; "
-            f"{self.switches} switches]>"
+            f"full-size ghosts in {where}: {scores}; {self.switches} switches]>"
         )
 
 

@@ -16,6 +16,11 @@ through :meth:`~CachePolicy.on_store_miss` while it stores and
 :meth:`~CachePolicy.on_request_finished` when it ends. A policy whose learning needs a
 request's touch before its stores (``touch_before_store``) gets that touch at the
 request's first store.
+
+A policy that learns from whole requests (``observes_requests``: ``auto``'s full-size
+ghosts) gets each request's prompt keys once through :meth:`~CachePolicy.on_request`: from
+``lookup_prefix`` under a manager that does not track requests (the engine's and the
+replay's pattern: one lookup a request), else with the request's touch.
 """
 
 from __future__ import annotations
@@ -48,6 +53,8 @@ class CachePolicy(ABC):
     #: Whether :meth:`on_store_miss` can change anything; when not, a request-scoped
     #: manager skips finding a request's new store misses.
     observes_store_misses: ClassVar[bool] = False
+    #: Whether :meth:`on_request` can change anything; when not, the manager skips it.
+    observes_requests: ClassVar[bool] = False
 
     def __init__(self, capacity: int) -> None:
         if capacity <= 0:
@@ -85,6 +92,11 @@ class CachePolicy(ABC):
     @abstractmethod
     def touch(self, keys: Sequence[OffloadKey]) -> None:
         """Mark ``keys`` used; ``keys[0]`` ends up the most recently used."""
+
+    def on_request(self, keys: Sequence[OffloadKey]) -> None:
+        """A request arrives with prompt ``keys``, head first (see the module docstring
+        for when). It must not evict or drop a tracked block. The default does nothing."""
+        return None
 
     def on_store_miss(self, keys: Sequence[OffloadKey]) -> None:
         """A request offers ``keys`` (not tracked) to a store, before they are inserted;
