@@ -2,12 +2,13 @@
 
 A generator hands its arguments to :mod:`asyncoffload.workloads`' one session-and-arrival
 loop with its family's builder (``chat``, ``sessions``, ``agent``, ``rag``, ``scan``,
-``diurnal`` here). The loop checks the arguments (:func:`check_args`), and the builder
-makes the family's shared prompts and a :class:`Plan`: the random stream, how sessions
-start and how fast, and the mean think time between turns. The loop then draws the session
-starts and think times and makes the requests; what a family adds is a :class:`Dialog` a
-session: the keys and lengths of each turn's prompt, whether another turn follows, and
-what the reply adds to the conversation.
+``diurnal``, ``mixed`` here). The loop checks the arguments (:func:`check_args`), and the
+builder makes the family's shared prompts and a :class:`Plan`: the random stream, how
+sessions start and how fast, and the mean think time between turns. The loop then draws
+the session starts and think times and makes the requests; what a family adds is a
+:class:`Dialog` a session: the keys and lengths of each turn's prompt, whether another
+turn follows, whether it is a session at all, and what the reply adds to the
+conversation.
 
 Builders read the generator's arguments by name (``params``: its ``locals()`` on entry),
 the names :func:`check_args` knows. The random draws, their order included, define a
@@ -30,7 +31,7 @@ import itertools
 import math
 import random
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple, cast
+from typing import Any, ClassVar, NamedTuple, cast
 
 from asyncoffload.keys import OffloadKey, hash_token_blocks, make_offload_key
 
@@ -44,6 +45,7 @@ __all__ = [
     "check_args",
     "check_int",
     "diurnal",
+    "mixed",
     "rag",
     "scan",
     "sessions",
@@ -110,7 +112,10 @@ def _rules() -> dict[str, Callable[[str, Any], None]]:
         ),
         ("think_time_s step_time_s", lambda name, value: _check_at_least(name, value, 0)),
         ("mean_turns mean_steps", lambda name, value: _check_at_least(name, value, 1)),
-        ("scan_fraction overlap", lambda name, value: _check_number(name, value, 0, 1)),
+        (
+            "scan_fraction overlap scan_share",
+            lambda name, value: _check_number(name, value, 0, 1),
+        ),
         ("zipf_s", lambda name, value: _check_number(name, value, 0, 10)),
         ("order", _check_order),
     ):
@@ -217,6 +222,10 @@ class Dialog:
 
     __slots__ = ("label",)
 
+    #: Whether its requests belong to a session (``req_id`` ``"<label><i>-t<turn>"``,
+    #: the session ``"<label><i>"``) or stand alone (``"<label><i>"``, no session).
+    sessions: ClassVar[bool] = True
+
     def __init__(self, label: str) -> None:
         self.label = label
 
@@ -240,9 +249,6 @@ class Plan(NamedTuple):
     session_rate: float
     #: The mean think time between a session's turns, seconds (exponential).
     think_time_s: float = 0.0
-    #: Whether requests belong to sessions (``req_id`` ``"<label><i>-t<turn>"``, the
-    #: session ``"<label><i>"``) or stand alone (``"<label><i>"``, no session).
-    sessions: bool = True
 
 
 class _ChatSession(Dialog):
@@ -381,8 +387,14 @@ def sessions(p: Params) -> Plan:
     """:func:`~asyncoffload.workloads.synthetic_sessions` (the ``chat`` family): system
     prompts of Zipf popularity, turns drawn when a session opens."""
     rng = random.Random(p["seed"])
+    keyed = _chat_sessions(p, rng)
+    return Plan(rng, keyed.open, p["arrival_rate"] / p["mean_turns"], p["think_time_s"])
+
+
+def _chat_sessions(p: Params, rng: random.Random) -> _KeyedSessions:
+    """:func:`sessions`' sessions, drawn from ``rng`` (their keys' namespace too)."""
     fresh = _FreshKeys(rng)
-    block_size, mean_turns = p["block_size"], p["mean_turns"]
+    block_size = p["block_size"]
     system = [fresh.take(p["system_prompt_blocks"]) for _ in range(p["num_system_prompts"])]
     prompts = range(p["num_system_prompts"])
     popularity = list(itertools.accumulate(1 / (i + 1) for i in prompts))
@@ -391,17 +403,16 @@ def sessions(p: Params) -> Plan:
         return system[rng.choices(prompts, cum_weights=popularity)[0]]
 
     user = p["blocks_per_turn"] * block_size
-    keyed = _KeyedSessions(
+    return _KeyedSessions(
         rng,
         fresh,
         system_prompt,
         "s",
-        mean_turns=mean_turns,
+        mean_turns=p["mean_turns"],
         tokens=(user, user, p["output_blocks"] * block_size),
         block_size=block_size,
         turns_first=True,
     )
-    return Plan(rng, keyed.open, p["arrival_rate"] / mean_turns, p["think_time_s"])
 
 
 def agent(p: Params) -> Plan:
@@ -474,6 +485,8 @@ class _Rag(Dialog):
 
     __slots__ = ("_by_id", "_chunk_id", "_chunk_keys", "_cum", "_fresh", "_p", "_system", "rng")
 
+    sessions = False
+
     def __init__(self, p: Params) -> None:
         super().__init__("q")
         self.rng, self._p = _family_rng("rag", p["seed"]), p
@@ -509,7 +522,7 @@ def rag(p: Params) -> Plan:
     """:func:`~asyncoffload.workloads.synthetic_rag`: single requests arriving at
     ``arrival_rate``."""
     requests = _Rag(p)
-    return Plan(requests.rng, lambda _start: requests, p["arrival_rate"], sessions=False)
+    return Plan(requests.rng, lambda _start: requests, p["arrival_rate"])
 
 
 class _Scan(Dialog):
@@ -518,9 +531,11 @@ class _Scan(Dialog):
 
     __slots__ = ("_cum", "_fresh", "_hot", "_p", "_system", "rng")
 
-    def __init__(self, p: Params) -> None:
+    sessions = False
+
+    def __init__(self, p: Params, rng: random.Random) -> None:
         super().__init__("")
-        self.rng, self._p = _family_rng("scan", p["seed"]), p
+        self.rng, self._p = rng, p
         self._fresh = _FreshKeys(self.rng)
         self._system = self._fresh.take(p["system_prompt_blocks"])
         hot_blocks = p["hot_blocks"]
@@ -547,5 +562,29 @@ class _Scan(Dialog):
 def scan(p: Params) -> Plan:
     """:func:`~asyncoffload.workloads.synthetic_scan`: single requests arriving at
     ``arrival_rate``."""
-    requests = _Scan(p)
-    return Plan(requests.rng, lambda _start: requests, p["arrival_rate"], sessions=False)
+    requests = _Scan(p, _family_rng("scan", p["seed"]))
+    return Plan(requests.rng, lambda _start: requests, p["arrival_rate"])
+
+
+#: The system prompt of :func:`mixed`'s scan stream, in full blocks (as
+#: :func:`~asyncoffload.workloads.synthetic_scan`'s default).
+_MIXED_SCAN_SYSTEM_BLOCKS = 1
+
+
+def mixed(p: Params) -> Plan:
+    """:func:`~asyncoffload.workloads.synthetic_mixed`: :func:`scan`'s requests and
+    :func:`sessions`' sessions, their Poisson processes merged (drawn as one of the summed
+    rate, each start a scan request with its stream's share of that rate). Both streams
+    draw from the ``mixed`` family's random stream, their keys' namespaces too."""
+    rng = _family_rng("mixed", p["seed"])
+    scans = _Scan({**p, "system_prompt_blocks": _MIXED_SCAN_SYSTEM_BLOCKS}, rng)
+    chats = _chat_sessions(p, rng)
+    # Requests per second: scan_share of arrival_rate are scans (one a start), the rest
+    # chat turns (mean_turns a session).
+    scan_rate = p["scan_share"] * p["arrival_rate"]
+    start_rate = scan_rate + (1 - p["scan_share"]) * p["arrival_rate"] / p["mean_turns"]
+
+    def open_session(start: float) -> Dialog:
+        return scans if rng.random() * start_rate < scan_rate else chats.open(start)
+
+    return Plan(rng, open_session, start_rate, p["think_time_s"])

@@ -19,13 +19,14 @@ from asyncoffload.workloads import (
     summarize,
     synthetic_agent,
     synthetic_diurnal,
+    synthetic_mixed,
     synthetic_rag,
     synthetic_scan,
     synthetic_sessions,
     trace_family,
 )
 
-NAMES = ["chat", "agent", "rag", "scan", "diurnal"]
+NAMES = ["chat", "agent", "rag", "scan", "diurnal", "mixed"]
 
 
 def _generate(name: str, n: int = 1500, seed: int = 0, **params: Any) -> list[Request]:
@@ -118,6 +119,13 @@ def test_families_of_one_seed_share_no_key() -> None:
     assert sum(map(len, keys)) == len(set[bytes]().union(*keys))
 
 
+def test_mixed_shares_no_key_with_the_families_it_mixes() -> None:
+    # Its streams are scan's and chat's generators, drawn from its own random stream.
+    mixed = {k for r in _generate("mixed", 600, seed=0) for k in r.keys}
+    for name in ("scan", "chat"):
+        assert not mixed & {k for r in _generate(name, 600, seed=0) for k in r.keys}
+
+
 # --- what defines each family ------------------------------------------------------------
 
 
@@ -205,6 +213,87 @@ def test_scan_without_scans_is_only_the_hot_set() -> None:
     assert all(r.req_id.startswith("hot") for r in reqs)
 
 
+def _mixed_streams(reqs: list[Request]) -> tuple[list[Request], list[Request]]:
+    """The scan stream's requests (no session) and the chat stream's, in order."""
+    scans = [r for r in reqs if not r.session_id]
+    assert all(r.req_id.startswith(("hot", "scan")) for r in scans)
+    return scans, [r for r in reqs if r.session_id]
+
+
+@pytest.mark.parametrize("share", [0.25, 0.5, 0.75])
+def test_mixed_interleaves_both_kinds_in_about_the_requested_share(share: float) -> None:
+    # Short think times: the sessions are soon under way, at their full request rate.
+    reqs = synthetic_mixed(6000, scan_share=share, think_time_s=10.0, seed=1)
+    scans, chats = _mixed_streams(reqs)
+    assert len(scans) + len(chats) == len(reqs) == 6000
+    assert share - 0.03 < len(scans) / len(reqs) < share + 0.05
+    # Interleaved over the whole trace, not one stream after the other; at first the
+    # sessions have had only their first turns, so scans are more.
+    first, last = reqs[:1000], reqs[-2000:]
+    assert share < sum(not r.session_id for r in first) / len(first) < share + 0.2
+    assert abs(sum(not r.session_id for r in last) / len(last) - share) < 0.05
+    # The scan stream is synthetic_scan's: one-off scans among hot re-reads.
+    one_offs = [r for r in scans if r.req_id.startswith("scan")]
+    assert 0.2 < len(one_offs) / len(scans) < 0.3
+    assert max(Counter(r.keys[1] for r in scans if r.req_id.startswith("hot")).values()) > 30
+
+
+def test_mixed_scans_come_first_while_the_first_sessions_get_under_way() -> None:
+    # Sessions of 8 turns 2 minutes apart (the defaults) reach their full rate after
+    # about 16 minutes: over 6000 requests (about 17 minutes) scans are well over 0.8.
+    scans, chats = _mixed_streams(synthetic_mixed(6000, seed=1))
+    assert len(scans) / 6000 > 0.84
+    assert max(r.turn for r in chats) >= 7
+
+
+def test_mixed_chat_sessions_sit_behind_long_shared_system_prompts() -> None:
+    reqs = synthetic_mixed(
+        6000, scan_share=0.5, mean_turns=3.0, num_system_prompts=20, system_prompt_blocks=14, seed=2
+    )
+    scans, chats = _mixed_streams(reqs)
+    prompts = Counter(r.keys[:14] for r in chats if r.turn == 0)
+    # Few prompts, shared by many sessions (Zipf: the first by the most).
+    assert len(prompts) <= 20 and len({p[0] for p in prompts}) == len(prompts)
+    assert sum(prompts.values()) > 500 and max(prompts.values()) > 0.15 * sum(prompts.values())
+    # Whole blocks of system prompt alone: never in a scan-stream request, and every
+    # chat prompt goes on past them.
+    prompt_keys = {k for p in prompts for k in p}
+    assert not prompt_keys & {k for r in scans for k in r.keys}
+    assert all(r.input_tokens > 14 * r.block_size and r.keys[:14] in prompts for r in chats)
+    # So the key at depth 8 of every chat request is one of a few (what sampling by it
+    # lumps together), where the scans' one-offs each have their own.
+    assert len({r.keys[8] for r in chats}) == len(prompts)
+    sessions = _sessions(chats)
+    assert statistics.mean(map(len, sessions.values())) > 1.5
+    for turns in sessions.values():
+        assert [r.turn for r in turns] == list(range(len(turns)))
+        for prev, cur in itertools.pairwise(turns):
+            full = prev.input_tokens // prev.block_size
+            assert cur.keys[:full] == prev.keys[:full]
+
+
+def test_mixed_defaults_are_long_prompts_and_prefixes() -> None:
+    params = trace_family("mixed").parameters()
+    assert params["scan_share"] == 0.8
+    assert params["system_prompt_blocks"] == 12 > 8
+    assert params["hot_blocks"] == 24.0
+    assert params["num_system_prompts"] == 32
+    reqs = synthetic_mixed(3000, seed=3)
+    scans, chats = _mixed_streams(reqs)
+    assert len({r.keys[:12] for r in chats}) <= 32
+    # A hot prefix is most of its request: one system block, the prefix, a question.
+    hot = [r for r in scans if r.req_id.startswith("hot")]
+    assert 18 < statistics.mean(len(r.keys) for r in hot) < 32
+
+
+@pytest.mark.parametrize("share", [0.0, 1.0])
+def test_mixed_at_a_share_of_0_or_1_is_one_stream(share: float) -> None:
+    reqs = synthetic_mixed(800, scan_share=share, seed=4)
+    scans, chats = _mixed_streams(reqs)
+    assert len(reqs) == 800
+    assert (scans, chats) == ((reqs, []) if share else ([], reqs))
+
+
 def _phase_prompts(reqs: list[Request], phases: int, n: int, rate: float) -> list[Counter[bytes]]:
     """Per phase, how many sessions started on each app prompt (named by its first key)."""
     phase_s = n / rate / phases
@@ -267,6 +356,15 @@ def test_diurnal_overlap_bounds(overlap: float, shared: bool) -> None:
         ("diurnal", {"mean_turns": 0.0}, "mean_turns"),
         ("diurnal", {"arrival_rate": 0.0}, "arrival_rate"),
         ("chat", {"num_system_prompts": 0}, "num_system_prompts"),
+        ("mixed", {"scan_share": 1.5}, "scan_share"),
+        ("mixed", {"scan_share": -0.1}, "scan_share"),
+        ("mixed", {"scan_share": True}, "scan_share"),
+        ("mixed", {"scan_share": float("nan")}, "scan_share"),
+        ("mixed", {"system_prompt_blocks": -1}, "system_prompt_blocks"),
+        ("mixed", {"num_system_prompts": 0}, "num_system_prompts"),
+        ("mixed", {"hot_blocks": 0.0}, "hot_blocks"),
+        ("mixed", {"blocks_per_turn": float("inf")}, "blocks_per_turn"),
+        ("mixed", {"mean_turns": 0.5}, "mean_turns"),
     ],
 )
 def test_bad_parameters_are_named(name: str, override: dict[str, Any], match: str) -> None:
@@ -291,7 +389,7 @@ def test_a_seed_must_be_an_int() -> None:
 
 
 def test_an_unknown_family_names_the_choices() -> None:
-    with pytest.raises(ValueError, match=r"'nope'.*chat, agent, rag, scan, diurnal"):
+    with pytest.raises(ValueError, match=r"'nope'.*chat, agent, rag, scan, diurnal, mixed"):
         trace_family("nope")
 
 
