@@ -64,7 +64,14 @@ DEFAULT_SHARES = "1%,2%,5%,10%,20%,50%"
 HOLDOUT = ("agent", "diurnal")
 #: Requests per family workload at ``--scale 1``: each about 150-300k prompt blocks, so
 #: that every workload replays in about the same time.
-REQUESTS = {"chat": 10_000, "agent": 8_000, "rag": 30_000, "scan": 12_000, "diurnal": 25_000}
+REQUESTS = {
+    "chat": 10_000,
+    "agent": 8_000,
+    "rag": 30_000,
+    "scan": 12_000,
+    "diurnal": 25_000,
+    "mixed": 20_000,
+}
 #: A margin below the best of LRU and ARC that counts as a loss (issue 15).
 TOLERANCE = 0.005
 
@@ -245,7 +252,9 @@ def main() -> None:
         metavar="SPEC",
         help=f"policies beside {', '.join(DEFAULT_POLICIES)} (e.g. auto, lru+ghost)",
     )
-    ap.add_argument("--capacity", default=DEFAULT_SHARES, help=f"shares ({DEFAULT_SHARES})")
+    ap.add_argument(
+        "--capacity", default=DEFAULT_SHARES, help=f"shares ({DEFAULT_SHARES.replace('%', '%%')})"
+    )
     ap.add_argument(
         "--set",
         choices=("all", "tuning", "held-out"),

@@ -22,7 +22,7 @@ from asyncoffload.manager.native import native_manager_available
 from asyncoffload.manager.policies import AdaptivePolicy, available_policies
 from asyncoffload.manager.policies.adaptive import Ghost
 from asyncoffload.replay import capacity_blocks, replay
-from asyncoffload.workloads import Request, summarize, synthetic_sessions
+from asyncoffload.workloads import Request, families, summarize, synthetic_sessions
 
 KEYS = [ao.make_offload_key(bytes([i]) * 8) for i in range(24)]
 A, B, C, D, E, F = KEYS[:6]
@@ -289,17 +289,33 @@ def drive(
 
 
 def test_its_own_switches_keep_the_manager_consistent() -> None:
-    # Tiny epochs, no margin, no patience: the leader changes all the time.
+    # Tiny epochs, no margin, no patience, no warm-up: it switches at its epoch ends
+    # (inside lookup_prefix) as well as when told to, every 15 requests, mid-run.
     requests = synthetic_sessions(300, block_size=16, blocks_per_turn=3.0, think_time_s=5.0)
-    m, policy = manager(60, epoch=0.2, margin=0.0, patience=1)
+    m, policy = manager(60, epoch=0.2, margin=0.0, patience=1, warmup=0.0, initial="arc")
+    told = 0
 
     def check() -> None:
+        nonlocal told
         blocks = {key: block for key, block in policy.items()}
         check_view(m, blocks)
         assert set(m.resident_keys()) == set(blocks)
+        told += 1
+        if told % 15 == 0:
+            policy.switch_to(CANDIDATES[(told // 15) % len(CANDIDATES)])
+            check_view(m, blocks)
 
+    own = policy.switch_to
+    switched_itself = []
+
+    def counted(name: str) -> None:
+        switched_itself.append(name)
+        own(name)
+
+    policy.switch_to = counted  # type: ignore[method-assign]
     drive(m, requests, check)
     assert policy.switches >= 10
+    assert len(switched_itself) > told // 15  # some switches were its own
 
 
 def test_under_request_scoped_calls_every_candidate_gets_its_touch() -> None:
@@ -323,6 +339,19 @@ def test_under_request_scoped_calls_every_candidate_gets_its_touch() -> None:
 
 
 # --- determinism -----------------------------------------------------------------------
+
+
+def test_its_scores_are_the_candidates_full_size_hit_rates() -> None:
+    # What fooled the sampled shadows (issue 24) cannot happen: with no decay, each
+    # ghost's score is exactly the hit rate of a full-size replay of its candidate, on
+    # the family built to make the old sample rank kv first where ARC wins.
+    requests = families()["mixed"].generate(1200, seed=0)
+    cap = capacity_blocks(0.1, summarize(requests).unique_blocks)
+    policy = AdaptivePolicy(cap, epoch=1e9)  # one window: no halving, no switch
+    replay(requests, cap, policy=policy)
+    rates = {name: replay(requests, cap, policy=name).block_hit_rate for name in CANDIDATES}
+    assert policy.scores() == pytest.approx(rates, abs=1e-12)
+    assert len(set(rates.values())) == len(rates)  # they differ: the ranking means something
 
 
 @pytest.mark.parametrize("native", [True, False])

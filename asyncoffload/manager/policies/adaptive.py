@@ -59,9 +59,11 @@ from typing import Any
 from asyncoffload._native import load_mgrcore
 from asyncoffload.keys import OffloadKey
 from asyncoffload.manager.base import BlockStatus, LookupResult
+from asyncoffload.manager.policies.arc import ARCPolicy
 from asyncoffload.manager.policies.base import CachePolicy, get_policy_cls, register_policy
 
 __all__ = ["AdaptivePolicy", "Ghost"]
+
 
 #: Candidates, in order of preference on equal scores.
 CANDIDATES = ("lru", "arc", "kv")
@@ -79,12 +81,24 @@ class Ghost:
     the C core (``native``) when it builds, else with the policy's Python code: the same
     decisions either way."""
 
-    __slots__ = ("block", "capacity", "core", "hits", "name", "native", "policy", "request")
+    __slots__ = (
+        "block",
+        "capacity",
+        "core",
+        "hits",
+        "name",
+        "native",
+        "policy",
+        "request",
+        "total",
+    )
 
     def __init__(self, name: str, capacity: int, *, native: bool | None = None) -> None:
         self.name = name
         self.capacity = capacity
+        #: Prefix hits, decayed with the epochs, and since the start (or ``clear``).
         self.hits = 0.0
+        self.total = 0
         self.core: Any = None
         self.policy: CachePolicy | None = None
         mgrcore = load_mgrcore() if native is not False and name in _NATIVE else None
@@ -152,6 +166,7 @@ class Ghost:
             assert self.policy is not None
             self.policy.clear()
         self.hits = 0.0
+        self.total = 0
 
 
 @register_policy("auto")
@@ -171,13 +186,17 @@ class AdaptivePolicy(CachePolicy):
         epoch: float = 4.0,
         margin: float = 0.005,
         patience: int = 2,
+        warmup: float = 12.0,
         native: bool | None = None,
     ) -> None:
         """``candidates`` name registered policies (not ``auto``); ``initial`` is the
         first leader. Every ``epoch`` capacities of prompt blocks the scores halve and
         the leader may change, to a ghost whose hit rate beats the leader's by more than
-        ``margin`` at ``patience`` epoch ends in a row. ``native`` runs the ghosts on the
-        C core (``True``: or raise; ``False``: in Python; ``None``: where it builds)."""
+        ``margin``, over the decayed window and since the start, at ``patience`` epoch
+        ends in a row (4 times ``margin`` while the leader learns online, as ``kv`` does,
+        and fewer than ``warmup`` capacities of prompt blocks have gone by).
+        ``native`` runs the ghosts on the C core (``True``: or raise; ``False``: in
+        Python; ``None``: where it builds)."""
         super().__init__(capacity)
         names = list(dict.fromkeys(candidates))
         if not names:
@@ -193,15 +212,19 @@ class AdaptivePolicy(CachePolicy):
             raise ValueError(f"margin must be >= 0, got {margin}")
         if patience < 1:
             raise ValueError(f"patience must be >= 1, got {patience}")
+        if not warmup >= 0:
+            raise ValueError(f"warmup must be >= 0, got {warmup}")
         self.candidates = tuple(names)
         self.initial = initial
         self.margin = margin
         self.patience = patience
         self._epoch_blocks = max(1.0, epoch * capacity)
+        self._warmup_blocks = warmup * capacity
         self.ghosts = [Ghost(name, capacity, native=native) for name in names]
         self._policies: dict[str, CachePolicy] = {}
         self._seen = 0.0
         self._epoch_seen = 0.0
+        self._total = 0
         #: The ghost that beat the leader at the last epoch ends, and how many in a row.
         self._challenger: str | None = None
         self._streak = 0
@@ -270,9 +293,13 @@ class AdaptivePolicy(CachePolicy):
         blocks = _recency_order(old)
         new = self._policy_for(name)
         new.clear()
-        insert = new.insert
-        for key, block in blocks:
-            insert(key, block)
+        if isinstance(new, ARCPolicy):
+            # ARC starts where its ghost is: T1's target, the ghost lists, T2 membership.
+            _adopt_arc(new, next(g for g in self.ghosts if g.name == name), blocks)
+        else:
+            insert = new.insert
+            for key, block in blocks:
+                insert(key, block)
         if len(new) != len(blocks):  # pragma: no cover - a candidate's own bug
             raise RuntimeError(f"switching to {name} tracked {len(new)} of {len(blocks)} blocks")
         old.clear()
@@ -288,7 +315,16 @@ class AdaptivePolicy(CachePolicy):
         for s in self.ghosts:
             if s.hits > best.hits:
                 best = s
-        if best is not lead and best.hits - lead.hits > self.margin * seen:
+        # A leader that learns as it goes (kv) is left early on only for a clear lead:
+        # its ghost is learning too, and a cold start of it costs more than it shows.
+        margin = self.margin
+        if self._leader.learns_online and self._total < self._warmup_blocks:
+            margin *= 4
+        if (
+            best is not lead
+            and best.hits - lead.hits > margin * seen
+            and best.total - lead.total > margin * self._total
+        ):
             if best.name == self._challenger:
                 self._streak += 1
             else:
@@ -311,8 +347,11 @@ class AdaptivePolicy(CachePolicy):
             # A request-scoped touch lists its loaded keys, then all it offers.
             keys = list(dict.fromkeys(keys))
         for ghost in self.ghosts:
-            ghost.hits += ghost.request(keys)
+            n = ghost.request(keys)
+            ghost.hits += n
+            ghost.total += n
         self._seen += len(keys)
+        self._total += len(keys)
         self._epoch_seen += len(keys)
         if self._epoch_seen >= self._epoch_blocks:
             self._end_epoch()
@@ -357,6 +396,7 @@ class AdaptivePolicy(CachePolicy):
         for ghost in self.ghosts:
             ghost.clear()
         self._seen = self._epoch_seen = 0.0
+        self._total = 0
         self._challenger, self._streak = None, 0
         self.switches = 0
         self._leader = self._policy_for(self.initial)
@@ -372,6 +412,27 @@ class AdaptivePolicy(CachePolicy):
             f"<AdaptivePolicy leader={self.leader} [{len(self)} of {self.capacity}, "
             f"full-size ghosts in {where}: {scores}; {self.switches} switches]>"
         )
+
+
+def _adopt_arc(new: ARCPolicy, ghost: Ghost, blocks: list[tuple[OffloadKey, BlockStatus]]) -> None:
+    """Start ARC ``new`` on ``blocks`` (recency order) with what its ghost learned: the
+    target size of T1, its ghost lists, and T2 for the blocks the ghost has in T2."""
+    if ghost.core is not None:
+        snap = ghost.core.snapshot()
+        t2_keys = {row[0] for row in snap["lists"][1]}
+        b1, b2 = snap["lists"][2], snap["lists"][3]
+        target = float(snap["target_t1"])
+    else:
+        g = ghost.policy
+        assert isinstance(g, ARCPolicy)
+        t2_keys, b1, b2, target = set(g.t2), list(g.b1), list(g.b2), g.target_t1
+    for key, block in blocks:
+        (new.t2 if key in t2_keys else new.t1)[key] = block
+        new._blocks[key] = block
+    held = new._blocks
+    new.b1.update((key, None) for key in b1 if key not in held)
+    new.b2.update((key, None) for key in b2 if key not in held)
+    new.target_t1 = min(target, float(new.capacity))
 
 
 def _recency_order(policy: CachePolicy) -> list[tuple[OffloadKey, BlockStatus]]:

@@ -55,6 +55,9 @@ class CachePolicy(ABC):
     observes_store_misses: ClassVar[bool] = False
     #: Whether :meth:`on_request` can change anything; when not, the manager skips it.
     observes_requests: ClassVar[bool] = False
+    #: Whether the policy learns its decisions from the workload as it goes (``kv``'s
+    #: table starts empty): ``auto`` leaves such a leader early only on a clear lead.
+    learns_online: ClassVar[bool] = False
 
     def __init__(self, capacity: int) -> None:
         if capacity <= 0:

@@ -105,6 +105,7 @@ class KVPolicy(CachePolicy):
     """Evicts the block least likely to be reused, by class and age, learned online."""
 
     touch_before_store = True
+    learns_online = True
 
     def __init__(
         self,
