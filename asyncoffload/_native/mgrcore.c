@@ -255,6 +255,7 @@ struct Core {
     PyObject *results;  /* (MISS, HIT, HIT_PENDING) as lookup returns them */
     uint32_t epoch;
     int busy; /* a call that changes the manager is in progress */
+    int simulating; /* simulate(): a store completes as it is made */
     /* policy state */
     double target_t1;                          /* arc */
     Py_ssize_t small_capacity, ghost_capacity; /* s3fifo */
@@ -1479,15 +1480,12 @@ static PyObject *empty_store(void) {
     return Py_BuildValue("([][][])");
 }
 
-static PyObject *prepare_store_impl(Core *c, PyObject *const *args, Py_ssize_t nargs,
-                                    PyObject *kwnames) {
-    PyObject *a[2], **keys, *result = NULL;
+/* prepare_store of keys[0:n]; while simulating (no request), what it stores is ready at
+ * once and nothing is built to return: Py_None, or NULL on error */
+static PyObject *store_keys(Core *c, PyObject **keys, Py_ssize_t n, PyObject *ctx) {
+    PyObject *result = NULL;
     PyObject *to_store = NULL, *ids = NULL, *evicted = NULL, *out = NULL;
-    Py_ssize_t n;
-    if (parse(args, nargs, kwnames, "prepare_store", KEYS_CTX, 1, 2, a) < 0) return NULL;
-    PyObject *ctx = a[1] ? a[1] : Py_None;
-    PyObject *seq = keys_of(a[0], &keys, &n);
-    if (!seq) return NULL;
+    const int sim = c->simulating;
     const Policy *p = c->policy;
     int fold = !p->touch_before_store;
     int32_t *nodes = scratch(c, 0, n);
@@ -1529,11 +1527,13 @@ static PyObject *prepare_store_impl(Core *c, PyObject *const *args, Py_ssize_t n
         if (used > need) need = used;
     }
     if (!(work = scratch(c, 2, need))) goto done;
-    if (p->insert_many && k && !(inserted = scratch(c, 3, k))) goto done;
+    if ((p->insert_many || c->simulating) && k && !(inserted = scratch(c, 3, k))) goto done;
     Py_ssize_t new_nodes = k + (p->remembers_touched ? touching : 0);
     if (new_nodes && nodes_reserve(c, new_nodes) < 0) goto done;
-    if (!k && !(out = empty_store())) goto done;
-    if (k) {
+    if (!k && !(out = sim ? Py_NewRef(Py_None) : empty_store())) goto done;
+    if (k && sim) {
+        if (!(out = Py_NewRef(Py_None))) goto done;
+    } else if (k) {
         if (!(to_store = PyList_New(k)) || !(ids = PyList_New(k))) goto done;
         if (!(evicted = PyList_New(shortfall > 0 ? shortfall : 0))) goto done;
         if (!(out = PyTuple_New(3))) goto done;
@@ -1595,7 +1595,7 @@ static PyObject *prepare_store_impl(Core *c, PyObject *const *args, Py_ssize_t n
         }
         for (Py_ssize_t j = 0; j < shortfall; j++) {
             Node *nd = &c->nodes[victims[j]];
-            PyList_SET_ITEM(evicted, j, Py_NewRef(nd->key));
+            if (evicted) PyList_SET_ITEM(evicted, j, Py_NewRef(nd->key));
             c->free_slots[c->n_free_slots++] = nd->slot;
         }
         for (Py_ssize_t j = 0; j < shortfall; j++)
@@ -1629,13 +1629,25 @@ static PyObject *prepare_store_impl(Core *c, PyObject *const *args, Py_ssize_t n
         nd->slot = slot;
         nd->ref = -1;
         if (inserted) inserted[s] = i;
-        else p->insert(c, i, ghost);
-        PyList_SET_ITEM(to_store, s, Py_NewRef(keys[j]));
-        PyList_SET_ITEM(ids, s, slot_int(c, slot));
+        if (!p->insert_many) p->insert(c, i, ghost);
+        if (to_store) {
+            PyList_SET_ITEM(to_store, s, Py_NewRef(keys[j]));
+            PyList_SET_ITEM(ids, s, slot_int(c, slot));
+        }
         s++;
         if (r && fold) r->e[entries[j]].flags |= F_INSERTED;
     }
-    if (inserted) p->insert_many(c, inserted, k);
+    if (p->insert_many) p->insert_many(c, inserted, k);
+    if (sim) {
+        /* complete_store(success=True) of what was just stored */
+        for (Py_ssize_t j = 0; j < k; j++) c->nodes[inserted[j]].ref = 0;
+        c->num_ready += k;
+        c->num_idle += k;
+        c->stored += k;
+        result = out;
+        out = NULL;
+        goto done;
+    }
     c->num_pending += k;
     PyTuple_SET_ITEM(out, 0, to_store);
     PyTuple_SET_ITEM(out, 1, ids);
@@ -1649,6 +1661,17 @@ done:
     Py_XDECREF(ids);
     Py_XDECREF(evicted);
     Py_XDECREF(out);
+    return result;
+}
+
+static PyObject *prepare_store_impl(Core *c, PyObject *const *args, Py_ssize_t nargs,
+                                    PyObject *kwnames) {
+    PyObject *a[2], **keys;
+    Py_ssize_t n;
+    if (parse(args, nargs, kwnames, "prepare_store", KEYS_CTX, 1, 2, a) < 0) return NULL;
+    PyObject *seq = keys_of(a[0], &keys, &n);
+    if (!seq) return NULL;
+    PyObject *result = store_keys(c, keys, n, a[1] ? a[1] : Py_None);
     Py_DECREF(seq);
     return result;
 }
@@ -2114,47 +2137,53 @@ GUARDED(on_request_finished)
 GUARDED(reset_cache)
 
 /* One request as the engine runs it, with every store complete at once (a key-only
- * ghost of a tier: the adaptive policy's): lookup_prefix, the load's touch of the hits,
- * the store's touch of the rest, prepare_store of the rest, complete_store of what it
- * stored. The prefix hits. */
-static PyObject *Core_simulate(Core *c, PyObject *keys_arg) {
-    PyObject *seq = PySequence_Fast(keys_arg, "keys must be a sequence");
+ * ghost of a tier: the adaptive policy's), deciding exactly as lookup_prefix, touch of
+ * the hits, touch of the rest, prepare_store of the rest and complete_store of what it
+ * stored would: keys hashed and found once for the lookup and the hits' touch, the
+ * store completed in place. The prefix hits. */
+static PyObject *simulate_impl(Core *c, PyObject *keys_arg) {
+    PyObject **keys, *out = NULL;
+    Py_ssize_t len, n = 0;
+    PyObject *seq = keys_of(keys_arg, &keys, &len);
     if (!seq) return NULL;
-    Py_ssize_t len = PySequence_Fast_GET_SIZE(seq), n = -1;
-    PyObject *part = NULL, *out = NULL, *tmp;
-    tmp = Core_lookup_prefix(c, &seq, 1, NULL);
-    if (!tmp) goto done;
-    n = PyLong_AsSsize_t(tmp);
-    Py_DECREF(tmp);
-    if (n < 0) goto done;
-    if (n) {
-        part = PySequence_GetSlice(seq, 0, n);
-        if (!part || !(tmp = Core_touch(c, &part, 1, NULL))) goto fail;
-        Py_DECREF(tmp);
-        Py_CLEAR(part);
+    const Policy *p = c->policy;
+    int32_t *nodes = scratch(c, 0, len);
+    if (!nodes || resolve(c, keys, len, nodes) < 0) goto fail;
+    for (; n < len; n++) {
+        int32_t i = nodes[n];
+        if (i == NIL || !resident(&c->nodes[i]) || c->nodes[i].ref < 0) break;
     }
+    if (n) p->touch(c, nodes, n); /* every hit has its node */
     if (n < len) {
-        part = PySequence_GetSlice(seq, n, len);
-        if (!part || !(tmp = Core_touch(c, &part, 1, NULL))) goto fail;
-        Py_DECREF(tmp);
-        if (!(out = Core_prepare_store(c, &part, 1, NULL))) goto fail;
-        if (out != Py_None && PyObject_Length(PyTuple_GET_ITEM(out, 0)) > 0) {
-            PyObject *a[3] = {PyTuple_GET_ITEM(out, 0), Py_None, Py_True};
-            if (!(tmp = Core_complete_store(c, a, 3, NULL))) goto fail;
-            Py_DECREF(tmp);
+        Py_ssize_t m = len - n;
+        if (n) {
+            /* found again: the touch may have forgotten ghosts (and reused their nodes) */
+            if (!(nodes = scratch(c, 0, m)) || resolve(c, keys + n, m, nodes) < 0) goto fail;
         }
+        if (p->remembers_touched) {
+            if (nodes_reserve(c, m) < 0) goto fail;
+            for (Py_ssize_t j = 0; j < m; j++)
+                if (nodes[j] == NIL) nodes[j] = node_of(c, keys[n + j], bytes_hash(keys[n + j]));
+        }
+        p->touch(c, nodes, m);
+        c->simulating = 1;
+        out = store_keys(c, keys + n, m, Py_None);
+        c->simulating = 0;
+        if (!out) goto fail;
+        Py_DECREF(out);
     }
-    Py_XDECREF(part);
-    Py_XDECREF(out);
     Py_DECREF(seq);
     return PyLong_FromSsize_t(n);
 fail:
-    n = -1;
-    Py_XDECREF(part);
-    Py_XDECREF(out);
-done:
     Py_DECREF(seq);
-    return n < 0 && PyErr_Occurred() ? NULL : PyLong_FromSsize_t(n);
+    return NULL;
+}
+
+static PyObject *Core_simulate(Core *c, PyObject *keys_arg) {
+    if (enter(c) < 0) return NULL;
+    PyObject *out = simulate_impl(c, keys_arg);
+    c->busy = 0;
+    return out;
 }
 
 static PyObject *Core_on_new_request(Core *c, PyObject *ctx) {

@@ -2,17 +2,26 @@
 
 No single policy wins everywhere: ``kv`` leads on multi-turn chat at small capacities,
 LRU where recency is all there is, ARC where scans pass through a hot set. This policy
-runs every candidate (default ``lru``, ``arc``, ``kv``) as a *ghost*: a tier of the real
-tier's capacity that holds keys only, fed every request and driven exactly as the
-engine and the replay drive the real manager (prefix lookup, the load's touch of the
-hits, the store's touch of the rest, the store with the policy's own admission and an
-all-or-nothing eviction protecting the store's keys). The real tier follows the ghost
-that hits most lately.
+measures every candidate (default ``lru``, ``arc``, ``kv``) at the tier's full size, on
+every request, and the real tier follows the one that hits most lately.
 
-Ghosts run on the manager's C core (``mgrcore``, which decides exactly as the Python
-manager and policies do, call for call): about 0.1x LRU's Python manager time per
-candidate and block. Where it cannot be built (``ASYNCOFFLOAD_NO_NATIVE``, no compiler)
-the same decisions are made in Python, at about 1x LRU's time per candidate.
+Ghosts. A candidate that does not lead runs as a *ghost*: a tier of the real tier's
+capacity that holds keys only, driven exactly as the engine and the replay drive the
+real manager (prefix lookup, the load's touch of the hits, the store's touch of the
+rest, the store with the policy's own admission and an all-or-nothing eviction that
+protects the store's keys), each store complete at once. Ghosts run on the manager's C
+core (``mgrcore.simulate``: one call a request, deciding exactly as the Python manager
+and policies do); where it cannot be built (``ASYNCOFFLOAD_NO_NATIVE``, no compiler),
+the same decisions are made in Python, at about 1x LRU's manager time per candidate.
+
+The leader is scored by the real tier itself: a request's prefix of blocks present
+(ready, or being stored: a ghost's stores complete at once, so under concurrent
+requests this is what its ghost would count). Its ghost waits meanwhile, which is what
+keeps ``auto`` within 1.5x LRU's manager time (one ghost fewer). While nothing has
+switched, the real tier's score and its ghost's are the same number
+(tests/test_policy_adaptive.py). A new leader is scored by its ghost, which ran while
+another led and is warm, until ``warmup`` capacities of prompt blocks have gone by:
+the real tier behind it starts cold, and judging it by that would switch straight back.
 
 Feed. Under a manager that does not track requests (the engine's and the replay's),
 the request arrives with ``lookup_prefix`` (``on_request``; the engine's ``alookup``
@@ -21,29 +30,30 @@ request's touch at its first store. ``touch`` and every other call go straight t
 leader (rebound methods, no indirection), so every :class:`CachePolicy` guarantee is
 the leader's own.
 
-Leader. Scores are each ghost's prefix hits and the prompt blocks seen, halved every
-epoch of ``epoch * capacity`` (4x) blocks: a decayed window. At an epoch's end the tier
-switches to the best ghost once it has beaten the leader's ghost by more than
-``margin`` (0.005) at ``patience`` (2) epoch ends in a row. It starts as ``initial``
-(``kv``). The leader is judged by its ghost, not by the real tier's own hits: they are
-the same while the tier follows the ghost's call pattern (tests/test_policy_adaptive.py
-checks it), and after a switch the real tier starts cold where its ghost does not.
+Leader. Scores are prompt blocks hit against blocks seen, twice: over a window halved
+every epoch of ``epoch * capacity`` (4x) blocks, and since the last switch. At an
+epoch's end the tier switches to the best candidate once it leads the leader by more
+than ``margin`` (0.005) in both, at ``patience`` (2) epoch ends in a row; while the
+leader learns online (``kv``: its table starts empty, and its ghost's too) and fewer
+than ``warmup`` (12) capacities have gone by, only a lead of 4x the margin counts. It
+starts as ``initial`` (``kv``). A switch starts every score again.
 
 Switching hands every tracked block, ready or being stored, to the new candidate (reset
 first), in recency order (the old candidate's ``items()`` order; ``kv``'s by last use):
 the block records are shared, so reference counts and slots are untouched, and nothing
-is lost or duplicated. A switch forgets the new leader's history (ghosts, learned
-values); the ghosts keep theirs.
+is lost or duplicated. ARC starts where its ghost is (T1's target, its ghost lists, T2
+for the blocks its ghost has in T2); the others start with no history. The old leader's
+ghost runs again from where it stopped, stale until the traffic refreshes it.
 
 Why full-size ghosts and not a sample. Until issue 24 the candidates ran as miniature
-tiers on a 1/16 sample of the requests (SHARDS, Waldspurger et al., FAST'15), sampled
-by the CRC-32 of the prompt's key at depth 8. Behind system prompts longer than 8
-blocks that key lies in the shared prefix, so every request behind one system prompt
-is in the sample or out of it together: a sample of a few lumps, whose miniature tiers
-(holding whole requests that do not shrink with the sample) ranked ``kv`` first where
-ARC wins at full size (the ``mixed`` trace family reproduces it: docs/policies.md).
-Full-size ghosts in C cost what the sampled Python shadows did, and have no sample to
-be fooled by.
+tiers (1/16 of the capacity) on a 1/16 sample of the requests (SHARDS, Waldspurger et
+al., FAST'15), sampled by the CRC-32 of the prompt's key at depth 8. On the ``mixed``
+trace family (docs/policies.md) those miniature tiers ranked ``kv`` first where ARC hit
+0.017-0.019 more at full size. Behind system prompts longer than 8 blocks the sample
+is a few lumps (every request behind one prompt in or out together), but sampling
+single blocks or by the last key ranked ``kv`` first too: requests that do not shrink
+with the sample make a miniature tier a different cache. Full-size ghosts in C cost
+less than the sampled Python shadows did, and have no sample to be fooled by.
 
 Why not expert weighting (LeCaR, CACHEUS): its experts each rank the *real* resident
 set and learn from its evictions, and they must rank blocks they did not choose, which
@@ -232,6 +242,7 @@ class AdaptivePolicy(CachePolicy):
         self.switches = 0
         self._leader: CachePolicy = self._policy_for(initial)
         self._bind()
+        self._pause_lead()  # the real tier is the initial leader from the start
 
     # --- the leader -------------------------------------------------------------------
 
@@ -272,6 +283,12 @@ class AdaptivePolicy(CachePolicy):
     def _bind(self) -> None:
         # Straight to the leader: no indirection on the manager's hot calls.
         leader = self._leader
+        self._leader_get = leader.get
+        self._lead = next(g for g in self.ghosts if g.name == leader.name)
+        # A new leader is scored by its ghost (warm: it ran while another led) through
+        # the warm-up, then by the real tier, and its ghost waits (see the module doc).
+        self._running = list(self.ghosts)
+        self._lead_paused = False
         self.get = leader.get  # type: ignore[method-assign]
         self.insert = leader.insert  # type: ignore[method-assign]
         self.insert_many = leader.insert_many  # type: ignore[method-assign]
@@ -280,6 +297,10 @@ class AdaptivePolicy(CachePolicy):
         self.admissible = leader.admissible  # type: ignore[method-assign]
         self.items = leader.items  # type: ignore[method-assign]
         self.touch = leader.touch  # type: ignore[method-assign]
+
+    def _pause_lead(self) -> None:
+        self._running = [g for g in self.ghosts if g is not self._lead]
+        self._lead_paused = True
 
     def switch_to(self, name: str) -> None:
         """Make ``name`` the leader now, handing it every tracked block in recency
@@ -307,6 +328,14 @@ class AdaptivePolicy(CachePolicy):
         self._challenger, self._streak = None, 0
         self.switches += 1
         self._bind()
+        # Every score starts again: the real tier is now another candidate's, and the
+        # old leader's ghost runs again from where it stopped (stale until it catches
+        # up). The warm-up counts again too.
+        for g in self.ghosts:
+            g.hits = 0.0
+            g.total = 0
+        self._seen = self._epoch_seen = 0.0
+        self._total = 0
 
     def _end_epoch(self) -> None:
         seen = self._seen
@@ -330,7 +359,8 @@ class AdaptivePolicy(CachePolicy):
             else:
                 self._challenger, self._streak = best.name, 1
             if self._streak >= self.patience:
-                self.switch_to(best.name)
+                self.switch_to(best.name)  # every score starts again
+                return
         else:
             self._challenger, self._streak = None, 0
         self._seen = seen * 0.5
@@ -346,13 +376,26 @@ class AdaptivePolicy(CachePolicy):
         if len(set(keys)) != len(keys):
             # A request-scoped touch lists its loaded keys, then all it offers.
             keys = list(dict.fromkeys(keys))
-        for ghost in self.ghosts:
+        for ghost in self._running:
             n = ghost.request(keys)
-            ghost.hits += n
-            ghost.total += n
-        self._seen += len(keys)
-        self._total += len(keys)
-        self._epoch_seen += len(keys)
+            if n:
+                ghost.hits += n
+                ghost.total += n
+        k = len(keys)
+        self._seen += k
+        self._total += k
+        lead = self._lead
+        if self._lead_paused:
+            # The leader's own: the real tier's prefix of blocks present (ready or being
+            # stored, as a ghost's stores complete at once).
+            found = list(map(self._leader_get, keys))
+            n = found.index(None) if None in found else len(found)
+            if n:
+                lead.hits += n
+                lead.total += n
+        elif self._total >= self._warmup_blocks:
+            self._pause_lead()
+        self._epoch_seen += k
         if self._epoch_seen >= self._epoch_blocks:
             self._end_epoch()
 
@@ -401,6 +444,7 @@ class AdaptivePolicy(CachePolicy):
         self.switches = 0
         self._leader = self._policy_for(self.initial)
         self._bind()
+        self._pause_lead()
 
     def __len__(self) -> int:
         return len(self._leader)
