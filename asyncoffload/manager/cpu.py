@@ -4,8 +4,10 @@ Slot allocation is deterministic: never-used slots in ascending order first, the
 slots, the most recently freed first. Every method validates its whole input before it
 changes anything, so a rejected call leaves the manager as it was.
 
-Two call patterns feed the policy its recency. The engine's: ``touch`` a request's keys,
-then load and store. vLLM's connector (0.32 and later), which never calls ``touch``:
+Two call patterns feed the policy its recency. The engine's: ``touch`` the keys a request
+loads, then the keys it stores (``touch_on_load``, ``touch_on_store``), after one
+``lookup_prefix`` of the prompt (where a policy that ``observes_requests`` hears of it).
+vLLM's connector (0.32 and later), which never calls ``touch``:
 with ``request_scoped=True`` the manager remembers what each request (by
 ``ctx.req_id``) loaded and stored, and tells the policy when ``on_request_finished``
 comes, as vLLM's own manager does (see :mod:`asyncoffload.manager.policies.base`).

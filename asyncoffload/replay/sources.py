@@ -71,7 +71,8 @@ def is_family_source(text: str) -> bool:
 def parse_family_source(text: str) -> FamilySource:
     """``family:NAME[:N][:PARAM=VALUE]...`` as a :class:`FamilySource`.
 
-    ``NAME`` is a trace family (``chat``, ``agent``, ``rag``, ``scan``, ``diurnal``), ``N``
+    ``NAME`` is a trace family (``chat``, ``agent``, ``rag``, ``scan``, ``diurnal``,
+    ``mixed``), ``N``
     (right after it) the number of requests, each ``PARAM=VALUE`` the seed (``seed=3``)
     or one of the family's generator parameters (``zipf_s=1.2``, ``order=id``: the
     types of their defaults). The parameters are checked at once, by generating no

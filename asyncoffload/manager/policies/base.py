@@ -9,7 +9,7 @@ reference counts and slots; a policy must honour two guarantees:
   returns ``None`` and changes nothing.
 
 Recency comes from one of two call patterns. The engine and the replay call
-:meth:`~CachePolicy.touch` with a request's blocks before it loads and stores them.
+:meth:`~CachePolicy.touch` with the blocks a request loads, then with those it stores.
 vLLM's connector (0.32 and later) never calls ``touch``: a manager that tracks requests
 (``CPUOffloadingManager(request_scoped=True)``) reports what a request did instead,
 through :meth:`~CachePolicy.on_store_miss` while it stores and
