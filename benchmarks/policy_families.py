@@ -12,8 +12,8 @@ every policy and the best of LRU and ARC, then each other policy's margin over t
 
 The workloads are split in two, reported in separate tables:
 
-- **tuning**: ``chat``, ``rag``, ``scan`` and the conversation trace: choose a policy's
-  parameters on these (``--set tuning`` runs only them);
+- **tuning**: ``chat``, ``rag``, ``scan``, ``mixed`` and the conversation trace: choose a
+  policy's parameters on these (``--set tuning`` runs only them);
 - **held-out**: ``agent`` and ``diurnal`` (``--holdout`` changes the split): look at them
   only to report how the choice carries over to shapes it was not tuned on.
 
