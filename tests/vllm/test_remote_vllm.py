@@ -423,7 +423,10 @@ def test_a_second_vllm_is_served_the_blocks_the_first_stored(
         cpu_bytes_to_use=24 * E2E_BLOCK_BYTES, tiers=[{"url": valkey_server.url}]
     )
     only_a = reuse_rounds()[0]  # one round: prompt A (6 full blocks and a tail)
-    first = run_vllm([only_a], name="remote-first", kv_transfer_config=config)
+    # Then a prompt shorter than a block (nothing to store), whose steps let the
+    # scheduler see the server's replies to A's writes before the metrics are read.
+    settle = [list(range(1000, 1000 + BLOCK_SIZE // 2))]
+    first = run_vllm([only_a, settle], name="remote-first", kv_transfer_config=config)
     (computed,) = requests_of(first, 0)
     assert computed["num_cached_tokens"] == 0
     assert first["metrics"]["vllm:asyncoffload_tier_blocks_written"] >= E2E_A_BLOCKS

@@ -39,6 +39,11 @@ BLOCK_BYTES = 4 * 2 * 2 * 64 * BLOCK_SIZE * 4
 RANK_BYTES = BLOCK_BYTES // 2
 #: Prompt A: 9 full blocks (288 tokens) and a tail.
 A_BLOCKS = 9
+#: A round of one prompt shorter than a block (nothing to store): its steps let the
+#: scheduler see the replies to the writes of the round before. Writes complete on a
+#: loop stepped by vLLM's calls; a run that ends with A's last step may report them
+#: before its server replied (CI once read 1 of 9 written).
+SETTLE = [list(range(1000, 1000 + BLOCK_SIZE // 2))]
 #: CPU tier slots: one prompt's blocks fit, A and a filler do not.
 CPU_CHUNKS = 12
 
@@ -104,9 +109,8 @@ def test_tp2_with_disk_and_shared_tiers(
     # machine a reply that came in time can be seen after the default 5 s (a skipped
     # write), which this test is not about.
     remote = [{"url": valkey_server.url, "admission": None, "timeout_s": 60}]
-    stored = run_vllm(
-        [a], name="tp2-shared-a", kv_transfer_config=_config(tmp_path / "two", remote), **tp2
-    )
+    config = _config(tmp_path / "two", remote)
+    stored = run_vllm([a, SETTLE], name="tp2-shared-a", kv_transfer_config=config, **tp2)
     assert stored["metrics"]["vllm:asyncoffload_tier_blocks_written"] >= A_BLOCKS
     assert valkey_server.dbsize() >= A_BLOCKS
     second = run_vllm(
