@@ -1454,6 +1454,19 @@ done:
     return out;
 }
 
+/* touch keys[0:n] as touch does (nodes: scratch for n, already their nodes when
+ * found); -1 on error */
+static int touch_keys(Core *c, PyObject **keys, Py_ssize_t n, int32_t *nodes, int found) {
+    if (!found && resolve(c, keys, n, nodes) < 0) return -1;
+    if (c->policy->remembers_touched) {
+        if (nodes_reserve(c, n) < 0) return -1;
+        for (Py_ssize_t j = 0; j < n; j++)
+            if (nodes[j] == NIL) nodes[j] = node_of(c, keys[j], bytes_hash(keys[j]));
+    }
+    c->policy->touch(c, nodes, n);
+    return 0;
+}
+
 static PyObject *touch_impl(Core *c, PyObject *const *args, Py_ssize_t nargs,
                             PyObject *kwnames) {
     PyObject *a[2], **keys, *out = NULL;
@@ -1462,13 +1475,7 @@ static PyObject *touch_impl(Core *c, PyObject *const *args, Py_ssize_t nargs,
     PyObject *seq = keys_of(a[0], &keys, &n);
     if (!seq) return NULL;
     int32_t *nodes = scratch(c, 0, n);
-    if (!nodes || resolve(c, keys, n, nodes) < 0) goto done;
-    if (c->policy->remembers_touched) {
-        if (nodes_reserve(c, n) < 0) goto done;
-        for (Py_ssize_t j = 0; j < n; j++)
-            if (nodes[j] == NIL) nodes[j] = node_of(c, keys[j], bytes_hash(keys[j]));
-    }
-    c->policy->touch(c, nodes, n);
+    if (!nodes || touch_keys(c, keys, n, nodes, 0) < 0) goto done;
     out = Py_NewRef(Py_None);
 done:
     Py_DECREF(seq);
@@ -1527,7 +1534,7 @@ static PyObject *store_keys(Core *c, PyObject **keys, Py_ssize_t n, PyObject *ct
         if (used > need) need = used;
     }
     if (!(work = scratch(c, 2, need))) goto done;
-    if ((p->insert_many || c->simulating) && k && !(inserted = scratch(c, 3, k))) goto done;
+    if ((p->insert_many || sim) && k && !(inserted = scratch(c, 3, k))) goto done;
     Py_ssize_t new_nodes = k + (p->remembers_touched ? touching : 0);
     if (new_nodes && nodes_reserve(c, new_nodes) < 0) goto done;
     if (!k && !(out = sim ? Py_NewRef(Py_None) : empty_store())) goto done;
@@ -2156,16 +2163,10 @@ static PyObject *simulate_impl(Core *c, PyObject *keys_arg) {
     if (n) p->touch(c, nodes, n); /* every hit has its node */
     if (n < len) {
         Py_ssize_t m = len - n;
-        if (n) {
-            /* found again: the touch may have forgotten ghosts (and reused their nodes) */
-            if (!(nodes = scratch(c, 0, m)) || resolve(c, keys + n, m, nodes) < 0) goto fail;
-        }
-        if (p->remembers_touched) {
-            if (nodes_reserve(c, m) < 0) goto fail;
-            for (Py_ssize_t j = 0; j < m; j++)
-                if (nodes[j] == NIL) nodes[j] = node_of(c, keys[n + j], bytes_hash(keys[n + j]));
-        }
-        p->touch(c, nodes, m);
+        /* found again after the hits' touch: it may have forgotten ghosts (and reused
+         * their nodes); without hits, found above */
+        if (n && !(nodes = scratch(c, 0, m))) goto fail;
+        if (touch_keys(c, keys + n, m, nodes, n == 0) < 0) goto fail;
         c->simulating = 1;
         out = store_keys(c, keys + n, m, Py_None);
         c->simulating = 0;
