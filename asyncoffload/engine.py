@@ -403,7 +403,7 @@ class AsyncOffloadEngine:
         self._ensure_bridge()
         if self.config.touch_on_store and keys:
             # The request uses these blocks, stored or not (see EngineConfig).
-            self._manager.touch(keys if len(set(keys)) == len(keys) else _unique(keys), ctx)
+            self._manager.touch(list(dict.fromkeys(keys)), ctx)  # a key listed twice once
         out = self._manager.prepare_store(keys, ctx)
         if out is None:  # refused, nothing changed
             _check_capacity(self._manager, keys)
@@ -506,8 +506,3 @@ def _sources(keys: list[OffloadKey], ids: list[int], chosen: list[OffloadKey]) -
     """The KV block ids of the ``chosen`` of ``keys`` (``ids``: one per key)."""
     position = {key: i for i, key in enumerate(keys)}
     return [ids[position[key]] for key in chosen]
-
-
-def _unique(keys: list[OffloadKey]) -> list[OffloadKey]:
-    """``keys`` without repeats, each where it first appears."""
-    return list(dict.fromkeys(keys))

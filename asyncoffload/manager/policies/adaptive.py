@@ -77,8 +77,6 @@ __all__ = ["AdaptivePolicy", "Ghost"]
 
 #: Candidates, in order of preference on equal scores.
 CANDIDATES = ("lru", "arc", "kv")
-#: The policies the C core runs (at their default options, as ``auto`` makes them).
-_NATIVE = ("lru", "arc", "kv", "s3fifo", "sieve")
 _RESULTS = (LookupResult.MISS, LookupResult.HIT, LookupResult.HIT_PENDING)
 
 
@@ -111,9 +109,11 @@ class Ghost:
         self.total = 0
         self.core: Any = None
         self.policy: CachePolicy | None = None
-        mgrcore = load_mgrcore() if native is not False and name in _NATIVE else None
-        if mgrcore is not None and capacity > mgrcore.MAX_NUM_BLOCKS:
-            mgrcore = None  # past the C core's slot ids: Python (lazy: nothing per slot)
+        mgrcore = load_mgrcore() if native is not False else None
+        if mgrcore is not None and (
+            name not in mgrcore.POLICIES or capacity > mgrcore.MAX_NUM_BLOCKS
+        ):
+            mgrcore = None  # not in C, or past its slot ids: Python (nothing per slot)
         if native and mgrcore is None:
             raise RuntimeError(f"the native manager core cannot run a {name} ghost here")
         self.native = mgrcore is not None
@@ -331,6 +331,9 @@ class AdaptivePolicy(CachePolicy):
         # Every score starts again: the real tier is now another candidate's, and the
         # old leader's ghost runs again from where it stopped (stale until it catches
         # up). The warm-up counts again too.
+        self._reset_scores()
+
+    def _reset_scores(self) -> None:
         for g in self.ghosts:
             g.hits = 0.0
             g.total = 0
@@ -339,8 +342,7 @@ class AdaptivePolicy(CachePolicy):
 
     def _end_epoch(self) -> None:
         seen = self._seen
-        leader = self._leader.name
-        lead = best = next(g for g in self.ghosts if g.name == leader)
+        lead = best = self._lead
         for s in self.ghosts:
             if s.hits > best.hits:
                 best = s
@@ -438,8 +440,7 @@ class AdaptivePolicy(CachePolicy):
             policy.clear()
         for ghost in self.ghosts:
             ghost.clear()
-        self._seen = self._epoch_seen = 0.0
-        self._total = 0
+        self._reset_scores()
         self._challenger, self._streak = None, 0
         self.switches = 0
         self._leader = self._policy_for(self.initial)
