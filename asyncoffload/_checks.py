@@ -33,6 +33,7 @@ __all__ = [
 BlockIds: TypeAlias = "Sequence[SupportsIndex] | torch.Tensor | IntArray"
 
 _ANON = ReqContext(req_id="")
+_INT = {int}
 
 
 def check_call(
@@ -74,12 +75,14 @@ def check_ctx(ctx: object, what: str) -> ReqContext:
 
 
 def check_block_ids(ids: BlockIds, n: int, limit: int, what: str, unique: bool) -> list[int]:
-    if isinstance(ids, torch.Tensor):
+    if type(ids) is list:
+        raw: list[Any] = ids[:]
+    elif isinstance(ids, torch.Tensor):
         if ids.dim() != 1 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
             raise BlockIdError(f"{what}: block ids must be a 1-D integer tensor")
         if ids.is_meta:
             raise BlockIdError(f"{what}: block ids on the meta device have no values")
-        raw: list[Any] = ids.tolist()
+        raw = ids.tolist()
     elif hasattr(ids, "dtype") and hasattr(ids, "tolist"):  # a numpy array (vLLM's tables)
         kind = getattr(ids.dtype, "kind", None)
         if kind not in ("i", "u") or getattr(ids, "ndim", 1) != 1:
@@ -91,6 +94,15 @@ def check_block_ids(ids: BlockIds, n: int, limit: int, what: str, unique: bool) 
         raw = list(ids)
     if len(raw) != n:
         raise LengthMismatchError(f"{what}: {n} keys but {len(raw)} block ids")
+    # The common case (plain ints, in range, distinct) in C-level passes; anything else
+    # is converted, found and named below.
+    if not raw or (
+        set(map(type, raw)) == _INT
+        and min(raw) >= 0
+        and max(raw) < limit
+        and (not unique or len(set(raw)) == n)
+    ):
+        return raw
     out: list[int] = []
     for i, b in enumerate(raw):
         # Anything operator.index takes (numpy and torch integer scalars too).

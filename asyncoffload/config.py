@@ -86,6 +86,14 @@ class EngineConfig(BaseModel):
         description="CPU backend copy engine: 'native' lanes (compiled on first use, never "
         "take the GIL), 'threads' (Python threads), or 'auto' (native where it builds).",
     )
+    inline_copy_bytes: int = Field(
+        64 << 10,
+        ge=0,
+        description="CPU backend, native engine: a copy of at most this many bytes runs "
+        "on the event loop's thread inside prepare_store / prepare_load, whose handle "
+        "is then already resolved, when its lane is idle: the hop to a copy thread and "
+        "back costs more than copying that much. 0: every copy goes to a copy thread.",
+    )
     copy_method: Literal["auto", "batch", "kernel", "staged", "gather"] = Field(
         "auto",
         description="CUDA backend copy method: 'kernel' (Triton SM copy through UVA), "
@@ -157,6 +165,7 @@ class EngineConfig(BaseModel):
         "staging_bytes",
         "host_chunk_bytes",
         "max_tracker_size",
+        "inline_copy_bytes",
         mode="before",
     )
     @classmethod

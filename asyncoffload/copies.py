@@ -120,11 +120,14 @@ class Copies:
         return Transfer(Completion(loop=self.bridge.loop), kind, keys, to_store, evicted)
 
     def track(self, fut: asyncio.Future[TransferResult]) -> None:
+        """Count ``fut`` in flight until it ends. Whatever ends a tracked handle takes it
+        out (``resolve``, ``fail``, an abandon's ``finish``); a :class:`Completion` marks
+        its own failure retrieved, so a fire-and-forget store that failed does not also
+        print "exception was never retrieved"."""
         self.inflight.add(fut)
-        # Failures are reported through the handle and logged; a fire-and-forget
-        # store that failed must not also print "exception was never retrieved".
-        fut.add_done_callback(_retrieve)
-        fut.add_done_callback(self.inflight.discard)
+        if not isinstance(fut, Completion):
+            fut.add_done_callback(_retrieve)
+            fut.add_done_callback(self.inflight.discard)
 
     # --- a store, a load ---------------------------------------------------------------
 
@@ -245,13 +248,19 @@ class Copies:
                             if self.stored is not None:
                                 self.stored(keys, ctx)
                             self.bytes_stored += job.nbytes
-                            _observe(self.store_hist, self.store_rate, job)
+                            seconds = job.duration_s
+                            self.store_hist.observe(seconds)
+                            if seconds > 0:
+                                self.store_rate.observe(job.nbytes / seconds)
                     else:
                         self._manager.complete_load(handle.keys, ctx)
                         step[0] = 2
                         if error is None:
                             self.bytes_loaded += job.nbytes
-                            _observe(self.load_hist, self.load_rate, job)
+                            seconds = job.duration_s
+                            self.load_hist.observe(seconds)
+                            if seconds > 0:
+                                self.load_rate.observe(job.nbytes / seconds)
             except Exception as exc:  # never leave the handle (and aclose) hanging
                 log.exception("complete_%s failed", handle.kind)
                 error = error or exc
@@ -336,7 +345,10 @@ class Copies:
         interrupted call, a write to a lower tier); ``fail_orphans``: fail handles whose
         job was lost (closing never waits forever)."""
         bridge = self.bridge
-        while self.inflight or (bridge is not None and bridge.pending):
+        inflight = self.inflight
+        while inflight or (bridge is not None and bridge.pending):
+            for fut in [f for f in inflight if f.done()]:  # ended by a path that keeps none
+                inflight.discard(fut)
             if self.inflight:
                 await asyncio.wait(list(self.inflight), timeout=_ORPHAN_CHECK_S)
                 if fail_orphans:
@@ -383,13 +395,6 @@ def _start(
         return FailedJob(len(src), exc.with_traceback(None))
 
 
-def _observe(durations: Histogram, rates: Histogram, job: CopyJob) -> None:
-    seconds = job.duration_s
-    durations.observe(seconds)
-    if seconds > 0:
-        rates.observe(job.nbytes / seconds)
-
-
 def _retrieve(fut: asyncio.Future[TransferResult]) -> None:
     if not fut.cancelled():
         fut.exception()
@@ -400,7 +405,13 @@ def make_backend(
 ) -> TransferBackend:
     """The transfer backend for KV tensors on ``layout.device``: CPU or CUDA."""
     if layout.device.type == "cpu":
-        return CpuCopyBackend(kv_caches, layout, config.cpu_blocks, config.copy_engine)
+        return CpuCopyBackend(
+            kv_caches,
+            layout,
+            config.cpu_blocks,
+            config.copy_engine,
+            inline_bytes=config.inline_copy_bytes,
+        )
     if layout.device.type == "cuda":
         from asyncoffload.transfer.cuda import CudaCopyBackend
 

@@ -73,15 +73,18 @@ class EventSubscription:
 
     # --- hub side ---
 
-    def _push(self, event: OffloadingEvent) -> None:
+    def _push(self, events: Sequence[OffloadingEvent]) -> None:
         if self._closed:
             return
-        if len(self._buffer) >= self._max_buffer:
-            self._buffer.popleft()
-            self._missed += 1
-            self._dropped += 1
-            self._hub.dropped += 1
-        self._buffer.append(event)
+        buffer = self._buffer
+        buffer.extend(events)
+        over = len(buffer) - self._max_buffer
+        if over > 0:  # the oldest go
+            for _ in range(over):
+                buffer.popleft()
+            self._missed += over
+            self._dropped += over
+            self._hub.dropped += over
         self._wake()
 
     def _wake(self) -> None:
@@ -189,8 +192,10 @@ class EventHub:
     """Broadcasts events to every live subscription. Loop thread only."""
 
     def __init__(self) -> None:
-        # Weak: a subscription its reader has dropped stops costing anything.
-        self._subs: weakref.WeakSet[EventSubscription] = weakref.WeakSet()
+        # Weak: a subscription its reader has dropped stops costing anything (its
+        # reference's callback takes it out). Not a WeakSet: iterating one runs Python
+        # code per item, on every publication.
+        self._subs: dict[int, weakref.ref[EventSubscription]] = {}
         self._closed = False
         #: Events published, and events dropped from overflowing subscriptions (one
         #: count per subscription that lost it).
@@ -209,27 +214,38 @@ class EventHub:
         if self._closed:
             sub._end()
         else:
-            self._subs.add(sub)
+            subs, key = self._subs, id(sub)
+            subs[key] = weakref.ref(
+                sub, lambda ref: subs.pop(key) if subs.get(key) is ref else None
+            )
         return sub
 
     def _unsubscribe(self, sub: EventSubscription) -> None:
-        self._subs.discard(sub)
+        self._subs.pop(id(sub), None)
 
     def publish(self, event: OffloadingEvent) -> None:
-        self.published += 1
-        for sub in self._subs:
-            sub._push(event)
+        self.publish_all((event,))
+
+    def publish_all(self, events: Sequence[OffloadingEvent]) -> None:
+        """Publish ``events``, in order."""
+        if not events:
+            return
+        self.published += len(events)
+        for ref in list(self._subs.values()):
+            sub = ref()
+            if sub is not None:
+                sub._push(events)
 
     @property
     def subscribers(self) -> list[EventSubscription]:
-        return list(self._subs)
+        return [sub for ref in list(self._subs.values()) if (sub := ref()) is not None]
 
     def close(self) -> None:
         """End every subscription (after what it has buffered). Idempotent."""
         self._closed = True
-        for sub in list(self._subs):
+        for sub in self.subscribers:
             sub._end()
-        self._subs = weakref.WeakSet()
+        self._subs.clear()
 
     def __repr__(self) -> str:
         return f"<EventHub [{len(self._subs)} subscribers, {self.published} published]>"
@@ -268,14 +284,17 @@ class EventStream:
         sources = self._sources
         events = sources[0].take_events()
         if len(sources) == 1:
-            for event in events:
-                self.hub.publish(event)
+            if events:
+                self.hub.publish_all(events)
             return
         for source in sources[1:]:
             events += source.take_events()
-        for event in events:
-            self._seq += 1
-            self.hub.publish(dataclasses.replace(event, seq=self._seq))
+        if events:
+            renumbered = []
+            for event in events:
+                self._seq += 1
+                renumbered.append(dataclasses.replace(event, seq=self._seq))
+            self.hub.publish_all(renumbered)
 
     def subscribe(self, max_buffer: int, snapshot: bool = False) -> EventSubscription:
         """A subscription to what is published from now on, first (``snapshot``) every

@@ -39,6 +39,9 @@ class Completion(asyncio.Future[TransferResult]):
 
     def set_exception(self, exception: type | BaseException) -> None:
         super().set_exception(exception)
+        # Failures are reported through the handle and logged: a fire-and-forget store
+        # that failed must not also print "exception was never retrieved".
+        super().exception()
         self._wake()
 
     def cancel(self, msg: Any | None = None) -> bool:

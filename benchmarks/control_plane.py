@@ -58,14 +58,14 @@ def tiny_kv(gpu_blocks: int) -> list[torch.Tensor]:
 
 
 class InlineBackend(ao.TransferBackend):
-    """Every job has ended when ``submit_*`` returns: no copy, no thread, one wake-up."""
+    """Every job has ended when ``submit_*`` returns (``finish_inline``: no copy, no
+    thread, no wake-up; the engine completes it at once)."""
 
     name = "inline"
 
     def _ended(self, n: int) -> ao.CopyJob:
         job = ao.CopyJob(n, n * self.layout.block_bytes)
-        job.finish()
-        self._wake()
+        job.finish_inline()
         return job
 
     def submit_store(self, gpu_ids: Sequence[int], host_ids: Sequence[int]) -> ao.CopyJob:

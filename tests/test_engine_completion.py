@@ -36,7 +36,7 @@ def _record_callbacks(
 
 
 async def test_callbacks_run_on_loop_thread_before_handle_resolves() -> None:
-    engine, _ = make_engine()
+    engine, _ = make_engine(inline_copy_bytes=0)  # copies on a lane thread
     log: list[tuple[str, int, tuple[bytes, ...]]] = []
     _record_callbacks(engine, log)
     keys = make_keys(4)
@@ -142,7 +142,7 @@ async def test_empty_and_already_stored_calls_resolve_immediately() -> None:
 
 
 async def test_callback_latency_is_recorded() -> None:
-    engine, _ = make_engine()
+    engine, _ = make_engine(inline_copy_bytes=0)  # copies on a lane thread
     async with engine:
         for i in range(5):
             h = await engine.prepare_store(make_keys(1, bytes([i])), [i])

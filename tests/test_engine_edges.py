@@ -60,7 +60,7 @@ def _interrupt_once(real: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def test_interrupt_in_a_completion_callback_still_resolves_the_handle() -> None:
-    engine, _ = make_engine()
+    engine, _ = make_engine(inline_copy_bytes=0)  # the callback runs from the loop
     loop = asyncio.new_event_loop()
     try:
         keys = make_keys(2)
@@ -328,7 +328,7 @@ def test_a_bool_is_not_a_count(field: str) -> None:
 
 
 async def test_in_flight_drops_as_soon_as_the_handle_is_done() -> None:
-    engine, _ = make_engine()
+    engine, _ = make_engine(inline_copy_bytes=0)  # in flight until a lane is done
     async with engine:
         handle = await engine.prepare_store(make_keys(2), [0, 1])
         assert handle is not None
@@ -516,7 +516,8 @@ async def test_a_store_larger_than_the_tier_raises_capacity_error_with_both_numb
         # Only new keys count: 4 stored + 1 new is refused (every key of a call is
         # protected, so nothing can go), but as None, not CapacityError.
         assert await engine.prepare_store(make_keys(5), [0, 1, 2, 3, 4]) is None
-    engine, _ = make_engine(cpu_blocks=4, gpu_blocks=8)
+    # The load below must stay in flight: copies go to a lane thread.
+    engine, _ = make_engine(cpu_blocks=4, gpu_blocks=8, inline_copy_bytes=0)
     async with engine:
         # Room right now is another matter: None, as before.
         pinned = make_keys(4, prefix=b"p")

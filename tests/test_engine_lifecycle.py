@@ -346,7 +346,7 @@ async def test_unclosed_engine_warns() -> None:
 
 
 async def test_a_failing_completion_callback_still_resolves_the_handle() -> None:
-    engine, _ = make_engine()
+    engine, _ = make_engine(inline_copy_bytes=0)  # completes after prepare_store returns
     manager = engine.manager
 
     def broken(*args: object, **kwargs: object) -> None:

@@ -623,7 +623,8 @@ def test_a_tier_no_larger_than_the_one_above_warns(
 
 
 async def test_promotion_without_cpu_room_raises_and_changes_nothing(tmp_path: Path) -> None:
-    async with engine(config(tmp_path, cpu_blocks=2)) as eng:
+    # The load that pins the CPU tier must stay in flight: copies go to a lane thread.
+    async with engine(config(tmp_path, cpu_blocks=2, inline_copy_bytes=0)) as eng:
         ks = keys(2)
         await store_to_disk_only(eng, ks, [0, 1])
         pinned = [k for k in eng.manager.resident_keys()]

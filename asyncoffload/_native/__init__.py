@@ -76,6 +76,7 @@ __all__ = [
     "NoCompilerError",
     "build_all",
     "compile_timeout_s",
+    "holding_gil",
     "load_copy_engine",
     "load_cuda_helpers",
     "load_disk_io",
@@ -675,6 +676,18 @@ class NativeLoader(Generic[T]):
             link.unlink()
 
 
+def holding_gil(fn: Any) -> Callable[..., Any]:
+    """``fn``, a function of a ``ctypes.CDLL`` with its ``argtypes`` and ``restype`` set,
+    called without releasing the GIL: for short calls on the event loop's thread, which
+    would otherwise let another thread take the GIL and keep it for up to a switch
+    interval (5 ms) before the call can return."""
+    proto = ctypes.PYFUNCTYPE(fn.restype, *fn.argtypes)
+    address = ctypes.cast(fn, ctypes.c_void_p).value
+    if address is None:
+        raise ValueError(f"{fn!r} has no address")
+    return proto(address)
+
+
 # --- what each library gives -----------------------------------------------------------------
 
 
@@ -684,23 +697,12 @@ def _configure_copy_engine(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.ao_lane_set_wake_fd.argtypes = [ctypes.c_void_p, ctypes.c_int]
     lib.ao_lane_set_wake_fd.restype = None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    # handle, direction, n, kv_ids, host_ids, nfrag, kv_base, kv_stride, host_base,
-    # block_bytes, frag_bytes, status
-    lib.ao_lane_submit.argtypes = [
-        ptr,
-        ctypes.c_int,
-        i64,
-        ptr,
-        ptr,
-        i64,
-        ptr,
-        ptr,
-        i64,
-        i64,
-        i64,
-        ptr,
-    ]
+    # handle, fragment tables (six words), direction, n, ids (n KV then n host), status
+    lib.ao_lane_submit.argtypes = [ptr, ptr, ctypes.c_int, i64, ptr, ptr]
     lib.ao_lane_submit.restype = ctypes.c_int
+    # fragment tables, direction, n, ids: ao_lane_submit's copy, on the calling thread
+    lib.ao_copy_blocks.argtypes = [ptr, ctypes.c_int, i64, ptr]
+    lib.ao_copy_blocks.restype = None
     lib.ao_status_load.argtypes = [ctypes.c_void_p]
     lib.ao_status_load.restype = ctypes.c_int64
     # handle, n, srcs, dsts, sizes, status (three int64 words)

@@ -56,21 +56,43 @@ static int64_t ao_run_copies(const ao_job *job) {
     return 1;
 }
 
-static void ao_run(const ao_job *job) {
-    const int64_t *kv_ids = job->ids;
-    const int64_t *host_ids = job->ids + job->n;
-    size_t frag = (size_t)job->frag_bytes;
-    for (int64_t i = 0; i < job->n; i++) {
-        char *host = (char *)(intptr_t)(job->host_base + host_ids[i] * job->block_bytes);
-        for (int64_t f = 0; f < job->nfrag; f++) {
-            char *kv = (char *)(intptr_t)(job->kv_base[f] + kv_ids[i] * job->kv_stride[f]);
-            char *h = host + f * job->frag_bytes;
-            if (job->direction == 0)
+/*
+ * A backend's fragment tables, as six int64 words: nfrag, host_base, block_bytes,
+ * frag_bytes, then the addresses of its kv_base[nfrag] and kv_stride[nfrag] arrays.
+ */
+enum { T_NFRAG, T_HOST_BASE, T_BLOCK_BYTES, T_FRAG_BYTES, T_KV_BASE, T_KV_STRIDE };
+
+static void ao_copy(int direction, int64_t n, const int64_t *kv_ids, const int64_t *host_ids,
+                    int64_t nfrag, const int64_t *kv_base, const int64_t *kv_stride,
+                    int64_t host_base, int64_t block_bytes, int64_t frag_bytes) {
+    size_t frag = (size_t)frag_bytes;
+    for (int64_t i = 0; i < n; i++) {
+        char *host = (char *)(intptr_t)(host_base + host_ids[i] * block_bytes);
+        for (int64_t f = 0; f < nfrag; f++) {
+            char *kv = (char *)(intptr_t)(kv_base[f] + kv_ids[i] * kv_stride[f]);
+            char *h = host + f * frag_bytes;
+            if (direction == 0)
                 memcpy(h, kv, frag);
             else
                 memcpy(kv, h, frag);
         }
     }
+}
+
+static void ao_run(const ao_job *job) {
+    ao_copy(job->direction, job->n, job->ids, job->ids + job->n, job->nfrag, job->kv_base,
+            job->kv_stride, job->host_base, job->block_bytes, job->frag_bytes);
+}
+
+/*
+ * The copy of an ao_lane_submit job, on the calling thread: a small job, where the hop
+ * to a lane and back would cost more than the copy. ids: n KV block ids, then n host
+ * block ids.
+ */
+void ao_copy_blocks(const int64_t *tables, int direction, int64_t n, const int64_t *ids) {
+    ao_copy(direction, n, ids, ids + n, tables[T_NFRAG], (const int64_t *)(intptr_t)tables[T_KV_BASE],
+            (const int64_t *)(intptr_t)tables[T_KV_STRIDE], tables[T_HOST_BASE],
+            tables[T_BLOCK_BYTES], tables[T_FRAG_BYTES]);
 }
 
 typedef struct {
@@ -185,10 +207,8 @@ static int ao_enqueue(ao_lane *lane, ao_job *job) {
     return 0;
 }
 
-int ao_lane_submit(void *handle, int direction, int64_t n, const int64_t *kv_ids,
-                   const int64_t *host_ids, int64_t nfrag, const int64_t *kv_base,
-                   const int64_t *kv_stride, int64_t host_base, int64_t block_bytes,
-                   int64_t frag_bytes, int64_t *status) {
+int ao_lane_submit(void *handle, const int64_t *tables, int direction, int64_t n,
+                   const int64_t *ids, int64_t *status) {
     ao_lane *lane = (ao_lane *)handle;
     ao_job *job = (ao_job *)malloc(sizeof *job + 2 * (size_t)n * sizeof(int64_t));
     if (job == NULL) return -1;
@@ -197,14 +217,13 @@ int ao_lane_submit(void *handle, int direction, int64_t n, const int64_t *kv_ids
     job->kind = 0;
     job->direction = direction;
     job->n = n;
-    job->nfrag = nfrag;
-    job->kv_base = kv_base;
-    job->kv_stride = kv_stride;
-    job->host_base = host_base;
-    job->block_bytes = block_bytes;
-    job->frag_bytes = frag_bytes;
-    memcpy(job->ids, kv_ids, (size_t)n * sizeof(int64_t));
-    memcpy(job->ids + n, host_ids, (size_t)n * sizeof(int64_t));
+    job->nfrag = tables[T_NFRAG];
+    job->kv_base = (const int64_t *)(intptr_t)tables[T_KV_BASE];
+    job->kv_stride = (const int64_t *)(intptr_t)tables[T_KV_STRIDE];
+    job->host_base = tables[T_HOST_BASE];
+    job->block_bytes = tables[T_BLOCK_BYTES];
+    job->frag_bytes = tables[T_FRAG_BYTES];
+    memcpy(job->ids, ids, 2 * (size_t)n * sizeof(int64_t));
     return ao_enqueue(lane, job);
 }
 

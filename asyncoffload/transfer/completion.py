@@ -250,7 +250,15 @@ class CompletionBridge:
         queued before it on ``lane`` have ended."""
         if self._closed:
             raise RuntimeError("completion bridge is closed")
-        lane.jobs.append((job, callback))
+        jobs = lane.jobs
+        jobs.append((job, callback))
+        if job.inline and len(jobs) == 1:
+            # Copied by submit_* itself, on this thread (the loop's), with nothing ahead
+            # of it: its callback runs now. A wake-up would cost an fd write and read and
+            # two passes of the loop. (A job a lane thread ended meanwhile is left to
+            # the wake-up, so that when a callback runs never hangs on a race.)
+            self._drain_now(lane)
+            return
         if self._timer is None:
             # Poll mode: the timer is the mechanism. Wake-up mode: a slow watchdog, for
             # jobs that end without signalling (a device error stops the stream before
@@ -294,30 +302,46 @@ class CompletionBridge:
         ran = 0
         try:
             for lane in self.lanes:
-                jobs = lane.jobs
-                while jobs and jobs[0][0].query():
-                    job, callback = jobs[0]
-                    woke = time.perf_counter_ns()
-                    try:
-                        callback(job)
-                    except Exception:  # a broken callback must not stall the lane
-                        log.exception("completion callback failed for %r", job)
-                    except BaseException:
-                        try:
-                            callback(job)
-                        except Exception:
-                            log.exception("completion callback failed for %r", job)
-                        jobs.popleft()
-                        raise
-                    jobs.popleft()
-                    if job.stamped and job.finished_ns:
-                        self.latency.add(woke - job.finished_ns)
-                    ran += 1
+                ran += self._drain_lane(lane)
         except Exception:
             raise
         except BaseException:
             self._rearm()
             raise
+        return ran
+
+    def _drain_now(self, lane: CopyLane) -> None:
+        """:meth:`drain` of one lane, from :meth:`watch`."""
+        try:
+            self._drain_lane(lane)
+        except Exception:
+            raise
+        except BaseException:
+            self._rearm()
+            raise
+
+    def _drain_lane(self, lane: CopyLane) -> int:
+        ran = 0
+        jobs = lane.jobs
+        while jobs and jobs[0][0].query():
+            job, callback = jobs[0]
+            woke = time.perf_counter_ns()
+            try:
+                callback(job)
+            except Exception:  # a broken callback must not stall the lane
+                log.exception("completion callback failed for %r", job)
+            except BaseException:
+                try:
+                    callback(job)
+                except Exception:
+                    log.exception("completion callback failed for %r", job)
+                jobs.popleft()
+                raise
+            jobs.popleft()
+            # An inline job's callback runs as it ends: no wake-up latency to record.
+            if job.stamped and job.finished_ns and not job.inline:
+                self.latency.add(woke - job.finished_ns)
+            ran += 1
         return ran
 
     def _rearm(self) -> None:

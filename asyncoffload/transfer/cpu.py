@@ -28,7 +28,7 @@ from typing import Literal
 
 import torch
 
-from asyncoffload._native import load_copy_engine
+from asyncoffload._native import holding_gil, load_copy_engine
 from asyncoffload.hostmem import check_host_bytes, format_bytes
 from asyncoffload.layout import KVLayout
 from asyncoffload.transfer.base import CopyJob, TransferBackend, forked_since, host_bytes
@@ -188,6 +188,8 @@ class _NativeLane:
         self._lib = lib
         self._direction = direction
         self._tables = tables
+        self._submit = holding_gil(lib.ao_lane_submit)
+        self._copy = holding_gil(lib.ao_copy_blocks)
         self._handle: int | None = None
         #: The native lane, once created (one handle at most): what ``stop`` destroys.
         self._owned: list[int | None] = []
@@ -219,6 +221,21 @@ class _NativeLane:
         self._handle = handle
         return int(handle)
 
+    def idle(self) -> bool:
+        """Whether the lane has no job left to copy."""
+        pending = self._pending
+        while pending and pending[0][0]:  # the lane is done with these (in order)
+            pending.popleft()
+        return not pending
+
+    def copy_now(self, kv_ids: Sequence[int], host_ids: Sequence[int]) -> None:
+        """Copy on this thread what :meth:`submit` would have the lane copy."""
+        if self._stopped:
+            raise RuntimeError("copy lane is closed")
+        ids = array("q", kv_ids)
+        ids.extend(host_ids)
+        self._copy(self._tables.address, self._direction, len(kv_ids), ids.buffer_info()[0])
+
     def submit(self, job: _NativeJob, kv_ids: Sequence[int], host_ids: Sequence[int]) -> None:
         handle = self._handle
         if handle is None:
@@ -226,21 +243,14 @@ class _NativeLane:
         pending = self._pending
         while pending and pending[0][0]:  # the lane is done with these (in order)
             pending.popleft()
-        kv = array("q", kv_ids)
-        host = array("q", host_ids)
-        t = self._tables
-        rc = self._lib.ao_lane_submit(
+        ids = array("q", kv_ids)
+        ids.extend(host_ids)
+        rc = self._submit(
             handle,
+            self._tables.address,
             self._direction,
-            len(kv),
-            kv.buffer_info()[0],
-            host.buffer_info()[0],
-            t.nfrag,
-            t.kv_base.buffer_info()[0],
-            t.kv_stride.buffer_info()[0],
-            t.host_base,
-            t.block_bytes,
-            t.frag_bytes,
+            len(kv_ids),
+            ids.buffer_info()[0],
             job.status_address,
         )
         if rc != 0:
@@ -267,12 +277,22 @@ class _FragmentTables:
     until they stop, so the backend keeps them)."""
 
     def __init__(self, fragments: list[torch.Tensor], host: torch.Tensor, frag_bytes: int) -> None:
-        self.nfrag = len(fragments)
         self.kv_base = array("q", [v.data_ptr() for v in fragments])
         self.kv_stride = array("q", [v.stride(0) for v in fragments])
-        self.host_base = host.data_ptr()
-        self.block_bytes = host.shape[1]
-        self.frag_bytes = frag_bytes
+        #: What the native calls take: nfrag, host_base, block_bytes, frag_bytes and the
+        #: addresses of kv_base and kv_stride (see copy_engine.c).
+        self.words = array(
+            "q",
+            [
+                len(fragments),
+                host.data_ptr(),
+                host.shape[1],
+                frag_bytes,
+                self.kv_base.buffer_info()[0],
+                self.kv_stride.buffer_info()[0],
+            ],
+        )
+        self.address = self.words.buffer_info()[0]
 
 
 def _release_lanes(
@@ -302,6 +322,11 @@ class CpuCopyBackend(TransferBackend):
 
     ``copy_engine`` picks the engine (see the module docstring); ``"auto"`` takes the
     native one where it can be built. ``name`` says which is active.
+
+    With the native engine, a job of at most ``inline_bytes`` whose lane is idle is
+    copied by ``submit_*`` itself, on the calling thread: a hop to a lane thread and
+    back (a wake-up each way) costs tens of microseconds on a virtual machine, more than
+    copying that much (see docs/benchmarks.md). 0 sends every job to its lane.
     """
 
     def __init__(
@@ -310,12 +335,16 @@ class CpuCopyBackend(TransferBackend):
         layout: KVLayout,
         num_host_blocks: int,
         copy_engine: CopyEngine = "auto",
+        inline_bytes: int = 0,
     ) -> None:
         if layout.device.type != "cpu":
             raise ValueError(f"CpuCopyBackend needs CPU tensors, got {layout.device}")
         if num_host_blocks <= 0:
             raise ValueError(f"num_host_blocks must be positive, got {num_host_blocks}")
+        if isinstance(inline_bytes, bool) or not isinstance(inline_bytes, int) or inline_bytes < 0:
+            raise ValueError(f"inline_bytes must be a non-negative int, got {inline_bytes!r}")
         super().__init__(layout, num_host_blocks)
+        self.inline_bytes = inline_bytes
         self._kv = list(kv_caches)  # the native lanes hold raw addresses into these
         self._fragments = layout.fragment_views(self._kv)
         check_host_bytes(
@@ -411,8 +440,13 @@ class CpuCopyBackend(TransferBackend):
                 copy = self._copy_load if fault is None else fault.lane_copy(self._copy_load)
                 self._load_lane.submit(job, copy, (hidx, gidx), self._wake)
             return job
-        native_job = _NativeJob(n, nbytes, self._lib)
         lane = self._native_store if direction == "store" else self._native_load
+        if nbytes <= self.inline_bytes and lane.idle():
+            job = CopyJob(n, nbytes)
+            lane.copy_now(gpu_ids, host_ids)
+            job.finish_inline()
+            return job
+        native_job = _NativeJob(n, nbytes, self._lib)
         lane.submit(native_job, gpu_ids, host_ids)
         return native_job
 

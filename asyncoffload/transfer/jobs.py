@@ -18,7 +18,16 @@ class CopyJob:
     then ``error`` is ``None`` or the exception that ended it, and ``finished_ns``
     (``time.perf_counter_ns``) says when it ended."""
 
-    __slots__ = ("_done", "error", "finished_ns", "nbytes", "num_blocks", "stamped", "started_ns")
+    __slots__ = (
+        "_done",
+        "error",
+        "finished_ns",
+        "inline",
+        "nbytes",
+        "num_blocks",
+        "stamped",
+        "started_ns",
+    )
 
     def __init__(self, num_blocks: int, nbytes: int) -> None:
         self.num_blocks = num_blocks
@@ -29,6 +38,10 @@ class CopyJob:
         #: Whether ``finished_ns`` is when the copy really ended (stamped by whoever ran
         #: it), rather than when someone noticed; only stamped jobs feed latency figures.
         self.stamped = True
+        #: Whether the job ended on the submitting thread before ``submit_*`` returned
+        #: (:meth:`finish_inline`): the engine then completes it at once, on that thread,
+        #: with no wake-up round trip.
+        self.inline = False
         self._done = False
 
     def query(self) -> bool:
@@ -45,6 +58,12 @@ class CopyJob:
         self.error = error
         self.finished_ns = time.perf_counter_ns()
         self._done = True  # last: a reader that sees _done sees error and finished_ns
+
+    def finish_inline(self, error: BaseException | None = None) -> None:
+        """:meth:`finish`, called by ``submit_*`` itself: the copy ran on the submitting
+        (the event loop's) thread. No wake-up is needed."""
+        self.finish(error)
+        self.inline = True
 
     @property
     def duration_s(self) -> float:
