@@ -13,6 +13,7 @@ from typing import Any, SupportsIndex, TypeAlias
 
 import torch
 
+from asyncoffload._native import load_mgrcore
 from asyncoffload.errors import BlockIdError, LengthMismatchError
 from asyncoffload.keys import GROUP_IDX_BYTES, BlockTokens, IntArray, OffloadKey, tenant_key
 from asyncoffload.manager import ReqContext
@@ -47,7 +48,26 @@ def check_call(
     return filed(checked, context), block_ids, context
 
 
+def _native_checks() -> Any:
+    """The native manager core's checks (``mgrcore``), ``False`` where it is unavailable,
+    ``None`` while a background build may still bring it."""
+    global _NATIVE
+    core = load_mgrcore()
+    if core is not None or not load_mgrcore.building:
+        _NATIVE = core if core is not None else False
+    return core
+
+
+#: See :func:`_native_checks`.
+_NATIVE: Any = None
+
+
 def check_keys(keys: Sequence[OffloadKey], what: str) -> list[OffloadKey]:
+    native = _NATIVE if _NATIVE is not None else _native_checks()
+    if native:
+        checked: list[OffloadKey] | None = native.checked_keys(keys, GROUP_IDX_BYTES)
+        if checked is not None:
+            return checked
     if isinstance(keys, (bytes, str)):
         raise TypeError(
             f"{what}: keys must be a sequence of OffloadKey, not one {type(keys).__name__}"
@@ -94,9 +114,13 @@ def check_block_ids(ids: BlockIds, n: int, limit: int, what: str, unique: bool) 
         raw = list(ids)
     if len(raw) != n:
         raise LengthMismatchError(f"{what}: {n} keys but {len(raw)} block ids")
-    # The common case (plain ints, in range, distinct) in C-level passes; anything else
-    # is converted, found and named below.
-    if not raw or (
+    # The common case (plain ints, in range, distinct) in one native call or C-level
+    # passes; anything else is converted, found and named below.
+    native = _NATIVE if _NATIVE is not None else _native_checks()
+    if native:
+        if native.ids_ok(raw, limit, unique):
+            return raw
+    elif not raw or (
         set(map(type, raw)) == _INT
         and min(raw) >= 0
         and max(raw) < limit

@@ -40,21 +40,17 @@ class InterruptsHeld:
     Costs two ``sigaction`` calls per step.
     """
 
-    __slots__ = ("_hit", "_old")
+    __slots__ = ("_old",)
 
     def __enter__(self) -> None:
         self._old: Any = None
-        if threading.get_ident() != _MAIN_THREAD or _held[0]:
+        if _held[0] or threading.get_ident() != _MAIN_THREAD:
             return
         old = _getsignal(_SIGINT)
         if not callable(old):  # SIG_IGN or SIG_DFL: nothing raises in Python code
             return
-        self._hit = False
-
-        def record(signum: int, frame: FrameType | None) -> None:
-            self._hit = True
-
-        _setsignal(_SIGINT, record)
+        _hit[0] = False
+        _setsignal(_SIGINT, _record)
         self._old = old
         _held[0] = True
 
@@ -64,9 +60,16 @@ class InterruptsHeld:
             return
         _held[0] = False  # first: once the old handler is back, it may raise at any time
         _setsignal(_SIGINT, old)
-        if self._hit:
+        if _hit[0]:
+            _hit[0] = False
             old(signal.SIGINT, None)  # the default handler raises KeyboardInterrupt here
 
 
+def _record(signum: int, frame: FrameType | None) -> None:
+    """The SIGINT handler of a hold (one hold is active at a time: the outermost)."""
+    _hit[0] = True
+
+
 _MAIN_THREAD = threading.main_thread().ident
-_held = [False]
+_held = [False]  # a hold is active (on the main thread)
+_hit = [False]  # a SIGINT came during it

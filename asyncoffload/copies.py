@@ -131,19 +131,11 @@ class Copies:
 
     # --- a store, a load ---------------------------------------------------------------
 
-    def store(
-        self,
-        handle: Transfer,
-        src: list[int],
-        slots: list[int],
-        ctx: ReqContext,
-        before: Callable[[], None] | None = None,
-    ) -> None:
+    def store(self, handle: Transfer, src: list[int], slots: list[int], ctx: ReqContext) -> None:
         """Copy KV blocks ``src`` into the host ``slots`` reserved for
-        ``handle.keys_to_store`` (being written in the manager), after ``before`` (the
-        caller's last step). Every way out frees them or hands them to a job whose
-        completion does."""
-        self._begin("store", handle, len(handle.keys_to_store), before, src, slots, ctx)
+        ``handle.keys_to_store`` (being written in the manager). Every way out frees them
+        or hands them to a job whose completion does."""
+        self._begin("store", _Ending(self, handle, ctx), len(handle.keys_to_store), src, slots)
 
     def load(
         self,
@@ -156,38 +148,34 @@ class Copies:
         """Copy the pinned host ``slots`` of ``handle.keys`` into KV blocks ``ids``,
         the keys first touched (``touch``). Every way out unpins them or hands them to a
         job whose completion does."""
-        before = self._touch(handle.keys, ctx) if touch else None
-        self._begin("load", handle, len(handle.keys), before, list(slots), ids, ctx)
+        ending = _Ending(self, handle, ctx)
+        self._begin("load", ending, len(handle.keys), list(slots), ids, touch)
 
     def copy_in(
         self, handle: Transfer, slots: Sequence[int], ids: list[int], ctx: ReqContext
     ) -> None:
         """Submit the load of a counted, tracked ``handle`` (its host ``slots`` pinned) to
         the load lane; its completion unpins them and resolves the handle."""
-        self._submit("load", handle, list(slots), ids, ctx, [0])
-
-    def _touch(self, keys: list[OffloadKey], ctx: ReqContext) -> Callable[[], None]:
-        return lambda: self._manager.touch(keys, ctx)
+        self._submit("load", _Ending(self, handle, ctx), list(slots), ids)
 
     def _begin(
         self,
         kind: Literal["store", "load"],
-        handle: Transfer,
+        ending: _Ending,
         n: int,
-        before: Callable[[], None] | None,
         src: list[int],
         dst: list[int],
-        ctx: ReqContext,
+        touch: bool = False,
     ) -> None:
-        """Run ``before``, then (``n`` blocks to copy) count and track ``handle`` and
-        submit its copy; whatever escapes after the slots were taken is undone (see
-        :meth:`abandon`). No block to copy: the handle resolves at once."""
+        """Touch the keys (``touch``), then (``n`` blocks to copy) count and track the
+        handle and submit its copy; whatever escapes after the slots were taken is undone
+        (see :meth:`abandon`). No block to copy: the handle resolves at once."""
+        handle = ending.handle
         fut: asyncio.Future[TransferResult] | None = None
         attempted = False
-        step = [0]  # how far the completion got (see the module docstring)
         try:
-            if before is not None:
-                before()
+            if touch:
+                self._manager.touch(handle.keys, ending.ctx)
             fut = handle._future
             if not n:
                 fut.set_result(TransferResult(0, 0, 0.0))
@@ -198,9 +186,9 @@ class Copies:
                 self.loads += 1
             self.track(fut)
             attempted = True
-            self._submit(kind, handle, src, dst, ctx, step)
+            self._submit(kind, ending, src, dst)
         except BaseException as exc:
-            self.abandon(kind, fut, attempted, self._undo(kind, handle, ctx), exc, step)
+            self.abandon(kind, fut, attempted, self._undo(kind, handle, ending.ctx), exc, ending)
             raise
 
     def _undo(
@@ -213,36 +201,31 @@ class Copies:
         return lambda: manager.complete_load(handle.keys)
 
     def _submit(
-        self,
-        kind: Literal["store", "load"],
-        handle: Transfer,
-        src: list[int],
-        dst: list[int],
-        ctx: ReqContext,
-        step: list[int],
+        self, kind: Literal["store", "load"], ending: _Ending, src: list[int], dst: list[int]
     ) -> None:
         bridge = self.bridge
         assert bridge is not None
         if kind == "store":
             job = _start(self._backend.submit_store, src, dst)
-            bridge.watch(self._store_lane, job, lambda j: self._complete(j, handle, ctx, step))
+            bridge.watch(self._store_lane, job, ending)
         else:
             job = _start(self._backend.submit_load, src, dst)
-            bridge.watch(self._load_lane, job, lambda j: self._complete(j, handle, ctx, step))
+            bridge.watch(self._load_lane, job, ending)
 
-    def _complete(self, job: CopyJob, handle: Transfer, ctx: ReqContext, step: list[int]) -> None:
+    def complete(self, job: CopyJob, ending: _Ending) -> None:
         """A copy ended: tell the manager (once: see the module docstring), publish a
         store's stored event and send its keys on down, resolve the handle."""
         with InterruptsHeld():
             error: BaseException | None = None
+            handle, ctx = ending.handle, ending.ctx
             store = handle.kind == "store"
             try:
-                error = _rerun_error(step, handle.kind) or job.error
-                if step[0] == 1:
+                error = _rerun_error(ending, handle.kind) or job.error
+                if ending.step == 1:
                     if store:
                         keys = handle.keys_to_store
                         self._manager.complete_store(keys, ctx, success=error is None)
-                        step[0] = 2
+                        ending.step = 2
                         self._publish()
                         if error is None:
                             if self.stored is not None:
@@ -254,7 +237,7 @@ class Copies:
                                 self.store_rate.observe(job.nbytes / seconds)
                     else:
                         self._manager.complete_load(handle.keys, ctx)
-                        step[0] = 2
+                        ending.step = 2
                         if error is None:
                             self.bytes_loaded += job.nbytes
                             seconds = job.duration_s
@@ -296,7 +279,7 @@ class Copies:
         attempted: bool,
         undo: Callable[[], None],
         exc: BaseException,
-        step: list[int],
+        ending: _Ending,
     ) -> None:
         """Something (an interrupt, say) escaped a call between reserving slots and
         handing the copy to a lane. If no copy was submitted, undo now. If one may have
@@ -304,17 +287,18 @@ class Copies:
         reserved until a fence (an empty job of the same direction, which completes
         after every earlier one) shows the lane is past it. If the job did reach the
         bridge (the interrupt came inside ``watch``), its own completion, which runs
-        first, tells the manager, and ``step`` keeps the fence from doing it again."""
+        first, tells the manager, and ``ending.step`` keeps the fence from doing it
+        again."""
         error = TransferError(f"{kind} abandoned: {exc!r}")
         error.__cause__ = exc
 
         def finish(_job: CopyJob | None = None) -> None:
             with InterruptsHeld():  # the undo is a manager update: whole or not at all
                 try:
-                    if step[0] < 2:
-                        step[0] = 1
+                    if ending.step < 2:
+                        ending.step = 1
                         undo()
-                        step[0] = 2
+                        ending.step = 2
                 finally:
                     if fut is not None:
                         self.inflight.discard(fut)
@@ -369,12 +353,29 @@ class Copies:
             self.inflight.discard(fut)
 
 
-def _rerun_error(step: list[int], kind: str) -> BaseException | None:
+class _Ending:
+    """A transfer's completion callback: its handle and request context, and how far
+    earlier runs of the callback got (``step``, see the module docstring). One object,
+    not a closure: the hot path allocates less."""
+
+    __slots__ = ("copies", "ctx", "handle", "step")
+
+    def __init__(self, copies: Copies, handle: Transfer, ctx: ReqContext) -> None:
+        self.copies = copies
+        self.handle = handle
+        self.ctx = ctx
+        self.step = 0
+
+    def __call__(self, job: CopyJob) -> None:
+        self.copies.complete(job, self)
+
+
+def _rerun_error(ending: _Ending, kind: str) -> BaseException | None:
     """Advance a completion's ``step`` (see the module docstring): the error of a rerun
     that finds the manager untold, else None."""
-    if step[0]:
-        return TransferError(f"{kind} completion interrupted") if step[0] == 1 else None
-    step[0] = 1
+    if ending.step:
+        return TransferError(f"{kind} completion interrupted") if ending.step == 1 else None
+    ending.step = 1
     return None
 
 

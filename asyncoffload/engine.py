@@ -256,6 +256,22 @@ class AsyncOffloadEngine:
         if self._loop_thread is not None and threading.get_ident() != self._loop_thread:
             raise _wrong_thread()
 
+    def _bound(self) -> bool:
+        """Whether the engine is usable and bound to the running loop (a few checks, on
+        the path of every call); else :meth:`_check_usable`, and False: the caller then
+        binds with :meth:`_ensure_bridge` once its input is checked."""
+        bridge = self._bridge
+        if (
+            bridge is not None
+            and not self._closing
+            and not self._forked
+            and threading.get_ident() == self._loop_thread
+            and asyncio._get_running_loop() is bridge.loop
+        ):
+            return True
+        self._check_usable()
+        return False
+
     def _ensure_bridge(self) -> CompletionBridge:
         loop = asyncio.get_running_loop()
         bridge = self._bridge
@@ -287,7 +303,12 @@ class AsyncOffloadEngine:
         return n
 
     def _lookup(self, keys: list[OffloadKey], ctx: ReqContext, observe: bool = True) -> int:
-        n = self._manager.lookup_prefix(keys, ctx, observe=observe)
+        manager = self._manager
+        n = (
+            manager.lookup_prefix(keys, ctx)
+            if observe
+            else manager.lookup_prefix(keys, ctx, observe=False)
+        )
         if self._tiers is not None and n < len(keys):
             n = self._tiers.lookup(keys, n)
         return n
@@ -341,10 +362,11 @@ class AsyncOffloadEngine:
     def _prepare_load(
         self, keys: Sequence[OffloadKey], gpu_blocks: BlockIds, ctx: ReqContext | None
     ) -> Transfer:
-        self._check_usable()
+        bound = self._bound()
         limit = self.layout.num_blocks
         keys, ids, ctx = check_call("prepare_load", keys, gpu_blocks, ctx, limit, unique=True)
-        self._ensure_bridge()
+        if not bound:
+            self._ensure_bridge()
         handle = self._copies.handle("load", keys)
         if self._tiers is not None and (lower := self._tiers.sources(keys)):
             self._tiers.promote(handle, ids, ctx, lower)
@@ -395,12 +417,15 @@ class AsyncOffloadEngine:
         ctx: ReqContext | None,
         tokens: BlockTokens | None,
     ) -> Transfer | None:
-        self._check_usable()
+        bound = self._bound()
         limit = self.layout.num_blocks
         keys, ids, ctx = check_call("prepare_store", keys, gpu_blocks, ctx, limit, unique=False)
-        if (ctx := check_tokens(ctx, tokens)).tokens is not None:
+        if (tokens is not None or ctx.tokens is not None) and (
+            ctx := check_tokens(ctx, tokens)
+        ).tokens is not None:
             check_described(keys, ctx.tokens)
-        self._ensure_bridge()
+        if not bound:
+            self._ensure_bridge()
         if self.config.touch_on_store and keys:
             # The request uses these blocks, stored or not (see EngineConfig).
             self._manager.touch(list(dict.fromkeys(keys)), ctx)  # a key listed twice once
@@ -421,7 +446,12 @@ class AsyncOffloadEngine:
         handle = self._copies.handle("store", keys, to_store, out.evicted_keys)
         src = ids if len(to_store) == len(keys) else _sources(keys, ids, to_store)
         slots = list(out.store_spec.block_ids)
-        self._copies.store(handle, src, slots, ctx, before=self._publish_events)
+        try:
+            self._copies.store(handle, src, slots, ctx)
+        finally:
+            # The removed event of the evictions, unless a copy that ended at once
+            # published it already, before its stored event.
+            self._publish_events()
         return handle
 
     def events(self, snapshot: bool = False, max_buffer: int | None = None) -> EventSubscription:

@@ -35,7 +35,8 @@ class Completion(asyncio.Future[TransferResult]):
 
     def set_result(self, result: TransferResult) -> None:
         super().set_result(result)
-        self._wake()
+        if self._waiters:
+            self._wake()
 
     def set_exception(self, exception: type | BaseException) -> None:
         super().set_exception(exception)
@@ -100,8 +101,11 @@ class Transfer:
 
     def __await__(self) -> Generator[Any, None, TransferResult]:
         fut = self._future
-        if fut.done():
-            return fut.result()
+        if fut.done():  # the future's own iterator: no generator of ours to run
+            return fut.__await__()
+        return self._wait(fut)
+
+    def _wait(self, fut: asyncio.Future[TransferResult]) -> Generator[Any, None, TransferResult]:
         if not isinstance(fut, Completion):
             return (yield from asyncio.shield(fut).__await__())
         waiter = fut.waiter()

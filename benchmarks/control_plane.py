@@ -4,8 +4,10 @@ The KV tensors are tiny (one layer, ``[2, gpu_blocks, 1, 1, 8]`` fp16: 32 bytes 
 so what is measured is bookkeeping, hand-offs and wake-ups, not memcpy. Paths:
 
 - ``manager``: a standalone :class:`asyncoffload.CPUOffloadingManager` driven
-  synchronously (lookup_prefix, prepare_store / prepare_load, complete_*, take_events).
-  No copy, no thread, no future: the baseline every ratio is taken against.
+  synchronously with the calls the engine makes of its own (store: lookup_prefix, touch,
+  prepare_store, complete_store, take_events; load: lookup_prefix, prepare_load, touch,
+  complete_load). No copy, no thread, no future: the baseline every ratio is taken
+  against.
 - ``engine`` with the CPU backend: the full path. Each call is one copy job built on the
   loop thread and handed to a copy lane (a native pthread, or a Python thread with
   ``--copy-engine threads``), whose completion comes back through the completion bridge.
@@ -190,8 +192,9 @@ class ManagerStore(Path):
 
     async def run(self) -> float:
         m, ctx = self.m, self.ctx
-        lookup, prepare, complete, take = (
+        lookup, touch, prepare, complete, take = (
             m.lookup_prefix,
+            m.touch,
             m.prepare_store,
             m.complete_store,
             m.take_events,
@@ -200,6 +203,7 @@ class ManagerStore(Path):
         t0 = time.perf_counter()
         for keys in self.feed.batches:
             lookup(keys, ctx)
+            touch(keys, ctx)  # as the engine's prepare_store does (touch_on_store)
             out = prepare(keys, ctx)
             if out is None:
                 raise RuntimeError("manager store rejected: the tier has no idle block")

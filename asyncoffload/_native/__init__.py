@@ -697,12 +697,12 @@ def _configure_copy_engine(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.ao_lane_set_wake_fd.argtypes = [ctypes.c_void_p, ctypes.c_int]
     lib.ao_lane_set_wake_fd.restype = None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    # handle, fragment tables (six words), direction, n, ids (n KV then n host), status
+    # handle, fragment tables (eight words), direction, n, ids (n KV then n host), status
     lib.ao_lane_submit.argtypes = [ptr, ptr, ctypes.c_int, i64, ptr, ptr]
     lib.ao_lane_submit.restype = ctypes.c_int
     # fragment tables, direction, n, ids: ao_lane_submit's copy, on the calling thread
     lib.ao_copy_blocks.argtypes = [ptr, ctypes.c_int, i64, ptr]
-    lib.ao_copy_blocks.restype = None
+    lib.ao_copy_blocks.restype = ctypes.c_int
     lib.ao_status_load.argtypes = [ctypes.c_void_p]
     lib.ao_status_load.restype = ctypes.c_int64
     # handle, n, srcs, dsts, sizes, status (three int64 words)

@@ -57,10 +57,29 @@ static int64_t ao_run_copies(const ao_job *job) {
 }
 
 /*
- * A backend's fragment tables, as six int64 words: nfrag, host_base, block_bytes,
- * frag_bytes, then the addresses of its kv_base[nfrag] and kv_stride[nfrag] arrays.
+ * A backend's fragment tables, as eight int64 words: nfrag, host_base, block_bytes,
+ * frag_bytes, the addresses of its kv_base[nfrag] and kv_stride[nfrag] arrays, then how
+ * many KV blocks and host blocks there are (the bounds of the ids).
  */
-enum { T_NFRAG, T_HOST_BASE, T_BLOCK_BYTES, T_FRAG_BYTES, T_KV_BASE, T_KV_STRIDE };
+enum {
+    T_NFRAG,
+    T_HOST_BASE,
+    T_BLOCK_BYTES,
+    T_FRAG_BYTES,
+    T_KV_BASE,
+    T_KV_STRIDE,
+    T_KV_BLOCKS,
+    T_HOST_BLOCKS
+};
+
+/* 0 when every id lies in its bounds; -3: a KV block id does not, -4: a host id. */
+static int ao_check_ids(const int64_t *tables, int64_t n, const int64_t *ids) {
+    for (int64_t i = 0; i < n; i++)
+        if (ids[i] < 0 || ids[i] >= tables[T_KV_BLOCKS]) return -3;
+    for (int64_t i = n; i < 2 * n; i++)
+        if (ids[i] < 0 || ids[i] >= tables[T_HOST_BLOCKS]) return -4;
+    return 0;
+}
 
 static void ao_copy(int direction, int64_t n, const int64_t *kv_ids, const int64_t *host_ids,
                     int64_t nfrag, const int64_t *kv_base, const int64_t *kv_stride,
@@ -87,12 +106,15 @@ static void ao_run(const ao_job *job) {
 /*
  * The copy of an ao_lane_submit job, on the calling thread: a small job, where the hop
  * to a lane and back would cost more than the copy. ids: n KV block ids, then n host
- * block ids.
+ * block ids. Returns 0, or (nothing copied) -3 / -4 as ao_check_ids.
  */
-void ao_copy_blocks(const int64_t *tables, int direction, int64_t n, const int64_t *ids) {
+int ao_copy_blocks(const int64_t *tables, int direction, int64_t n, const int64_t *ids) {
+    int rc = ao_check_ids(tables, n, ids);
+    if (rc != 0) return rc;
     ao_copy(direction, n, ids, ids + n, tables[T_NFRAG], (const int64_t *)(intptr_t)tables[T_KV_BASE],
             (const int64_t *)(intptr_t)tables[T_KV_STRIDE], tables[T_HOST_BASE],
             tables[T_BLOCK_BYTES], tables[T_FRAG_BYTES]);
+    return 0;
 }
 
 typedef struct {
@@ -207,9 +229,16 @@ static int ao_enqueue(ao_lane *lane, ao_job *job) {
     return 0;
 }
 
+/*
+ * Queue a job copying n whole blocks (ids: n KV block ids, then n host block ids; copied
+ * now). Returns 0, -1 when out of memory, -2 when the lane is stopping, -3 / -4 (as
+ * ao_check_ids) when an id is out of bounds.
+ */
 int ao_lane_submit(void *handle, const int64_t *tables, int direction, int64_t n,
                    const int64_t *ids, int64_t *status) {
     ao_lane *lane = (ao_lane *)handle;
+    int rc = ao_check_ids(tables, n, ids);
+    if (rc != 0) return rc;
     ao_job *job = (ao_job *)malloc(sizeof *job + 2 * (size_t)n * sizeof(int64_t));
     if (job == NULL) return -1;
     job->next = NULL;

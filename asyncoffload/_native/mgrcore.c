@@ -26,6 +26,10 @@
  * finalizer run by the collector, a mapping's get): a call that changes the manager is
  * refused (RuntimeError) while another is in progress, so node indices resolved at the
  * start of a call stay valid to its end. Lookups and reads are allowed.
+ *
+ * Beside the manager, module functions serve the engine's hot path: two check its input
+ * (keys, block ids) in one pass for the common case, and leave the rest to
+ * asyncoffload/_checks.py; one hands a small copy's block ids to the native copy engine.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -2381,8 +2385,148 @@ static int mgrcore_exec(PyObject *m) {
     return 0;
 }
 
+/* --- the engine's input checks, the common case in one pass ------------------------- */
+
+/* checked_keys(keys, min_len): a new list of keys when keys is a list or tuple of exact
+ * bytes objects, each longer than min_len; else None (the Python check finds and names
+ * what is wrong). */
+static PyObject *mod_checked_keys(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "checked_keys(keys, min_len)");
+        return NULL;
+    }
+    PyObject *keys = args[0];
+    Py_ssize_t min_len = PyLong_AsSsize_t(args[1]);
+    if (min_len == -1 && PyErr_Occurred()) return NULL;
+    if (!PyList_CheckExact(keys) && !PyTuple_CheckExact(keys)) Py_RETURN_NONE;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(keys);
+    PyObject **items = PySequence_Fast_ITEMS(keys);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (!PyBytes_CheckExact(items[i]) || PyBytes_GET_SIZE(items[i]) <= min_len)
+            Py_RETURN_NONE;
+    }
+    return PySequence_List(keys);
+}
+
+static int cmp_int64(const void *a, const void *b) {
+    int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* ids_ok(ids, limit, unique): whether the list ids holds only exact ints in [0, limit),
+ * none twice when unique. */
+static PyObject *mod_ids_ok(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3 || !PyList_CheckExact(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "ids_ok(ids: list, limit, unique)");
+        return NULL;
+    }
+    PyObject *ids = args[0];
+    long long limit = PyLong_AsLongLong(args[1]);
+    if (limit == -1 && PyErr_Occurred()) return NULL;
+    int unique = PyObject_IsTrue(args[2]);
+    if (unique < 0) return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(ids);
+    int64_t small[64];
+    int64_t *values = n <= 64 ? small : (int64_t *)PyMem_Malloc((size_t)n * sizeof(int64_t));
+    if (values == NULL) return PyErr_NoMemory();
+    int ok = 1;
+    for (Py_ssize_t i = 0; i < n && ok; i++) {
+        PyObject *b = PyList_GET_ITEM(ids, i);
+        int overflow = 0;
+        long long v = PyLong_CheckExact(b) ? PyLong_AsLongLongAndOverflow(b, &overflow) : -1;
+        if (v == -1 && PyErr_Occurred()) {
+            PyErr_Clear();
+            ok = 0;
+        } else if (overflow || v < 0 || v >= limit) {
+            ok = 0;
+        } else {
+            values[i] = (int64_t)v;
+        }
+    }
+    if (ok && unique && n > 1) {
+        if (n <= 16) {
+            for (Py_ssize_t i = 0; i < n && ok; i++)
+                for (Py_ssize_t j = i + 1; j < n; j++)
+                    if (values[i] == values[j]) {
+                        ok = 0;
+                        break;
+                    }
+        } else {
+            qsort(values, (size_t)n, sizeof(int64_t), cmp_int64);
+            for (Py_ssize_t i = 1; i < n; i++)
+                if (values[i] == values[i - 1]) {
+                    ok = 0;
+                    break;
+                }
+        }
+    }
+    if (values != small) PyMem_Free(values);
+    return PyBool_FromLong(ok);
+}
+
+/* call_blocks(fn, tables, direction, kv_ids, host_ids): fn(tables, direction, n, ids),
+ * fn the address of a C function int(const int64_t *, int, int64_t, const int64_t *)
+ * (copy_engine.c's ao_copy_blocks) and ids the two lists' n ints each, as int64: n KV
+ * block ids, then n host block ids. Returns fn's code, or None, calling nothing, when
+ * the lists differ in length or hold anything but exact ints that fit (the caller then
+ * converts them itself). A CPython entry costs a fraction of a ctypes call and of the
+ * arrays it needs, on the hot path of a small copy. */
+typedef int (*copy_fn)(const int64_t *, int, int64_t, const int64_t *);
+
+static PyObject *mod_call_blocks(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 5 || !PyList_CheckExact(args[3]) || !PyList_CheckExact(args[4])) {
+        PyErr_SetString(PyExc_TypeError,
+                        "call_blocks(fn, tables, direction, kv_ids: list, host_ids: list)");
+        return NULL;
+    }
+    copy_fn fn = (copy_fn)PyLong_AsVoidPtr(args[0]);
+    const int64_t *tables = (const int64_t *)PyLong_AsVoidPtr(args[1]);
+    int direction = (int)PyLong_AsLong(args[2]);
+    if (PyErr_Occurred()) return NULL;
+    if (fn == NULL || tables == NULL) {
+        PyErr_SetString(PyExc_ValueError, "call_blocks: a null address");
+        return NULL;
+    }
+    PyObject *kv = args[3], *host = args[4];
+    Py_ssize_t n = PyList_GET_SIZE(kv);
+    if (PyList_GET_SIZE(host) != n) Py_RETURN_NONE;
+    int64_t small[128];
+    int64_t *ids = n <= 64 ? small : (int64_t *)PyMem_Malloc(2 * (size_t)n * sizeof(int64_t));
+    if (ids == NULL) return PyErr_NoMemory();
+    int ok = 1;
+    for (Py_ssize_t i = 0; i < 2 * n && ok; i++) {
+        PyObject *b = i < n ? PyList_GET_ITEM(kv, i) : PyList_GET_ITEM(host, i - n);
+        int overflow = 0;
+        long long v = PyLong_CheckExact(b) ? PyLong_AsLongLongAndOverflow(b, &overflow) : 0;
+        if (!PyLong_CheckExact(b) || overflow) ok = 0;
+        ids[i] = (int64_t)v;
+    }
+    PyObject *out;
+    if (ok)
+        out = PyLong_FromLong(fn(tables, direction, (int64_t)n, ids));
+    else {
+        out = Py_None;
+        Py_INCREF(out);
+    }
+    if (ids != small) PyMem_Free(ids);
+    return out;
+}
+
+static PyMethodDef mgrcore_functions[] = {
+    {"call_blocks", (PyCFunction)(void (*)(void))mod_call_blocks, METH_FASTCALL,
+     "call_blocks(fn, tables, direction, kv_ids, host_ids): fn's code, or None when the "
+     "ids are not two lists of as many ints."},
+    {"checked_keys", (PyCFunction)(void (*)(void))mod_checked_keys, METH_FASTCALL,
+     "checked_keys(keys, min_len): a list of the keys if all are exact bytes longer than "
+     "min_len, else None."},
+    {"ids_ok", (PyCFunction)(void (*)(void))mod_ids_ok, METH_FASTCALL,
+     "ids_ok(ids, limit, unique): whether a list of block ids is all exact ints in "
+     "[0, limit), distinct when unique."},
+    {NULL, NULL, 0, NULL},
+};
+
 static struct PyModuleDef mgrcore_module = {
-    PyModuleDef_HEAD_INIT, "mgrcore", NULL, -1, NULL, NULL, NULL, NULL, NULL};
+    PyModuleDef_HEAD_INIT, "mgrcore", NULL, -1, mgrcore_functions, NULL, NULL, NULL, NULL};
 
 PyMODINIT_FUNC PyInit_mgrcore(void) {
     PyObject *m = PyModule_Create(&mgrcore_module);

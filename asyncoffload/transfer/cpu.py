@@ -24,11 +24,11 @@ import weakref
 from array import array
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Literal
+from typing import Literal, NoReturn
 
 import torch
 
-from asyncoffload._native import holding_gil, load_copy_engine
+from asyncoffload._native import holding_gil, load_copy_engine, load_mgrcore
 from asyncoffload.hostmem import check_host_bytes, format_bytes
 from asyncoffload.layout import KVLayout
 from asyncoffload.transfer.base import CopyJob, TransferBackend, forked_since, host_bytes
@@ -190,6 +190,10 @@ class _NativeLane:
         self._tables = tables
         self._submit = holding_gil(lib.ao_lane_submit)
         self._copy = holding_gil(lib.ao_copy_blocks)
+        # The manager core's CPython entry to ao_copy_blocks, where it is built: a small
+        # copy's ids go to C without ctypes or arrays.
+        self._core = load_mgrcore()
+        self._copy_address = ctypes.cast(lib.ao_copy_blocks, ctypes.c_void_p).value
         self._handle: int | None = None
         #: The native lane, once created (one handle at most): what ``stop`` destroys.
         self._owned: list[int | None] = []
@@ -228,13 +232,21 @@ class _NativeLane:
             pending.popleft()
         return not pending
 
-    def copy_now(self, kv_ids: Sequence[int], host_ids: Sequence[int]) -> None:
-        """Copy on this thread what :meth:`submit` would have the lane copy."""
+    def copy_now(self, kv_ids: Sequence[int], host_ids: Sequence[int]) -> int:
+        """Copy on this thread what :meth:`submit` would have the lane copy. Returns 0,
+        or (nothing copied) -3 / -4 when a KV / host block id is out of bounds."""
         if self._stopped:
             raise RuntimeError("copy lane is closed")
+        tables = self._tables.address
+        if self._core is not None and type(kv_ids) is list and type(host_ids) is list:
+            rc = self._core.call_blocks(
+                self._copy_address, tables, self._direction, kv_ids, host_ids
+            )
+            if rc is not None:
+                return int(rc)
         ids = array("q", kv_ids)
         ids.extend(host_ids)
-        self._copy(self._tables.address, self._direction, len(kv_ids), ids.buffer_info()[0])
+        return int(self._copy(tables, self._direction, len(kv_ids), ids.buffer_info()[0]))
 
     def submit(self, job: _NativeJob, kv_ids: Sequence[int], host_ids: Sequence[int]) -> None:
         handle = self._handle
@@ -254,7 +266,7 @@ class _NativeLane:
             job.status_address,
         )
         if rc != 0:
-            raise RuntimeError(f"native copy lane refused the job (code {rc})")
+            _refused(rc, self._tables, "native copy lane refused the job")
         pending.append(job._status)
 
     def stop(self, discard: bool = False) -> None:
@@ -272,15 +284,27 @@ class _NativeLane:
         self._pending.clear()
 
 
+def _refused(rc: int, tables: _FragmentTables, what: str) -> NoReturn:
+    """Raise what a native call's code ``rc`` means (see copy_engine.c)."""
+    if rc == -3:
+        raise IndexError(f"KV block ids must lie in [0, {tables.words[6]})")
+    if rc == -4:
+        raise IndexError(f"host block ids must lie in [0, {tables.words[7]})")
+    raise RuntimeError(f"{what} (code {rc})")
+
+
 class _FragmentTables:
     """Where fragment f of a block lives, for the native lanes (which read these arrays
     until they stop, so the backend keeps them)."""
 
-    def __init__(self, fragments: list[torch.Tensor], host: torch.Tensor, frag_bytes: int) -> None:
+    def __init__(
+        self, fragments: list[torch.Tensor], host: torch.Tensor, frag_bytes: int, kv_blocks: int
+    ) -> None:
         self.kv_base = array("q", [v.data_ptr() for v in fragments])
         self.kv_stride = array("q", [v.stride(0) for v in fragments])
-        #: What the native calls take: nfrag, host_base, block_bytes, frag_bytes and the
-        #: addresses of kv_base and kv_stride (see copy_engine.c).
+        #: What the native calls take: nfrag, host_base, block_bytes, frag_bytes, the
+        #: addresses of kv_base and kv_stride, and the KV and host blocks there are (see
+        #: copy_engine.c).
         self.words = array(
             "q",
             [
@@ -290,6 +314,8 @@ class _FragmentTables:
                 frag_bytes,
                 self.kv_base.buffer_info()[0],
                 self.kv_stride.buffer_info()[0],
+                kv_blocks,
+                host.shape[0],
             ],
         )
         self.address = self.words.buffer_info()[0]
@@ -371,7 +397,7 @@ class CpuCopyBackend(TransferBackend):
         lanes: list[_NativeLane] | list[_ThreadLane]
         if lib is not None:
             self.name = "cpu-native"
-            self._tables = _FragmentTables(self._fragments, self.host, frag)
+            self._tables = _FragmentTables(self._fragments, self.host, frag, layout.num_blocks)
             self._native_store = _NativeLane(lib, 0, self._tables)
             self._native_load = _NativeLane(lib, 1, self._tables)
             lanes = [self._native_store, self._native_load]
@@ -422,13 +448,13 @@ class CpuCopyBackend(TransferBackend):
         self.check_process()
         if self._closed:
             raise RuntimeError("CpuCopyBackend is closed")
-        if len(gpu_ids) != len(host_ids):
-            raise ValueError(f"{len(gpu_ids)} KV block ids but {len(host_ids)} host ids")
-        self._check(gpu_ids, self.layout.num_blocks, "KV block")
-        self._check(host_ids, self.num_host_blocks, "host block")
         n = len(gpu_ids)
+        if n != len(host_ids):
+            raise ValueError(f"{n} KV block ids but {len(host_ids)} host ids")
         nbytes = n * self.layout.block_bytes
         if self._lib is None:
+            self._check(gpu_ids, self.layout.num_blocks, "KV block")
+            self._check(host_ids, self.num_host_blocks, "host block")
             job = CopyJob(n, nbytes)
             gidx = torch.as_tensor(gpu_ids, dtype=torch.int64)
             hidx = torch.as_tensor(host_ids, dtype=torch.int64)
@@ -441,9 +467,12 @@ class CpuCopyBackend(TransferBackend):
                 self._load_lane.submit(job, copy, (hidx, gidx), self._wake)
             return job
         lane = self._native_store if direction == "store" else self._native_load
+        # The native calls check the ids' bounds (IndexError, nothing copied).
         if nbytes <= self.inline_bytes and lane.idle():
             job = CopyJob(n, nbytes)
-            lane.copy_now(gpu_ids, host_ids)
+            rc = lane.copy_now(gpu_ids, host_ids)
+            if rc:
+                _refused(rc, self._tables, "the copy was refused")
             job.finish_inline()
             return job
         native_job = _NativeJob(n, nbytes, self._lib)

@@ -62,8 +62,10 @@ class CopyJob:
     def finish_inline(self, error: BaseException | None = None) -> None:
         """:meth:`finish`, called by ``submit_*`` itself: the copy ran on the submitting
         (the event loop's) thread. No wake-up is needed."""
-        self.finish(error)
+        self.error = error
+        self.finished_ns = time.perf_counter_ns()
         self.inline = True
+        self._done = True
 
     @property
     def duration_s(self) -> float:
