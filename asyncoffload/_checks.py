@@ -26,6 +26,7 @@ __all__ = [
     "check_described",
     "check_keys",
     "check_tokens",
+    "distinct",
     "filed",
 ]
 
@@ -92,6 +93,14 @@ def check_ctx(ctx: object, what: str) -> ReqContext:
             f"{what}: ctx must be an asyncoffload.ReqContext or None, got {type(ctx).__name__}"
         )
     return ctx
+
+
+def distinct(keys: list[OffloadKey]) -> list[OffloadKey]:
+    """``keys`` without repeats, in first-seen order (``keys`` itself when none repeats)."""
+    native = _NATIVE if _NATIVE is not None else _native_checks()
+    if native and native.distinct(keys) is keys:
+        return keys
+    return list(dict.fromkeys(keys))
 
 
 def check_block_ids(ids: BlockIds, n: int, limit: int, what: str, unique: bool) -> list[int]:

@@ -184,7 +184,7 @@ class Copies:
                 self.stores += 1
             else:
                 self.loads += 1
-            self.track(fut)
+            self.inflight.add(fut)  # track(), for the engine's own Completion
             attempted = True
             self._submit(kind, ending, src, dst)
         except BaseException as exc:
@@ -216,13 +216,16 @@ class Copies:
         """A copy ended: tell the manager (once: see the module docstring), publish a
         store's stored event and send its keys on down, resolve the handle."""
         with InterruptsHeld():
-            error: BaseException | None = None
             handle, ctx = ending.handle, ending.ctx
-            store = handle.kind == "store"
+            error: BaseException | None = job.error
             try:
-                error = _rerun_error(ending, handle.kind) or job.error
+                if ending.step:  # a rerun (see the module docstring)
+                    if ending.step == 1:
+                        error = TransferError(f"{handle.kind} completion interrupted")
+                else:
+                    ending.step = 1
                 if ending.step == 1:
-                    if store:
+                    if handle.kind == "store":
                         keys = handle.keys_to_store
                         self._manager.complete_store(keys, ctx, success=error is None)
                         ending.step = 2
@@ -231,23 +234,24 @@ class Copies:
                             if self.stored is not None:
                                 self.stored(keys, ctx)
                             self.bytes_stored += job.nbytes
-                            seconds = job.duration_s
-                            self.store_hist.observe(seconds)
-                            if seconds > 0:
-                                self.store_rate.observe(job.nbytes / seconds)
+                            self._observe(self.store_hist, self.store_rate, job)
                     else:
                         self._manager.complete_load(handle.keys, ctx)
                         ending.step = 2
                         if error is None:
                             self.bytes_loaded += job.nbytes
-                            seconds = job.duration_s
-                            self.load_hist.observe(seconds)
-                            if seconds > 0:
-                                self.load_rate.observe(job.nbytes / seconds)
+                            self._observe(self.load_hist, self.load_rate, job)
             except Exception as exc:  # never leave the handle (and aclose) hanging
                 log.exception("complete_%s failed", handle.kind)
                 error = error or exc
             self.resolve(handle, job, error)
+
+    @staticmethod
+    def _observe(durations: Histogram, rates: Histogram, job: CopyJob) -> None:
+        seconds = job.duration_s
+        durations.observe(seconds)
+        if seconds > 0:
+            rates.observe(job.nbytes / seconds)
 
     # --- endings -----------------------------------------------------------------------
 
@@ -257,7 +261,8 @@ class Copies:
         if fut.done():
             return
         if error is None:
-            fut.set_result(TransferResult(job.num_blocks, job.nbytes, job.duration_s))
+            seconds = (job.finished_ns - job.started_ns) / 1e9  # job.duration_s, ended
+            fut.set_result(TransferResult(job.num_blocks, job.nbytes, seconds))
             return
         log.warning("%s of %d blocks failed: %r", handle.kind, job.num_blocks, error)
         err = TransferError(f"{handle.kind} of {job.num_blocks} blocks failed: {error!r}")
@@ -368,15 +373,6 @@ class _Ending:
 
     def __call__(self, job: CopyJob) -> None:
         self.copies.complete(job, self)
-
-
-def _rerun_error(ending: _Ending, kind: str) -> BaseException | None:
-    """Advance a completion's ``step`` (see the module docstring): the error of a rerun
-    that finds the manager untold, else None."""
-    if ending.step:
-        return TransferError(f"{kind} completion interrupted") if ending.step == 1 else None
-    ending.step = 1
-    return None
 
 
 def _start(

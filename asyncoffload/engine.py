@@ -30,6 +30,7 @@ from asyncoffload._checks import (
     check_described,
     check_keys,
     check_tokens,
+    distinct,
     filed,
 )
 from asyncoffload._sigint import InterruptsHeld
@@ -428,7 +429,7 @@ class AsyncOffloadEngine:
             self._ensure_bridge()
         if self.config.touch_on_store and keys:
             # The request uses these blocks, stored or not (see EngineConfig).
-            self._manager.touch(list(dict.fromkeys(keys)), ctx)  # a key listed twice once
+            self._manager.touch(distinct(keys), ctx)  # a key listed twice once
         out = self._manager.prepare_store(keys, ctx)
         if out is None:  # refused, nothing changed
             _check_capacity(self._manager, keys)
@@ -448,9 +449,12 @@ class AsyncOffloadEngine:
         slots = list(out.store_spec.block_ids)
         try:
             self._copies.store(handle, src, slots, ctx)
-        finally:
-            # The removed event of the evictions, unless a copy that ended at once
-            # published it already, before its stored event.
+        except BaseException:
+            self._publish_events()  # the removed event of the evictions
+            raise
+        if not handle.done():
+            # The removed event of the evictions (a copy that ended at once published it
+            # already, before its stored event).
             self._publish_events()
         return handle
 

@@ -27,9 +27,10 @@
  * refused (RuntimeError) while another is in progress, so node indices resolved at the
  * start of a call stay valid to its end. Lookups and reads are allowed.
  *
- * Beside the manager, module functions serve the engine's hot path: two check its input
- * (keys, block ids) in one pass for the common case, and leave the rest to
- * asyncoffload/_checks.py; one hands a small copy's block ids to the native copy engine.
+ * Beside the manager, module functions serve the engine's hot path: three check its
+ * input (keys, block ids, repeated keys) in one pass for the common case, and leave the
+ * rest to asyncoffload/_checks.py; one hands a small copy's block ids to the native copy
+ * engine.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -2408,6 +2409,37 @@ static PyObject *mod_checked_keys(PyObject *self, PyObject *const *args, Py_ssiz
     return PySequence_List(keys);
 }
 
+/* distinct(keys): keys itself when it is a list of at most 32 exact bytes objects of
+ * which none repeats; else None (the caller deduplicates). */
+static PyObject *mod_distinct(PyObject *self, PyObject *keys) {
+    if (!PyList_CheckExact(keys)) Py_RETURN_NONE;
+    Py_ssize_t n = PyList_GET_SIZE(keys);
+    if (n > 32) Py_RETURN_NONE; /* pairwise below; a dict serves longer lists better */
+    Py_hash_t hashes[32];
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *k = PyList_GET_ITEM(keys, i);
+        if (!PyBytes_CheckExact(k)) Py_RETURN_NONE;
+        if ((hashes[i] = PyObject_Hash(k)) == -1) return NULL;
+    }
+    int repeats = 0;
+    for (Py_ssize_t i = 1; i < n && !repeats; i++)
+        for (Py_ssize_t j = 0; j < i; j++)
+            if (hashes[i] == hashes[j] &&
+                PyBytes_GET_SIZE(PyList_GET_ITEM(keys, i)) ==
+                    PyBytes_GET_SIZE(PyList_GET_ITEM(keys, j)) &&
+                memcmp(PyBytes_AS_STRING(PyList_GET_ITEM(keys, i)),
+                       PyBytes_AS_STRING(PyList_GET_ITEM(keys, j)),
+                       (size_t)PyBytes_GET_SIZE(PyList_GET_ITEM(keys, i))) == 0) {
+                repeats = 1;
+                break;
+            }
+    if (!repeats) {
+        Py_INCREF(keys);
+        return keys;
+    }
+    Py_RETURN_NONE;
+}
+
 static int cmp_int64(const void *a, const void *b) {
     int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
     return (x > y) - (x < y);
@@ -2513,6 +2545,8 @@ static PyObject *mod_call_blocks(PyObject *self, PyObject *const *args, Py_ssize
 }
 
 static PyMethodDef mgrcore_functions[] = {
+    {"distinct", (PyCFunction)mod_distinct, METH_O,
+     "distinct(keys): the list itself when no key repeats, else None."},
     {"call_blocks", (PyCFunction)(void (*)(void))mod_call_blocks, METH_FASTCALL,
      "call_blocks(fn, tables, direction, kv_ids, host_ids): fn's code, or None when the "
      "ids are not two lists of as many ints."},

@@ -257,7 +257,13 @@ class CompletionBridge:
             # of it: its callback runs now. A wake-up would cost an fd write and read and
             # two passes of the loop. (A job a lane thread ended meanwhile is left to
             # the wake-up, so that when a callback runs never hangs on a race.)
-            self._drain_now(lane)
+            try:
+                self._drain_lane(lane)
+            except Exception:
+                raise
+            except BaseException:
+                self._rearm()
+                raise
             return
         if self._timer is None:
             # Poll mode: the timer is the mechanism. Wake-up mode: a slow watchdog, for
@@ -309,16 +315,6 @@ class CompletionBridge:
             self._rearm()
             raise
         return ran
-
-    def _drain_now(self, lane: CopyLane) -> None:
-        """:meth:`drain` of one lane, from :meth:`watch`."""
-        try:
-            self._drain_lane(lane)
-        except Exception:
-            raise
-        except BaseException:
-            self._rearm()
-            raise
 
     def _drain_lane(self, lane: CopyLane) -> int:
         ran = 0

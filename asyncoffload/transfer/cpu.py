@@ -31,7 +31,13 @@ import torch
 from asyncoffload._native import holding_gil, load_copy_engine, load_mgrcore
 from asyncoffload.hostmem import check_host_bytes, format_bytes
 from asyncoffload.layout import KVLayout
-from asyncoffload.transfer.base import CopyJob, TransferBackend, forked_since, host_bytes
+from asyncoffload.transfer.base import (
+    CopyJob,
+    TransferBackend,
+    _Process,
+    forked_since,
+    host_bytes,
+)
 from asyncoffload.transfer.faults import FaultDecision, wrap_job
 
 __all__ = ["CpuCopyBackend"]
@@ -445,7 +451,8 @@ class CpuCopyBackend(TransferBackend):
         return self._submit("load", gpu_ids, host_ids)
 
     def _submit(self, direction: str, gpu_ids: Sequence[int], host_ids: Sequence[int]) -> CopyJob:
-        self.check_process()
+        if self.pid != _Process.pid:
+            self.check_process()
         if self._closed:
             raise RuntimeError("CpuCopyBackend is closed")
         n = len(gpu_ids)
