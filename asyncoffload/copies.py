@@ -217,13 +217,15 @@ class Copies:
         store's stored event and send its keys on down, resolve the handle."""
         with InterruptsHeld():
             handle, ctx = ending.handle, ending.ctx
-            error: BaseException | None = job.error
+            error: BaseException | None = None
             try:
-                if ending.step:  # a rerun (see the module docstring)
-                    if ending.step == 1:
-                        error = TransferError(f"{handle.kind} completion interrupted")
-                else:
+                if not ending.step:  # the first run: the step first (see the docstring)
                     ending.step = 1
+                    error = job.error
+                elif ending.step == 1:  # a rerun that finds the manager untold
+                    error = TransferError(f"{handle.kind} completion interrupted")
+                else:
+                    error = job.error
                 if ending.step == 1:
                     if handle.kind == "store":
                         keys = handle.keys_to_store
