@@ -331,3 +331,536 @@ int ao_cuda_spin_watch(void *event, int64_t *slot, int64_t start_ns, int64_t sto
     pthread_mutex_unlock(&spin_mutex);
     return 0;
 }
+
+/*
+ * The native copy path: one call orders a copy stream after the caller's stream, records
+ * the job's timing events, launches a gather/scatter kernel (PTX below, JIT-compiled by
+ * the driver once per context) and queues the completion host function. The kernel is
+ * handed the transfer's ids as kernel parameters, so nothing has to outlive the call: no
+ * pinned id buffer, no host-to-device copy of ids, no Python-side stream juggling.
+ *
+ * The kernel moves, for each (block j, ref r) of a launch, nbytes[r] bytes between
+ *   kv   = kv_base[r] + gpu_id[j] * kv_stride[r]
+ *   host = rows[slot_id[(skip + j) / bpc]] + host_off[r] + ((skip + j) % bpc) * page[r]
+ * (refs: a device int64 table [5, nref]; rows: a device int64 table of host slot
+ * addresses). Every address and size must be 16-byte aligned (the caller checks it once
+ * per layout): it moves 16-byte vectors, four in flight per thread. Work units are
+ * (block, ref, part) triples, parts splitting a page so that small jobs spread over
+ * enough multiprocessors.
+ */
+#define AO_PARAM_IDS 3840 /* bytes of int32 ids per launch */
+#define AO_MAX_DEVICES 64
+
+static const char ao_copy_ptx[] =
+    ".version 7.4\n"
+    ".target sm_80\n"
+    ".address_size 64\n"
+    ".visible .entry ao_copy_pages(\n"
+    "  .param .u64 p_refs, .param .u64 p_rows, .param .u32 p_nref, .param .u32 p_nblocks,\n"
+    "  .param .u32 p_skip, .param .u32 p_bpc, .param .u32 p_store, .param .u32 p_parts,\n"
+    "  .param .align 8 .b8 p_ids[3840])\n"
+    "{\n"
+    "  .reg .pred %p<12>;\n"
+    "  .reg .b32 %r<40>;\n"
+    "  .reg .b64 %rd<64>;\n"
+    "  .reg .b32 %v<16>;\n"
+    "  ld.param.u64 %rd1, [p_refs];\n"
+    "  ld.param.u64 %rd2, [p_rows];\n"
+    "  ld.param.u32 %r1, [p_nref];\n"
+    "  ld.param.u32 %r2, [p_nblocks];\n"
+    "  ld.param.u32 %r3, [p_skip];\n"
+    "  ld.param.u32 %r4, [p_bpc];\n"
+    "  ld.param.u32 %r5, [p_store];\n"
+    "  ld.param.u32 %r6, [p_parts];\n"
+    "  mov.u64 %rd3, p_ids;\n"
+    "  mul.lo.u32 %r7, %r2, %r1;\n"   /* items */
+    "  mul.lo.u32 %r8, %r7, %r6;\n"   /* units */
+    "  mov.u32 %r9, %ctaid.x;\n"
+    "  mov.u32 %r10, %nctaid.x;\n"
+    "  mov.u32 %r11, %tid.x;\n"
+    "  mov.u32 %r12, %ntid.x;\n"
+    "  setp.ne.u32 %p9, %r5, 0;\n"    /* store */
+    "  mul.wide.u32 %rd40, %r12, 16;\n" /* bytes per thread-block pass of one vector */
+    "  mul.wide.u32 %rd41, %r11, 16;\n" /* this thread's first byte */
+    "  shl.b64 %rd42, %rd40, 2;\n"      /* step: four vectors per thread */
+    "UNIT:\n"
+    "  setp.ge.u32 %p1, %r9, %r8;\n"
+    "  @%p1 bra DONE;\n"
+    "  div.u32 %r13, %r9, %r6;\n"     /* item */
+    "  rem.u32 %r14, %r9, %r6;\n"     /* part */
+    "  div.u32 %r15, %r13, %r1;\n"    /* j */
+    "  rem.u32 %r16, %r13, %r1;\n"    /* r */
+    "  mul.wide.u32 %rd4, %r15, 4;\n"
+    "  add.u64 %rd5, %rd3, %rd4;\n"
+    "  ld.param.s32 %r17, [%rd5];\n"  /* gpu id */
+    "  add.u32 %r18, %r3, %r15;\n"    /* p = skip + j */
+    "  div.u32 %r19, %r18, %r4;\n"    /* pos */
+    "  rem.u32 %r20, %r18, %r4;\n"    /* sub */
+    "  add.u32 %r21, %r2, %r19;\n"
+    "  mul.wide.u32 %rd6, %r21, 4;\n"
+    "  add.u64 %rd7, %rd3, %rd6;\n"
+    "  ld.param.s32 %r22, [%rd7];\n"  /* slot id */
+    "  mul.wide.s32 %rd8, %r22, 8;\n"
+    "  add.u64 %rd9, %rd2, %rd8;\n"
+    "  ld.global.u64 %rd10, [%rd9];\n" /* row address */
+    "  mul.wide.u32 %rd11, %r16, 8;\n"
+    "  add.u64 %rd12, %rd1, %rd11;\n"
+    "  mul.wide.u32 %rd13, %r1, 8;\n" /* table row stride */
+    "  ld.global.u64 %rd14, [%rd12];\n" /* kv_base */
+    "  add.u64 %rd15, %rd12, %rd13;\n"
+    "  ld.global.u64 %rd16, [%rd15];\n" /* kv_stride */
+    "  add.u64 %rd15, %rd15, %rd13;\n"
+    "  ld.global.u64 %rd17, [%rd15];\n" /* host_off */
+    "  add.u64 %rd15, %rd15, %rd13;\n"
+    "  ld.global.u64 %rd18, [%rd15];\n" /* page */
+    "  add.u64 %rd15, %rd15, %rd13;\n"
+    "  ld.global.u64 %rd19, [%rd15];\n" /* nbytes */
+    "  cvt.s64.s32 %rd20, %r17;\n"
+    "  mad.lo.s64 %rd21, %rd20, %rd16, %rd14;\n" /* kv */
+    "  cvt.u64.u32 %rd22, %r20;\n"
+    "  mad.lo.s64 %rd23, %rd22, %rd18, %rd17;\n"
+    "  add.u64 %rd24, %rd10, %rd23;\n" /* host */
+    "  selp.b64 %rd25, %rd21, %rd24, %p9;\n" /* src */
+    "  selp.b64 %rd26, %rd24, %rd21, %p9;\n" /* dst */
+    /* part range: chunk = ceil(nbytes / (parts * 16)) * 16 */
+    "  mul.wide.u32 %rd27, %r6, 16;\n"
+    "  add.u64 %rd28, %rd19, %rd27;\n"
+    "  sub.u64 %rd28, %rd28, 1;\n"
+    "  div.u64 %rd28, %rd28, %rd27;\n"
+    "  shl.b64 %rd28, %rd28, 4;\n"
+    "  cvt.u64.u32 %rd29, %r14;\n"
+    "  mul.lo.u64 %rd30, %rd29, %rd28;\n" /* beg */
+    "  add.u64 %rd31, %rd30, %rd28;\n"
+    "  min.u64 %rd31, %rd31, %rd19;\n"   /* end */
+    "  add.u64 %rd32, %rd30, %rd41;\n"   /* off */
+    "VEC:\n"
+    "  setp.ge.u64 %p2, %rd32, %rd31;\n"
+    "  @%p2 bra NEXT;\n"
+    "  add.u64 %rd33, %rd32, %rd40;\n"
+    "  add.u64 %rd34, %rd33, %rd40;\n"
+    "  add.u64 %rd35, %rd34, %rd40;\n"
+    "  setp.lt.u64 %p3, %rd33, %rd31;\n"
+    "  setp.lt.u64 %p4, %rd34, %rd31;\n"
+    "  setp.lt.u64 %p5, %rd35, %rd31;\n"
+    "  add.u64 %rd43, %rd25, %rd32;\n"
+    "  add.u64 %rd44, %rd25, %rd33;\n"
+    "  add.u64 %rd45, %rd25, %rd34;\n"
+    "  add.u64 %rd46, %rd25, %rd35;\n"
+    "  ld.global.v4.u32 {%v0, %v1, %v2, %v3}, [%rd43];\n"
+    "  @%p3 ld.global.v4.u32 {%v4, %v5, %v6, %v7}, [%rd44];\n"
+    "  @%p4 ld.global.v4.u32 {%v8, %v9, %v10, %v11}, [%rd45];\n"
+    "  @%p5 ld.global.v4.u32 {%v12, %v13, %v14, %v15}, [%rd46];\n"
+    "  add.u64 %rd47, %rd26, %rd32;\n"
+    "  add.u64 %rd48, %rd26, %rd33;\n"
+    "  add.u64 %rd49, %rd26, %rd34;\n"
+    "  add.u64 %rd50, %rd26, %rd35;\n"
+    "  st.global.v4.u32 [%rd47], {%v0, %v1, %v2, %v3};\n"
+    "  @%p3 st.global.v4.u32 [%rd48], {%v4, %v5, %v6, %v7};\n"
+    "  @%p4 st.global.v4.u32 [%rd49], {%v8, %v9, %v10, %v11};\n"
+    "  @%p5 st.global.v4.u32 [%rd50], {%v12, %v13, %v14, %v15};\n"
+    "  add.u64 %rd32, %rd32, %rd42;\n"
+    "  bra VEC;\n"
+    "NEXT:\n"
+    "  add.u32 %r9, %r9, %r10;\n"
+    "  bra UNIT;\n"
+    "DONE:\n"
+    "  ret;\n"
+    "}\n"
+    ".visible .entry ao_copy_pages_l2(\n"
+    "  .param .u64 p_refs, .param .u64 p_rows, .param .u32 p_nref, .param .u32 p_nblocks,\n"
+    "  .param .u32 p_skip, .param .u32 p_bpc, .param .u32 p_store, .param .u32 p_parts,\n"
+    "  .param .align 8 .b8 p_ids[3840])\n"
+    "{\n"
+    "  .reg .pred %p<12>;\n"
+    "  .reg .b32 %r<40>;\n"
+    "  .reg .b64 %rd<64>;\n"
+    "  .reg .b32 %v<16>;\n"
+    "  ld.param.u64 %rd1, [p_refs];\n"
+    "  ld.param.u64 %rd2, [p_rows];\n"
+    "  ld.param.u32 %r1, [p_nref];\n"
+    "  ld.param.u32 %r2, [p_nblocks];\n"
+    "  ld.param.u32 %r3, [p_skip];\n"
+    "  ld.param.u32 %r4, [p_bpc];\n"
+    "  ld.param.u32 %r5, [p_store];\n"
+    "  ld.param.u32 %r6, [p_parts];\n"
+    "  mov.u64 %rd3, p_ids;\n"
+    "  mul.lo.u32 %r7, %r2, %r1;\n"   /* items */
+    "  mul.lo.u32 %r8, %r7, %r6;\n"   /* units */
+    "  mov.u32 %r9, %ctaid.x;\n"
+    "  mov.u32 %r10, %nctaid.x;\n"
+    "  mov.u32 %r11, %tid.x;\n"
+    "  mov.u32 %r12, %ntid.x;\n"
+    "  setp.ne.u32 %p9, %r5, 0;\n"    /* store */
+    "  mul.wide.u32 %rd40, %r12, 16;\n" /* bytes per thread-block pass of one vector */
+    "  mul.wide.u32 %rd41, %r11, 16;\n" /* this thread's first byte */
+    "  shl.b64 %rd42, %rd40, 2;\n"      /* step: four vectors per thread */
+    "UNIT:\n"
+    "  setp.ge.u32 %p1, %r9, %r8;\n"
+    "  @%p1 bra DONE;\n"
+    "  div.u32 %r13, %r9, %r6;\n"     /* item */
+    "  rem.u32 %r14, %r9, %r6;\n"     /* part */
+    "  div.u32 %r15, %r13, %r1;\n"    /* j */
+    "  rem.u32 %r16, %r13, %r1;\n"    /* r */
+    "  mul.wide.u32 %rd4, %r15, 4;\n"
+    "  add.u64 %rd5, %rd3, %rd4;\n"
+    "  ld.param.s32 %r17, [%rd5];\n"  /* gpu id */
+    "  add.u32 %r18, %r3, %r15;\n"    /* p = skip + j */
+    "  div.u32 %r19, %r18, %r4;\n"    /* pos */
+    "  rem.u32 %r20, %r18, %r4;\n"    /* sub */
+    "  add.u32 %r21, %r2, %r19;\n"
+    "  mul.wide.u32 %rd6, %r21, 4;\n"
+    "  add.u64 %rd7, %rd3, %rd6;\n"
+    "  ld.param.s32 %r22, [%rd7];\n"  /* slot id */
+    "  mul.wide.s32 %rd8, %r22, 8;\n"
+    "  add.u64 %rd9, %rd2, %rd8;\n"
+    "  ld.global.u64 %rd10, [%rd9];\n" /* row address */
+    "  mul.wide.u32 %rd11, %r16, 8;\n"
+    "  add.u64 %rd12, %rd1, %rd11;\n"
+    "  mul.wide.u32 %rd13, %r1, 8;\n" /* table row stride */
+    "  ld.global.u64 %rd14, [%rd12];\n" /* kv_base */
+    "  add.u64 %rd15, %rd12, %rd13;\n"
+    "  ld.global.u64 %rd16, [%rd15];\n" /* kv_stride */
+    "  add.u64 %rd15, %rd15, %rd13;\n"
+    "  ld.global.u64 %rd17, [%rd15];\n" /* host_off */
+    "  add.u64 %rd15, %rd15, %rd13;\n"
+    "  ld.global.u64 %rd18, [%rd15];\n" /* page */
+    "  add.u64 %rd15, %rd15, %rd13;\n"
+    "  ld.global.u64 %rd19, [%rd15];\n" /* nbytes */
+    "  cvt.s64.s32 %rd20, %r17;\n"
+    "  mad.lo.s64 %rd21, %rd20, %rd16, %rd14;\n" /* kv */
+    "  cvt.u64.u32 %rd22, %r20;\n"
+    "  mad.lo.s64 %rd23, %rd22, %rd18, %rd17;\n"
+    "  add.u64 %rd24, %rd10, %rd23;\n" /* host */
+    "  selp.b64 %rd25, %rd21, %rd24, %p9;\n" /* src */
+    "  selp.b64 %rd26, %rd24, %rd21, %p9;\n" /* dst */
+    /* part range: chunk = ceil(nbytes / (parts * 16)) * 16 */
+    "  mul.wide.u32 %rd27, %r6, 16;\n"
+    "  add.u64 %rd28, %rd19, %rd27;\n"
+    "  sub.u64 %rd28, %rd28, 1;\n"
+    "  div.u64 %rd28, %rd28, %rd27;\n"
+    "  shl.b64 %rd28, %rd28, 4;\n"
+    "  cvt.u64.u32 %rd29, %r14;\n"
+    "  mul.lo.u64 %rd30, %rd29, %rd28;\n" /* beg */
+    "  add.u64 %rd31, %rd30, %rd28;\n"
+    "  min.u64 %rd31, %rd31, %rd19;\n"   /* end */
+    "  add.u64 %rd32, %rd30, %rd41;\n"   /* off */
+    "VEC:\n"
+    "  setp.ge.u64 %p2, %rd32, %rd31;\n"
+    "  @%p2 bra NEXT;\n"
+    "  add.u64 %rd33, %rd32, %rd40;\n"
+    "  add.u64 %rd34, %rd33, %rd40;\n"
+    "  add.u64 %rd35, %rd34, %rd40;\n"
+    "  setp.lt.u64 %p3, %rd33, %rd31;\n"
+    "  setp.lt.u64 %p4, %rd34, %rd31;\n"
+    "  setp.lt.u64 %p5, %rd35, %rd31;\n"
+    "  add.u64 %rd43, %rd25, %rd32;\n"
+    "  add.u64 %rd44, %rd25, %rd33;\n"
+    "  add.u64 %rd45, %rd25, %rd34;\n"
+    "  add.u64 %rd46, %rd25, %rd35;\n"
+    "  ld.global.L2::256B.v4.u32 {%v0, %v1, %v2, %v3}, [%rd43];\n"
+    "  @%p3 ld.global.L2::256B.v4.u32 {%v4, %v5, %v6, %v7}, [%rd44];\n"
+    "  @%p4 ld.global.L2::256B.v4.u32 {%v8, %v9, %v10, %v11}, [%rd45];\n"
+    "  @%p5 ld.global.L2::256B.v4.u32 {%v12, %v13, %v14, %v15}, [%rd46];\n"
+    "  add.u64 %rd47, %rd26, %rd32;\n"
+    "  add.u64 %rd48, %rd26, %rd33;\n"
+    "  add.u64 %rd49, %rd26, %rd34;\n"
+    "  add.u64 %rd50, %rd26, %rd35;\n"
+    "  st.global.v4.u32 [%rd47], {%v0, %v1, %v2, %v3};\n"
+    "  @%p3 st.global.v4.u32 [%rd48], {%v4, %v5, %v6, %v7};\n"
+    "  @%p4 st.global.v4.u32 [%rd49], {%v8, %v9, %v10, %v11};\n"
+    "  @%p5 st.global.v4.u32 [%rd50], {%v12, %v13, %v14, %v15};\n"
+    "  add.u64 %rd32, %rd32, %rd42;\n"
+    "  bra VEC;\n"
+    "NEXT:\n"
+    "  add.u32 %r9, %r9, %r10;\n"
+    "  bra UNIT;\n"
+    "DONE:\n"
+    "  ret;\n"
+    "}\n";
+
+typedef CUresult (*module_load_data_t)(void **, const void *);
+typedef CUresult (*module_get_function_t)(void **, void *, const char *);
+typedef CUresult (*launch_kernel_t)(void *, unsigned, unsigned, unsigned, unsigned, unsigned,
+                                    unsigned, unsigned, CUstream, void **, void **);
+typedef CUresult (*event_create_t)(void **, unsigned);
+typedef CUresult (*event_record_t)(void *, CUstream);
+typedef CUresult (*event_destroy_t)(void *);
+typedef CUresult (*event_sync_t)(void *);
+typedef CUresult (*event_elapsed_t)(float *, void *, void *);
+typedef CUresult (*stream_wait_event_t)(CUstream, void *, unsigned);
+
+static module_load_data_t p_module_load_data;
+static module_get_function_t p_module_get_function;
+static launch_kernel_t p_launch_kernel;
+static event_create_t p_event_create;
+static event_record_t p_event_record;
+static event_destroy_t p_event_destroy;
+static event_sync_t p_event_sync;
+static event_elapsed_t p_event_elapsed;
+static stream_wait_event_t p_stream_wait_event;
+static void *copy_fn[AO_MAX_DEVICES];
+static pthread_mutex_t copy_mutex = PTHREAD_MUTEX_INITIALIZER;
+
+/* Resolve the entry points and load the copy kernel into the current context (that of
+ * `device`, made current by the caller). 0 on success, else a CUresult or -1. */
+int ao_cuda_copy_init(int device) {
+    if (device < 0 || device >= AO_MAX_DEVICES) return -1;
+    pthread_mutex_lock(&copy_mutex);
+    int rc = 0;
+    if (copy_fn[device] != NULL) goto out;
+    void *lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (lib == NULL) { rc = -1; goto out; }
+    p_module_load_data = (module_load_data_t)dlsym(lib, "cuModuleLoadData");
+    p_module_get_function = (module_get_function_t)dlsym(lib, "cuModuleGetFunction");
+    p_launch_kernel = (launch_kernel_t)dlsym(lib, "cuLaunchKernel");
+    p_event_create = (event_create_t)dlsym(lib, "cuEventCreate");
+    p_event_record = (event_record_t)dlsym(lib, "cuEventRecord");
+    p_event_destroy = (event_destroy_t)dlsym(lib, "cuEventDestroy_v2");
+    p_event_sync = (event_sync_t)dlsym(lib, "cuEventSynchronize");
+    p_event_elapsed = (event_elapsed_t)dlsym(lib, "cuEventElapsedTime");
+    p_stream_wait_event = (stream_wait_event_t)dlsym(lib, "cuStreamWaitEvent");
+    if (!p_event_query) p_event_query = (event_query_t)dlsym(lib, "cuEventQuery");
+    if (!p_module_load_data || !p_module_get_function || !p_launch_kernel || !p_event_create ||
+        !p_event_record || !p_event_destroy || !p_event_sync || !p_event_elapsed ||
+        !p_stream_wait_event || !p_event_query) {
+        rc = -1;
+        goto out;
+    }
+    void *module = NULL;
+    rc = p_module_load_data(&module, ao_copy_ptx);
+    if (rc != 0) goto out;
+    void *fn = NULL;
+    const char *variant = getenv("ASYNCOFFLOAD_NATIVE_KERNEL");
+    rc = p_module_get_function(&fn, module,
+                               variant && variant[0] == 'l' ? "ao_copy_pages_l2" : "ao_copy_pages");
+    if (rc != 0) goto out;
+    copy_fn[device] = fn;
+out:
+    pthread_mutex_unlock(&copy_mutex);
+    return rc;
+}
+
+/* A job's timing events: out[0] start, out[1] end (timing enabled). */
+int ao_cuda_event_pair(uint64_t *out) {
+    void *a = NULL, *b = NULL;
+    CUresult rc = p_event_create(&a, 0);
+    if (rc != 0) return rc;
+    rc = p_event_create(&b, 0);
+    if (rc != 0) {
+        p_event_destroy(a);
+        return rc;
+    }
+    out[0] = (uint64_t)(uintptr_t)a;
+    out[1] = (uint64_t)(uintptr_t)b;
+    return 0;
+}
+
+/* An event without timing (the caller-stream fence). */
+int ao_cuda_event_plain(uint64_t *out) {
+    void *a = NULL;
+    CUresult rc = p_event_create(&a, 2); /* CU_EVENT_DISABLE_TIMING */
+    out[0] = (uint64_t)(uintptr_t)a;
+    return rc;
+}
+
+int ao_cuda_event_query(void *event) { return p_event_query(event); }
+int ao_cuda_event_sync(void *event) { return p_event_sync(event); }
+int ao_cuda_event_destroy(void *event) { return p_event_destroy(event); }
+int ao_cuda_event_elapsed(void *start, void *end, float *ms) {
+    return p_event_elapsed(ms, start, end);
+}
+
+/*
+ * One transfer of one group on `stream`: wait for `caller` (through the event `fence`,
+ * unless it is the same stream), record `start`, launch the kernel over blocks
+ * gpu_ids[0 .. n) (slot ids slot_ids[0 ..)), as many launches as the parameter space
+ * needs, record `end`; then, if `slot`, the completion host function (and the spinner
+ * over [spin_start, spin_stop) when spin_stop > 0). `programs`: the most thread blocks a
+ * launch uses. Returns 0 or the first failing CUresult (what was queued before it stays
+ * queued).
+ */
+int ao_cuda_copy_launch(int device, void *caller, void *stream, void *fence, void *start,
+                        void *end, uint64_t refs, uint64_t rows, int nref, int n,
+                        const int64_t *gpu_ids, const int64_t *slot_ids, int skip, int bpc,
+                        int store, int programs, int64_t page_bytes, void *slot,
+                        int64_t spin_start, int64_t spin_stop) {
+    CUresult rc = -1;
+    if (device < 0 || device >= AO_MAX_DEVICES || copy_fn[device] == NULL) goto fail;
+    if (caller != stream) {
+        rc = p_event_record(fence, (CUstream)caller);
+        if (rc != 0) goto fail;
+        rc = p_stream_wait_event((CUstream)stream, fence, 0);
+        if (rc != 0) goto fail;
+    }
+    if (start != NULL && (rc = p_event_record(start, (CUstream)stream)) != 0) goto fail;
+    struct {
+        uint64_t refs, rows;
+        uint32_t nref, nblocks, skip, bpc, store, parts;
+        int32_t ids[AO_PARAM_IDS / 4];
+    } prm;
+    void *args[9] = {&prm.refs, &prm.rows, &prm.nref, &prm.nblocks, &prm.skip,
+                     &prm.bpc,  &prm.store, &prm.parts, prm.ids};
+    prm.refs = refs;
+    prm.rows = rows;
+    prm.nref = (uint32_t)nref;
+    prm.bpc = (uint32_t)bpc;
+    prm.store = (uint32_t)(store != 0);
+    /* Blocks per launch: ids of m blocks and of their at most m/bpc + 2 slots fit. */
+    int cap = (AO_PARAM_IDS / 4 - 2) * bpc / (bpc + 1);
+    if (cap < 1) cap = 1;
+    int j0 = 0;
+    while (j0 < n) {
+        int m = n - j0 < cap ? n - j0 : cap;
+        int p0 = (skip + j0) / bpc;
+        int p1 = (skip + j0 + m - 1) / bpc;
+        for (int j = 0; j < m; j++) prm.ids[j] = (int32_t)gpu_ids[j0 + j];
+        for (int p = p0; p <= p1; p++) prm.ids[m + p - p0] = (int32_t)slot_ids[p];
+        prm.nblocks = (uint32_t)m;
+        prm.skip = (uint32_t)(skip + j0 - p0 * bpc);
+        long items = (long)m * nref;
+        /* Split pages so that a launch has at least `programs` units, 4 KiB a part at
+         * least (one pass of 256 threads x 16 B). */
+        long parts = (programs + items - 1) / items;
+        long max_parts = page_bytes / 4096;
+        if (parts > max_parts) parts = max_parts;
+        if (parts < 1) parts = 1;
+        prm.parts = (uint32_t)parts;
+        long units = items * parts;
+        unsigned grid = (unsigned)(units < programs ? units : programs);
+        rc = p_launch_kernel(copy_fn[device], grid, 1, 1, 256, 1, 1, 0, (CUstream)stream, args,
+                             NULL);
+        if (rc != 0) goto fail;
+        j0 += m;
+    }
+    if (end != NULL && (rc = p_event_record(end, (CUstream)stream)) != 0) goto fail;
+    if (slot != NULL) {
+        rc = ao_cuda_launch_wake(stream, slot);
+        if (rc != 0) goto fail;
+        if (spin_stop > 0 && end != NULL) {
+            int64_t *s = (int64_t *)slot;
+            s[4] = 0;
+            if (ao_cuda_spin_watch(end, s, spin_start, spin_stop) != 0) s[4] = 1;
+        }
+    }
+    return 0;
+fail:
+    /* No host function was queued with the slot: nothing native holds it. */
+    if (slot != NULL) __atomic_store_n(&((int64_t *)slot)[3], 1, __ATOMIC_RELEASE);
+    return rc;
+}
+
+/*
+ * The staged copy of one group whose slots the job fills whole (dense slots, no partial
+ * first or last slot), in one call: per chunk of `rows` slots, double-buffered across
+ * the copy stream (DMAs between host slots and staging rows, consecutive slots of one
+ * pinned chunk merged into one descriptor) and the kernel stream (the copy kernel between
+ * the KV pages and staging rows, which it finds through the device table stage_rows[buf]
+ * with slot ids 0 .. rows-1). Buffer b is refilled only after the work that last read it
+ * (done[b], across jobs too: used[b] says whether done[b] was recorded). The job starts
+ * after the caller's stream on both streams and ends on the copy stream (`join` carries
+ * the kernel stream's last work there), where `end` and the host function go. `n`: the
+ * blocks, bpc to a slot, so n / bpc slots. `state`:
+ * [next buffer, used 0, used 1], updated. Returns 0 or the first failing CUresult.
+ */
+int ao_cuda_staged_launch(int device, void *caller, void *stream, void *kstream, void *fence,
+                          void *join, void *start, void *end, uint64_t refs, int nref, int n,
+                          const int64_t *gpu_ids, const int64_t *slot_ids, int store,
+                          int bpc, int programs, int64_t page_bytes, const int64_t *host_rows,
+                          int64_t rows_per_chunk, int64_t slot_bytes, int rows,
+                          const uint64_t *stage_base, const uint64_t *stage_rows,
+                          int64_t row_stride, int *state, void **ready, void **done,
+                          int use_batch, void *slot, int64_t spin_start, int64_t spin_stop) {
+    CUresult rc = -1;
+    uint64_t *src = NULL, *dst = NULL, *size = NULL;
+    int64_t *pos = NULL;
+    if (device < 0 || device >= AO_MAX_DEVICES || copy_fn[device] == NULL) goto fail;
+    src = (uint64_t *)malloc(sizeof(uint64_t) * (size_t)rows);
+    dst = (uint64_t *)malloc(sizeof(uint64_t) * (size_t)rows);
+    size = (uint64_t *)malloc(sizeof(uint64_t) * (size_t)rows);
+    pos = (int64_t *)malloc(sizeof(int64_t) * (size_t)rows);
+    if (!src || !dst || !size || !pos) goto fail;
+    for (int i = 0; i < rows; i++) pos[i] = i;
+    rc = p_event_record(fence, (CUstream)caller);
+    if (rc != 0) goto fail;
+    if ((rc = p_stream_wait_event((CUstream)stream, fence, 0)) != 0) goto fail;
+    if ((rc = p_stream_wait_event((CUstream)kstream, fence, 0)) != 0) goto fail;
+    if (start != NULL && (rc = p_event_record(start, (CUstream)stream)) != 0) goto fail;
+    int nslots = n / bpc; /* whole slots: n is a multiple of bpc */
+    for (int lo = 0; lo < nslots; lo += rows) {
+        int m = nslots - lo < rows ? nslots - lo : rows;
+        int buf = state[0];
+        state[0] = buf ^ 1;
+        /* DMA descriptors of this chunk, merged where host and staging are contiguous. */
+        size_t count = 0;
+        for (int i = 0; i < m; i++) {
+            int64_t s = slot_ids[lo + i];
+            uint64_t h = (uint64_t)host_rows[s];
+            uint64_t d = stage_base[buf] + (uint64_t)(i * row_stride);
+            if (count > 0 && row_stride == slot_bytes && s > 0 &&
+                s / rows_per_chunk == slot_ids[lo + i - 1] / rows_per_chunk &&
+                h == (uint64_t)host_rows[slot_ids[lo + i - 1]] + (uint64_t)slot_bytes &&
+                (store ? dst[count - 1] : src[count - 1]) + size[count - 1] == h) {
+                size[count - 1] += (uint64_t)slot_bytes;
+                continue;
+            }
+            src[count] = store ? d : h;
+            dst[count] = store ? h : d;
+            size[count] = (uint64_t)slot_bytes;
+            count++;
+        }
+        if (store) {
+            if (state[1 + buf] && (rc = p_stream_wait_event((CUstream)kstream, done[buf], 0)) != 0)
+                goto fail;
+            rc = ao_cuda_copy_launch(device, kstream, kstream, NULL, NULL, NULL, refs,
+                                     stage_rows[buf], nref, m * bpc, gpu_ids + (int64_t)lo * bpc, pos, 0,
+                                     bpc, 1,
+                                     programs, page_bytes, NULL, 0, 0);
+            if (rc != 0) goto fail;
+            if ((rc = p_event_record(ready[buf], (CUstream)kstream)) != 0) goto fail;
+            if ((rc = p_stream_wait_event((CUstream)stream, ready[buf], 0)) != 0) goto fail;
+            rc = use_batch ? ao_cuda_memcpy_batch(stream, dst, src, size, count, 0, device, 1, 0)
+                           : ao_cuda_memcpy_each(stream, dst, src, size, count);
+            if (rc != 0) goto fail;
+            if ((rc = p_event_record(done[buf], (CUstream)stream)) != 0) goto fail;
+        } else {
+            if (state[1 + buf] && (rc = p_stream_wait_event((CUstream)stream, done[buf], 0)) != 0)
+                goto fail;
+            rc = use_batch ? ao_cuda_memcpy_batch(stream, dst, src, size, count, 1, device, 3, 0)
+                           : ao_cuda_memcpy_each(stream, dst, src, size, count);
+            if (rc != 0) goto fail;
+            if ((rc = p_event_record(ready[buf], (CUstream)stream)) != 0) goto fail;
+            if ((rc = p_stream_wait_event((CUstream)kstream, ready[buf], 0)) != 0) goto fail;
+            rc = ao_cuda_copy_launch(device, kstream, kstream, NULL, NULL, NULL, refs,
+                                     stage_rows[buf], nref, m * bpc, gpu_ids + (int64_t)lo * bpc, pos, 0,
+                                     bpc, 0,
+                                     programs, page_bytes, NULL, 0, 0);
+            if (rc != 0) goto fail;
+            if ((rc = p_event_record(done[buf], (CUstream)kstream)) != 0) goto fail;
+        }
+        state[1 + buf] = 1;
+    }
+    /* The job ends on the copy stream, after the kernel stream's last work. */
+    if ((rc = p_event_record(join, (CUstream)kstream)) != 0) goto fail;
+    if ((rc = p_stream_wait_event((CUstream)stream, join, 0)) != 0) goto fail;
+    if (end != NULL && (rc = p_event_record(end, (CUstream)stream)) != 0) goto fail;
+    if (slot != NULL) {
+        if ((rc = ao_cuda_launch_wake(stream, slot)) != 0) goto fail;
+        if (spin_stop > 0 && end != NULL) {
+            int64_t *sl = (int64_t *)slot;
+            sl[4] = 0;
+            if (ao_cuda_spin_watch(end, sl, spin_start, spin_stop) != 0) sl[4] = 1;
+        }
+    }
+    free(src);
+    free(dst);
+    free(size);
+    free(pos);
+    return 0;
+fail:
+    free(src);
+    free(dst);
+    free(size);
+    free(pos);
+    if (slot != NULL) __atomic_store_n(&((int64_t *)slot)[3], 1, __ATOMIC_RELEASE);
+    return rc;
+}

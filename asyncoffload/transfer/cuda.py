@@ -29,6 +29,7 @@ import mmap
 import os
 import time
 import weakref
+from array import array
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
@@ -44,6 +45,8 @@ __all__ = [
     "CopyMethod",
     "CudaCopyBackend",
     "CudaJob",
+    "NativeCopy",
+    "NativeEvent",
     "PinnedHostPool",
     "mark_completion",
     "start_timing",
@@ -217,7 +220,7 @@ class _PinnedRing:
         self.capacity = capacity
         self.buf = torch.empty(capacity, dtype=torch.int64, pin_memory=True)
         self.head = 0
-        self.busy: deque[tuple[int, int, torch.cuda.Event]] = deque()
+        self.busy: deque[tuple[int, int, torch.cuda.Event | NativeEvent]] = deque()
 
     def take(self, n: int) -> torch.Tensor:
         if n > self.capacity:
@@ -225,18 +228,367 @@ class _PinnedRing:
         start = self.head if self.head + n <= self.capacity else 0
         end = start + n
         busy = self.busy
-        while busy and busy[0][2].query():  # type: ignore[no-untyped-call]
+        while busy and busy[0][2].query():
             busy.popleft()
         while busy and any(s < end and start < e for s, e, _ in busy):
             busy.popleft()[2].synchronize()
         self.head = end
         return self.buf[start:end]
 
-    def release(self, region: torch.Tensor, event: torch.cuda.Event) -> None:
+    def release(self, region: torch.Tensor, event: torch.cuda.Event | NativeEvent) -> None:
         """``region`` (from :meth:`take`) is free once ``event`` has completed."""
         if region.untyped_storage().data_ptr() == self.buf.untyped_storage().data_ptr():
             start = int(region.storage_offset())
             self.busy.append((start, start + int(region.numel()), event))
+
+
+_CUDA_ERROR_NOT_READY = 600
+
+
+class NativeEvent:
+    """A CUDA event made and recorded by the native copy path, with the part of
+    ``torch.cuda.Event``'s interface that jobs use (``query``, ``synchronize``,
+    ``elapsed_time``, ``cuda_event``). Destroyed with the object (not in a fork's child:
+    the event belongs to the parent's context)."""
+
+    __slots__ = ("_lib", "_pid", "_reuse", "cuda_event")
+
+    def __init__(self, lib: ctypes.CDLL, handle: int, reuse: bool = True) -> None:
+        self._lib = lib
+        self._pid = os.getpid()
+        self._reuse = reuse  # a timing event, to the free list when dropped
+        self.cuda_event = handle
+
+    def query(self) -> bool:
+        rc = int(self._lib.ao_cuda_event_query(self.cuda_event))
+        if rc == 0:
+            return True
+        if rc == _CUDA_ERROR_NOT_READY:
+            return False
+        raise RuntimeError(f"CUDA error {rc} surfaced by a copy's event")
+
+    def synchronize(self) -> None:
+        rc = int(self._lib.ao_cuda_event_sync(self.cuda_event))
+        if rc != 0:
+            raise RuntimeError(f"CUDA error {rc} surfaced by a copy's event")
+
+    def elapsed_time(self, end: NativeEvent) -> float:
+        """Milliseconds from this event to ``end`` (both completed, both timing)."""
+        ms = ctypes.c_float(0.0)
+        rc = int(self._lib.ao_cuda_event_elapsed(self.cuda_event, end.cuda_event, ctypes.byref(ms)))
+        if rc != 0:
+            raise RuntimeError(f"cuEventElapsedTime failed: CUresult {rc}")
+        return float(ms.value)
+
+    def __del__(self) -> None:
+        handle, self.cuda_event = self.cuda_event, 0
+        if not handle or os.getpid() != self._pid:
+            return
+        # Unreferenced, nothing can wait on it or record it again: back to the free list
+        # (destroying and creating events costs microseconds of driver time per job).
+        if (
+            self._reuse
+            and len(_free_events) < _FREE_EVENTS_MAX
+            and _free_events_pid[0] == self._pid
+        ):
+            _free_events.append(handle)
+            return
+        with contextlib.suppress(Exception):  # a context torn down at exit
+            self._lib.ao_cuda_event_destroy(handle)
+
+
+# Timing events (all of one device's context, made by ``NativeCopy.events``) no job holds
+# any more, for reuse; only in the process that made them.
+_free_events: list[int] = []
+_free_events_pid = [os.getpid()]
+_FREE_EVENTS_MAX = 256
+
+
+_NATIVE_SIGNATURES: dict[str, tuple[list[Any], Any]] = {
+    "ao_cuda_copy_init": ([ctypes.c_int], ctypes.c_int),
+    "ao_cuda_event_pair": ([ctypes.c_void_p], ctypes.c_int),
+    "ao_cuda_event_plain": ([ctypes.c_void_p], ctypes.c_int),
+    "ao_cuda_event_query": ([ctypes.c_void_p], ctypes.c_int),
+    "ao_cuda_event_sync": ([ctypes.c_void_p], ctypes.c_int),
+    "ao_cuda_event_destroy": ([ctypes.c_void_p], ctypes.c_int),
+    "ao_cuda_event_elapsed": ([ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p], ctypes.c_int),
+    "ao_cuda_staged_launch": (
+        [
+            ctypes.c_int,  # device
+            ctypes.c_void_p,  # caller stream
+            ctypes.c_void_p,  # copy stream
+            ctypes.c_void_p,  # kernel stream
+            ctypes.c_void_p,  # fence event
+            ctypes.c_void_p,  # join event
+            ctypes.c_void_p,  # start event
+            ctypes.c_void_p,  # end event
+            ctypes.c_uint64,  # refs table (device)
+            ctypes.c_int,  # nref
+            ctypes.c_int,  # blocks
+            ctypes.c_void_p,  # gpu ids (int64)
+            ctypes.c_void_p,  # slot ids (int64)
+            ctypes.c_int,  # store
+            ctypes.c_int,  # blocks per slot
+            ctypes.c_int,  # programs
+            ctypes.c_int64,  # largest page
+            ctypes.c_void_p,  # host slot addresses (int64, CPU)
+            ctypes.c_int64,  # slots per pinned chunk
+            ctypes.c_int64,  # slot bytes
+            ctypes.c_int,  # staging rows per buffer
+            ctypes.c_void_p,  # staging bases [2]
+            ctypes.c_void_p,  # staging row tables (device) [2]
+            ctypes.c_int64,  # row stride
+            ctypes.c_void_p,  # state [next buffer, used 0, used 1]
+            ctypes.c_void_p,  # ready events [2]
+            ctypes.c_void_p,  # done events [2]
+            ctypes.c_int,  # use cuMemcpyBatchAsync
+            ctypes.c_void_p,  # wake-up slot
+            ctypes.c_int64,  # spin from
+            ctypes.c_int64,  # spin until
+        ],
+        ctypes.c_int,
+    ),
+    "ao_cuda_copy_launch": (
+        [
+            ctypes.c_int,  # device
+            ctypes.c_void_p,  # caller stream
+            ctypes.c_void_p,  # copy stream
+            ctypes.c_void_p,  # fence event
+            ctypes.c_void_p,  # start event
+            ctypes.c_void_p,  # end event
+            ctypes.c_uint64,  # refs table (device)
+            ctypes.c_uint64,  # row table (device)
+            ctypes.c_int,  # nref
+            ctypes.c_int,  # blocks
+            ctypes.c_void_p,  # gpu ids (int64)
+            ctypes.c_void_p,  # slot ids (int64)
+            ctypes.c_int,  # skip
+            ctypes.c_int,  # bpc
+            ctypes.c_int,  # store
+            ctypes.c_int,  # programs
+            ctypes.c_int64,  # largest page
+            ctypes.c_void_p,  # wake-up slot
+            ctypes.c_int64,  # spin from
+            ctypes.c_int64,  # spin until
+        ],
+        ctypes.c_int,
+    ),
+}
+
+
+def native_copy_ready(lib: ctypes.CDLL | None, device: torch.device) -> bool:
+    """Whether the native copy path (``ao_cuda_copy_launch``, a kernel JIT-compiled from
+    PTX by the driver) runs on ``device``: the helper has it, and the kernel loaded.
+    ``ASYNCOFFLOAD_NATIVE_COPY=0`` turns it off (the Python paths then run)."""
+    if lib is None or os.environ.get("ASYNCOFFLOAD_NATIVE_COPY", "1") == "0":
+        return False
+    try:
+        for name, (argtypes, restype) in _NATIVE_SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.argtypes = argtypes
+            fn.restype = restype
+    except AttributeError:  # a helper built from an older source
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    with torch.cuda.device(index):
+        torch.empty(1, device=index)  # the primary context is current from here
+        rc = int(lib.ao_cuda_copy_init(index))
+    if rc != 0:
+        log.info("native copy kernel unavailable on cuda:%d (CUresult %d)", index, rc)
+        return False
+    return True
+
+
+def _native_programs(sms: int) -> int:
+    """Thread blocks per native launch: ``ASYNCOFFLOAD_NATIVE_PROGRAMS`` per
+    multiprocessor (default 4)."""
+    return max(1, int(os.environ.get("ASYNCOFFLOAD_NATIVE_PROGRAMS", "4")) * sms)
+
+
+class NativeCopy:
+    """One device's native copy launches (see ``ao_cuda_copy_launch`` in
+    ``cuda_helpers.c``): per direction a copy stream and a fence event, the caller's
+    current stream read raw (no torch stream objects, no context managers), the job's
+    timing events made natively, the ids passed as kernel parameters (nothing to keep
+    alive after the call)."""
+
+    #: Kernel launch's alignment need: every address and size a multiple of this.
+    ALIGN = 16
+
+    def __init__(
+        self, lib: ctypes.CDLL, device: torch.device, streams: Sequence[torch.cuda.Stream]
+    ) -> None:
+        self.lib = lib
+        self.index = device.index if device.index is not None else torch.cuda.current_device()
+        self.streams = [int(s.cuda_stream) for s in streams]
+        self._raw_stream = torch._C._cuda_getCurrentRawStream
+        self._pair = (ctypes.c_uint64 * 2)()
+        #: Events are recycled only where one device is in use (an event belongs to the
+        #: context it was made in).
+        self.single_device = torch.cuda.device_count() == 1
+        self.fences = [self.plain_event() for _ in streams]
+
+    def plain_event(self) -> NativeEvent:
+        """An event without timing (fences, staging order), not recycled."""
+        out = (ctypes.c_uint64 * 1)()
+        rc = self.lib.ao_cuda_event_plain(out)
+        if rc != 0:
+            raise RuntimeError(f"cuEventCreate failed: CUresult {rc}")
+        return NativeEvent(self.lib, int(out[0]), reuse=False)
+
+    def events(self) -> tuple[NativeEvent, NativeEvent]:
+        """Two timing events (start, end), from the free list where it has them."""
+        free = _free_events
+        if _free_events_pid[0] != os.getpid():  # a fork's child: the handles are the parent's
+            free.clear()
+            _free_events_pid[0] = os.getpid()
+        if len(free) >= 2 and self.single_device:
+            return NativeEvent(self.lib, free.pop()), NativeEvent(self.lib, free.pop())
+        pair = self._pair
+        rc = self.lib.ao_cuda_event_pair(pair)
+        if rc != 0:
+            raise RuntimeError(f"cuEventCreate failed: CUresult {rc}")
+        return NativeEvent(self.lib, pair[0]), NativeEvent(self.lib, pair[1])
+
+    def staged(
+        self,
+        job: CudaJob,
+        direction: int,
+        kernel_stream: int,
+        stage: _NativeStaging,
+        span: tuple[int, int, int, int, int, int, int],
+        host_rows: int,
+        rows_per_chunk: int,
+        slot_bytes: int,
+        bpc: int,
+        programs: int,
+        use_batch: bool,
+    ) -> None:
+        """Queue ``job``'s staged copy of one group with whole slots (see
+        ``ao_cuda_staged_launch``): ``span`` as for :meth:`launch` (its skip 0),
+        ``host_rows``: the CPU int64 table of host slot addresses, ``stage``: the
+        direction's staging buffers and their events."""
+        start, end = self.events()
+        job._start, job._event = start, end
+        refs, nref, n, gpu_ids, slot_ids, _skip, page = span
+        rc = self.lib.ao_cuda_staged_launch(
+            self.index,
+            self._raw_stream(self.index),
+            self.streams[direction],
+            kernel_stream,
+            self.fences[direction].cuda_event,
+            stage.join.cuda_event,
+            start.cuda_event,
+            end.cuda_event,
+            refs,
+            nref,
+            n,
+            gpu_ids,
+            slot_ids,
+            direction == 0,
+            bpc,
+            programs,
+            page,
+            host_rows,
+            rows_per_chunk,
+            slot_bytes,
+            stage.rows,
+            stage.bases,
+            stage.tables,
+            stage.row_stride,
+            stage.state,
+            stage.ready,
+            stage.done,
+            use_batch,
+            None,
+            0,
+            0,
+        )
+        if rc != 0:
+            raise RuntimeError(f"native staged copy failed: CUresult {rc}")
+
+    def launch(
+        self,
+        job: CudaJob,
+        direction: int,
+        rows: int,
+        spans: Sequence[tuple[int, int, int, int, int, int, int]],
+        bpc: int,
+        programs: int,
+        wake_fd: int | None,
+        spin_ns: tuple[int, int] | None,
+    ) -> None:
+        """Queue ``job``'s copy on ``direction``'s stream after the caller's current
+        stream. ``spans``: per group ``(refs, nref, n, gpu_ids, slot_ids, skip, page)``,
+        its ref table (device address of an int64 ``[5, nref]`` table: kv_base,
+        kv_stride, host offset, page, bytes), ``n`` blocks at ``gpu_ids`` and their slots
+        at ``slot_ids`` (addresses of int64 arrays, read during the call), the sub-blocks
+        its first slot skips and its largest page; ``rows``: the device address of the
+        table of host slot addresses. Marks the job's completion as
+        :func:`mark_completion` does. Raises ``RuntimeError`` if a CUDA call failed (what
+        was queued before it stays queued)."""
+        start, end = self.events()
+        job._start, job._event = start, end
+        slot = None
+        if wake_fd is not None:
+            # [state, end ns, fd, host function ran, spinner done] (see cuda_helpers.c)
+            slot = (ctypes.c_int64 * 5)(0, 0, wake_fd, 0, 1)
+        spin_from, spin_until = spin_ns if spin_ns is not None else (0, 0)
+        stream = self.streams[direction]
+        caller = self._raw_stream(self.index)
+        last = len(spans) - 1
+        for i, (refs, nref, n, gpu_ids, slot_ids, skip, page) in enumerate(spans):
+            rc = self.lib.ao_cuda_copy_launch(
+                self.index,
+                caller if i == 0 else stream,  # the stream itself: no fence
+                stream,
+                self.fences[direction].cuda_event,
+                start.cuda_event if i == 0 else None,
+                end.cuda_event if i == last else None,
+                refs,
+                rows,
+                nref,
+                n,
+                gpu_ids,
+                slot_ids,
+                skip,
+                bpc,
+                direction == 0,
+                programs,
+                page,
+                None if slot is None or i != last else ctypes.addressof(slot),
+                spin_from,
+                spin_until,
+            )
+            if rc != 0:  # no host function holds the slot then (see cuda_helpers.c)
+                raise RuntimeError(f"native copy launch failed: CUresult {rc}")
+        if slot is not None:
+            job._slot = slot
+            job._lib = self.lib
+
+
+class _NativeStaging:
+    """One direction's staging for :meth:`NativeCopy.staged`: two device buffers of
+    ``rows`` rows of ``row_stride`` bytes, each with a device table of its row addresses,
+    and the events that order their reuse."""
+
+    def __init__(
+        self, native: NativeCopy, device: torch.device, rows: int, row_stride: int
+    ) -> None:
+        self.rows = rows
+        self.row_stride = row_stride
+        self.buffers = [
+            torch.empty((rows, row_stride), dtype=torch.uint8, device=device) for _ in range(2)
+        ]
+        steps = torch.arange(rows, dtype=torch.int64) * row_stride
+        self.row_tables = [(b.data_ptr() + steps).to(device) for b in self.buffers]
+        self.bases = (ctypes.c_uint64 * 2)(*(b.data_ptr() for b in self.buffers))
+        self.tables = (ctypes.c_uint64 * 2)(*(t.data_ptr() for t in self.row_tables))
+        self.state = (ctypes.c_int * 3)(0, 0, 0)  # next buffer, buffer 0 / 1 used
+        self._events = [native.plain_event() for _ in range(5)]
+        self.ready = (ctypes.c_void_p * 2)(*(e.cuda_event for e in self._events[:2]))
+        self.done = (ctypes.c_void_p * 2)(*(e.cuda_event for e in self._events[2:4]))
+        self.join = self._events[4]
 
 
 def _new_stream(device: torch.device) -> torch.cuda.Stream:
@@ -248,16 +600,17 @@ class CudaJob(CopyJob):
     the native helper) when its CUDA event has completed. Its duration is measured on the
     device, between timing events around the copy."""
 
-    __slots__ = ("_event", "_keep", "_lib", "_slot", "_start", "method")
+    __slots__ = ("_event", "_keep", "_lib", "_seconds", "_slot", "_start", "method")
 
     def __init__(self, num_blocks: int, nbytes: int, method: str) -> None:
         super().__init__(num_blocks, nbytes)
         self.method = method
-        self._start: torch.cuda.Event | None = None
-        self._event: torch.cuda.Event | None = None
+        self._start: torch.cuda.Event | NativeEvent | None = None
+        self._event: torch.cuda.Event | NativeEvent | None = None
         self._slot: ctypes.Array[ctypes.c_int64] | None = None
         self._lib: ctypes.CDLL | None = None
         self._keep: list[Any] = []
+        self._seconds: float | None = None
 
     def query(self) -> bool:
         if self._done:
@@ -268,7 +621,7 @@ class CudaJob(CopyJob):
             if self._lib.ao_cuda_slot_done(ctypes.addressof(slot)):
                 self.finished_ns = slot[1]  # CLOCK_MONOTONIC, as perf_counter_ns
                 self._done = True
-                _retire(self._lib, slot)
+                _retire(self._lib, slot, self._event)
         else:
             self._query_event()
         if self._done:
@@ -279,7 +632,7 @@ class CudaJob(CopyJob):
         if self._event is None:
             return
         try:
-            done = self._event.query()  # type: ignore[no-untyped-call]
+            done = self._event.query()
         except RuntimeError as exc:  # a CUDA error surfaced by the event
             self.finish(exc)
             self.stamped = False
@@ -293,23 +646,26 @@ class CudaJob(CopyJob):
         # event query is what surfaces the error.
         if not self._done and self._slot is not None and self._event is not None:
             try:
-                self._event.query()  # type: ignore[no-untyped-call]
+                self._event.query()
             except RuntimeError as exc:
                 self.finish(exc)
                 self.stamped = False
                 self._keep.clear()
                 if self._lib is not None:
-                    _retire(self._lib, self._slot)
+                    _retire(self._lib, self._slot, self._event)
         return self._done
 
     @property
     def duration_s(self) -> float:
         if not self._done:
             return 0.0
+        if self._seconds is not None:
+            return self._seconds
         if self._start is not None and self._event is not None and self.error is None:
             try:
-                ms: float = self._start.elapsed_time(self._event)
-                return ms / 1e3
+                ms: float = self._start.elapsed_time(self._event)  # type: ignore[arg-type]
+                self._seconds = ms / 1e3  # asked for several times once done
+                return self._seconds
             except RuntimeError:
                 pass
         return super().duration_s
@@ -326,11 +682,13 @@ def start_timing(job: CudaJob, stream: torch.cuda.Stream) -> None:
 # function runs after the job is done when the spinner saw the end first, and the
 # spinner may look at a slot until its window closes. They are freed only once native
 # code has let go of them (``ao_cuda_slot_released``).
-_retired_slots: list[tuple[ctypes.CDLL, ctypes.Array[ctypes.c_int64]]] = []
+# The spinner also polls the job's event until it lets go of the slot: the event is kept
+# with the slot (a native event would otherwise be destroyed under the spinner's feet).
+_retired_slots: list[tuple[ctypes.CDLL, ctypes.Array[ctypes.c_int64], object]] = []
 
 
-def _retire(lib: ctypes.CDLL, slot: ctypes.Array[ctypes.c_int64]) -> None:
-    _retired_slots.append((lib, slot))
+def _retire(lib: ctypes.CDLL, slot: ctypes.Array[ctypes.c_int64], event: object = None) -> None:
+    _retired_slots.append((lib, slot, event))
     if len(_retired_slots) > 64:
         _reap_slots()
 
@@ -338,8 +696,8 @@ def _retire(lib: ctypes.CDLL, slot: ctypes.Array[ctypes.c_int64]) -> None:
 def _reap_slots() -> int:
     """Free the retired slots native code is done with; how many remain."""
     _retired_slots[:] = [
-        (lib, slot)
-        for lib, slot in _retired_slots
+        (lib, slot, event)
+        for lib, slot, event in _retired_slots
         if not lib.ao_cuda_slot_released(ctypes.addressof(slot))
     ]
     return len(_retired_slots)
@@ -477,6 +835,14 @@ class CudaCopyBackend(TransferBackend):
             "staged": 0,
             "gather": 0,
         }
+        #: The native copy path (``NativeCopy``): the ``kernel`` method in one C call, no
+        #: Triton launch, no torch stream objects; ``auto`` takes it for jobs of at most
+        #: ``native_max_blocks`` blocks. ``None`` where it is unavailable.
+        self._native: NativeCopy | None = None
+        self.native_max_blocks = 32
+        self._native_refs: torch.Tensor | None = None
+        self._plain_enqueue = False
+        self._setup_native()
         if copy_method != "auto" and not self._available(copy_method):
             raise RuntimeError(f"copy_method={copy_method!r} is not available here")
         if self.has_kernel:
@@ -493,7 +859,14 @@ class CudaCopyBackend(TransferBackend):
             (*self._streams, *self._kernel_streams),
             self.pool,
             self._fds,
-            (self._kv, self._staging, self._staged, self._staged_buffers, self._rings),
+            (
+                self._kv,
+                self._staging,
+                self._staged,
+                self._staged_buffers,
+                self._rings,
+                self._native_refs,
+            ),
         )
         log.info(
             "CUDA backend on %s: %d host blocks of %d B (%s), methods: batch=%s kernel=%s, "
@@ -563,10 +936,46 @@ class CudaCopyBackend(TransferBackend):
             torch.cuda.synchronize(self.device)
             host.zero_()
 
+    def _setup_native(self) -> None:
+        """Use the native copy path if the helper has it, the pool is pinned and every
+        fragment address, stride and size (and every host slot) is 16-byte aligned."""
+        frag = self.layout.fragment_bytes
+        align = NativeCopy.ALIGN
+        aligned = (
+            frag % align == 0
+            and self.layout.block_bytes % align == 0
+            and all(v.data_ptr() % align == 0 and v.stride(0) % align == 0 for v in self._frags)
+            and bool((self.pool.device_block_address % align == 0).all())
+        )
+        if not (aligned and self.pool.pinned and native_copy_ready(self._lib, self.device)):
+            return
+        assert self._lib is not None
+        nfrag = len(self._frags)
+        table = torch.stack(
+            [
+                self._kv_base,
+                self._kv_stride,
+                self._frag_offset,
+                torch.zeros(nfrag, dtype=torch.int64),
+                torch.full((nfrag,), frag, dtype=torch.int64),
+            ]
+        )
+        self._native_refs = table.contiguous().to(self.device)
+        self._native = NativeCopy(self._lib, self.device, self._streams)
+        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        self._native_programs = _native_programs(sms)
+        self._plain_enqueue = type(self)._enqueue is CudaCopyBackend._enqueue
+        torch.cuda.synchronize(self.device)
+
+    @property
+    def has_native(self) -> bool:
+        """Whether the native copy path serves the ``kernel`` method here."""
+        return self._native is not None
+
     def _available(self, method: str) -> bool:
         return {
             "batch": self.has_batch,
-            "kernel": self.has_kernel,
+            "kernel": self.has_kernel or self._native is not None,
             "staged": self.has_kernel and self.has_batch,
             "gather": True,
         }[method]
@@ -579,6 +988,9 @@ class CudaCopyBackend(TransferBackend):
             return forced
         fragments = num_blocks * self.layout.fragments_per_block
         small = self.layout.fragment_bytes <= self.kernel_max_fragment_bytes
+        if not small and self._native is not None and num_blocks <= self.native_max_blocks:
+            # Large fragments, few blocks: the native kernel beats staging's launches.
+            return "kernel"
         if self.has_kernel and small and fragments >= 64:
             return "kernel"
         if not small and self._available("staged"):
@@ -602,6 +1014,7 @@ class CudaCopyBackend(TransferBackend):
             "copy_method": self.copy_method,
             "batch_memcpy": self.has_batch,
             "copy_kernel": self.has_kernel,
+            "native_copy": self._native is not None,
             "host_function_wakeups": self.has_host_wake,
             "completion_spinner": self.spin,
             "transfers_by_method": dict(self.transfers_by_method),
@@ -627,6 +1040,8 @@ class CudaCopyBackend(TransferBackend):
         if n and (min(host_ids) < 0 or max(host_ids) >= self.num_host_blocks):
             raise IndexError(f"host block ids must lie in [0, {self.num_host_blocks})")
         method = self.choose_method(n, direction)
+        if method == "kernel" and n and self._native is not None and self._plain_enqueue:
+            return self._submit_native(direction, gpu_ids, host_ids)
         job = CudaJob(n, n * self.layout.block_bytes, method)
         stream = self._streams[direction]
         # Order after the caller's queued work: a store reads finished KV, a load does not
@@ -651,6 +1066,40 @@ class CudaCopyBackend(TransferBackend):
                 if isinstance(item, torch.Tensor) and item.is_pinned():
                     self._rings[direction].release(item, job._event)
         self.transfers_by_method[method] += 1
+        return job
+
+    def _submit_native(
+        self, direction: int, gpu_ids: Sequence[int], host_ids: Sequence[int]
+    ) -> CopyJob:
+        """The ``kernel`` method through :class:`NativeCopy`: one C call queues the wait
+        for the caller's stream, the timing events, the kernel (ids as its parameters)
+        and the completion host function."""
+        native = self._native
+        assert native is not None and self._native_refs is not None
+        n = len(gpu_ids)
+        job = CudaJob(n, n * self.layout.block_bytes, "kernel")
+        gids = array("q", gpu_ids)
+        hids = array("q", host_ids)
+        wake_fd = self._wake_fd if self.has_host_wake else None
+        spin = self._spin_window(job, direction) if wake_fd is not None else None
+        try:
+            span = (
+                self._native_refs.data_ptr(),
+                len(self._frags),
+                n,
+                gids.buffer_info()[0],
+                hids.buffer_info()[0],
+                0,
+                self.layout.fragment_bytes,
+            )
+            rows = self._host_addr_dev.data_ptr()
+            native.launch(job, direction, rows, (span,), 1, self._native_programs, wake_fd, spin)
+        except BaseException:
+            # Part of the transfer may be queued: its slots must not be freed (the
+            # caller does, on failure) before the device is done with them.
+            self._streams[direction].synchronize()
+            raise
+        self.transfers_by_method["kernel"] += 1
         return job
 
     def _enqueue(

@@ -134,6 +134,8 @@ class CopyPlan:
 
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
+#: Transfers of at most this many ids (blocks and slots) are checked on Python lists.
+_LIST_CHECKS = 8192
 
 
 class PageLayout:
@@ -335,19 +337,32 @@ class PageLayout:
                 f"block_indices {starts} and blocks_per_chunk {bpc} need {chunks} "
                 f"= {sum(chunks)}"
             )
-        _check_range(slots, 0, num_slots, "slot_ids", "host slots")
+        # Small transfers are checked on Python lists: a few list operations cost less
+        # than the torch calls (each several microseconds) the large ones use.
+        small = gpu.numel() + slots.numel() <= _LIST_CHECKS
+        slot_list: list[int] = slots.tolist() if small else []
+        if not small or (slot_list and (min(slot_list) < 0 or max(slot_list) >= num_slots)):
+            _check_range(slots, 0, num_slots, "slot_ids", "host slots")
+        gpu_list: list[int] = gpu.tolist() if small else []
         lo = 0
         for g in range(groups):
             n = sizes[g]
             if n:
                 rows = self.group_rows[g]
-                _check_range(gpu[lo : lo + n], lo, rows, "gpu_ids", f"group {g}'s KV blocks")
+                part = gpu_list[lo : lo + n]
+                if not small or min(part) < 0 or max(part) >= rows:
+                    _check_range(gpu[lo : lo + n], lo, rows, "gpu_ids", f"group {g}'s KV blocks")
             lo += n
         if store:
-            if slots.numel() > 1 and torch.unique(slots).numel() != slots.numel():
+            repeated = (
+                len(set(slot_list)) != len(slot_list)
+                if small
+                else slots.numel() > 1 and torch.unique(slots).numel() != slots.numel()
+            )
+            if repeated:
                 raise ValueError(f"slot_ids repeat a slot: {_repeats(slots)}")
         else:
-            self._check_load_targets(gpu, sizes)
+            self._check_load_targets(gpu, sizes, gpu_list if small else None)
 
         spans: list[GroupSpan] = []
         glo = slo = 0
@@ -389,15 +404,21 @@ class PageLayout:
                 pos += n
         return tuple(_cat(p) for p in parts), tuple(segments)
 
-    def _check_load_targets(self, gpu: torch.Tensor, sizes: list[int]) -> None:
+    def _check_load_targets(
+        self, gpu: torch.Tensor, sizes: list[int], gpu_list: list[int] | None = None
+    ) -> None:
         """A load writes (tensor, block) pairs: ids must not repeat within groups that
-        share a tensor."""
+        share a tensor. ``gpu_list``: ``gpu`` as a list, to check on (small loads)."""
         if gpu.numel() < 2:
             return
         starts = [0]
         for n in sizes:
             starts.append(starts[-1] + n)
         for component in self._components:
+            if gpu_list is not None:
+                listed = [i for g in component for i in gpu_list[starts[g] : starts[g + 1]]]
+                if len(set(listed)) == len(listed):
+                    continue
             ids = _cat([gpu[starts[g] : starts[g + 1]] for g in component])
             if ids.numel() > 1 and torch.unique(ids).numel() != ids.numel():
                 names = ", ".join(map(str, component))

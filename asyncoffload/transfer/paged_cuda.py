@@ -13,6 +13,7 @@ import logging
 import os
 import weakref
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -28,6 +29,9 @@ from asyncoffload.transfer.paged_cuda_tables import (
     build_tables,
     staged_job_runs,
 )
+
+if TYPE_CHECKING:
+    from asyncoffload.transfer.cuda import NativeCopy, _NativeStaging
 
 __all__ = ["CudaPagedEngine"]
 
@@ -221,6 +225,7 @@ class CudaPagedEngine:
         triton_ok = _triton_available() and self.pool.pinned
         self.has_kernel = triton_ok
         self.has_staged = triton_ok and (self.has_batch or self.has_each)
+        self._native: NativeCopy | None = None  # set up below, once the pool is known
         base = [m for m, ok in (("batch", self.has_batch), ("each", self.has_each)) if ok]
         base.append("torch")
         #: The method of small jobs under ``auto`` (and the primary path without Triton).
@@ -259,6 +264,17 @@ class CudaPagedEngine:
                 log.warning("paged CUDA engine: copy kernels unavailable (%s)", exc)
                 self.has_kernel = self.has_staged = False
                 self.primary_method = self.base_method
+        #: The native copy path (:class:`~asyncoffload.transfer.cuda.NativeCopy`): the
+        #: ``kernel`` method in one C call per group, and ``auto``'s choice for every job
+        #: whose groups it serves. ``None`` where unavailable.
+        self._native_tables: list[tuple[torch.Tensor, int, int] | None] = []
+        self._native_dense: list[bool] = []
+        self._native_staging: list[_NativeStaging | None] = [None, None]
+        #: ``auto`` stages jobs of at least this many blocks natively (where it can).
+        self.native_staged_min_blocks = 32
+        self._setup_native()
+        if self._native is not None and self._primary_method == self.base_method:
+            self.primary_method = "auto"  # no Triton here: the native kernel serves auto
         if not self.pool.pinned:
             log.warning(
                 "paged CUDA engine: %d of %d host chunks are pageable; copies from them are "
@@ -276,7 +292,87 @@ class CudaPagedEngine:
             (*self.kernel_streams, *self.streams),
             self.pool,  # type: ignore[arg-type]  # a _SharedPinnedPool closes alike
             [],
-            (self._staging, self._rings, list(layout.tensors)),
+            (
+                self._staging,
+                self._rings,
+                list(layout.tensors),
+                self._native_tables,
+                self._native_staging,
+            ),
+        )
+
+    def _setup_native(self) -> None:
+        """Per group, the native path's ref table ``[5, nref]`` on the device (kv_base,
+        kv_stride, host offset, page, bytes), where every address and size of the group
+        (and every host slot) is 16-byte aligned; the path itself where the helper has
+        it and the pool is pinned."""
+        from asyncoffload.transfer.cuda import NativeCopy, _native_programs, native_copy_ready
+
+        layout = self.layout
+        align = NativeCopy.ALIGN
+        if not self.pool.pinned or layout.slot_bytes % align:
+            return
+        if not bool((self.pool.device_block_address % align == 0).all()):
+            return
+        if not native_copy_ready(self._lib, self.device):
+            return
+        assert self._lib is not None
+        tables: list[tuple[torch.Tensor, int, int] | None] = []
+        bpc = layout.blocks_per_chunk
+        for refs in layout.group_refs:
+            # Dense: whole pages that tile the slot in order (a full slot is one run).
+            full = sorted((layout.tensor_offset[t], layout.page_bytes[t]) for t, _ in refs)
+            self._native_dense.append(
+                bool(refs)
+                and all(nb == layout.page_bytes[t] for t, nb in refs)
+                and sum(bpc * p for _, p in full) == layout.slot_bytes
+                and all(
+                    off == (full[i - 1][0] + bpc * full[i - 1][1] if i else 0)
+                    for i, (off, _) in enumerate(full)
+                )
+            )
+            rows = [
+                [
+                    layout.tensors[t].data_ptr(),
+                    layout.tensors[t].stride(0),
+                    layout.tensor_offset[t],
+                    layout.page_bytes[t],
+                    nb,
+                ]
+                for t, nb in refs
+            ]
+            if rows and all(v % align == 0 for row in rows for v in row):
+                table = torch.tensor(rows, dtype=torch.int64).t().contiguous().to(self.device)
+                tables.append((table, len(rows), max(r[4] for r in rows)))
+            else:
+                tables.append(None)
+        self._native_tables[:] = tables
+        self._native_rows = self.pool.device_block_address.to(self.device)
+        self._native_tables.append((self._native_rows, 0, 0))  # kept alive with the rest
+        self._native = NativeCopy(self._lib, device=self.device, streams=self.streams)
+        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        #: Thread blocks per native launch.
+        self.native_programs = _native_programs(sms)
+        torch.cuda.synchronize(self.device)
+
+    def native_serves(self, plan: CopyPlan) -> bool:
+        """Whether the native path can run ``plan`` (every group it moves is aligned)."""
+        if self._native is None:
+            return False
+        tables = self._native_tables
+        return all(tables[span.group] is not None for span in plan.spans)
+
+    def native_stages(self, plan: CopyPlan) -> bool:
+        """Whether the native staged path can run ``plan``: one group, of dense slots it
+        fills whole, served by the native path, with a DMA method here."""
+        if len(plan.spans) != 1 or not (self.has_batch or self.has_each):
+            return False
+        span = plan.spans[0]
+        return (
+            self.native_serves(plan)
+            and self._native_dense[span.group]
+            and span.skip == 0
+            and span.n == span.num_slots * self.layout.blocks_per_chunk
         )
 
     @property
@@ -286,9 +382,9 @@ class CudaPagedEngine:
     @primary_method.setter
     def primary_method(self, method: str) -> None:
         ok = {
-            "auto": self.has_kernel or self.has_staged,
+            "auto": self.has_kernel or self.has_staged or self._native is not None,
             "staged": self.has_staged,
-            "kernel": self.has_kernel,
+            "kernel": self.has_kernel or self._native is not None,
             "batch": self.has_batch,
             "each": self.has_each,
             "torch": True,
@@ -353,6 +449,10 @@ class CudaPagedEngine:
         fewer than ``small_copies`` descriptors, ``kernel`` for small pages, else
         ``staged``."""
         copies = plan.num_copies
+        if copies and self.native_serves(plan):
+            if plan.gpu_ids.numel() >= self.native_staged_min_blocks and self.native_stages(plan):
+                return "staged"  # the copy engines' bandwidth, submitted natively
+            return "kernel"
         if copies < self.small_copies or not (self.has_kernel or self.has_staged):
             return self.base_method
         if self.has_kernel and plan.nbytes <= copies * self.kernel_max_fragment_bytes:
@@ -374,6 +474,10 @@ class CudaPagedEngine:
         from asyncoffload.transfer.cuda import CudaJob, mark_completion, start_timing
 
         check_process(self.pid, "CudaPagedEngine")
+        if method == "kernel" and plan.num_copies and self.native_serves(plan):
+            return self._submit_native(direction, plan)
+        if method == "staged" and plan.num_copies and self.native_stages(plan):
+            return self._submit_native_staged(direction, plan)
         stream = self.streams[direction]
         job = CudaJob(plan.num_copies, plan.nbytes, method)
         # A store reads finished KV; a load overwrites blocks only after the work queued
@@ -396,6 +500,98 @@ class CudaPagedEngine:
             if isinstance(item, torch.Tensor) and item.is_pinned():
                 self._rings[direction].release(item, job._event)
         self.jobs_by_method[method] += 1
+        return job
+
+    def _submit_native_staged(self, direction: int, plan: CopyPlan) -> CopyJob:
+        """The ``staged`` method through the native path (``NativeCopy.staged``): one C
+        call computes the merged DMA descriptors, launches the copy kernels between the
+        KV pages and staging rows, and orders the two streams and the buffers."""
+        from asyncoffload.transfer.cuda import CudaJob, _NativeStaging
+
+        native = self._native
+        assert native is not None
+        stage = self._native_staging[direction]
+        if stage is None:
+            rows = max(1, min(self.staging_bytes // 2 // self.row_stride, self.num_slots))
+            stage = _NativeStaging(native, self.device, rows, self.row_stride)
+            self._native_staging[direction] = stage
+        span = plan.spans[0]
+        entry = self._native_tables[span.group]
+        assert entry is not None
+        table, nref, page = entry
+        job = CudaJob(plan.num_copies, plan.nbytes, "staged")
+        try:
+            native.staged(
+                job,
+                direction,
+                int(self.kernel_streams[direction].cuda_stream),
+                stage,
+                (
+                    table.data_ptr(),
+                    nref,
+                    span.n,
+                    plan.gpu_ids.data_ptr() + 8 * span.gpu_lo,
+                    plan.slot_ids.data_ptr() + 8 * span.slot_lo,
+                    0,
+                    page,
+                ),
+                self.pool.block_address.data_ptr(),
+                self.pool.rows_per_chunk,
+                self.layout.slot_bytes,
+                self.layout.blocks_per_chunk,
+                self.native_programs,
+                self.has_batch,
+            )
+        except BaseException:
+            self.kernel_streams[direction].synchronize()
+            self.streams[direction].synchronize()
+            raise
+        self.jobs_by_method["staged"] += 1
+        return job
+
+    def _submit_native(self, direction: int, plan: CopyPlan) -> CopyJob:
+        """The ``kernel`` method through the native path: per group one C call (the
+        first also orders the copy stream after the caller's current stream and records
+        the start; the last records the end). The ids go as kernel parameters."""
+        from asyncoffload.transfer.cuda import CudaJob
+
+        native = self._native
+        assert native is not None
+        job = CudaJob(plan.num_copies, plan.nbytes, "kernel")
+        gpu_at = plan.gpu_ids.data_ptr()
+        slot_at = plan.slot_ids.data_ptr()
+        spans = []
+        for span in plan.spans:
+            entry = self._native_tables[span.group]
+            assert entry is not None
+            table, nref, page = entry
+            spans.append(
+                (
+                    table.data_ptr(),
+                    nref,
+                    span.n,
+                    gpu_at + 8 * span.gpu_lo,
+                    slot_at + 8 * span.slot_lo,
+                    span.skip,
+                    page,
+                )
+            )
+        try:
+            native.launch(
+                job,
+                direction,
+                self._native_rows.data_ptr(),
+                spans,
+                self.layout.blocks_per_chunk,
+                self.native_programs,
+                None,
+                None,
+            )
+        except BaseException:
+            # Part of it may be queued: let it end before anyone retries over it.
+            self.streams[direction].synchronize()
+            raise
+        self.jobs_by_method["kernel"] += 1
         return job
 
     def _enqueue(
