@@ -864,3 +864,36 @@ fail:
     if (slot != NULL) __atomic_store_n(&((int64_t *)slot)[3], 1, __ATOMIC_RELEASE);
     return rc;
 }
+
+/*
+ * Id checks for copy plans (host-side, no CUDA): -1 if every one of the n ids lies in
+ * [0, limit) and, with `unique`, none repeats; else the index of the first id out of
+ * range, or -2 - i for the first repeat at index i; -3 if it cannot tell (no memory
+ * for the bitmap of `limit` bits).
+ */
+int64_t ao_ids_check(const int64_t *ids, int64_t n, int64_t limit, int unique) {
+    for (int64_t i = 0; i < n; i++)
+        if (ids[i] < 0 || ids[i] >= limit) return i;
+    if (!unique || n < 2) return -1;
+    uint64_t stack[512]; /* 32768 ids without an allocation */
+    size_t words = (size_t)((limit + 63) / 64);
+    uint64_t *seen = stack;
+    if (words > sizeof stack / sizeof stack[0]) {
+        seen = (uint64_t *)calloc(words, sizeof *seen);
+        if (seen == NULL) return -3;
+    } else {
+        for (size_t w = 0; w < words; w++) stack[w] = 0;
+    }
+    int64_t out = -1;
+    for (int64_t i = 0; i < n; i++) {
+        uint64_t bit = 1ULL << (ids[i] & 63);
+        uint64_t *w = &seen[ids[i] >> 6];
+        if (*w & bit) {
+            out = -2 - i;
+            break;
+        }
+        *w |= bit;
+    }
+    if (seen != stack) free(seen);
+    return out;
+}

@@ -306,6 +306,10 @@ _FREE_EVENTS_MAX = 256
 
 _NATIVE_SIGNATURES: dict[str, tuple[list[Any], Any]] = {
     "ao_cuda_copy_init": ([ctypes.c_int], ctypes.c_int),
+    "ao_ids_check": (
+        [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int],
+        ctypes.c_int64,
+    ),
     "ao_cuda_event_pair": ([ctypes.c_void_p], ctypes.c_int),
     "ao_cuda_event_plain": ([ctypes.c_void_p], ctypes.c_int),
     "ao_cuda_event_query": ([ctypes.c_void_p], ctypes.c_int),

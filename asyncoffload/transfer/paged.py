@@ -33,7 +33,7 @@ groups only, never over blocks). Invalid input raises ``TypeError`` / ``ValueErr
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -271,6 +271,9 @@ class PageLayout:
         # block) twice, so their gpu ids are checked for repeats together.
         self._components = _shared_tensor_components(refs)
         self._arange = torch.arange(1024, dtype=torch.int64)
+        #: ``(ids address, count, limit, unique) -> int``: a native id check (see
+        #: ``ao_ids_check`` in ``cuda_helpers.c``) an engine may set; -1 means fine.
+        self.native_check: Callable[[int, int, int, bool], int] | None = None
 
     @property
     def num_groups(self) -> int:
@@ -337,6 +340,39 @@ class PageLayout:
                 f"block_indices {starts} and blocks_per_chunk {bpc} need {chunks} "
                 f"= {sum(chunks)}"
             )
+        if not (groups == 1 and self._checked_natively(gpu, slots, num_slots, store)):
+            self._check_ids(gpu, slots, sizes, num_slots, store)
+
+        spans: list[GroupSpan] = []
+        glo = slo = 0
+        for g in range(groups):
+            n, nchunks = sizes[g], chunks[g]
+            if n and self.group_refs[g]:
+                spans.append(GroupSpan(g, glo, n, slo, nchunks, skips[g]))
+            glo += n
+            slo += nchunks
+        return CopyPlan(self, gpu, slots, tuple(spans))
+
+    def _checked_natively(
+        self, gpu: torch.Tensor, slots: torch.Tensor, num_slots: int, store: bool
+    ) -> bool:
+        """One group's ids checked by :attr:`native_check` (where an engine set it): True
+        if they are fine, False if they need (or it could not give) the full checks."""
+        check = self.native_check
+        if check is None:
+            return False
+        rows = self.group_rows[0]
+        return (
+            check(slots.data_ptr(), slots.numel(), num_slots, store) == -1
+            and check(gpu.data_ptr(), gpu.numel(), rows, not store) == -1
+        )
+
+    def _check_ids(
+        self, gpu: torch.Tensor, slots: torch.Tensor, sizes: list[int], num_slots: int, store: bool
+    ) -> None:
+        """Ranges, and repeats of what the transfer writes (slots of a store, KV blocks of
+        a load, within groups that share tensors); raises naming the argument."""
+        groups = self.num_groups
         # Small transfers are checked on Python lists: a few list operations cost less
         # than the torch calls (each several microseconds) the large ones use.
         small = gpu.numel() + slots.numel() <= _LIST_CHECKS
@@ -363,16 +399,6 @@ class PageLayout:
                 raise ValueError(f"slot_ids repeat a slot: {_repeats(slots)}")
         else:
             self._check_load_targets(gpu, sizes, gpu_list if small else None)
-
-        spans: list[GroupSpan] = []
-        glo = slo = 0
-        for g in range(groups):
-            n, nchunks = sizes[g], chunks[g]
-            if n and self.group_refs[g]:
-                spans.append(GroupSpan(g, glo, n, slo, nchunks, skips[g]))
-            glo += n
-            slo += nchunks
-        return CopyPlan(self, gpu, slots, tuple(spans))
 
     def _descriptors(self, plan: CopyPlan) -> tuple[tuple[torch.Tensor, ...], tuple[Segment, ...]]:
         """A plan's descriptor columns (kv_addr, kv_block, host_slot, host_offset, size)

@@ -350,6 +350,7 @@ class CudaPagedEngine:
         self._native_rows = self.pool.device_block_address.to(self.device)
         self._native_tables.append((self._native_rows, 0, 0))  # kept alive with the rest
         self._native = NativeCopy(self._lib, device=self.device, streams=self.streams)
+        layout.native_check = self._lib.ao_ids_check  # plan checks in C (one group)
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         #: Thread blocks per native launch.
         self.native_programs = _native_programs(sms)
