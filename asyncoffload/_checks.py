@@ -45,8 +45,8 @@ def check_call(
     ``unique``: none twice) and context of a ``prepare_*`` call, checked."""
     checked = check_keys(keys, what)
     block_ids = check_block_ids(ids, len(checked), limit, what, unique)
-    context = check_ctx(ctx, what)
-    return filed(checked, context), block_ids, context
+    context = _ANON if ctx is None else check_ctx(ctx, what)
+    return (checked if context.tenant is None else filed(checked, context)), block_ids, context
 
 
 def _native_checks() -> Any:
@@ -98,9 +98,8 @@ def check_ctx(ctx: object, what: str) -> ReqContext:
 def distinct(keys: list[OffloadKey]) -> list[OffloadKey]:
     """``keys`` without repeats, in first-seen order (``keys`` itself when none repeats)."""
     native = _NATIVE if _NATIVE is not None else _native_checks()
-    if native and native.distinct(keys) is keys:
-        return keys
-    return list(dict.fromkeys(keys))
+    repeats: bool = not native or native.distinct(keys) is None
+    return list(dict.fromkeys(keys)) if repeats else keys
 
 
 def check_block_ids(ids: BlockIds, n: int, limit: int, what: str, unique: bool) -> list[int]:

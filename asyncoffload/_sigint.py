@@ -14,7 +14,7 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
-__all__ = ["InterruptsHeld"]
+__all__ = ["InterruptsHeld", "interrupts_held"]
 
 # The C functions under ``signal.getsignal`` / ``signal.signal``: the wrappers convert
 # handlers to enums, and a Python handler fails that lookup through an exception whose
@@ -44,7 +44,7 @@ class InterruptsHeld:
 
     def __enter__(self) -> None:
         self._old: Any = None
-        if _held[0] or threading.get_ident() != _MAIN_THREAD:
+        if _held[0] or _get_ident() != _MAIN_THREAD:  # nested, or not the main thread
             return
         old = _getsignal(_SIGINT)
         if not callable(old):  # SIG_IGN or SIG_DFL: nothing raises in Python code
@@ -65,11 +65,17 @@ class InterruptsHeld:
             old(signal.SIGINT, None)  # the default handler raises KeyboardInterrupt here
 
 
+def interrupts_held() -> bool:
+    """Whether a hold is active (a nested :class:`InterruptsHeld` would change nothing)."""
+    return _held[0]
+
+
 def _record(signum: int, frame: FrameType | None) -> None:
     """The SIGINT handler of a hold (one hold is active at a time: the outermost)."""
     _hit[0] = True
 
 
 _MAIN_THREAD = threading.main_thread().ident
+_get_ident = threading.get_ident
 _held = [False]  # a hold is active (on the main thread)
 _hit = [False]  # a SIGINT came during it

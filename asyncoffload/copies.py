@@ -26,7 +26,7 @@ from typing import Literal
 
 import torch
 
-from asyncoffload._sigint import InterruptsHeld
+from asyncoffload._sigint import InterruptsHeld, interrupts_held
 from asyncoffload.config import EngineConfig
 from asyncoffload.errors import TransferError
 from asyncoffload.handles import Completion, Transfer, TransferResult
@@ -215,38 +215,44 @@ class Copies:
     def complete(self, job: CopyJob, ending: _Ending) -> None:
         """A copy ended: tell the manager (once: see the module docstring), publish a
         store's stored event and send its keys on down, resolve the handle."""
+        if interrupts_held():  # an inline copy's, in the caller's step
+            self._complete(job, ending)
+            return
         with InterruptsHeld():
-            handle, ctx = ending.handle, ending.ctx
-            error: BaseException | None = None
-            try:
-                if not ending.step:  # the first run: the step first (see the docstring)
-                    ending.step = 1
-                    error = job.error
-                elif ending.step == 1:  # a rerun that finds the manager untold
-                    error = TransferError(f"{handle.kind} completion interrupted")
+            self._complete(job, ending)
+
+    def _complete(self, job: CopyJob, ending: _Ending) -> None:
+        handle, ctx = ending.handle, ending.ctx
+        error: BaseException | None = None
+        try:
+            if not ending.step:  # the first run: the step first (see the docstring)
+                ending.step = 1
+                error = job.error
+            elif ending.step == 1:  # a rerun that finds the manager untold
+                error = TransferError(f"{handle.kind} completion interrupted")
+            else:
+                error = job.error
+            if ending.step == 1:
+                if handle.kind == "store":
+                    keys = handle.keys_to_store
+                    self._manager.complete_store(keys, ctx, success=error is None)
+                    ending.step = 2
+                    self._publish()
+                    if error is None:
+                        if self.stored is not None:
+                            self.stored(keys, ctx)
+                        self.bytes_stored += job.nbytes
+                        self._observe(self.store_hist, self.store_rate, job)
                 else:
-                    error = job.error
-                if ending.step == 1:
-                    if handle.kind == "store":
-                        keys = handle.keys_to_store
-                        self._manager.complete_store(keys, ctx, success=error is None)
-                        ending.step = 2
-                        self._publish()
-                        if error is None:
-                            if self.stored is not None:
-                                self.stored(keys, ctx)
-                            self.bytes_stored += job.nbytes
-                            self._observe(self.store_hist, self.store_rate, job)
-                    else:
-                        self._manager.complete_load(handle.keys, ctx)
-                        ending.step = 2
-                        if error is None:
-                            self.bytes_loaded += job.nbytes
-                            self._observe(self.load_hist, self.load_rate, job)
-            except Exception as exc:  # never leave the handle (and aclose) hanging
-                log.exception("complete_%s failed", handle.kind)
-                error = error or exc
-            self.resolve(handle, job, error)
+                    self._manager.complete_load(handle.keys, ctx)
+                    ending.step = 2
+                    if error is None:
+                        self.bytes_loaded += job.nbytes
+                        self._observe(self.load_hist, self.load_rate, job)
+        except Exception as exc:  # never leave the handle (and aclose) hanging
+            log.exception("complete_%s failed", handle.kind)
+            error = error or exc
+        self.resolve(handle, job, error)
 
     @staticmethod
     def _observe(durations: Histogram, rates: Histogram, job: CopyJob) -> None:

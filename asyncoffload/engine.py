@@ -297,7 +297,8 @@ class AsyncOffloadEngine:
         recency (see :meth:`touch`)."""
         self._check_usable()
         checked = check_keys(keys, "lookup")
-        n = self._lookup(filed(checked, ctx := check_ctx(ctx, "lookup")), ctx)
+        ctx = check_ctx(ctx, "lookup")
+        n = self._lookup(checked if ctx.tenant is None else filed(checked, ctx), ctx)
         self._lookups += 1
         self._lookup_keys += len(checked)
         self._lookup_hits += n

@@ -231,7 +231,8 @@ class EventHub:
         if not events:
             return
         self.published += len(events)
-        for ref in list(self._subs.values()):
+        # A copy of the references: a subscription collected meanwhile takes its own out.
+        for ref in tuple(self._subs.values()):
             sub = ref()
             if sub is not None:
                 sub._push(events)

@@ -187,6 +187,24 @@ def _close_fds(fds: list[int]) -> None:
             os.close(fd)
 
 
+def _run(jobs: deque[tuple[CopyJob, JobCallback]], job: CopyJob, callback: JobCallback) -> None:
+    """Run ``callback(job)``, then take ``job``, the head of ``jobs``, off its lane. A
+    callback that raises an ``Exception`` is logged (a broken callback must not stall
+    the lane); one cut short by anything else runs once more, then that propagates."""
+    try:
+        callback(job)
+    except Exception:
+        log.exception("completion callback failed for %r", job)
+    except BaseException:
+        try:
+            callback(job)
+        except Exception:
+            log.exception("completion callback failed for %r", job)
+        jobs.popleft()
+        raise
+    jobs.popleft()
+
+
 class CompletionBridge:
     """Resolves finished jobs on ``loop``'s thread, lane by lane, in submission order.
 
@@ -256,9 +274,13 @@ class CompletionBridge:
             # Copied by submit_* itself, on this thread (the loop's), with nothing ahead
             # of it: its callback runs now. A wake-up would cost an fd write and read and
             # two passes of the loop. (A job a lane thread ended meanwhile is left to
-            # the wake-up, so that when a callback runs never hangs on a race.)
+            # the wake-up, so that when a callback runs never hangs on a race.) The job
+            # stays in its lane while the callback runs, so a job the callback queues
+            # there waits its turn; see drain() for the rest.
             try:
-                self._drain_lane(lane)
+                _run(jobs, job, callback)
+                if jobs:  # queued by the callback
+                    self._drain_lane(lane)
             except Exception:
                 raise
             except BaseException:
@@ -322,18 +344,7 @@ class CompletionBridge:
         while jobs and jobs[0][0].query():
             job, callback = jobs[0]
             woke = time.perf_counter_ns()
-            try:
-                callback(job)
-            except Exception:  # a broken callback must not stall the lane
-                log.exception("completion callback failed for %r", job)
-            except BaseException:
-                try:
-                    callback(job)
-                except Exception:
-                    log.exception("completion callback failed for %r", job)
-                jobs.popleft()
-                raise
-            jobs.popleft()
+            _run(jobs, job, callback)
             # An inline job's callback runs as it ends: no wake-up latency to record.
             if job.stamped and job.finished_ns and not job.inline:
                 self.latency.add(woke - job.finished_ns)
