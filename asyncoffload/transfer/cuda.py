@@ -467,6 +467,8 @@ class NativeCopy:
         bpc: int,
         programs: int,
         use_batch: bool,
+        wake_fd: int | None = None,
+        spin_ns: tuple[int, int] | None = None,
     ) -> None:
         """Queue ``job``'s staged copy of one group with whole slots (see
         ``ao_cuda_staged_launch``): ``span`` as for :meth:`launch` (its skip 0),
@@ -475,6 +477,11 @@ class NativeCopy:
         start, end = self.events()
         job._start, job._event = start, end
         refs, nref, n, gpu_ids, slot_ids, _skip, page = span
+        slot = None
+        if wake_fd is not None:
+            # [state, end ns, fd, host function ran, spinner done] (see cuda_helpers.c)
+            slot = (ctypes.c_int64 * 5)(0, 0, wake_fd, 0, 1)
+        spin_from, spin_until = spin_ns if spin_ns is not None else (0, 0)
         rc = self.lib.ao_cuda_staged_launch(
             self.index,
             self._raw_stream(self.index),
@@ -504,12 +511,15 @@ class NativeCopy:
             stage.ready,
             stage.done,
             use_batch,
-            None,
-            0,
-            0,
+            None if slot is None else ctypes.addressof(slot),
+            spin_from,
+            spin_until,
         )
-        if rc != 0:
+        if rc != 0:  # no host function holds the slot then (see cuda_helpers.c)
             raise RuntimeError(f"native staged copy failed: CUresult {rc}")
+        if slot is not None:
+            job._slot = slot
+            job._lib = self.lib
 
     def launch(
         self,
@@ -844,6 +854,11 @@ class CudaCopyBackend(TransferBackend):
         #: ``native_max_blocks`` blocks. ``None`` where it is unavailable.
         self._native: NativeCopy | None = None
         self.native_max_blocks = 32
+        #: Small native jobs gather through device staging and DMA the blocks (True), or
+        #: the kernel writes the host slots through UVA (False, the default);
+        #: ``ASYNCOFFLOAD_NATIVE_SMALL=staged`` sets it.
+        self.native_small_staged = os.environ.get("ASYNCOFFLOAD_NATIVE_SMALL") == "staged"
+        self._native_stage: list[_NativeStaging | None] = [None, None]
         self._native_refs: torch.Tensor | None = None
         self._plain_enqueue = False
         self._setup_native()
@@ -870,6 +885,7 @@ class CudaCopyBackend(TransferBackend):
                 self._staged_buffers,
                 self._rings,
                 self._native_refs,
+                self._native_stage,
             ),
         )
         log.info(
@@ -1096,8 +1112,34 @@ class CudaCopyBackend(TransferBackend):
                 0,
                 self.layout.fragment_bytes,
             )
-            rows = self._host_addr_dev.data_ptr()
-            native.launch(job, direction, rows, (span,), 1, self._native_programs, wake_fd, spin)
+            if self.native_small_staged and self.has_batch:
+                # The kernel gathers into device staging, one DMA per block (per run of
+                # consecutive slots) moves it: serial on the copy stream.
+                stage = self._native_stage[direction]
+                if stage is None:
+                    rows = max(1, min(self.native_max_blocks, self.staging_blocks))
+                    stage = _NativeStaging(native, self.device, rows, self.layout.block_bytes)
+                    self._native_stage[direction] = stage
+                native.staged(
+                    job,
+                    direction,
+                    native.streams[direction],
+                    stage,
+                    span,
+                    self.pool.block_address.data_ptr(),
+                    self.pool.rows_per_chunk,
+                    self.layout.block_bytes,
+                    1,
+                    self._native_programs,
+                    True,
+                    wake_fd,
+                    spin,
+                )
+            else:
+                rows = self._host_addr_dev.data_ptr()
+                native.launch(
+                    job, direction, rows, (span,), 1, self._native_programs, wake_fd, spin
+                )
         except BaseException:
             # Part of the transfer may be queued: its slots must not be freed (the
             # caller does, on failure) before the device is done with them.
