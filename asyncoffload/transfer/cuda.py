@@ -13,6 +13,12 @@
   fragments and for both directions at once; ``batch``: one ``cuMemcpyBatchAsync`` over
   every fragment; ``gather``: torch ``index_select`` into staging and one copy per block
   range, the fallback without Triton.
+- **The native path** (``NativeCopy``, where the helper builds and the layout is 16-byte
+  aligned): the ``kernel`` method as one C call (``ao_cuda_copy_launch``: the wait for
+  the caller's stream, the timing events, a copy kernel JIT-compiled from PTX with the
+  ids as its parameters, the completion host function); ``auto`` takes it for jobs of up
+  to ``native_max_blocks`` blocks of large fragments. ``ASYNCOFFLOAD_NATIVE_COPY=0``
+  turns it off.
 - **Completion.** Each transfer records a CUDA event; where the native helper is built, a
   host function after it stamps the job and writes the loop's eventfd, without the GIL,
   and a native spinner polls the event around the transfer's expected end so that it can

@@ -5,6 +5,12 @@ into device staging plus one DMA per slot (``staged``), a Triton kernel through 
 ``cuMemcpyAsync`` per descriptor, or torch copies where the native helper is missing.
 The per-layout tables its kernels and staged DMAs use are built in
 :mod:`~asyncoffload.transfer.paged_cuda_tables`.
+
+Where the native CUDA helper builds and a group's addresses and sizes are 16-byte
+aligned, ``kernel`` and ``staged`` run natively (:class:`~asyncoffload.transfer.cuda.
+NativeCopy`: one C call a job, the ids as kernel parameters, the staged DMA descriptors
+built in C), and ``auto`` chooses native staged for one-group jobs of at least
+``native_staged_min_blocks`` blocks filling dense slots, the native kernel otherwise.
 """
 
 from __future__ import annotations
