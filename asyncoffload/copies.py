@@ -269,8 +269,7 @@ class Copies:
         if fut.done():
             return
         if error is None:
-            seconds = (job.finished_ns - job.started_ns) / 1e9  # job.duration_s, ended
-            fut.set_result(TransferResult(job.num_blocks, job.nbytes, seconds))
+            fut.set_result(TransferResult(job.num_blocks, job.nbytes, job.duration_s))
             return
         log.warning("%s of %d blocks failed: %r", handle.kind, job.num_blocks, error)
         err = TransferError(f"{handle.kind} of {job.num_blocks} blocks failed: {error!r}")

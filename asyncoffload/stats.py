@@ -50,7 +50,9 @@ class EngineStats:
     store_seconds: float
     load_seconds: float
     in_flight: int
-    #: Copy ended -> completion callback ran, microseconds, over recent transfers.
+    #: Copy ended -> completion callback ran, microseconds, over recent transfers whose
+    #: copy ran on a lane (an inline copy's callback runs as it ends: see
+    #: ``EngineConfig.inline_copy_bytes``); NaN before the first.
     callback_latency_p50_us: float
     callback_latency_p99_us: float
     events_published: int
@@ -64,7 +66,7 @@ class EngineStats:
     #: Bytes per second of each successful copy (its bytes over its duration).
     store_throughput: HistogramSnapshot
     load_throughput: HistogramSnapshot
-    #: Copy ended -> completion callback ran, seconds, every transfer since the start.
+    #: Copy ended -> completion callback ran, seconds, every lane transfer since the start.
     callback_latency: HistogramSnapshot
     #: Each live event subscription: buffered events (its lag), drops, deliveries.
     subscriptions: tuple[SubscriptionStats, ...]

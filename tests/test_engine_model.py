@@ -136,7 +136,9 @@ class EngineMachine(RuleBasedStateMachine):
     @initialize(
         policy=st.sampled_from(POLICIES),
         admission=st.sampled_from(ADMISSIONS),
-        backend=st.sampled_from(("native", "threads", "failing")),
+        # "native" copies this model's small blocks inline (inline_copy_bytes);
+        # "native-lanes" sends every copy to the native lanes.
+        backend=st.sampled_from(("native", "native-lanes", "threads", "failing")),
         cpu_blocks=st.integers(4, 16),
     )
     def build(
@@ -151,7 +153,8 @@ class EngineMachine(RuleBasedStateMachine):
             policy=policy,
             admission=self.admission,
             store_threshold=threshold,
-            copy_engine="threads" if backend == "failing" else backend,
+            copy_engine={"failing": "threads", "native-lanes": "native"}.get(backend, backend),
+            inline_copy_bytes=0 if backend == "native-lanes" else 64 << 10,
             event_buffer=1 << 20,
         )
         self.failing: FailingBackend | None = None

@@ -1,0 +1,301 @@
+"""Small copies on the loop thread (``EngineConfig.inline_copy_bytes``, issue 25).
+
+A copy of at most ``inline_copy_bytes`` whose lane is idle runs inside ``prepare_*``
+and completes there: the handle it returns is resolved, its callback ran on the loop
+thread, its events are published. Everything else goes to a lane as before. These tests
+pin what that path keeps: byte-exact copies, completion order per direction, the
+manager told exactly once (an interrupt or a failing callback included), and the
+engine's input checks, which run in C (``mgrcore``) where they can, with the Python
+checks' answers and messages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pydantic
+import pytest
+import torch
+
+import asyncoffload as ao
+from asyncoffload import _checks
+from asyncoffload._native import load_mgrcore
+from tests.helpers import block_bytes, make_engine, make_keys, random_kv
+
+TIMEOUT_S = 10.0
+
+
+def _log_completions(engine: ao.AsyncOffloadEngine, log: list[tuple[str, int, int]]) -> None:
+    """Record (kind, thread, number of keys) of every complete_store / complete_load."""
+    manager = engine.manager
+    real_store, real_load = manager.complete_store, manager.complete_load
+
+    def complete_store(
+        keys: Sequence[ao.OffloadKey], ctx: ao.ReqContext | None = None, success: bool = True
+    ) -> None:
+        log.append(("store", threading.get_ident(), len(keys)))
+        real_store(keys, ctx, success)
+
+    def complete_load(keys: Sequence[ao.OffloadKey], ctx: ao.ReqContext | None = None) -> None:
+        log.append(("load", threading.get_ident(), len(keys)))
+        real_load(keys, ctx)
+
+    manager.complete_store = complete_store  # type: ignore[method-assign]
+    manager.complete_load = complete_load  # type: ignore[method-assign]
+
+
+async def test_a_small_copy_completes_inside_prepare_on_the_loop_thread() -> None:
+    engine, kv = make_engine(cpu_blocks=4, gpu_blocks=8, policy="lru")
+    log: list[tuple[str, int, int]] = []
+    _log_completions(engine, log)
+    keys = make_keys(6)
+    async with engine:
+        sub = engine.events()
+        first = await engine.prepare_store(keys[:4], [0, 1, 2, 3])
+        assert first is not None and first.done()
+        # Two more evict two: the removed event comes before the stored one.
+        handle = await engine.prepare_store(keys[4:], [4, 5])
+        assert handle is not None and handle.done() and handle.exception() is None
+        assert handle.evicted_keys == keys[:2]
+        assert engine.stats().in_flight == 0
+        items = [sub.receive_nowait() for _ in range(3)]
+        events = [e for e in items if isinstance(e, ao.OffloadingEvent)]
+        assert [(e.removed, list(e.keys), e.seq) for e in events] == [
+            (False, keys[:4], 1),
+            (True, keys[:2], 2),
+            (False, keys[4:], 3),
+        ]
+        load = await engine.prepare_load(keys[2:], [7, 6, 0, 1])
+        assert load.done()
+        result = await load
+        assert result.num_blocks == 4
+        for src, dst in ((2, 7), (3, 6), (4, 0), (5, 1)):
+            assert block_bytes(kv, dst) == _original(src)
+    loop_thread = threading.get_ident()
+    assert [(kind, tid) for kind, tid, _ in log] == [
+        ("store", loop_thread),
+        ("store", loop_thread),
+        ("load", loop_thread),
+    ]
+
+
+def _original(block: int) -> bytes:
+    """The bytes make_engine's KV block ``block`` started with (random_kv, seed 0)."""
+    return block_bytes(random_kv(2, 8), block)
+
+
+@pytest.mark.parametrize("over", [0, 1])
+async def test_the_threshold_is_inclusive_and_larger_copies_go_to_a_lane(over: int) -> None:
+    probe, _ = make_engine()
+    size = probe.layout.block_bytes
+    await probe.aclose()
+    engine, _ = make_engine(inline_copy_bytes=2 * size - over)
+    async with engine:
+        handle = await engine.prepare_store(make_keys(2), [0, 1])
+        assert handle is not None
+        # A lane's copy completes only once the loop runs again: never inside prepare.
+        assert handle.done() is (over == 0)
+        await asyncio.wait_for(handle, TIMEOUT_S)
+        assert engine.lookup(make_keys(2)) == 2
+
+
+async def test_a_small_copy_behind_a_lane_job_completes_after_it() -> None:
+    probe, _ = make_engine()
+    size = probe.layout.block_bytes
+    await probe.aclose()
+    engine, _ = make_engine(cpu_blocks=8, inline_copy_bytes=size)
+    log: list[tuple[str, int, int]] = []
+    _log_completions(engine, log)
+    async with engine:
+        big = await engine.prepare_store(make_keys(4, b"b"), [0, 1, 2, 3])  # to a lane
+        small = await engine.prepare_store(make_keys(1, b"s"), [4])  # fits the threshold
+        assert big is not None and small is not None
+        # Whether or not the lane had finished copying, the small copy's completion
+        # waits for the big one's, which runs on the loop.
+        assert not big.done() and not small.done()
+        await asyncio.wait_for(asyncio.gather(big, small), TIMEOUT_S)
+    assert [n for _, _, n in log] == [4, 1]
+
+
+def test_an_interrupt_in_an_inline_completion_fails_the_transfer_and_frees_its_slots() -> None:
+    engine, _ = make_engine(cpu_blocks=4)
+    loop = asyncio.new_event_loop()
+    manager = engine.manager
+    real = manager.complete_store
+    calls = {"n": 0}
+
+    def interrupted_once(*args: Any, **kwargs: Any) -> None:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise KeyboardInterrupt
+        real(*args, **kwargs)
+
+    manager.complete_store = interrupted_once  # type: ignore[method-assign]
+    try:
+        # The interrupt leaves prepare_store (the caller's step), after the rerun of
+        # the callback told the manager the store failed.
+        with pytest.raises(KeyboardInterrupt):
+            loop.run_until_complete(engine.prepare_store(make_keys(2), [0, 1]))
+        stats = manager.stats()
+        assert (stats.write_pending, stats.ready, stats.free) == (0, 0, 4)
+        assert engine.stats().in_flight == 0
+        assert engine.stats().transfers_failed == 1
+        assert calls["n"] == 2  # told once more, never a third time
+
+        async def store_again() -> int:
+            handle = await engine.prepare_store(make_keys(2), [0, 1])
+            assert handle is not None
+            await handle
+            return engine.lookup(make_keys(2))
+
+        assert loop.run_until_complete(asyncio.wait_for(store_again(), TIMEOUT_S)) == 2
+        loop.run_until_complete(engine.aclose())
+    finally:
+        loop.close()
+
+
+async def test_a_failing_inline_completion_returns_a_failed_handle() -> None:
+    engine, _ = make_engine()
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("bookkeeping bug")
+
+    async with engine:
+        engine.manager.complete_store = broken  # type: ignore[method-assign]
+        handle = await engine.prepare_store(make_keys(2), [0, 1])
+        assert handle is not None and handle.done()
+        with pytest.raises(ao.TransferError, match="bookkeeping bug"):
+            await handle
+        assert engine.stats().in_flight == 0
+
+
+async def test_inline_copies_record_no_wake_up_latency() -> None:
+    engine, _ = make_engine()
+    async with engine:
+        for i in range(3):
+            handle = await engine.prepare_store(make_keys(1, bytes([i])), [i])
+            assert handle is not None and handle.done()
+        stats = engine.stats()
+    assert stats.stores == 3
+    assert stats.callback_latency.samples == 0  # only lane copies wait for a wake-up
+
+
+@pytest.mark.parametrize("value", [-1, True, 1.5, "64k"])
+def test_inline_copy_bytes_must_be_a_non_negative_int(value: object) -> None:
+    with pytest.raises(pydantic.ValidationError, match="inline_copy_bytes"):
+        ao.EngineConfig.model_validate({"inline_copy_bytes": value})
+
+
+@pytest.mark.parametrize("value", [-1, True, 2.0])
+def test_the_cpu_backend_refuses_a_bad_inline_bytes(value: Any) -> None:
+    kv = random_kv(1, 4)
+    with pytest.raises(ValueError, match="inline_bytes"):
+        ao.CpuCopyBackend(kv, ao.KVLayout.infer(kv), 4, "native", inline_bytes=value)
+
+
+@pytest.mark.parametrize("inline", [True, False])
+def test_native_copies_check_the_ids_bounds_and_copy_nothing_out_of_them(inline: bool) -> None:
+    kv = random_kv(1, 4)
+    layout = ao.KVLayout.infer(kv)
+    backend = ao.CpuCopyBackend(kv, layout, 4, "native", inline_bytes=1 << 20 if inline else 0)
+    try:
+        before = bytes(backend.read_host_block(0))
+        with pytest.raises(IndexError, match=r"KV block ids must lie in \[0, 4\)"):
+            backend.submit_store([1, 4], [0, 1])
+        with pytest.raises(IndexError, match=r"host block ids must lie in \[0, 4\)"):
+            backend.submit_store([0, 1], [0, -1])
+        assert backend.read_host_block(0) == before
+        # numpy ints (vLLM's block tables) take the conversion path, and copy right.
+        job = backend.submit_store(list(np.array([2, 3], dtype=np.int64)), [0, 1])
+        for _ in range(10_000):
+            if job.query():
+                break
+            threading.Event().wait(0.001)
+        assert job.query() and job.error is None
+        assert job.inline is inline
+        assert backend.read_host_block(0) == block_bytes(kv, 2)
+        assert backend.read_host_block(1) == block_bytes(kv, 3)
+    finally:
+        backend.close()
+
+
+# --- the native input checks answer as the Python ones ---------------------------------
+
+_KEY = ao.make_offload_key(b"k" * 8)
+BAD_CALLS: list[tuple[object, object]] = [
+    ([_KEY, b"short"], [0, 1]),
+    ([_KEY, "text"], [0, 1]),
+    (b"one key", [0]),
+    ([_KEY, bytearray(_KEY)], [0, 1]),
+    ([_KEY], [8]),
+    ([_KEY], [-1]),
+    ([_KEY, _KEY + b"x"], [1, 1]),
+    ([_KEY], [True]),
+    ([_KEY], [1.0]),
+    ([_KEY], [2**70]),
+    ([_KEY, _KEY + b"x"], [0]),
+    ([_KEY], torch.tensor([[0]])),
+]
+GOOD_CALLS: list[tuple[object, object]] = [
+    ([], []),
+    ([_KEY], [7]),
+    ((_KEY, _KEY + b"x"), (3, 2)),
+    ([_KEY, _KEY + b"x"], np.array([5, 6], dtype=np.int32)),
+    ([_KEY, _KEY + b"x"], torch.tensor([1, 0])),
+    ([_KEY, _KEY + b"x"], [np.int64(1), 0]),
+]
+
+
+def _outcome(keys: object, ids: object, native: object) -> object:
+    saved = _checks._NATIVE
+    _checks._NATIVE = native
+    try:
+        return _checks.check_call("prepare_load", keys, ids, None, 8, unique=True)  # type: ignore[arg-type]
+    except Exception as exc:  # the answer compared is the exception's type and text
+        return (type(exc), str(exc))
+    finally:
+        _checks._NATIVE = saved
+
+
+needs_core = pytest.mark.skipif(
+    load_mgrcore() is None, reason="the native manager core did not build here"
+)
+
+
+@needs_core
+@pytest.mark.parametrize("keys, ids", BAD_CALLS + GOOD_CALLS)
+def test_the_native_checks_answer_as_the_python_ones(keys: object, ids: object) -> None:
+    assert _outcome(keys, ids, load_mgrcore()) == _outcome(keys, ids, False)
+
+
+@needs_core
+def test_distinct_keeps_first_seen_order_with_or_without_the_core() -> None:
+    a, b, c = make_keys(3)
+    for keys in ([a, b, c], [a, b, a, c, b], [], [a] * 40, make_keys(40)):
+        saved = _checks._NATIVE
+        try:
+            _checks._NATIVE = load_mgrcore()
+            native = _checks.distinct(list(keys))
+            _checks._NATIVE = False
+            python = _checks.distinct(list(keys))
+        finally:
+            _checks._NATIVE = saved
+        assert native == python == list(dict.fromkeys(keys))
+
+
+@needs_core
+def test_call_blocks_refuses_what_it_cannot_convert() -> None:
+    core = load_mgrcore()
+    assert core is not None
+    fn = tables = 1  # never called: the lists are refused first
+    assert core.call_blocks(fn, tables, 0, [1, 2], [3]) is None
+    assert core.call_blocks(fn, tables, 0, [1, True], [3, 4]) is None
+    assert core.call_blocks(fn, tables, 0, [1, 2**64], [3, 4]) is None
+    with pytest.raises(TypeError):
+        core.call_blocks(fn, tables, 0, (1,), [3])
+    with pytest.raises(ValueError, match="null address"):
+        core.call_blocks(0, tables, 0, [1], [3])
