@@ -81,15 +81,6 @@ class EngineConfig(BaseModel):
     poll_interval_s: float = Field(
         0.001, gt=0, le=1.0, description="Timer period of the 'poll' completion mode."
     )
-    completion_poll_us: float = Field(
-        200.0,
-        ge=0,
-        le=10_000,
-        description="The longest the event loop polls for a transfer the backend expects "
-        "to end within microseconds (a small CUDA copy) instead of sleeping until its "
-        "wake-up, which costs tens of microseconds to rouse a sleeping thread on a virtual "
-        "machine; the loop's thread spins meanwhile (other tasks still run). 0: never.",
-    )
     copy_engine: Literal["auto", "native", "threads"] = Field(
         "auto",
         description="CPU backend copy engine: 'native' lanes (compiled on first use, never "

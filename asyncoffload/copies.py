@@ -89,9 +89,7 @@ class Copies:
                     backend.name,
                 )
             mode = "poll"
-        self.bridge = bridge = CompletionBridge(
-            loop, mode, config.poll_interval_s, busy_poll_s=config.completion_poll_us * 1e-6
-        )
+        self.bridge = bridge = CompletionBridge(loop, mode, config.poll_interval_s)
         self._store_lane = bridge.lane("store")
         self._load_lane = bridge.lane("load")
         backend.bind(bridge.notify, bridge.wake_fd)

@@ -141,10 +141,7 @@ def raw_copy(samples: int) -> dict[str, dict[str, float]]:
 async def engine_part(args: argparse.Namespace, prof: Profiler) -> dict[str, Any]:
     num_blocks = 64
     kv = make_kv(num_blocks)
-    settings: dict[str, Any] = {"cpu_blocks": args.cpu_blocks, "copy_method": args.method}
-    if args.completion_poll_us is not None:  # None: the default (or an older checkout's)
-        settings["completion_poll_us"] = args.completion_poll_us
-    cfg = ao.EngineConfig(**settings)
+    cfg = ao.EngineConfig(cpu_blocks=args.cpu_blocks, copy_method=args.method)
     ctx = ao.ReqContext("bench")
     counter = 0
 
@@ -468,12 +465,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--worker-methods", default="auto,staged,kernel")
     ap.add_argument("--loop", choices=("uvloop", "asyncio"), default=None)
     ap.add_argument("--profile", action="store_true")
-    ap.add_argument(
-        "--completion-poll-us",
-        type=float,
-        default=None,
-        help="engine: EngineConfig.completion_poll_us (default: the config's)",
-    )
     ap.add_argument("--label", default="run")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)

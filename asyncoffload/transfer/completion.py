@@ -218,7 +218,6 @@ class CompletionBridge:
         mode: str = "auto",
         poll_interval: float = 0.001,
         watchdog_interval: float = 0.05,
-        busy_poll_s: float = 0.0,
     ) -> None:
         if mode not in ("auto", "eventfd", "poll"):
             raise ValueError(f"completion mode must be 'auto', 'eventfd' or 'poll', got {mode!r}")
@@ -230,11 +229,6 @@ class CompletionBridge:
         self._waker: _Waker | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._closed = False
-        #: The longest the loop polls for a job that is expected to end soon (see
-        #: :meth:`_busy_poll`), nanoseconds; 0: never.
-        self._busy_poll_ns = int(busy_poll_s * 1e9)
-        self._polling_until = 0
-        self._polling = False
         self.mechanism = "poll"
         if mode != "poll":
             waker = _Waker()
@@ -302,29 +296,6 @@ class CompletionBridge:
         if self._waker is not None and job.query():
             # Ended before we watched it (a failed submission): its wake-up may be gone.
             self._waker.wake()
-        elif job.poll_until_ns and self._busy_poll_ns:
-            self._busy_poll(job.poll_until_ns)
-
-    def _busy_poll(self, until_ns: int) -> None:
-        """Keep the loop from sleeping until ``until_ns`` (at most ``busy_poll_s`` from
-        now) while jobs are pending: a callback that drains the lanes and queues itself
-        again, so every pass of the loop looks (its I/O poll does not block while a
-        callback is ready). A wake-up that must rouse a sleeping loop thread costs tens
-        of microseconds on a virtual machine: more than a small device copy takes. Other
-        tasks keep running; the loop's thread spins meanwhile."""
-        until = min(until_ns, time.perf_counter_ns() + self._busy_poll_ns)
-        if until > self._polling_until:
-            self._polling_until = until
-        if not self._polling:
-            self._polling = True
-            self.loop.call_soon(self._poll_once)
-
-    def _poll_once(self) -> None:
-        self.drain()
-        if self.pending and not self._closed and time.perf_counter_ns() < self._polling_until:
-            self.loop.call_soon(self._poll_once)
-        else:
-            self._polling = False
 
     @property
     def pending(self) -> int:

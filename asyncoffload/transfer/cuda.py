@@ -1080,8 +1080,6 @@ class CudaCopyBackend(TransferBackend):
                     job._keep = self._enqueue(method, direction, list(gpu_ids), list(host_ids))
                 lib = self._lib if self.has_host_wake else None
                 spin = self._spin_window(job, direction)
-                if spin is not None:  # the loop may poll for the end too (see CopyJob)
-                    job.poll_until_ns = spin[1]
                 mark_completion(job, stream, lib, self._wake_fd, spin_ns=spin)
             except BaseException:
                 # Part of the transfer may be queued: its slots must not be freed (the
@@ -1110,8 +1108,6 @@ class CudaCopyBackend(TransferBackend):
         hids = array("q", host_ids)
         wake_fd = self._wake_fd if self.has_host_wake else None
         spin = self._spin_window(job, direction) if wake_fd is not None else None
-        if spin is not None:  # the loop may poll for the end too (see CopyJob)
-            job.poll_until_ns = spin[1]
         try:
             span = (
                 self._native_refs.data_ptr(),

@@ -25,7 +25,6 @@ class CopyJob:
         "inline",
         "nbytes",
         "num_blocks",
-        "poll_until_ns",
         "stamped",
         "started_ns",
     )
@@ -43,10 +42,6 @@ class CopyJob:
         #: (:meth:`finish_inline`): the engine then completes it at once, on that thread,
         #: with no wake-up round trip.
         self.inline = False
-        #: Where a backend expects the job to end soon (a small device copy): until when
-        #: (``time.perf_counter_ns``) the loop may poll for its end instead of sleeping
-        #: until a wake-up (see ``EngineConfig.completion_poll_us``); 0: no expectation.
-        self.poll_until_ns = 0
         self._done = False
 
     def query(self) -> bool:
