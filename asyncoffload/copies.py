@@ -131,7 +131,9 @@ class Copies:
 
     # --- a store, a load ---------------------------------------------------------------
 
-    def store(self, handle: Transfer, src: list[int], slots: list[int], ctx: ReqContext) -> None:
+    def store(
+        self, handle: Transfer, src: list[int], slots: Sequence[int], ctx: ReqContext
+    ) -> None:
         """Copy KV blocks ``src`` into the host ``slots`` reserved for
         ``handle.keys_to_store`` (being written in the manager). Every way out frees them
         or hands them to a job whose completion does."""
@@ -149,22 +151,22 @@ class Copies:
         the keys first touched (``touch``). Every way out unpins them or hands them to a
         job whose completion does."""
         ending = _Ending(self, handle, ctx)
-        self._begin("load", ending, len(handle.keys), list(slots), ids, touch)
+        self._begin("load", ending, len(handle.keys), slots, ids, touch)
 
     def copy_in(
         self, handle: Transfer, slots: Sequence[int], ids: list[int], ctx: ReqContext
     ) -> None:
         """Submit the load of a counted, tracked ``handle`` (its host ``slots`` pinned) to
         the load lane; its completion unpins them and resolves the handle."""
-        self._submit("load", _Ending(self, handle, ctx), list(slots), ids)
+        self._submit("load", _Ending(self, handle, ctx), slots, ids)
 
     def _begin(
         self,
         kind: Literal["store", "load"],
         ending: _Ending,
         n: int,
-        src: list[int],
-        dst: list[int],
+        src: Sequence[int],
+        dst: Sequence[int],
         touch: bool = False,
     ) -> None:
         """Touch the keys (``touch``), then (``n`` blocks to copy) count and track the
@@ -201,7 +203,11 @@ class Copies:
         return lambda: manager.complete_load(handle.keys)
 
     def _submit(
-        self, kind: Literal["store", "load"], ending: _Ending, src: list[int], dst: list[int]
+        self,
+        kind: Literal["store", "load"],
+        ending: _Ending,
+        src: Sequence[int],
+        dst: Sequence[int],
     ) -> None:
         bridge = self.bridge
         assert bridge is not None
@@ -383,7 +389,9 @@ class _Ending:
 
 
 def _start(
-    submit: Callable[[list[int], list[int]], CopyJob], src: list[int], dst: list[int]
+    submit: Callable[[Sequence[int], Sequence[int]], CopyJob],
+    src: Sequence[int],
+    dst: Sequence[int],
 ) -> CopyJob:
     """Submit a copy; a submission that raises an ``Exception`` becomes a failed job
     (the failure path frees the slots). Anything else propagates to the caller."""

@@ -447,7 +447,7 @@ class AsyncOffloadEngine:
         # to a job whose completion does (an interrupt included; see Copies.abandon).
         handle = self._copies.handle("store", keys, to_store, out.evicted_keys)
         src = ids if len(to_store) == len(keys) else _sources(keys, ids, to_store)
-        slots = list(out.store_spec.block_ids)
+        slots = out.store_spec.block_ids
         try:
             self._copies.store(handle, src, slots, ctx)
         except BaseException:

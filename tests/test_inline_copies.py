@@ -296,6 +296,6 @@ def test_call_blocks_refuses_what_it_cannot_convert() -> None:
     assert core.call_blocks(fn, tables, 0, [1, True], [3, 4]) is None
     assert core.call_blocks(fn, tables, 0, [1, 2**64], [3, 4]) is None
     with pytest.raises(TypeError):
-        core.call_blocks(fn, tables, 0, (1,), [3])
+        core.call_blocks(fn, tables, 0, {1}, [3])  # a set: neither list nor tuple
     with pytest.raises(ValueError, match="null address"):
         core.call_blocks(0, tables, 0, [1], [3])

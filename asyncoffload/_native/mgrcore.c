@@ -2498,17 +2498,18 @@ static PyObject *mod_ids_ok(PyObject *self, PyObject *const *args, Py_ssize_t na
 
 /* call_blocks(fn, tables, direction, kv_ids, host_ids): fn(tables, direction, n, ids),
  * fn the address of a C function int(const int64_t *, int, int64_t, const int64_t *)
- * (copy_engine.c's ao_copy_blocks) and ids the two lists' n ints each, as int64: n KV
- * block ids, then n host block ids. Returns fn's code, or None, calling nothing, when
- * the lists differ in length or hold anything but exact ints that fit (the caller then
+ * (copy_engine.c's ao_copy_blocks) and ids the n ints of each list or tuple, as int64:
+ * n KV block ids, then n host block ids. Returns fn's code, or None, calling nothing,
+ * when they differ in length or hold anything but exact ints that fit (the caller then
  * converts them itself). A CPython entry costs a fraction of a ctypes call and of the
  * arrays it needs, on the hot path of a small copy. */
 typedef int (*copy_fn)(const int64_t *, int, int64_t, const int64_t *);
 
 static PyObject *mod_call_blocks(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 5 || !PyList_CheckExact(args[3]) || !PyList_CheckExact(args[4])) {
+    if (nargs != 5 || !(PyList_CheckExact(args[3]) || PyTuple_CheckExact(args[3])) ||
+        !(PyList_CheckExact(args[4]) || PyTuple_CheckExact(args[4]))) {
         PyErr_SetString(PyExc_TypeError,
-                        "call_blocks(fn, tables, direction, kv_ids: list, host_ids: list)");
+                        "call_blocks(fn, tables, direction, kv_ids, host_ids): lists or tuples");
         return NULL;
     }
     copy_fn fn = (copy_fn)PyLong_AsVoidPtr(args[0]);
@@ -2520,14 +2521,15 @@ static PyObject *mod_call_blocks(PyObject *self, PyObject *const *args, Py_ssize
         return NULL;
     }
     PyObject *kv = args[3], *host = args[4];
-    Py_ssize_t n = PyList_GET_SIZE(kv);
-    if (PyList_GET_SIZE(host) != n) Py_RETURN_NONE;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(kv);
+    if (PySequence_Fast_GET_SIZE(host) != n) Py_RETURN_NONE;
+    PyObject **kv_items = PySequence_Fast_ITEMS(kv), **host_items = PySequence_Fast_ITEMS(host);
     int64_t small[128];
     int64_t *ids = n <= 64 ? small : (int64_t *)PyMem_Malloc(2 * (size_t)n * sizeof(int64_t));
     if (ids == NULL) return PyErr_NoMemory();
     int ok = 1;
     for (Py_ssize_t i = 0; i < 2 * n && ok; i++) {
-        PyObject *b = i < n ? PyList_GET_ITEM(kv, i) : PyList_GET_ITEM(host, i - n);
+        PyObject *b = i < n ? kv_items[i] : host_items[i - n];
         int overflow = 0;
         long long v = PyLong_CheckExact(b) ? PyLong_AsLongLongAndOverflow(b, &overflow) : 0;
         if (!PyLong_CheckExact(b) || overflow) ok = 0;
@@ -2549,7 +2551,7 @@ static PyMethodDef mgrcore_functions[] = {
      "distinct(keys): the list itself when no key repeats, else None."},
     {"call_blocks", (PyCFunction)(void (*)(void))mod_call_blocks, METH_FASTCALL,
      "call_blocks(fn, tables, direction, kv_ids, host_ids): fn's code, or None when the "
-     "ids are not two lists of as many ints."},
+     "ids are not two lists (or tuples) of as many ints."},
     {"checked_keys", (PyCFunction)(void (*)(void))mod_checked_keys, METH_FASTCALL,
      "checked_keys(keys, min_len): a list of the keys if all are exact bytes longer than "
      "min_len, else None."},

@@ -244,7 +244,7 @@ class _NativeLane:
         if self._stopped:
             raise RuntimeError("copy lane is closed")
         tables = self._tables.address
-        if self._core is not None and type(kv_ids) is list and type(host_ids) is list:
+        if self._core is not None and type(kv_ids) in _SEQ and type(host_ids) in _SEQ:
             rc = self._core.call_blocks(
                 self._copy_address, tables, self._direction, kv_ids, host_ids
             )
@@ -288,6 +288,10 @@ class _NativeLane:
                 self._lib.ao_lane_destroy(handle)  # ends the running job, joins the thread
             owned.pop()
         self._pending.clear()
+
+
+#: What the manager core's call_blocks converts itself.
+_SEQ = (list, tuple)
 
 
 def _refused(rc: int, tables: _FragmentTables, what: str) -> NoReturn:
