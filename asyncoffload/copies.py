@@ -211,12 +211,15 @@ class Copies:
     ) -> None:
         bridge = self.bridge
         assert bridge is not None
-        if kind == "store":
-            job = _start(self._backend.submit_store, src, dst)
-            bridge.watch(self._store_lane, job, ending)
-        else:
-            job = _start(self._backend.submit_load, src, dst)
-            bridge.watch(self._load_lane, job, ending)
+        store = kind == "store"
+        try:
+            if store:
+                job = self._backend.submit_store(src, dst)
+            else:
+                job = self._backend.submit_load(src, dst)
+        except Exception as exc:
+            job = _failed(exc, len(src))
+        bridge.watch(self._store_lane if store else self._load_lane, job, ending)
 
     def complete(self, job: CopyJob, ending: _Ending) -> None:
         """A copy ended: tell the manager (once: see the module docstring), publish a
@@ -388,23 +391,16 @@ class _Ending:
         self.copies.complete(job, self)
 
 
-def _start(
-    submit: Callable[[Sequence[int], Sequence[int]], CopyJob],
-    src: Sequence[int],
-    dst: Sequence[int],
-) -> CopyJob:
-    """Submit a copy; a submission that raises an ``Exception`` becomes a failed job
-    (the failure path frees the slots). Anything else propagates to the caller."""
-    try:
-        return submit(src, dst)
-    except Exception as exc:
-        # The traceback's frames (and their callers, through f_back) hold the engine and
-        # the caller's handle, whose error leads back here: a cycle that kept a closed
-        # engine and its host pool alive until the next full collection. Keep the
-        # traceback as text (a note, where notes exist) and drop the frames.
-        if hasattr(exc, "add_note"):
-            exc.add_note("".join(traceback.format_tb(exc.__traceback__)).rstrip())
-        return FailedJob(len(src), exc.with_traceback(None))
+def _failed(exc: Exception, num_blocks: int) -> CopyJob:
+    """The failed job of a submission that raised ``exc`` (an ``Exception``: the failure
+    path frees the slots; anything else propagates to the caller)."""
+    # The traceback's frames (and their callers, through f_back) hold the engine and the
+    # caller's handle, whose error leads back here: a cycle that kept a closed engine and
+    # its host pool alive until the next full collection. Keep the traceback as text (a
+    # note, where notes exist) and drop the frames.
+    if hasattr(exc, "add_note"):
+        exc.add_note("".join(traceback.format_tb(exc.__traceback__)).rstrip())
+    return FailedJob(num_blocks, exc.with_traceback(None))
 
 
 def _retrieve(fut: asyncio.Future[TransferResult]) -> None:

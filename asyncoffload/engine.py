@@ -298,7 +298,10 @@ class AsyncOffloadEngine:
         self._check_usable()
         checked = check_keys(keys, "lookup")
         ctx = check_ctx(ctx, "lookup")
-        n = self._lookup(checked if ctx.tenant is None else filed(checked, ctx), ctx)
+        keys = checked if ctx.tenant is None else filed(checked, ctx)
+        n = self._manager.lookup_prefix(keys, ctx)  # _lookup(), in line
+        if self._tiers is not None and n < len(keys):
+            n = self._tiers.lookup(keys, n)
         self._lookups += 1
         self._lookup_keys += len(checked)
         self._lookup_hits += n

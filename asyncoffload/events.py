@@ -85,7 +85,9 @@ class EventSubscription:
             self._missed += over
             self._dropped += over
             self._hub.dropped += over
-        self._wake()
+        waiter = self._waiter  # _wake(), in line: this runs for every publication
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     def _wake(self) -> None:
         waiter = self._waiter
@@ -147,7 +149,10 @@ class EventSubscription:
         return self
 
     async def __anext__(self) -> OffloadingEvent | Lagged:
-        return await self.receive()
+        try:  # a buffered item without a second coroutine (a reader behind runs this)
+            return self.receive_nowait()
+        except asyncio.QueueEmpty:
+            return await self.receive()
 
     def close(self) -> None:
         """Stop receiving: drop the buffer and end the iteration. Idempotent."""
