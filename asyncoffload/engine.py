@@ -456,7 +456,7 @@ class AsyncOffloadEngine:
         except BaseException:
             self._publish_events()  # the removed event of the evictions
             raise
-        if not handle.done():
+        if not (to_store and handle.done()):
             # The removed event of the evictions (a copy that ended at once published it
             # already, before its stored event).
             self._publish_events()
