@@ -129,3 +129,24 @@ def trace_path(name: str = "conversation_trace.jsonl") -> Path:
     root = os.environ.get("ASYNCOFFLOAD_TRACE_DIR")
     base = Path(root) if root else Path(__file__).resolve().parents[2] / "shared" / "traces"
     return base / name
+
+
+def record_completions(
+    engine: ao.AsyncOffloadEngine, log: list[tuple[str, int, tuple[bytes, ...]]]
+) -> None:
+    """Record (kind, thread, keys) of every complete_store / complete_load of ``engine``."""
+    manager = engine.manager
+    real_store, real_load = manager.complete_store, manager.complete_load
+
+    def complete_store(
+        keys: Sequence[ao.OffloadKey], ctx: ao.ReqContext | None = None, success: bool = True
+    ) -> None:
+        log.append(("store", threading.get_ident(), tuple(keys)))
+        real_store(keys, ctx, success)
+
+    def complete_load(keys: Sequence[ao.OffloadKey], ctx: ao.ReqContext | None = None) -> None:
+        log.append(("load", threading.get_ident(), tuple(keys)))
+        real_load(keys, ctx)
+
+    manager.complete_store = complete_store  # type: ignore[method-assign]
+    manager.complete_load = complete_load  # type: ignore[method-assign]

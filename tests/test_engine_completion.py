@@ -5,40 +5,19 @@ from __future__ import annotations
 import asyncio
 import functools
 import threading
-from collections.abc import Sequence
 from typing import Any
 
 import pytest
 
 import asyncoffload as ao
 from asyncoffload.handles import Transfer
-from tests.helpers import GatedBackend, make_engine, make_keys
-
-
-def _record_callbacks(
-    engine: ao.AsyncOffloadEngine, log: list[tuple[str, int, tuple[bytes, ...]]]
-) -> None:
-    manager = engine.manager
-    real_store, real_load = manager.complete_store, manager.complete_load
-
-    def complete_store(
-        keys: Sequence[ao.OffloadKey], ctx: ao.ReqContext | None = None, success: bool = True
-    ) -> None:
-        log.append(("store", threading.get_ident(), tuple(keys)))
-        real_store(keys, ctx, success)
-
-    def complete_load(keys: Sequence[ao.OffloadKey], ctx: ao.ReqContext | None = None) -> None:
-        log.append(("load", threading.get_ident(), tuple(keys)))
-        real_load(keys, ctx)
-
-    manager.complete_store = complete_store  # type: ignore[method-assign]
-    manager.complete_load = complete_load  # type: ignore[method-assign]
+from tests.helpers import GatedBackend, make_engine, make_keys, record_completions
 
 
 async def test_callbacks_run_on_loop_thread_before_handle_resolves() -> None:
     engine, _ = make_engine(inline_copy_bytes=0)  # copies on a lane thread
     log: list[tuple[str, int, tuple[bytes, ...]]] = []
-    _record_callbacks(engine, log)
+    record_completions(engine, log)
     keys = make_keys(4)
     async with engine:
         handle = await engine.prepare_store(keys, [0, 1, 2, 3])

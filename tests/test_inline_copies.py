@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -24,34 +23,15 @@ import torch
 import asyncoffload as ao
 from asyncoffload import _checks
 from asyncoffload._native import load_mgrcore
-from tests.helpers import block_bytes, make_engine, make_keys, random_kv
+from tests.helpers import block_bytes, make_engine, make_keys, random_kv, record_completions
 
 TIMEOUT_S = 10.0
 
 
-def _log_completions(engine: ao.AsyncOffloadEngine, log: list[tuple[str, int, int]]) -> None:
-    """Record (kind, thread, number of keys) of every complete_store / complete_load."""
-    manager = engine.manager
-    real_store, real_load = manager.complete_store, manager.complete_load
-
-    def complete_store(
-        keys: Sequence[ao.OffloadKey], ctx: ao.ReqContext | None = None, success: bool = True
-    ) -> None:
-        log.append(("store", threading.get_ident(), len(keys)))
-        real_store(keys, ctx, success)
-
-    def complete_load(keys: Sequence[ao.OffloadKey], ctx: ao.ReqContext | None = None) -> None:
-        log.append(("load", threading.get_ident(), len(keys)))
-        real_load(keys, ctx)
-
-    manager.complete_store = complete_store  # type: ignore[method-assign]
-    manager.complete_load = complete_load  # type: ignore[method-assign]
-
-
 async def test_a_small_copy_completes_inside_prepare_on_the_loop_thread() -> None:
     engine, kv = make_engine(cpu_blocks=4, gpu_blocks=8, policy="lru")
-    log: list[tuple[str, int, int]] = []
-    _log_completions(engine, log)
+    log: list[tuple[str, int, tuple[bytes, ...]]] = []
+    record_completions(engine, log)
     keys = make_keys(6)
     async with engine:
         sub = engine.events()
@@ -108,8 +88,8 @@ async def test_a_small_copy_behind_a_lane_job_completes_after_it() -> None:
     size = probe.layout.block_bytes
     await probe.aclose()
     engine, _ = make_engine(cpu_blocks=8, inline_copy_bytes=size)
-    log: list[tuple[str, int, int]] = []
-    _log_completions(engine, log)
+    log: list[tuple[str, int, tuple[bytes, ...]]] = []
+    record_completions(engine, log)
     async with engine:
         big = await engine.prepare_store(make_keys(4, b"b"), [0, 1, 2, 3])  # to a lane
         small = await engine.prepare_store(make_keys(1, b"s"), [4])  # fits the threshold
@@ -118,7 +98,7 @@ async def test_a_small_copy_behind_a_lane_job_completes_after_it() -> None:
         # waits for the big one's, which runs on the loop.
         assert not big.done() and not small.done()
         await asyncio.wait_for(asyncio.gather(big, small), TIMEOUT_S)
-    assert [n for _, _, n in log] == [4, 1]
+    assert [len(keys) for _, _, keys in log] == [4, 1]
 
 
 def test_an_interrupt_in_an_inline_completion_fails_the_transfer_and_frees_its_slots() -> None:
