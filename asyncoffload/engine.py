@@ -299,21 +299,14 @@ class AsyncOffloadEngine:
         checked = check_keys(keys, "lookup")
         ctx = check_ctx(ctx, "lookup")
         keys = checked if ctx.tenant is None else filed(checked, ctx)
-        n = self._manager.lookup_prefix(keys, ctx)  # _lookup(), in line
-        if self._tiers is not None and n < len(keys):
-            n = self._tiers.lookup(keys, n)
+        n = self._lookup(keys, ctx)
         self._lookups += 1
         self._lookup_keys += len(checked)
         self._lookup_hits += n
         return n
 
     def _lookup(self, keys: list[OffloadKey], ctx: ReqContext, observe: bool = True) -> int:
-        manager = self._manager
-        n = (
-            manager.lookup_prefix(keys, ctx)
-            if observe
-            else manager.lookup_prefix(keys, ctx, observe=False)
-        )
+        n = self._manager.lookup_prefix(keys, ctx, observe=observe)
         if self._tiers is not None and n < len(keys):
             n = self._tiers.lookup(keys, n)
         return n
