@@ -169,6 +169,38 @@ def start_torch_threads() -> None:
     torch.ones(1 << 16).sum()
 
 
+def thread_ids() -> set[int]:
+    """The OS ids of this process's threads (Python's own threads' only, off Linux)."""
+    try:
+        return {int(tid) for tid in os.listdir("/proc/self/task")}
+    except OSError:  # not Linux
+        import threading
+
+        return {t.native_id or 0 for t in threading.enumerate()}
+
+
+def threads_left(before: set[int], timeout: float = 10.0) -> list[str]:
+    """The threads started since ``before`` (see :func:`thread_ids`) that still run
+    once they have all ended or ``timeout`` passed, each named by its id and its
+    Python name (``native`` for a thread Python did not start). Ids, not a count: a
+    thread that ends cannot hide one that stays. The slow-lane helper thread exits on
+    its own once idle, a moment after the engine closed; the bound only matters when
+    one never ends, so it leaves room for a machine that stalls this process."""
+    import threading
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        new = thread_ids() - before
+        if not new and delayer_idle():
+            return []
+        time.sleep(0.002)
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    left = [f"{tid} ({names.get(tid, 'native')})" for tid in sorted(thread_ids() - before)]
+    if not delayer_idle():
+        left.append("the slow-lane helper is not idle")
+    return left
+
+
 def wait_for_threads(limit: int, timeout: float = 5.0) -> int:
     """Threads now, once at most ``limit`` are left (or ``timeout`` passed): a
     slow-lane helper thread exits on its own once idle."""

@@ -67,10 +67,10 @@ from tests.helpers import block_bytes, make_keys, random_kv
 from tests.test_faults import (
     _native_available,
     open_fds,
-    os_threads,
     slot_problems,
     start_torch_threads,
-    wait_for_threads,
+    thread_ids,
+    threads_left,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -237,15 +237,6 @@ async def _wait(handle: ao.Transfer) -> None:
     await handle
 
 
-def _thread_names() -> list[str]:
-    names = []
-    with contextlib.suppress(OSError):
-        for tid in os.listdir("/proc/self/task"):
-            with contextlib.suppress(OSError), open(f"/proc/self/task/{tid}/comm") as f:
-                names.append(f.read().strip())
-    return sorted(names)
-
-
 def _fd_targets() -> list[str]:
     targets = []
     with contextlib.suppress(OSError):
@@ -356,7 +347,7 @@ def one_run(
 ) -> None:
     rng = random.Random(run)
     began = time.monotonic()
-    threads_before, fds_before = os_threads(), open_fds()
+    threads_before, fds_before = thread_ids(), open_fds()
     config = ao.EngineConfig(
         cpu_blocks=CPU_BLOCKS,
         copy_engine=engine_kind,
@@ -459,12 +450,12 @@ def one_run(
         faulthandler.cancel_dump_traceback_later()
         loop.close()
     del engine, workload, main
-    if os_threads() > threads_before or open_fds() > fds_before:
+    if thread_ids() - threads_before or open_fds() > fds_before:
         gc.collect()  # an interrupted task's traceback may hold what it made (a bridge)
-    if wait_for_threads(threads_before, 2.0) > threads_before:
+    left = threads_left(threads_before)
+    if left:
         summary.thread_leaks += 1
-        py = [t.name for t in threading.enumerate()]
-        summary.note(run, f"threads outlived the engine: {_thread_names()}, Python's: {py}")
+        summary.note(run, f"threads outlived the engine: {left}")
     if open_fds() > fds_before:
         summary.fd_leaks += 1
         summary.note(run, f"fds outlived the engine: {_fd_targets()}")
