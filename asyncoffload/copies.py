@@ -36,6 +36,7 @@ from asyncoffload.layout import KVLayout
 from asyncoffload.manager import CPUOffloadingManager, ReqContext
 from asyncoffload.transfer import CompletionBridge, CopyJob, CpuCopyBackend, TransferBackend
 from asyncoffload.transfer.base import FailedJob
+from asyncoffload.transfer.completion import run_completion
 
 __all__ = ["Copies", "make_backend"]
 
@@ -153,6 +154,49 @@ class Copies:
         ending = _Ending(self, handle, ctx)
         self._begin("load", ending, len(handle.keys), slots, ids, touch)
 
+    def now(
+        self,
+        kind: Literal["store", "load"],
+        handle: Transfer,
+        gpu_ids: Sequence[int],
+        host_ids: Sequence[int],
+        ctx: ReqContext,
+        touch: bool = False,
+    ) -> bool:
+        """What :meth:`store` / :meth:`load` do, in one step on this thread, when the
+        backend copies the job at once (``copy_now``) and nothing is ahead of it on its
+        lane: copy, touch the keys (``touch``), complete. False: nothing was done (a
+        copy that raised copied nothing; the submission meets its error again and fails
+        the transfer the usual way). Call inside the caller's hold. The layers it skips
+        are most of a small call's cost beyond the manager's own."""
+        store = kind == "store"
+        if not gpu_ids or (self._store_lane if store else self._load_lane).jobs:
+            return False
+        try:
+            job = self._backend.copy_now(store, gpu_ids, host_ids)
+        except Exception:
+            return False
+        if job is None:
+            return False
+        ending = _Ending(self, handle, ctx)
+        if touch:
+            try:
+                self._manager.touch(handle.keys, ctx)
+            except BaseException as exc:
+                undo = self._undo(kind, handle, ctx)
+                self.abandon(kind, handle._future, False, undo, exc, ending)
+                raise
+        if store:
+            self.stores += 1
+        else:
+            self.loads += 1
+        # As the bridge runs an inline job's completion: in its lane while it runs, run
+        # once more if an interrupt cuts it short (see the module docstring).
+        jobs = (self._store_lane if store else self._load_lane).jobs
+        jobs.append((job, ending))
+        run_completion(jobs, job, ending.held)
+        return True
+
     def copy_in(
         self, handle: Transfer, slots: Sequence[int], ids: list[int], ctx: ReqContext
     ) -> None:
@@ -247,28 +291,31 @@ class Copies:
                     self._manager.complete_store(keys, ctx, success=error is None)
                     ending.step = 2
                     self._publish()
+                    durations, rates = self.store_hist, self.store_rate
                     if error is None:
                         if self.stored is not None:
                             self.stored(keys, ctx)
                         self.bytes_stored += job.nbytes
-                        self._observe(self.store_hist, self.store_rate, job)
                 else:
                     self._manager.complete_load(handle.keys, ctx)
                     ending.step = 2
+                    durations, rates = self.load_hist, self.load_rate
                     if error is None:
                         self.bytes_loaded += job.nbytes
-                        self._observe(self.load_hist, self.load_rate, job)
+                if error is None:
+                    seconds = job.duration_s
+                    durations.observe(seconds)
+                    if seconds > 0:
+                        rates.observe(job.nbytes / seconds)
+                    fut = handle._future
+                    if not fut.done():  # resolve()'s way, a call shorter
+                        self.inflight.discard(fut)
+                        fut.set_result(TransferResult(job.num_blocks, job.nbytes, seconds))
+                        return
         except Exception as exc:  # never leave the handle (and aclose) hanging
             log.exception("complete_%s failed", handle.kind)
             error = error or exc
         self.resolve(handle, job, error)
-
-    @staticmethod
-    def _observe(durations: Histogram, rates: Histogram, job: CopyJob) -> None:
-        seconds = job.duration_s
-        durations.observe(seconds)
-        if seconds > 0:
-            rates.observe(job.nbytes / seconds)
 
     # --- endings -----------------------------------------------------------------------
 
@@ -389,6 +436,10 @@ class _Ending:
 
     def __call__(self, job: CopyJob) -> None:
         self.copies.complete(job, self)
+
+    def held(self, job: CopyJob) -> None:
+        """The callback, called inside a hold (the caller's step)."""
+        self.copies._complete(job, self)
 
 
 def _failed(exc: Exception, num_blocks: int) -> CopyJob:

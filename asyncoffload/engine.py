@@ -372,7 +372,9 @@ class AsyncOffloadEngine:
         spec = self._manager.prepare_load(keys, ctx)
         # From here the slots are pinned: every way out unpins them or hands them to a
         # job whose completion does (an interrupt included; see Copies.abandon).
-        self._copies.load(handle, spec.block_ids, ids, ctx, self.config.touch_on_load)
+        copies, slots, touch = self._copies, spec.block_ids, self.config.touch_on_load
+        if not copies.now("load", handle, ids, slots, ctx, touch):
+            copies.load(handle, slots, ids, ctx, touch)
         return handle
 
     async def prepare_store(
@@ -445,7 +447,8 @@ class AsyncOffloadEngine:
         src = ids if len(to_store) == len(keys) else _sources(keys, ids, to_store)
         slots = out.store_spec.block_ids
         try:
-            self._copies.store(handle, src, slots, ctx)
+            if not self._copies.now("store", handle, src, slots, ctx):
+                self._copies.store(handle, src, slots, ctx)
         except BaseException:
             self._publish_events()  # the removed event of the evictions
             raise

@@ -203,6 +203,108 @@ def test_native_copies_check_the_ids_bounds_and_copy_nothing_out_of_them(inline:
         backend.close()
 
 
+def test_copy_now_copies_a_small_job_here_or_declines_and_changes_nothing() -> None:
+    kv = random_kv(1, 4)
+    layout = ao.KVLayout.infer(kv)
+    backend = ao.CpuCopyBackend(kv, layout, 4, "native", inline_bytes=2 * layout.block_bytes)
+    try:
+        job = backend.copy_now(True, [2, 3], [0, 1])
+        assert job is not None and job.inline and job.query() and job.error is None
+        assert (job.num_blocks, job.nbytes) == (2, 2 * layout.block_bytes)
+        assert backend.read_host_block(0) == block_bytes(kv, 2)
+        assert backend.read_host_block(1) == block_bytes(kv, 3)
+        kv[0].zero_()
+        load = backend.copy_now(False, [1], [1])
+        assert load is not None and block_bytes(kv, 1) == backend.read_host_block(1)
+        before = [bytes(backend.read_host_block(i)) for i in range(4)]
+        # Declined, nothing copied: over the threshold, a length mismatch.
+        assert backend.copy_now(True, [0, 1, 2], [0, 1, 2]) is None
+        assert backend.copy_now(True, [0, 1], [2]) is None
+        # Out of bounds: raises, nothing copied.
+        with pytest.raises(IndexError, match="KV block ids"):
+            backend.copy_now(True, [0, 9], [2, 3])
+        # A wrapped submit_* (a fault plan's, a test's) keeps every copy on it.
+        backend.inject_faults(ao.FaultPlan(ao.Fault.slow_lane(0.001, rate=1.0, direction="store")))
+        assert backend.copy_now(True, [0], [2]) is None
+        assert backend.copy_now(False, [0], [2]) is None  # the plan wraps both
+        backend.inject_faults(None)
+        assert [bytes(backend.read_host_block(i)) for i in range(4)] == before
+        assert backend.copy_now(True, [0], [2]) is not None
+    finally:
+        backend.close()
+    assert backend.copy_now(True, [0], [2]) is None  # closed
+
+
+def test_copy_now_declines_on_the_python_lanes_and_by_default() -> None:
+    kv = random_kv(1, 4)
+    layout = ao.KVLayout.infer(kv)
+    backend = ao.CpuCopyBackend(kv, layout, 4, "threads", inline_bytes=1 << 20)
+    try:
+        assert backend.copy_now(True, [0], [0]) is None
+    finally:
+        backend.close()
+
+
+async def test_a_wrapped_submission_is_used_even_for_a_small_copy() -> None:
+    """The engine copies a small job itself only through the backend's own
+    ``submit_*``: a wrapper installed on the instance sees every copy."""
+    engine, _ = make_engine(cpu_blocks=4, gpu_blocks=8, policy="lru")
+    seen: list[tuple[list[int], list[int]]] = []
+    real = engine.backend.submit_store
+
+    def submit_store(gpu_ids: Any, host_ids: Any) -> ao.CopyJob:
+        seen.append((list(gpu_ids), list(host_ids)))
+        return real(gpu_ids, host_ids)
+
+    async with engine:
+        handle = await engine.prepare_store(make_keys(2), [0, 1])
+        assert handle is not None and not seen  # the backend's own: copied in the step
+        await handle
+        engine.backend.submit_store = submit_store  # type: ignore[method-assign]
+        handle = await engine.prepare_store(make_keys(4)[2:], [2, 3])
+        assert handle is not None
+        await asyncio.wait_for(_awaited(handle), TIMEOUT_S)
+        assert len(seen) == 1 and seen[0][0] == [2, 3]
+        assert engine.lookup(make_keys(4)) == 4
+
+
+def test_an_interrupt_in_the_touch_of_a_small_load_unpins_and_fails_it() -> None:
+    """``touch_on_load``'s touch runs after the small copy, in the caller's step: an
+    interrupt there (a fault injected where the hold cannot help) leaves nothing
+    pinned and the handle failed, and the keys load again."""
+    engine, kv = make_engine(cpu_blocks=4, gpu_blocks=8, policy="lru", touch_on_load=True)
+    loop = asyncio.new_event_loop()
+    manager = engine.manager
+    keys = make_keys(2)
+    try:
+        handle = loop.run_until_complete(engine.prepare_store(keys, [0, 1]))
+        assert handle is not None and handle.done()
+        real = manager.touch
+        calls = {"n": 0}
+
+        def touch(*args: Any, **kwargs: Any) -> None:
+            calls["n"] += 1
+            if calls["n"] == 1:
+                raise KeyboardInterrupt
+            real(*args, **kwargs)
+
+        manager.touch = touch  # type: ignore[method-assign]
+        with pytest.raises(KeyboardInterrupt):
+            loop.run_until_complete(engine.prepare_load(keys, [5, 6]))
+        assert [b.ref_cnt for _, b in manager.policy.items()] == [0, 0]
+        assert engine.stats().in_flight == 0
+        load = loop.run_until_complete(engine.prepare_load(keys, [5, 6]))
+        assert loop.run_until_complete(_awaited(load)).num_blocks == 2
+        assert block_bytes(kv, 5) == block_bytes(kv, 0)
+        loop.run_until_complete(engine.aclose())
+    finally:
+        loop.close()
+
+
+async def _awaited(handle: ao.Transfer) -> ao.TransferResult:
+    return await handle
+
+
 # --- the native input checks answer as the Python ones ---------------------------------
 
 _KEY = ao.make_offload_key(b"k" * 8)

@@ -118,6 +118,17 @@ class TransferBackend(ABC):
         """Call the bound wake-up (the binding may change after a job is submitted)."""
         self._wake()
 
+    def copy_now(
+        self, store: bool, gpu_ids: Sequence[int], host_ids: Sequence[int]
+    ) -> CopyJob | None:
+        """Copy a job on this (the loop's) thread, now, where the backend can: a store
+        (``store``) or load of ``gpu_ids[i]`` <-> ``host_ids[i]``. Returns the ended job
+        (:meth:`CopyJob.finish_inline`), or ``None`` when it cannot (the job is too
+        large, its lane is busy, ``submit_*`` is wrapped: a fault plan) and changed
+        nothing: submit it then. A job that raises copied nothing. This default never
+        copies now."""
+        return None
+
     @abstractmethod
     def submit_store(self, gpu_ids: Sequence[int], host_ids: Sequence[int]) -> CopyJob:
         """Copy KV blocks ``gpu_ids[i]`` into host slots ``host_ids[i]``."""

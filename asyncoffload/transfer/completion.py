@@ -31,7 +31,7 @@ from collections.abc import Callable
 from asyncoffload.histogram import LATENCY_BUCKETS_S, Histogram
 from asyncoffload.transfer.base import CopyJob
 
-__all__ = ["CompletionBridge", "CopyLane", "LatencyWindow"]
+__all__ = ["CompletionBridge", "CopyLane", "LatencyWindow", "run_completion"]
 
 log = logging.getLogger("asyncoffload.completion")
 
@@ -187,7 +187,9 @@ def _close_fds(fds: list[int]) -> None:
             os.close(fd)
 
 
-def _run(jobs: deque[tuple[CopyJob, JobCallback]], job: CopyJob, callback: JobCallback) -> None:
+def run_completion(
+    jobs: deque[tuple[CopyJob, JobCallback]], job: CopyJob, callback: JobCallback
+) -> None:
     """Run ``callback(job)``, then take ``job``, the head of ``jobs``, off its lane. A
     callback that raises an ``Exception`` is logged (a broken callback must not stall
     the lane); one cut short by anything else runs once more, then that propagates."""
@@ -278,7 +280,7 @@ class CompletionBridge:
             # stays in its lane while the callback runs, so a job the callback queues
             # there waits its turn; see drain() for the rest.
             try:
-                _run(jobs, job, callback)
+                run_completion(jobs, job, callback)
                 if jobs:  # queued by the callback
                     self._drain_lane(lane)
             except Exception:
@@ -344,7 +346,7 @@ class CompletionBridge:
         while jobs and jobs[0][0].query():
             job, callback = jobs[0]
             woke = time.perf_counter_ns()
-            _run(jobs, job, callback)
+            run_completion(jobs, job, callback)
             # An inline job's callback runs as it ends: no wake-up latency to record.
             if job.stamped and job.finished_ns and not job.inline:
                 self.latency.add(woke - job.finished_ns)

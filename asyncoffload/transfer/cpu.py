@@ -381,6 +381,7 @@ class CpuCopyBackend(TransferBackend):
             raise ValueError(f"inline_bytes must be a non-negative int, got {inline_bytes!r}")
         super().__init__(layout, num_host_blocks)
         self.inline_bytes = inline_bytes
+        self._block_bytes = layout.block_bytes
         self._kv = list(kv_caches)  # the native lanes hold raw addresses into these
         self._fragments = layout.fragment_views(self._kv)
         check_host_bytes(
@@ -489,6 +490,34 @@ class CpuCopyBackend(TransferBackend):
         native_job = _NativeJob(n, nbytes, self._lib)
         lane.submit(native_job, gpu_ids, host_ids)
         return native_job
+
+    def copy_now(
+        self, store: bool, gpu_ids: Sequence[int], host_ids: Sequence[int]
+    ) -> CopyJob | None:
+        """A job of at most ``inline_bytes`` on the native engine, its lane idle, and
+        ``submit_*`` of that direction the class's own (not a fault plan's wrapper, nor
+        a test's): copied here (see :meth:`TransferBackend.copy_now`)."""
+        n = len(gpu_ids)
+        nbytes = n * self._block_bytes
+        if (
+            nbytes > self.inline_bytes
+            or self._lib is None
+            or self._closed
+            or n != len(host_ids)
+            or ("submit_store" if store else "submit_load") in self.__dict__
+        ):
+            return None
+        if self.pid != _Process.pid:
+            self.check_process()
+        lane = self._native_store if store else self._native_load
+        if lane._pending and not lane.idle():
+            return None
+        job = CopyJob(n, nbytes)
+        rc = lane.copy_now(gpu_ids, host_ids)
+        if rc:
+            _refused(rc, self._tables, "the copy was refused")
+        job.finish_inline()
+        return job
 
     #: Set while a faulted submission runs (see ``_submit_faulted``): the Python lane
     #: applies its delay and copy error itself.
