@@ -481,12 +481,7 @@ class CpuCopyBackend(TransferBackend):
         lane = self._native_store if direction == "store" else self._native_load
         # The native calls check the ids' bounds (IndexError, nothing copied).
         if nbytes <= self.inline_bytes and lane.idle():
-            job = CopyJob(n, nbytes)
-            rc = lane.copy_now(gpu_ids, host_ids)
-            if rc:
-                _refused(rc, self._tables, "the copy was refused")
-            job.finish_inline()
-            return job
+            return self._copied_here(lane, n, nbytes, gpu_ids, host_ids)
         native_job = _NativeJob(n, nbytes, self._lib)
         lane.submit(native_job, gpu_ids, host_ids)
         return native_job
@@ -512,6 +507,18 @@ class CpuCopyBackend(TransferBackend):
         lane = self._native_store if store else self._native_load
         if lane._pending and not lane.idle():
             return None
+        return self._copied_here(lane, n, nbytes, gpu_ids, host_ids)
+
+    def _copied_here(
+        self,
+        lane: _NativeLane,
+        n: int,
+        nbytes: int,
+        gpu_ids: Sequence[int],
+        host_ids: Sequence[int],
+    ) -> CopyJob:
+        """The ended job of ``lane``'s copy run on this thread (an IndexError, nothing
+        copied, for ids out of bounds)."""
         job = CopyJob(n, nbytes)
         rc = lane.copy_now(gpu_ids, host_ids)
         if rc:
