@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -150,3 +151,18 @@ def record_completions(
 
     manager.complete_store = complete_store  # type: ignore[method-assign]
     manager.complete_load = complete_load  # type: ignore[method-assign]
+
+
+class InterruptOnce:
+    """``real``, except that its first call raises KeyboardInterrupt instead (a signal
+    landing there); ``calls`` counts the calls."""
+
+    def __init__(self, real: Callable[..., Any]) -> None:
+        self.real = real
+        self.calls = 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        if self.calls == 1:
+            raise KeyboardInterrupt
+        return self.real(*args, **kwargs)

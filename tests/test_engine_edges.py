@@ -20,7 +20,14 @@ import torch
 
 import asyncoffload as ao
 from asyncoffload.transfer.completion import LatencyWindow
-from tests.helpers import FailingBackend, block_bytes, make_engine, make_keys, state_of
+from tests.helpers import (
+    FailingBackend,
+    InterruptOnce,
+    block_bytes,
+    make_engine,
+    make_keys,
+    state_of,
+)
 
 STORE_TIMEOUT_S = 10.0
 
@@ -43,19 +50,6 @@ async def _settled(engine: ao.AsyncOffloadEngine) -> None:
         await asyncio.sleep(0.001)
 
 
-def _interrupt_once(real: Callable[..., Any]) -> Callable[..., Any]:
-    """``real``, except that its first call raises KeyboardInterrupt instead."""
-    calls = {"n": 0}
-
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        calls["n"] += 1
-        if calls["n"] == 1:
-            raise KeyboardInterrupt
-        return real(*args, **kwargs)
-
-    return wrapper
-
-
 # --- interrupts (defect 3) -----------------------------------------------------------------
 
 
@@ -64,7 +58,7 @@ def test_interrupt_in_a_completion_callback_still_resolves_the_handle() -> None:
     loop = asyncio.new_event_loop()
     try:
         keys = make_keys(2)
-        engine.manager.complete_store = _interrupt_once(  # type: ignore[method-assign]
+        engine.manager.complete_store = InterruptOnce(  # type: ignore[method-assign]
             engine.manager.complete_store
         )
 
@@ -92,7 +86,7 @@ def test_interrupt_at_submission_frees_the_reserved_slots() -> None:
     loop = asyncio.new_event_loop()
     try:
         keys = make_keys(2)
-        engine.backend.submit_store = _interrupt_once(  # type: ignore[method-assign]
+        engine.backend.submit_store = InterruptOnce(  # type: ignore[method-assign]
             engine.backend.submit_store
         )
         _interrupted(loop, engine.prepare_store(keys, [0, 1]))
@@ -166,7 +160,7 @@ def test_interrupted_load_unpins_its_blocks() -> None:
             await handle
 
         _run(loop, store())
-        engine.backend.submit_load = _interrupt_once(  # type: ignore[method-assign]
+        engine.backend.submit_load = InterruptOnce(  # type: ignore[method-assign]
             engine.backend.submit_load
         )
         _interrupted(loop, engine.prepare_load(keys, [4, 5]))

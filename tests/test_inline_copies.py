@@ -23,7 +23,14 @@ import torch
 import asyncoffload as ao
 from asyncoffload import _checks
 from asyncoffload._native import load_mgrcore
-from tests.helpers import block_bytes, make_engine, make_keys, random_kv, record_completions
+from tests.helpers import (
+    InterruptOnce,
+    block_bytes,
+    make_engine,
+    make_keys,
+    random_kv,
+    record_completions,
+)
 
 TIMEOUT_S = 10.0
 
@@ -105,15 +112,7 @@ def test_an_interrupt_in_an_inline_completion_fails_the_transfer_and_frees_its_s
     engine, _ = make_engine(cpu_blocks=4)
     loop = asyncio.new_event_loop()
     manager = engine.manager
-    real = manager.complete_store
-    calls = {"n": 0}
-
-    def interrupted_once(*args: Any, **kwargs: Any) -> None:
-        calls["n"] += 1
-        if calls["n"] == 1:
-            raise KeyboardInterrupt
-        real(*args, **kwargs)
-
+    interrupted_once = InterruptOnce(manager.complete_store)
     manager.complete_store = interrupted_once  # type: ignore[method-assign]
     try:
         # The interrupt leaves prepare_store (the caller's step), after the rerun of
@@ -124,7 +123,7 @@ def test_an_interrupt_in_an_inline_completion_fails_the_transfer_and_frees_its_s
         assert (stats.write_pending, stats.ready, stats.free) == (0, 0, 4)
         assert engine.stats().in_flight == 0
         assert engine.stats().transfers_failed == 1
-        assert calls["n"] == 2  # told once more, never a third time
+        assert interrupted_once.calls == 2  # told once more, never a third time
 
         async def store_again() -> int:
             handle = await engine.prepare_store(make_keys(2), [0, 1])
@@ -279,16 +278,7 @@ def test_an_interrupt_in_the_touch_of_a_small_load_unpins_and_fails_it() -> None
     try:
         handle = loop.run_until_complete(engine.prepare_store(keys, [0, 1]))
         assert handle is not None and handle.done()
-        real = manager.touch
-        calls = {"n": 0}
-
-        def touch(*args: Any, **kwargs: Any) -> None:
-            calls["n"] += 1
-            if calls["n"] == 1:
-                raise KeyboardInterrupt
-            real(*args, **kwargs)
-
-        manager.touch = touch  # type: ignore[method-assign]
+        manager.touch = InterruptOnce(manager.touch)  # type: ignore[method-assign]
         with pytest.raises(KeyboardInterrupt):
             loop.run_until_complete(engine.prepare_load(keys, [5, 6]))
         assert [b.ref_cnt for _, b in manager.policy.items()] == [0, 0]
