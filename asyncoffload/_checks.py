@@ -46,7 +46,7 @@ def check_call(
     checked = check_keys(keys, what)
     block_ids = check_block_ids(ids, len(checked), limit, what, unique)
     context = _ANON if ctx is None else check_ctx(ctx, what)
-    return (checked if context.tenant is None else filed(checked, context)), block_ids, context
+    return filed(checked, context), block_ids, context
 
 
 def _native_checks() -> Any:

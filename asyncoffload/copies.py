@@ -307,11 +307,6 @@ class Copies:
                     durations.observe(seconds)
                     if seconds > 0:
                         rates.observe(job.nbytes / seconds)
-                    fut = handle._future
-                    if not fut.done():  # resolve()'s way, a call shorter
-                        self.inflight.discard(fut)
-                        fut.set_result(TransferResult(job.num_blocks, job.nbytes, seconds))
-                        return
         except Exception as exc:  # never leave the handle (and aclose) hanging
             log.exception("complete_%s failed", handle.kind)
             error = error or exc

@@ -297,9 +297,7 @@ class AsyncOffloadEngine:
         recency (see :meth:`touch`)."""
         self._check_usable()
         checked = check_keys(keys, "lookup")
-        ctx = check_ctx(ctx, "lookup")
-        keys = checked if ctx.tenant is None else filed(checked, ctx)
-        n = self._lookup(keys, ctx)
+        n = self._lookup(filed(checked, ctx := check_ctx(ctx, "lookup")), ctx)
         self._lookups += 1
         self._lookup_keys += len(checked)
         self._lookup_hits += n

@@ -505,7 +505,7 @@ class CpuCopyBackend(TransferBackend):
         if self.pid != _Process.pid:
             self.check_process()
         lane = self._native_store if store else self._native_load
-        if lane._pending and not lane.idle():
+        if not lane.idle():
             return None
         return self._copied_here(lane, n, nbytes, gpu_ids, host_ids)
 
