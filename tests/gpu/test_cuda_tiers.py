@@ -49,6 +49,9 @@ async def test_cuda_blocks_round_trip_through_disk(tmp_path: Path, mode: str) ->
         cpu_blocks=8,
         tiers=[ao.DiskTier(tmp_path, 64 * slot, mode, admission=None)],
         model="gpu-test",
+        # The steps below count on recency alone deciding what leaves the CPU tier (the
+        # default policy, auto, may keep the corrupt block's key there).
+        policy="lru",
     )
     async with ao.AsyncOffloadEngine(caches, cfg) as engine:
         ks = keys(16)
