@@ -94,6 +94,17 @@ class EngineConfig(BaseModel):
         "is then already resolved, when its lane is idle: the hop to a copy thread and "
         "back costs more than copying that much. 0: every copy goes to a copy thread.",
     )
+    inline_wait_us: float = Field(
+        100.0,
+        ge=0,
+        le=10_000,
+        description="CUDA backend, native copy path: a copy that the bandwidth measured "
+        "so far (and the copies queued before it) says ends within this many microseconds "
+        "is waited for on the event loop's thread inside prepare_store / prepare_load, "
+        "whose handle is then already resolved: the wake-up round trip costs more than "
+        "that. The wait gives up at twice this; the copy then completes as usual. It "
+        "blocks the loop while it waits. 0: never wait.",
+    )
     copy_method: Literal["auto", "batch", "kernel", "staged", "gather"] = Field(
         "auto",
         description="CUDA backend copy method: 'kernel' (Triton SM copy through UVA), "
@@ -171,6 +182,11 @@ class EngineConfig(BaseModel):
     @classmethod
     def _not_a_bool(cls, value: object) -> object:
         return not_bool(value, "an integer")
+
+    @field_validator("inline_wait_us", "poll_interval_s", mode="before")
+    @classmethod
+    def _not_a_bool_number(cls, value: object) -> object:
+        return not_bool(value, "a number")
 
     @field_validator("cpu_bytes", mode="before")
     @classmethod

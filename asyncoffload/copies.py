@@ -477,6 +477,7 @@ def make_backend(
             chunk_bytes=config.host_chunk_bytes,
             pin=config.pin_memory,
             staging_bytes=config.staging_bytes,
+            inline_wait_us=config.inline_wait_us,
         )
     raise ValueError(
         f"no transfer backend for KV tensors on {layout.device}: this build copies CPU "

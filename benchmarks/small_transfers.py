@@ -138,10 +138,17 @@ def raw_copy(samples: int) -> dict[str, dict[str, float]]:
     return out
 
 
-async def engine_part(args: argparse.Namespace, prof: Profiler) -> dict[str, Any]:
+async def engine_part(
+    args: argparse.Namespace, prof: Profiler, wait_us: float | None = None
+) -> dict[str, Any]:
+    """``wait_us``: the engine's ``inline_wait_us`` (``None``: the default, or a checkout
+    from before the setting)."""
     num_blocks = 64
     kv = make_kv(num_blocks)
-    cfg = ao.EngineConfig(cpu_blocks=args.cpu_blocks, copy_method=args.method)
+    settings: dict[str, Any] = {"cpu_blocks": args.cpu_blocks, "copy_method": args.method}
+    if wait_us is not None:
+        settings["inline_wait_us"] = wait_us
+    cfg = ao.EngineConfig.model_validate(settings)
     ctx = ao.ReqContext("bench")
     counter = 0
 
@@ -245,8 +252,12 @@ async def engine_part(args: argparse.Namespace, prof: Profiler) -> dict[str, Any
             dst = (src + 1) % num_blocks
             await (await engine.prepare_load([k], [dst], ctx))
             exact &= bool(torch.equal(block_bytes_of(kv, dst).cpu(), want))
+        conc = await concurrent_part(engine, args, key, ctx)
         info = engine.stats().backend_info
     return {
+        "concurrent": conc,
+        "inline_wait_us": info.get("inline_wait_us", "-"),
+        "inline_waits_missed": info.get("inline_waits_missed", "-"),
         "store": summary(store_us),
         "load": summary(load_us),
         "byte_exact": exact,
@@ -267,6 +278,44 @@ async def engine_part(args: argparse.Namespace, prof: Profiler) -> dict[str, Any
             )
             for d, v in phases.items()
         },
+    }
+
+
+async def concurrent_part(
+    engine: ao.AsyncOffloadEngine,
+    args: argparse.Namespace,
+    key: Callable[[], ao.OffloadKey],
+    ctx: ao.ReqContext,
+) -> dict[str, float]:
+    """Throughput of ``--conc-tasks`` tasks each storing ``--conc-calls`` 1-block
+    stores back to back (each into its own KV block), then loading its last stored
+    keys back (into another block of its own): blocks per second each way. Where copies
+    are waited for in the call (``inline_wait_us``) they no longer overlap the next
+    call's Python: this is what that costs."""
+    tasks, calls = args.conc_tasks, args.conc_calls
+    keep = max(1, min(calls, args.cpu_blocks // tasks))
+    stored: list[list[ao.OffloadKey]] = [[] for _ in range(tasks)]
+
+    async def storer(t: int) -> None:
+        for _ in range(calls):
+            k = key()
+            handle = await engine.prepare_store([k], [t], ctx)
+            assert handle is not None, "store refused"
+            await handle
+            stored[t].append(k)
+
+    async def loader(t: int) -> None:
+        for k in stored[t][-keep:]:
+            await (await engine.prepare_load([k], [tasks + t], ctx))
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(storer(t) for t in range(tasks)))
+    t1 = time.perf_counter()
+    await asyncio.gather(*(loader(t) for t in range(tasks)))
+    t2 = time.perf_counter()
+    return {
+        "store_blocks_per_s": tasks * calls / (t1 - t0),
+        "load_blocks_per_s": tasks * keep / (t2 - t1),
     }
 
 
@@ -464,6 +513,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--method", default="auto", help="engine copy_method")
     ap.add_argument("--worker-methods", default="auto,staged,kernel")
     ap.add_argument("--loop", choices=("uvloop", "asyncio"), default=None)
+    ap.add_argument(
+        "--inline-wait-us",
+        default="100,0",
+        help="engine: inline_wait_us values, run in turn --rounds times ('' : the default)",
+    )
+    ap.add_argument("--rounds", type=int, default=2, help="engine: rounds of those values")
+    ap.add_argument("--conc-tasks", type=int, default=16, help="engine: concurrent tasks")
+    ap.add_argument("--conc-calls", type=int, default=60, help="engine: stores per task")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--label", default="run")
     ap.add_argument("--json", default=None)
@@ -482,7 +539,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "torch": torch.__version__,
     }
     if "engine" in parts:
-        report["engine"] = loops.run(engine_part(args, prof), use_uvloop=use_uv)
+        waits: list[float | None] = [float(w) for w in args.inline_wait_us.split(",") if w]
+        runs = report["engine_runs"] = []
+        for _ in range(args.rounds):
+            for wait in waits or [None]:
+                runs.append(loops.run(engine_part(args, prof, wait), use_uvloop=use_uv))
     if "worker" in parts or "ttft" in parts:
         if "worker" not in parts:
             args.worker_methods = ""
@@ -501,8 +562,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def print_report(r: dict[str, Any]) -> None:
     print(f"[{r['label']}] {r['device']}, loop {r['loop']}, torch {r['torch']}")
-    e = r.get("engine")
-    if e:
+    for e in r.get("engine_runs", []):
+        print(
+            f"  engine inline_wait_us {e['inline_wait_us']} (waits missed "
+            f"{e['inline_waits_missed']})"
+        )
         for d in ("store", "load"):
             s, raw = e[d], e["raw_copy"][d]
             print(
@@ -515,6 +579,11 @@ def print_report(r: dict[str, Any]) -> None:
                 print(f"    {d} phases p50 (us): {ph}")
         print(
             f"  byte-exact {e['byte_exact']}, methods {e['methods']}, native {e.get('native_copy')}"
+        )
+        c = e["concurrent"]
+        print(
+            f"    concurrent 1-block copies: store {c['store_blocks_per_s']:,.0f} blocks/s,"
+            f" load {c['load_blocks_per_s']:,.0f} blocks/s"
         )
     w = r.get("worker")
     if w:

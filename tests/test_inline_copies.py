@@ -169,6 +169,13 @@ def test_inline_copy_bytes_must_be_a_non_negative_int(value: object) -> None:
         ao.EngineConfig.model_validate({"inline_copy_bytes": value})
 
 
+@pytest.mark.parametrize("value", [-1, True, 10_001, "fast", float("nan")])
+def test_inline_wait_us_must_be_a_number_within_its_bound(value: object) -> None:
+    with pytest.raises(pydantic.ValidationError, match="inline_wait_us"):
+        ao.EngineConfig.model_validate({"inline_wait_us": value})
+    assert ao.EngineConfig(inline_wait_us=0).inline_wait_us == 0  # 0: never wait
+
+
 @pytest.mark.parametrize("value", [-1, True, 2.0])
 def test_the_cpu_backend_refuses_a_bad_inline_bytes(value: Any) -> None:
     kv = random_kv(1, 4)

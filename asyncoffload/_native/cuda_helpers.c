@@ -664,6 +664,31 @@ int ao_cuda_event_plain(uint64_t *out) {
 }
 
 int ao_cuda_event_query(void *event) { return p_event_query(event); }
+
+/*
+ * Poll `event` on the calling thread until it has completed (0) or failed (its CUresult),
+ * or until `budget_ns` has passed without either (CUDA_ERROR_NOT_READY, 600): the wait
+ * on a copy short enough that a wake-up round trip would cost more than the copy.
+ */
+static int ao_cuda_event_wait(void *event, int64_t budget_ns) {
+    int64_t stop = ao_now_ns() + budget_ns;
+    for (;;) {
+        CUresult rc = p_event_query(event);
+        if (rc != 600) return (int)rc;
+        if (ao_now_ns() > stop) return 600;
+    }
+}
+
+/*
+ * After `event` (recorded on another stream), the completion host function of `slot` on
+ * `stream`: the wake-up of a job that ran elsewhere, ordered on `stream` as if it had run
+ * there (later work of `stream` waits for it too).
+ */
+int ao_cuda_wake_after(void *stream, void *event, void *slot) {
+    CUresult rc = p_stream_wait_event((CUstream)stream, event, 0);
+    if (rc != 0) return rc;
+    return ao_cuda_launch_wake(stream, slot);
+}
 int ao_cuda_event_sync(void *event) { return p_event_sync(event); }
 int ao_cuda_event_destroy(void *event) { return p_event_destroy(event); }
 int ao_cuda_event_elapsed(void *start, void *end, float *ms) {
@@ -746,6 +771,31 @@ int ao_cuda_copy_launch(int device, void *caller, void *stream, void *fence, voi
 fail:
     /* No host function was queued with the slot: nothing native holds it. */
     if (slot != NULL) __atomic_store_n(&((int64_t *)slot)[3], 1, __ATOMIC_RELEASE);
+    return rc;
+}
+
+/*
+ * A copy the caller waits for at once: ao_cuda_copy_launch of one group on `stream`
+ * itself (no fence, no timing events, no host function) with `end` recorded after it,
+ * then the wait of ao_cuda_event_wait on `end` for up to `budget_ns`. times[0]: when the
+ * launch began, times[1]: when the wait saw the end (0 if it did not), times[2]: 1 once
+ * everything was queued (0: the launch failed, and the result is its CUresult). Returns
+ * 0 (ended), CUDA_ERROR_NOT_READY (600: queued, still running) or a failing CUresult.
+ */
+int ao_cuda_copy_wait(int device, void *stream, void *end, uint64_t refs, uint64_t rows,
+                      int nref, int n, const int64_t *gpu_ids, const int64_t *slot_ids,
+                      int store, int programs, int64_t page_bytes, int64_t budget_ns,
+                      int64_t *times) {
+    times[0] = ao_now_ns();
+    times[1] = 0;
+    times[2] = 0;
+    int rc = ao_cuda_copy_launch(device, stream, stream, NULL, NULL, end, refs, rows, nref, n,
+                                 gpu_ids, slot_ids, 0, 1, store, programs, page_bytes, NULL, 0,
+                                 0);
+    if (rc != 0) return rc;
+    times[2] = 1;
+    rc = ao_cuda_event_wait(end, budget_ns);
+    if (rc == 0) times[1] = ao_now_ns();
     return rc;
 }
 

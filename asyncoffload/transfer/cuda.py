@@ -42,7 +42,7 @@ from typing import Any, Literal
 
 import torch
 
-from asyncoffload._native import load_cuda_helpers
+from asyncoffload._native import holding_gil, load_cuda_helpers
 from asyncoffload.hostmem import check_host_bytes, format_bytes
 from asyncoffload.layout import KVLayout
 from asyncoffload.transfer.base import CopyJob, TransferBackend, forked_since, host_bytes
@@ -257,12 +257,12 @@ class NativeEvent:
     ``elapsed_time``, ``cuda_event``). Destroyed with the object (not in a fork's child:
     the event belongs to the parent's context)."""
 
-    __slots__ = ("_lib", "_pid", "_reuse", "cuda_event")
+    __slots__ = ("_free", "_lib", "_pid", "cuda_event")
 
-    def __init__(self, lib: ctypes.CDLL, handle: int, reuse: bool = True) -> None:
+    def __init__(self, lib: ctypes.CDLL, handle: int, free: list[int] | None = None) -> None:
         self._lib = lib
         self._pid = os.getpid()
-        self._reuse = reuse  # a timing event, to the free list when dropped
+        self._free = free  # the free list it goes back to when dropped (None: destroyed)
         self.cuda_event = handle
 
     def query(self) -> bool:
@@ -292,12 +292,9 @@ class NativeEvent:
             return
         # Unreferenced, nothing can wait on it or record it again: back to the free list
         # (destroying and creating events costs microseconds of driver time per job).
-        if (
-            self._reuse
-            and len(_free_events) < _FREE_EVENTS_MAX
-            and _free_events_pid[0] == self._pid
-        ):
-            _free_events.append(handle)
+        free = self._free
+        if free is not None and len(free) < _FREE_EVENTS_MAX and _free_events_pid[0] == self._pid:
+            free.append(handle)
             return
         with contextlib.suppress(Exception):  # a context torn down at exit
             self._lib.ao_cuda_event_destroy(handle)
@@ -306,6 +303,8 @@ class NativeEvent:
 # Timing events (all of one device's context, made by ``NativeCopy.events``) no job holds
 # any more, for reuse; only in the process that made them.
 _free_events: list[int] = []
+# The same for events without timing (the end marks of copies waited for in the call).
+_free_plain: list[int] = []
 _free_events_pid = [os.getpid()]
 _FREE_EVENTS_MAX = 256
 
@@ -320,6 +319,26 @@ _NATIVE_SIGNATURES: dict[str, tuple[list[Any], Any]] = {
     "ao_cuda_event_plain": ([ctypes.c_void_p], ctypes.c_int),
     "ao_cuda_event_query": ([ctypes.c_void_p], ctypes.c_int),
     "ao_cuda_event_sync": ([ctypes.c_void_p], ctypes.c_int),
+    "ao_cuda_copy_wait": (
+        [
+            ctypes.c_int,  # device
+            ctypes.c_void_p,  # the caller's stream
+            ctypes.c_void_p,  # end event
+            ctypes.c_uint64,  # refs table (device)
+            ctypes.c_uint64,  # row table (device)
+            ctypes.c_int,  # nref
+            ctypes.c_int,  # blocks
+            ctypes.c_void_p,  # gpu ids (int64)
+            ctypes.c_void_p,  # slot ids (int64)
+            ctypes.c_int,  # store
+            ctypes.c_int,  # programs
+            ctypes.c_int64,  # largest page
+            ctypes.c_int64,  # wait budget (ns)
+            ctypes.c_void_p,  # times [launched, ended, queued]
+        ],
+        ctypes.c_int,
+    ),
+    "ao_cuda_wake_after": ([ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p], ctypes.c_int),
     "ao_cuda_event_destroy": ([ctypes.c_void_p], ctypes.c_int),
     "ao_cuda_event_elapsed": ([ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p], ctypes.c_int),
     "ao_cuda_staged_launch": (
@@ -437,6 +456,23 @@ class NativeCopy:
         #: context it was made in).
         self.single_device = torch.cuda.device_count() == 1
         self.fences = [self.plain_event() for _ in streams]
+        # ``ao_cuda_copy_wait`` with the GIL held: a wait on the loop's thread must not
+        # hand the GIL to another thread for a switch interval.
+        self._copy_wait: Callable[..., int] = holding_gil(lib.ao_cuda_copy_wait)
+        self._times = (ctypes.c_int64 * 3)()
+
+    def arm(self, job: CudaJob, direction: int, wake_fd: int) -> None:
+        """Queue the wake-up (the completion host function, see :func:`mark_completion`)
+        of ``job``, launched by :meth:`copy_wait`, on ``direction``'s copy stream, after
+        its end event: the copy stream's later work waits for it as for its own."""
+        assert job._event is not None
+        slot = (ctypes.c_int64 * 5)(0, 0, wake_fd, 0, 1)
+        stream = self.streams[direction]
+        rc = self.lib.ao_cuda_wake_after(stream, job._event.cuda_event, ctypes.addressof(slot))
+        if rc != 0:
+            raise RuntimeError(f"cuStreamWaitEvent / cuLaunchHostFunc failed: CUresult {rc}")
+        job._slot = slot
+        job._lib = self.lib
 
     def plain_event(self) -> NativeEvent:
         """An event without timing (fences, staging order), not recycled."""
@@ -444,21 +480,39 @@ class NativeCopy:
         rc = self.lib.ao_cuda_event_plain(out)
         if rc != 0:
             raise RuntimeError(f"cuEventCreate failed: CUresult {rc}")
-        return NativeEvent(self.lib, int(out[0]), reuse=False)
+        return NativeEvent(self.lib, int(out[0]))
 
     def events(self) -> tuple[NativeEvent, NativeEvent]:
         """Two timing events (start, end), from the free list where it has them."""
         free = _free_events
         if _free_events_pid[0] != os.getpid():  # a fork's child: the handles are the parent's
             free.clear()
+            _free_plain.clear()
             _free_events_pid[0] = os.getpid()
-        if len(free) >= 2 and self.single_device:
-            return NativeEvent(self.lib, free.pop()), NativeEvent(self.lib, free.pop())
+        reuse = free if self.single_device else None
+        if len(free) >= 2 and reuse is not None:
+            return NativeEvent(self.lib, free.pop(), reuse), NativeEvent(
+                self.lib, free.pop(), reuse
+            )
         pair = self._pair
         rc = self.lib.ao_cuda_event_pair(pair)
         if rc != 0:
             raise RuntimeError(f"cuEventCreate failed: CUresult {rc}")
-        return NativeEvent(self.lib, pair[0]), NativeEvent(self.lib, pair[1])
+        return NativeEvent(self.lib, pair[0], reuse), NativeEvent(self.lib, pair[1], reuse)
+
+    def mark(self) -> NativeEvent:
+        """An event without timing, from its free list where it has one."""
+        free = _free_plain
+        if _free_events_pid[0] != os.getpid():
+            _free_events.clear()
+            free.clear()
+            _free_events_pid[0] = os.getpid()
+        reuse = free if self.single_device else None
+        if free and reuse is not None:
+            return NativeEvent(self.lib, free.pop(), reuse)
+        event = self.plain_event()
+        event._free = reuse
+        return event
 
     def staged(
         self,
@@ -585,6 +639,50 @@ class NativeCopy:
         if slot is not None:
             job._slot = slot
             job._lib = self.lib
+
+    def copy_wait(
+        self,
+        job: CudaJob,
+        direction: int,
+        rows: int,
+        span: tuple[int, int, int, int, int, int, int],
+        programs: int,
+        budget_ns: int,
+    ) -> int:
+        """Queue ``job``'s copy of one group (``span`` as for :meth:`launch`) on the
+        caller's current stream itself, an event without timing after it (``job``'s
+        end), and wait up to ``budget_ns`` on this thread for it (``ao_cuda_copy_wait``):
+        for a job whose wake-up would cost more than the wait. No fence and no timing
+        events; ``job.started_ns`` is set to the launch (and ``finished_ns``, where the
+        copy ended, to when the wait saw it). Returns 0 (ended), ``CUDA_ERROR_NOT_READY``
+        (still running) or the CUresult of a failed copy; raises ``RuntimeError`` if
+        the launch failed."""
+        end = self.mark()
+        job._start, job._event = None, end
+        refs, nref, n, gpu_ids, slot_ids, _skip, page = span
+        times = self._times
+        rc = self._copy_wait(
+            self.index,
+            self._raw_stream(self.index),
+            end.cuda_event,
+            refs,
+            rows,
+            nref,
+            n,
+            gpu_ids,
+            slot_ids,
+            direction == 0,
+            programs,
+            page,
+            budget_ns,
+            times,
+        )
+        job.started_ns = times[0]
+        if not times[2]:
+            raise RuntimeError(f"native copy launch failed: CUresult {rc}")
+        if rc == 0:
+            job.finished_ns = times[1]
+        return int(rc)
 
 
 class _NativeStaging:
@@ -787,6 +885,7 @@ class CudaCopyBackend(TransferBackend):
         kernel_max_fragment_bytes: int = 16 << 10,
         kernel_programs: int = DEFAULT_KERNEL_PROGRAMS,
         staging_bytes: int = 192 << 20,
+        inline_wait_us: float = 100.0,
     ) -> None:
         if layout.device.type != "cuda":
             raise ValueError(f"CudaCopyBackend needs CUDA tensors, got {layout.device}")
@@ -824,9 +923,17 @@ class CudaCopyBackend(TransferBackend):
         self.spin = bool(features & 8) and self.has_host_wake
         self.spin_lead_ns = 60_000
         self.spin_window_ns = 150_000
+        #: A native copy expected (from the measured bandwidth and the copies queued
+        #: before it) to end within this many ns is waited for on the submitting thread,
+        #: at most twice as long, and ends inside ``submit_*`` (see ``EngineConfig``'s
+        #: ``inline_wait_us``); 0: never.
+        self.inline_wait_ns = int(inline_wait_us * 1000)
+        #: Waits that gave up (the copy then completed through its wake-up).
+        self.inline_waits_missed = 0
         self._rate: list[float | None] = [None, None]  # bytes per ns, EWMA
         self._lane_end_ns = [0, 0]
-        self._recent: tuple[list[CudaJob], list[CudaJob]] = ([], [])
+        # Per direction, the jobs not yet seen ended, in submission order.
+        self._recent: tuple[deque[CudaJob], deque[CudaJob]] = (deque(), deque())
         self.copy_method: CopyMethod = copy_method
         #: Per-direction overrides of ``copy_method`` (store, load); ``None`` keeps it.
         self.method_by_direction: list[CopyMethod | None] = [None, None]
@@ -917,26 +1024,66 @@ class CudaCopyBackend(TransferBackend):
         self._fds.append(fd)  # earlier ones may sit in queued host functions' slots
         super().bind(wake, fd)
 
-    def _spin_window(self, job: CudaJob, direction: int) -> tuple[int, int] | None:
-        """When the spinner should poll ``job``'s event: around its expected end, from the
-        measured bandwidth of this direction and the transfers queued before it."""
+    def _expect(self, job: CudaJob, direction: int) -> tuple[int, int, bool] | None:
+        """``(now, end, idle)``: ``job``'s expected end (``time.perf_counter_ns``), from
+        the bandwidth measured in this direction and the transfers queued before it, and
+        whether every earlier transfer of this direction has ended; ``None`` before a
+        measurement. Counts ``job`` as queued."""
         recent = self._recent[direction]
-        for done in [j for j in recent if j.query()]:
-            recent.remove(done)
+        while recent and recent[0].query():  # a stream's jobs end in order
+            done = recent.popleft()
             seconds = done.duration_s
             if done.error is None and done.nbytes and seconds > 0:
                 sample = done.nbytes / (seconds * 1e9)
                 old = self._rate[direction]
                 self._rate[direction] = sample if old is None else 0.7 * old + 0.3 * sample
+        idle = not recent
         if len(recent) < 64:
             recent.append(job)
         rate = self._rate[direction]
-        if not (self.spin and self._wake_fd is not None and rate and job.nbytes):
+        if not (rate and job.nbytes):
             return None
         now = time.perf_counter_ns()
         end = max(now, self._lane_end_ns[direction]) + int(job.nbytes / rate)
         self._lane_end_ns[direction] = end
+        return now, end, idle
+
+    def _spin_window(self, expected: tuple[int, int, bool] | None) -> tuple[int, int] | None:
+        """When the spinner should poll a job's event: around its ``expected`` end."""
+        if expected is None or not (self.spin and self._wake_fd is not None):
+            return None
+        now, end, _idle = expected
         return (max(now, end - self.spin_lead_ns), end + self.spin_window_ns)
+
+    def _wait_here(self, expected: tuple[int, int, bool] | None) -> int:
+        """Nanoseconds to wait on this thread for a job ``expected`` to end within
+        ``inline_wait_us`` with nothing of its direction ahead of it (twice that: past it
+        the wait gives up); 0: don't wait."""
+        limit = self.inline_wait_ns
+        if expected is None or not limit:
+            return 0
+        now, end, idle = expected
+        return 2 * limit if idle and end - now <= limit else 0
+
+    def _settle(
+        self, native: NativeCopy, job: CudaJob, direction: int, rc: int, wake_fd: int | None
+    ) -> None:
+        """The outcome ``rc`` of :meth:`NativeCopy.copy_wait` for ``job``. Ended: it is
+        marked as copied inline (the engine completes it in the caller's step, with no
+        wake-up round trip), its duration host time from the launch to the end the wait
+        saw. Not yet: its wake-up is queued now, on the direction's copy stream after
+        its end."""
+        if rc == 0:
+            job.inline = True
+            job._done = True
+            return
+        if rc != _CUDA_ERROR_NOT_READY:  # the copy failed; its event says so
+            job.finish_inline(RuntimeError(f"CUDA error {rc} surfaced by a copy's event"))
+            job.stamped = False
+            return
+        self.inline_waits_missed += 1
+        if wake_fd is not None:
+            native.arm(job, direction, wake_fd)
 
     def _warm_up_kernel(self) -> None:
         """Compile and load the copy kernel for both directions now, on scratch memory:
@@ -1043,6 +1190,8 @@ class CudaCopyBackend(TransferBackend):
             "native_copy": self._native is not None,
             "host_function_wakeups": self.has_host_wake,
             "completion_spinner": self.spin,
+            "inline_wait_us": self.inline_wait_ns / 1000,
+            "inline_waits_missed": self.inline_waits_missed,
             "transfers_by_method": dict(self.transfers_by_method),
         }
 
@@ -1079,7 +1228,7 @@ class CudaCopyBackend(TransferBackend):
                 if n:
                     job._keep = self._enqueue(method, direction, list(gpu_ids), list(host_ids))
                 lib = self._lib if self.has_host_wake else None
-                spin = self._spin_window(job, direction)
+                spin = self._spin_window(self._expect(job, direction))
                 mark_completion(job, stream, lib, self._wake_fd, spin_ns=spin)
             except BaseException:
                 # Part of the transfer may be queued: its slots must not be freed (the
@@ -1107,7 +1256,9 @@ class CudaCopyBackend(TransferBackend):
         gids = array("q", gpu_ids)
         hids = array("q", host_ids)
         wake_fd = self._wake_fd if self.has_host_wake else None
-        spin = self._spin_window(job, direction) if wake_fd is not None else None
+        staged = self.native_small_staged and self.has_batch
+        expected = self._expect(job, direction)
+        wait_ns = 0 if staged else self._wait_here(expected)
         try:
             span = (
                 self._native_refs.data_ptr(),
@@ -1118,7 +1269,11 @@ class CudaCopyBackend(TransferBackend):
                 0,
                 self.layout.fragment_bytes,
             )
-            if self.native_small_staged and self.has_batch:
+            rows = self._host_addr_dev.data_ptr()
+            if wait_ns:
+                rc = native.copy_wait(job, direction, rows, span, self._native_programs, wait_ns)
+                self._settle(native, job, direction, rc, wake_fd)
+            elif staged:
                 # The kernel gathers into device staging, one DMA per block (per run of
                 # consecutive slots) moves it: serial on the copy stream.
                 stage = self._native_stage[direction]
@@ -1139,16 +1294,18 @@ class CudaCopyBackend(TransferBackend):
                     self._native_programs,
                     True,
                     wake_fd,
-                    spin,
+                    self._spin_window(expected),
                 )
             else:
-                rows = self._host_addr_dev.data_ptr()
+                spin = self._spin_window(expected)
                 native.launch(
                     job, direction, rows, (span,), 1, self._native_programs, wake_fd, spin
                 )
         except BaseException:
             # Part of the transfer may be queued: its slots must not be freed (the
             # caller does, on failure) before the device is done with them.
+            if wait_ns:
+                torch.cuda.current_stream(self.device).synchronize()
             self._streams[direction].synchronize()
             raise
         self.transfers_by_method["kernel"] += 1
