@@ -8,6 +8,8 @@ every case."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -22,6 +24,7 @@ from tests.gpu.conftest import (
     make_keys,
     random_kv,
 )
+from tests.test_faults import GPU_BLOCKS, PLANS, SEEDS, run_workload
 
 pytestmark = GPU
 
@@ -121,3 +124,33 @@ async def test_a_copy_expected_past_the_bound_is_not_waited_for() -> None:
         assert h is not None and not h.done()  # 8 MiB: longer than 1 us at any bandwidth
         await h
         assert backend.inline_waits_missed == 0  # not tried, so not missed
+
+
+@pytest.mark.parametrize("kind", list(PLANS))
+def test_the_fault_matrix_holds_with_copies_waited_for_in_the_call(
+    kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fault matrix's CUDA workload (tests/test_faults.py) on a layout whose small
+    copies take the native path, so that most of them are waited for in the call: a
+    fault plan wraps every submission, and what it injects is seen and survived the same
+    way."""
+    settled: list[int] = []
+    real = CudaCopyBackend._settle
+
+    def counting(self: CudaCopyBackend, *args: Any) -> None:
+        settled.append(args[3])  # the wait's outcome
+        real(self, *args)
+
+    monkeypatch.setattr(CudaCopyBackend, "_settle", counting)
+    kv = random_kv(2, GPU_BLOCKS, inner=BIG, seed=3)
+    for seed in range(SEEDS):
+        plan = PLANS[kind](seed)
+        report = run_workload("auto", "asyncio", plan, seed, kv)
+        where = f"{kind} seed {seed}: {plan}"
+        assert sum(plan.fired.values()), where
+        assert report.lost_jobs == 0 and not report.problems, (where, report.problems)
+        assert not report.out.bad_loads, (where, report.out.bad_loads)
+        assert report.out.loop_interrupts == plan.fired["interrupt_in_callback"], where
+    if not settled:
+        pytest.skip("the native copy path is unavailable here")
+    assert settled.count(0) > 0, "no copy was waited for in the call"
