@@ -1,23 +1,27 @@
 """Tensor parallelism with lower tiers, end to end in real vLLM (CPU build, TP 2: one
 worker per core, ``VLLM_CPU_OMP_THREADS_BIND``), with the tiny random-weight model.
 
-One TP 2 run without offloading is the reference. Then, each a vLLM process of its own:
-1. TP 2 with a disk tier (files) and a shared Valkey tier under a CPU tier too small for
-   the workload: prompt A, two fillers that push A out of the CPU tier, A again, whose
-   blocks come back from a lower tier (288 cached tokens, the reference's tokens and
-   logprobs);
-2. a second TP 2 process, with the shared tier alone, is served A's blocks that run 1
-   wrote there;
-3. TP 1 on the same server: finds none of them (another identity);
-4. TP 2 under AsyncOffloadConnector with ``kv_load_failure_policy="recompute"`` on run
-   1's disk directory after rank 1's slice of every block was damaged (rank 0's intact),
-   the first load job failing on both ranks: each block is a miss for both ranks, the
-   failed load is recomputed, the outputs are unchanged and no worker dies.
+Each test starts with run 1: TP 2 with a disk tier (files) under a CPU tier too small for
+the workload: prompt A, two fillers that push A out of the CPU tier, A again, whose
+blocks come back from a lower tier (288 cached tokens, the same tokens and logprobs as
+A's cold computation). The long test also runs TP 2 without offloading (the reference),
+whose outputs every run's must equal; the other holds later runs to run 1's cold
+computation of A (a vLLM start less). Then, each a vLLM process of its own:
+
+- with a shared Valkey tier beside the disk in run 1: a second TP 2 process, with the
+  shared tier alone, is served A's blocks;
+- (``make test-long``) TP 1 on the same server finds none of them (another identity);
+  TP 2 under AsyncOffloadConnector with
+  ``kv_load_failure_policy="recompute"`` on run 1's disk directory after rank 1's slice
+  of every block was damaged (rank 0's intact), the first load job failing on both
+  ranks: each block is a miss for both ranks, the failed load is recomputed, the outputs
+  are unchanged and no worker dies.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +60,9 @@ def _tp_args(world: int) -> dict[str, Any]:
     }
 
 
+TP2 = _tp_args(2)
+
+
 def _config(tmp: Path, tiers: list[dict[str, Any]]) -> dict[str, Any]:
     (tmp / "shm").mkdir(parents=True, exist_ok=True)
     return asyncoffload_kv_transfer_config(
@@ -69,31 +76,38 @@ def _disk(path: Path) -> dict[str, Any]:
 
 def _same(got: dict[str, Any], want: dict[str, Any]) -> None:
     same, lp_diff = generation_diff(got, want)
-    assert same, "greedy tokens differ from the TP 2 run without offloading"
+    assert same, "greedy tokens differ from prompt A's reference outputs (see FirstRun)"
     assert lp_diff < LOGPROB_ATOL, f"logprobs differ by {lp_diff}"
 
 
-@pytest.mark.timeout(1800)
-def test_tp2_with_disk_and_shared_tiers(
-    run_vllm: RunVLLM, valkey_server: Any, tmp_path: Path
-) -> None:
+@dataclass
+class FirstRun:
+    """Run 1: TP 2 with a disk tier (and the ``remote`` tiers) under a CPU tier too small
+    for the workload, checked; ``want``: prompt A's outputs that every later run must
+    give (the reference's, or run 1's own cold computation of A)."""
+
+    a: list[int]
+    want: dict[str, Any]
+    disk: Path
+    files: list[Path]
+
+
+def _first_run(
+    run_vllm: RunVLLM, tmp_path: Path, remote: list[dict[str, Any]], reference: bool
+) -> FirstRun:
+    """``reference``: first a TP 2 run without offloading, whose outputs of A run 1's
+    must equal; else run 1's cold computation of A is what later runs are held to."""
     rounds = reuse_rounds(prefix_blocks=A_BLOCKS)
     a = rounds[0]
-    tp2 = _tp_args(2)
-    reference = run_vllm(rounds, name="tp2-reference", **tp2)
-    (want,) = requests_of(reference, 0)
-
-    # 1. A disk tier and a shared tier (one run stores to both): A comes back from a lower
-    # tier after the fillers pushed it out of the CPU tier. The scheduler's client
-    # completes on a loop stepped by vLLM's calls: on a busy machine a reply that came in
-    # time can be seen after the default 5 s (a skipped write), which this test is not
-    # about.
+    # A comes back from a lower tier after the fillers pushed it out of the CPU tier.
     disk = tmp_path / "disk"
-    remote = [{"url": valkey_server.url, "admission": None, "timeout_s": 60}]
-    both = _config(tmp_path / "one", [_disk(disk), *remote])
-    first = run_vllm(rounds, name="tp2-disk-shared", kv_transfer_config=both, **tp2)
+    tiers = _config(tmp_path / "one", [_disk(disk), *remote])
+    first = run_vllm(rounds, name="tp2-disk", kv_transfer_config=tiers, **TP2)
     (computed,) = requests_of(first, 0)
     (again,) = requests_of(first, 2)
+    want = computed
+    if reference:
+        (want,) = requests_of(run_vllm([a], name="tp2-reference", **TP2), 0)
     assert computed["num_cached_tokens"] == 0
     assert again["num_cached_tokens"] == A_BLOCKS * BLOCK_SIZE
     metrics = first["metrics"]
@@ -104,33 +118,57 @@ def test_tp2_with_disk_and_shared_tiers(
     # Every block is one file of both ranks' slices.
     files = list(disk.rglob("*.kv"))
     assert files and all(f.stat().st_size == 4096 + 2 * RANK_BYTES for f in files)
+    return FirstRun(a[0], want, disk, files)
+
+
+@pytest.mark.timeout(1800)
+def test_tp2_with_disk_and_shared_tiers(
+    run_vllm: RunVLLM, valkey_server: Any, tmp_path: Path
+) -> None:
+    # 1. Run 1 stores to a disk tier and a shared tier. The scheduler's client completes
+    # on a loop stepped by vLLM's calls: on a busy machine a reply that came in time can
+    # be seen after the default 5 s (a skipped write), which this test is not about.
+    remote = [{"url": valkey_server.url, "admission": None, "timeout_s": 60}]
+    run = _first_run(run_vllm, tmp_path, remote, reference=False)
 
     # 2. The shared tier: a second TP 2 process is served the blocks the first stored.
     assert valkey_server.dbsize() >= A_BLOCKS  # A's blocks (and the fillers') written there
-    second = run_vllm(
-        [a], name="tp2-shared-b", kv_transfer_config=_config(tmp_path / "three", remote), **tp2
-    )
+    shared = _config(tmp_path / "two", remote)
+    second = run_vllm([[run.a]], name="tp2-shared-b", kv_transfer_config=shared, **TP2)
     (served,) = requests_of(second, 0)
     assert served["num_cached_tokens"] == A_BLOCKS * BLOCK_SIZE
     assert second["metrics"]["vllm:asyncoffload_tier_blocks_read"] >= A_BLOCKS
-    _same(served, want)
+    _same(served, run.want)
 
-    # 3. TP 1 on the same server finds none of them.
-    tp1 = run_vllm([a], name="tp1-shared", kv_transfer_config=_config(tmp_path / "four", remote))
+
+@pytest.mark.long
+@pytest.mark.timeout(1800)
+def test_tp1_finds_none_and_tp2_failed_loads_are_recomputed(
+    run_vllm: RunVLLM, valkey_server: Any, tmp_path: Path
+) -> None:
+    """Run 1 (with the reference) storing to a disk and a shared tier; then TP 1 on the
+    same server finds none of its blocks (another identity; tests/vllm/test_tp_tiers.py
+    checks the same without vLLM). Then failures under AsyncOffloadConnector with
+    "recompute": rank 1's slice of every block damaged on disk (rank 0's intact) and the
+    first load job failing on both ranks' copy paths. Round 0: every block of A is a miss
+    for both ranks (found only at read time: the headers are whole), recomputed and
+    stored again; round 1: A is all in the CPU tier, its load fails and vLLM recomputes
+    it. No worker dies. (A long profile: its four vLLM runs would take
+    ``make test-vllm`` past its budget.)"""
+    remote = [{"url": valkey_server.url, "admission": None, "timeout_s": 60}]
+    run = _first_run(run_vllm, tmp_path, remote, reference=True)
+    assert valkey_server.dbsize() >= A_BLOCKS
+    alone_config = _config(tmp_path / "alone", remote)
+    tp1 = run_vllm([[run.a]], name="tp1-shared", kv_transfer_config=alone_config)
     (alone,) = requests_of(tp1, 0)
     assert alone["num_cached_tokens"] == 0
     assert tp1["metrics"].get("vllm:asyncoffload_tier_blocks_read", 0) == 0
 
-    # 4. Failures under AsyncOffloadConnector with "recompute": rank 1's slice of every
-    # block damaged on disk (rank 0's intact) and the first load job failing on both
-    # ranks' copy paths. Round 0: every block of A is a miss for both ranks (found only
-    # at read time: the headers are whole), recomputed and stored again; round 1: A is
-    # all in the CPU tier, its load fails and vLLM recomputes it. No worker dies.
-    for path in files:
+    for path in run.files:
         data = bytearray(path.read_bytes())
         data[4096 + RANK_BYTES + 1000] ^= 0xFF
         path.write_bytes(bytes(data))
-    faulty = _config(tmp_path / "five", [_disk(disk)])
+    faulty = _config(tmp_path / "faults", [_disk(run.disk)])
     faulty["kv_connector"] = "AsyncOffloadConnector"
     faulty["kv_connector_module_path"] = "asyncoffload.integrations.vllm"
     faulty["kv_load_failure_policy"] = "recompute"
@@ -139,7 +177,7 @@ def test_tp2_with_disk_and_shared_tiers(
         spec_module_path="tests.vllm.fault_spec",
         faults=[{"kind": "copy_error", "direction": "load", "nth": [1]}],
     )
-    fourth = run_vllm([a, a], name="tp2-faults", kv_transfer_config=faulty, **tp2)
+    fourth = run_vllm([[run.a], [run.a]], name="tp2-faults", kv_transfer_config=faulty, **TP2)
     (recomputed,) = requests_of(fourth, 0)
     (reloaded,) = requests_of(fourth, 1)
     assert recomputed["num_cached_tokens"] == 0
@@ -148,8 +186,8 @@ def test_tp2_with_disk_and_shared_tiers(
     assert metrics.get("vllm:asyncoffload_tier_blocks_read", 0) == 0
     assert metrics["vllm:asyncoffload_load_jobs_failed"] == 1
     assert metrics["vllm:asyncoffload_blocks_recomputed"] == A_BLOCKS
-    _same(recomputed, want)
-    _same(reloaded, want)
+    _same(recomputed, run.want)
+    _same(reloaded, run.want)
     log = Path(fourth["log_path"]).read_text(errors="replace")
     assert "Recovered from KV load failure" in log  # vLLM's scheduler recomputed
     for fatal in ("PagedTransferError", "EngineDeadError", "AssertionError"):
