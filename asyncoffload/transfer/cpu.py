@@ -381,7 +381,6 @@ class CpuCopyBackend(TransferBackend):
             raise ValueError(f"inline_bytes must be a non-negative int, got {inline_bytes!r}")
         super().__init__(layout, num_host_blocks)
         self.inline_bytes = inline_bytes
-        self._block_bytes = layout.block_bytes
         self._kv = list(kv_caches)  # the native lanes hold raw addresses into these
         self._fragments = layout.fragment_views(self._kv)
         check_host_bytes(
@@ -493,7 +492,7 @@ class CpuCopyBackend(TransferBackend):
         ``submit_*`` of that direction the class's own (not a fault plan's wrapper, nor
         a test's): copied here (see :meth:`TransferBackend.copy_now`)."""
         n = len(gpu_ids)
-        nbytes = n * self._block_bytes
+        nbytes = n * self.layout.block_bytes
         if (
             nbytes > self.inline_bytes
             or self._lib is None
