@@ -170,7 +170,8 @@ class Copies:
         the transfer the usual way). Call inside the caller's hold. The layers it skips
         are most of a small call's cost beyond the manager's own."""
         store = kind == "store"
-        if not gpu_ids or (self._store_lane if store else self._load_lane).jobs:
+        jobs = (self._store_lane if store else self._load_lane).jobs
+        if not gpu_ids or jobs:
             return False
         try:
             job = self._backend.copy_now(store, gpu_ids, host_ids)
@@ -192,7 +193,6 @@ class Copies:
             self.loads += 1
         # As the bridge runs an inline job's completion: in its lane while it runs, run
         # once more if an interrupt cuts it short (see the module docstring).
-        jobs = (self._store_lane if store else self._load_lane).jobs
         jobs.append((job, ending))
         run_completion(jobs, job, ending.held)
         return True
