@@ -306,6 +306,16 @@ _free_events: list[int] = []
 # The same for events without timing (the end marks of copies waited for in the call).
 _free_plain: list[int] = []
 _free_events_pid = [os.getpid()]
+
+
+def _forget_parents_events() -> None:
+    """In a fork's child, empty the free lists: their handles are the parent's."""
+    if _free_events_pid[0] != os.getpid():
+        _free_events.clear()
+        _free_plain.clear()
+        _free_events_pid[0] = os.getpid()
+
+
 _FREE_EVENTS_MAX = 256
 
 
@@ -485,10 +495,7 @@ class NativeCopy:
     def events(self) -> tuple[NativeEvent, NativeEvent]:
         """Two timing events (start, end), from the free list where it has them."""
         free = _free_events
-        if _free_events_pid[0] != os.getpid():  # a fork's child: the handles are the parent's
-            free.clear()
-            _free_plain.clear()
-            _free_events_pid[0] = os.getpid()
+        _forget_parents_events()
         reuse = free if self.single_device else None
         if len(free) >= 2 and reuse is not None:
             return NativeEvent(self.lib, free.pop(), reuse), NativeEvent(
@@ -503,10 +510,7 @@ class NativeCopy:
     def mark(self) -> NativeEvent:
         """An event without timing, from its free list where it has one."""
         free = _free_plain
-        if _free_events_pid[0] != os.getpid():
-            _free_events.clear()
-            free.clear()
-            _free_events_pid[0] = os.getpid()
+        _forget_parents_events()
         reuse = free if self.single_device else None
         if free and reuse is not None:
             return NativeEvent(self.lib, free.pop(), reuse)
