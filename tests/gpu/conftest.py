@@ -195,6 +195,17 @@ def cuda_backend(engine: ao.AsyncOffloadEngine) -> CudaCopyBackend:
     return backend
 
 
+#: 32 KiB fragments in bf16: ``auto`` takes the native kernel for few blocks.
+NATIVE_INNER = (16, 8, 128)
+
+
+def needs_native(backend: CudaCopyBackend) -> CudaCopyBackend:
+    """``backend``, or a skip where the native copy path is unavailable."""
+    if not backend.has_native:
+        pytest.skip("the native copy path is unavailable here")
+    return backend
+
+
 def make_engine(
     kv: Sequence[torch.Tensor], method: str = "auto", *, cpu_blocks: int = 32, **config: Any
 ) -> ao.AsyncOffloadEngine:

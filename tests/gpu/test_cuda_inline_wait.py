@@ -17,25 +17,22 @@ import asyncoffload as ao
 from asyncoffload.transfer.cuda import CudaCopyBackend
 from tests.gpu.conftest import (
     GPU,
+    NATIVE_INNER,
     as_bytes,
     block_rows,
     cuda_backend,
     gpu_sleep,
     make_keys,
+    needs_native,
     random_kv,
 )
 from tests.test_faults import GPU_BLOCKS, PLANS, SEEDS, run_workload
 
 pytestmark = GPU
 
-BIG = (16, 8, 128)  # 32 KiB fragments in bf16: auto takes the native kernel for few blocks
-
 
 def _native(engine: ao.AsyncOffloadEngine) -> CudaCopyBackend:
-    backend = cuda_backend(engine)
-    if not backend.has_native:
-        pytest.skip("the native copy path is unavailable here")
-    return backend
+    return needs_native(cuda_backend(engine))
 
 
 async def _measure(engine: ao.AsyncOffloadEngine, first: int) -> None:
@@ -55,7 +52,7 @@ def _slot_bytes(engine: ao.AsyncOffloadEngine, key: ao.OffloadKey) -> bytes:
 
 
 async def test_a_small_copy_ends_inside_the_call_once_its_bandwidth_is_known() -> None:
-    kv = random_kv(4, 16, inner=BIG, seed=11)
+    kv = random_kv(4, 16, inner=NATIVE_INNER, seed=11)
     engine = ao.AsyncOffloadEngine(kv, ao.EngineConfig(cpu_blocks=16, inline_wait_us=2000))
     backend = _native(engine)
     async with engine:
@@ -77,7 +74,7 @@ async def test_a_small_copy_ends_inside_the_call_once_its_bandwidth_is_known() -
 
 
 async def test_a_copy_behind_the_callers_work_stops_waiting_and_completes_by_wake_up() -> None:
-    kv = random_kv(4, 16, inner=BIG, seed=12)
+    kv = random_kv(4, 16, inner=NATIVE_INNER, seed=12)
     engine = ao.AsyncOffloadEngine(kv, ao.EngineConfig(cpu_blocks=16, inline_wait_us=50))
     backend = _native(engine)
     async with engine:
@@ -99,7 +96,7 @@ async def test_a_copy_behind_the_callers_work_stops_waiting_and_completes_by_wak
 
 
 async def test_zero_never_waits_and_the_copy_still_completes() -> None:
-    kv = random_kv(4, 16, inner=BIG, seed=13)
+    kv = random_kv(4, 16, inner=NATIVE_INNER, seed=13)
     engine = ao.AsyncOffloadEngine(kv, ao.EngineConfig(cpu_blocks=16, inline_wait_us=0))
     backend = _native(engine)
     async with engine:
@@ -114,7 +111,7 @@ async def test_zero_never_waits_and_the_copy_still_completes() -> None:
 
 
 async def test_a_copy_expected_past_the_bound_is_not_waited_for() -> None:
-    kv = random_kv(4, 64, inner=BIG, seed=14)
+    kv = random_kv(4, 64, inner=NATIVE_INNER, seed=14)
     engine = ao.AsyncOffloadEngine(kv, ao.EngineConfig(cpu_blocks=64, inline_wait_us=1))
     backend = _native(engine)
     async with engine:
@@ -142,7 +139,7 @@ def test_the_fault_matrix_holds_with_copies_waited_for_in_the_call(
         real(self, *args)
 
     monkeypatch.setattr(CudaCopyBackend, "_settle", counting)
-    kv = random_kv(2, GPU_BLOCKS, inner=BIG, seed=3)
+    kv = random_kv(2, GPU_BLOCKS, inner=NATIVE_INNER, seed=3)
     for seed in range(SEEDS):
         plan = PLANS[kind](seed)
         report = run_workload("auto", "asyncio", plan, seed, kv)

@@ -18,11 +18,13 @@ from asyncoffload.transfer.paged_cuda import CudaPagedEngine
 from asyncoffload.transfer.paged_worker import PagedTransferWorker
 from tests.gpu.conftest import (
     GPU,
+    NATIVE_INNER,
     as_bytes,
     block_rows,
     cuda_backend,
     gpu_sleep,
     make_keys,
+    needs_native,
     random_kv,
 )
 
@@ -30,20 +32,13 @@ pytestmark = GPU
 
 # --- the engine's backend ---------------------------------------------------------------
 
-BIG = (16, 8, 128)  # 32 KiB fragments in bf16: auto takes the native kernel for few blocks
-
-
-def _needs_native(backend: CudaCopyBackend) -> None:
-    if not backend.has_native:
-        pytest.skip("the native copy path is unavailable here")
-
 
 @pytest.mark.parametrize("n", [1, 3, 32])
 async def test_small_engine_transfers_take_the_native_kernel_and_are_exact(n: int) -> None:
-    kv = random_kv(4, 80, inner=BIG, seed=1)
+    kv = random_kv(4, 80, inner=NATIVE_INNER, seed=1)
     engine = ao.AsyncOffloadEngine(kv, ao.EngineConfig(cpu_blocks=40))
     backend = cuda_backend(engine)
-    _needs_native(backend)
+    needs_native(backend)
     assert backend.choose_method(n) == "kernel"
     src = random.Random(2).sample(range(80), n)
     dst = random.Random(3).sample([b for b in range(80) if b not in src], n)
@@ -62,10 +57,10 @@ async def test_small_engine_transfers_take_the_native_kernel_and_are_exact(n: in
 
 
 async def test_a_native_store_reads_what_the_current_stream_wrote_before_it() -> None:
-    kv = random_kv(2, 8, inner=BIG, seed=4)
+    kv = random_kv(2, 8, inner=NATIVE_INNER, seed=4)
     engine = ao.AsyncOffloadEngine(kv, ao.EngineConfig(cpu_blocks=8))
     backend = cuda_backend(engine)
-    _needs_native(backend)
+    needs_native(backend)
     async with engine:
         gpu_sleep(0.05)  # the fill below runs late on the current stream
         for t in kv:
@@ -81,9 +76,9 @@ async def test_a_native_store_reads_what_the_current_stream_wrote_before_it() ->
 
 
 async def test_a_native_load_writes_after_the_current_streams_earlier_work() -> None:
-    kv = random_kv(2, 8, inner=BIG, seed=5)
+    kv = random_kv(2, 8, inner=NATIVE_INNER, seed=5)
     engine = ao.AsyncOffloadEngine(kv, ao.EngineConfig(cpu_blocks=8))
-    _needs_native(cuda_backend(engine))
+    needs_native(cuda_backend(engine))
     async with engine:
         want = block_rows(kv, [1], True).cpu()
         h = await engine.prepare_store(make_keys(1), [1])
@@ -98,7 +93,7 @@ async def test_a_native_load_writes_after_the_current_streams_earlier_work() -> 
 
 
 def test_the_switch_turns_the_native_path_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    kv = random_kv(2, 8, inner=BIG, seed=6)
+    kv = random_kv(2, 8, inner=NATIVE_INNER, seed=6)
     layout = ao.KVLayout.infer(kv)
     monkeypatch.setenv("ASYNCOFFLOAD_NATIVE_COPY", "0")
     backend = CudaCopyBackend(kv, layout, 4)
@@ -110,10 +105,10 @@ def test_the_switch_turns_the_native_path_off(monkeypatch: pytest.MonkeyPatch) -
 
 
 def test_native_events_are_recycled_and_still_time() -> None:
-    kv = random_kv(2, 8, inner=BIG, seed=7)
+    kv = random_kv(2, 8, inner=NATIVE_INNER, seed=7)
     backend = CudaCopyBackend(kv, ao.KVLayout.infer(kv), 4)
     try:
-        _needs_native(backend)
+        needs_native(backend)
         for _ in range(3):  # events dropped by one job serve the next
             job = backend.submit_store([1], [2])
             event = getattr(job, "_event", None)
