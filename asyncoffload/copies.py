@@ -21,11 +21,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import traceback
+from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
+from asyncoffload._native import load_mgrcore
 from asyncoffload._sigint import InterruptsHeld, interrupts_held
 from asyncoffload.config import EngineConfig
 from asyncoffload.errors import TransferError
@@ -36,7 +38,7 @@ from asyncoffload.layout import KVLayout
 from asyncoffload.manager import CPUOffloadingManager, ReqContext
 from asyncoffload.transfer import CompletionBridge, CopyJob, CpuCopyBackend, TransferBackend
 from asyncoffload.transfer.base import FailedJob
-from asyncoffload.transfer.completion import run_completion
+from asyncoffload.transfer.completion import JobCallback, run_completion
 
 __all__ = ["Copies", "make_backend"]
 
@@ -75,6 +77,10 @@ class Copies:
         self.load_hist = Histogram(TRANSFER_BUCKETS_S)
         self.store_rate = Histogram(BYTES_PER_SECOND_BUCKETS)
         self.load_rate = Histogram(BYTES_PER_SECOND_BUCKETS)
+        self._block_bytes = backend.layout.block_bytes
+        # The native one-step path's fixed arguments (see _how) and its module.
+        self._hows: dict[tuple[bool, bool], tuple[object, ...]] = {}
+        self._core: Any = None
 
     def open(
         self, loop: asyncio.AbstractEventLoop, config: EngineConfig, block_bytes: int
@@ -173,6 +179,27 @@ class Copies:
         jobs = (self._store_lane if store else self._load_lane).jobs
         if not gpu_ids or jobs:
             return False
+        # The manager core's one-step functions: the same calls, in the same order, as
+        # the Python below, with the glue between them in C (see mgrcore.c's one_step).
+        how = self._how(store, touch)
+        keys = handle.keys_to_store if store else handle.keys
+        if how is not None and (target := self._backend.copy_target(store, len(gpu_ids))):
+            ending = _Ending(self, handle, ctx)
+            nbytes = len(gpu_ids) * self._block_bytes
+            fn, tables, direction = target
+            try:
+                done = self._core.one_step(
+                    how, fn, tables, direction, gpu_ids, host_ids, keys, ctx,
+                    handle._future, ending, nbytes,
+                )  # fmt: skip
+            except BaseException as exc:
+                copied = CopyJob(len(gpu_ids), nbytes)
+                copied.finish_inline()
+                if self._step_failed(store, handle, ctx, ending, jobs, copied, exc):
+                    return True
+                raise
+            if done is not None:  # None: the core could not take the ids; copy_now can
+                return done is True  # False: refused, nothing done (see below)
         try:
             job = self._backend.copy_now(store, gpu_ids, host_ids)
         except Exception:
@@ -180,6 +207,17 @@ class Copies:
         if job is None:
             return False
         ending = _Ending(self, handle, ctx)
+        if how is not None and job.error is None:
+            try:
+                self._core.finish_step(
+                    how, job.num_blocks, job.duration_s, keys, ctx, handle._future, ending,
+                    job.nbytes,
+                )  # fmt: skip
+            except BaseException as exc:
+                if self._step_failed(store, handle, ctx, ending, jobs, job, exc):
+                    return True
+                raise
+            return True
         if touch:
             try:
                 self._manager.touch(handle.keys, ctx)
@@ -196,6 +234,69 @@ class Copies:
         jobs.append((job, ending))
         run_completion(jobs, job, ending.held)
         return True
+
+    def _how(self, store: bool, touch: bool) -> tuple[object, ...] | None:
+        """What the core's one-step functions are handed for a store or a load (see
+        mgrcore.c's ``one_step``); ``None`` without the core, or for a store whose keys
+        go on to lower tiers (:attr:`stored`)."""
+        if store and self.stored is not None:
+            return None
+        key = (store, touch)
+        how = self._hows.get(key)
+        if how is None:
+            core = load_mgrcore()
+            if core is None:
+                return None
+            self._core = core
+            # The handle is new and nobody awaits it yet: Future's own set_result (see
+            # Completion) resolves it.
+            set_result = asyncio.Future.set_result
+            if store:
+                how = (
+                    self._manager, None, "complete_store", ("success",), self._publish,
+                    self.store_hist, self.store_rate, TransferResult, set_result, self,
+                    "stores", "bytes_stored",
+                )  # fmt: skip
+            else:
+                how = (
+                    self._manager, "touch" if touch else None, "complete_load", None, None,
+                    self.load_hist, self.load_rate, TransferResult, set_result, self,
+                    "loads", "bytes_loaded",
+                )  # fmt: skip
+            self._hows[key] = how
+        return how
+
+    def _step_failed(
+        self,
+        store: bool,
+        handle: Transfer,
+        ctx: ReqContext,
+        ending: _Ending,
+        jobs: deque[tuple[CopyJob, JobCallback]],
+        job: CopyJob,
+        exc: BaseException,
+    ) -> bool:
+        """Finish a one-step transfer whose ``job`` (ended) one of the core's calls cut
+        short with ``exc``, as :meth:`now`'s Python path would have: True where that path
+        returns (the handle failed), False where ``exc`` goes on to the caller."""
+        kind: Literal["store", "load"] = "store" if store else "load"
+        if not ending.step:  # the touch: the job never joined its lane
+            self.abandon(kind, handle._future, False, self._undo(kind, handle, ctx), exc, ending)
+            return False
+        if isinstance(exc, Exception):  # as _complete catches it
+            log.error("complete_%s failed", kind, exc_info=exc)
+            self.resolve(handle, job, exc)
+            return True
+        # As run_completion: the completion runs once more (ending.step says how far the
+        # first run got), in the job's lane, before the interrupt goes on.
+        jobs.append((job, ending))
+        try:
+            ending.held(job)
+        except Exception:
+            log.exception("completion callback failed for %r", job)
+        finally:
+            jobs.popleft()
+        return False
 
     def copy_in(
         self, handle: Transfer, slots: Sequence[int], ids: list[int], ctx: ReqContext

@@ -65,8 +65,8 @@ def tiny_kv(gpu_blocks: int) -> list[torch.Tensor]:
 
 
 class InlineBackend(ao.TransferBackend):
-    """Every job has ended when ``submit_*`` returns (``finish_inline``: no copy, no
-    thread, no wake-up; the engine completes it at once)."""
+    """Every job has ended when ``submit_*`` or ``copy_now`` returns (``finish_inline``:
+    no copy, no thread, no wake-up; the engine completes it at once)."""
 
     name = "inline"
 
@@ -78,6 +78,13 @@ class InlineBackend(ao.TransferBackend):
             job.finish()
             self._wake()
         return job
+
+    def copy_now(
+        self, store: bool, gpu_ids: Sequence[int], host_ids: Sequence[int]
+    ) -> ao.CopyJob | None:
+        # Every job ends at once: the engine may take its one-step path (a checkout
+        # from before copy_now never calls this).
+        return self._ended(len(gpu_ids))
 
     def submit_store(self, gpu_ids: Sequence[int], host_ids: Sequence[int]) -> ao.CopyJob:
         return self._ended(len(gpu_ids))

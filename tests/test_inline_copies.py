@@ -152,6 +152,89 @@ async def test_a_failing_inline_completion_returns_a_failed_handle() -> None:
         assert engine.stats().in_flight == 0
 
 
+async def _one_step_workload(engine: ao.AsyncOffloadEngine) -> list[tuple[object, ...]]:
+    """Stores that evict, loads and a refused copy (ids out of bounds); what each left."""
+    seen: list[tuple[object, ...]] = []
+    async with engine:
+        sub = engine.events()
+        keys = make_keys(6)
+        for start, ids in ((0, [0, 1, 2, 3]), (4, [4, 5])):
+            handle = await engine.prepare_store(keys[start : start + len(ids)], ids)
+            assert handle is not None and handle.done()
+            seen.append((handle.keys_to_store, handle.evicted_keys, (await handle).num_blocks))
+        load = await engine.prepare_load(keys[2:], [7, 6, 0, 1])
+        assert load.done()
+        seen.append(((await load).num_blocks, (await load).nbytes))
+        with pytest.raises(ao.BlockIdError):
+            await engine.prepare_load(keys[2:3], [99])
+        stats = engine.stats()
+        seen.append((stats.stores, stats.loads, stats.bytes_stored, stats.bytes_loaded))
+        seen.append((stats.transfers_failed, stats.blocks_stored, stats.blocks_loaded))
+        seen.append((stats.store_duration.samples, stats.load_duration.samples))
+        seen.append((stats.store_throughput.samples, stats.load_throughput.samples))
+        seen.append(tuple(engine.manager.stats()))
+        events = []
+        while True:
+            try:
+                item = sub.receive_nowait()
+            except asyncio.QueueEmpty:
+                break
+            assert isinstance(item, ao.OffloadingEvent)
+            events.append((item.seq, item.removed, item.keys))
+        seen.append(tuple(events))
+    return seen
+
+
+@pytest.mark.skipif(load_mgrcore() is None, reason="needs the native manager core")
+async def test_the_cores_one_step_leaves_what_the_python_path_leaves() -> None:
+    """``mgrcore.one_step`` makes the same calls as Copies.now's Python path: the same
+    handles, counters, histograms, manager state, events and bytes."""
+    kv = random_kv(2, 8)
+    fast, kv_fast = make_engine(4, 8, kv=[t.clone() for t in kv], policy="lru")
+    slow, kv_slow = make_engine(4, 8, kv=[t.clone() for t in kv], policy="lru")
+    declined: list[bool] = []
+    backend = fast.backend
+    assert isinstance(backend, ao.CpuCopyBackend)
+    copy_now = backend.copy_now
+
+    def spied(*args: Any) -> ao.CopyJob | None:
+        declined.append(True)
+        return copy_now(*args)
+
+    backend.copy_now = spied  # type: ignore[method-assign,assignment]
+    slow._copies._how = lambda store, touch: None  # type: ignore[method-assign]
+    assert await _one_step_workload(fast) == await _one_step_workload(slow)
+    assert not declined, "the core's one-step path was not taken"
+    # Bytes, not values: random KV bytes hold NaNs.
+    assert [block_bytes(kv_fast, b) for b in range(8)] == [
+        block_bytes(kv_slow, b) for b in range(8)
+    ]
+    assert [block_bytes(kv_fast, b) for b in (0, 1)] != [block_bytes(kv, b) for b in (0, 1)]
+    hosts = [bytes(e.backend.host.numpy().tobytes()) for e in (fast, slow)]  # type: ignore[attr-defined]
+    assert hosts[0] == hosts[1]
+
+
+async def test_a_failure_after_the_manager_was_told_fails_the_handle_once() -> None:
+    """The stored event's publication raises inside a one-step store: the manager was
+    told (the keys are loadable), the handle fails, nothing stays in flight."""
+    engine, _ = make_engine()
+    calls: list[int] = []
+
+    def broken() -> None:
+        calls.append(1)
+        raise RuntimeError("hub bug")
+
+    engine._copies._publish = broken
+    async with engine:
+        handle = await engine.prepare_store(make_keys(2), [0, 1])
+        assert handle is not None and handle.done()
+        with pytest.raises(ao.TransferError, match="hub bug"):
+            await handle
+        assert calls == [1]
+        assert engine.lookup(make_keys(2)) == 2
+        assert engine.stats().in_flight == 0 and engine.stats().transfers_failed == 1
+
+
 async def test_inline_copies_record_no_wake_up_latency() -> None:
     engine, _ = make_engine()
     async with engine:

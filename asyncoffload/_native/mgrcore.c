@@ -39,6 +39,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #define NIL (-1)
 #define NO_LIST 255
@@ -278,6 +279,7 @@ struct Core {
 
 static PyObject *UnknownKeyError, *KeyNotReadyError, *DuplicateKeyError;
 static PyObject *s_req_id, *s_get, *s_hex;
+static PyObject *s_step, *s_one, *s_observe; /* "step", 1, "observe": one_step */
 
 static inline int resident(const Node *nd) { return nd->list < GHOST_BASE; }
 
@@ -2357,6 +2359,8 @@ static int mgrcore_exec(PyObject *m) {
     Py_DECREF(errors);
     if (!UnknownKeyError || !KeyNotReadyError || !DuplicateKeyError) return -1;
     if (!(s_req_id = PyUnicode_InternFromString("req_id")) ||
+        !(s_step = PyUnicode_InternFromString("step")) || !(s_one = PyLong_FromLong(1)) ||
+        !(s_observe = PyUnicode_InternFromString("observe")) ||
         !(s_get = PyUnicode_InternFromString("get")) ||
         !(s_hex = PyUnicode_InternFromString("hex")))
         return -1;
@@ -2546,6 +2550,152 @@ static PyObject *mod_call_blocks(PyObject *self, PyObject *const *args, Py_ssize
     return out;
 }
 
+/* one_step(how, fn, tables, direction, kv_ids, host_ids, keys, ctx, future, ending,
+ *          nbytes): the engine's one-step small copy (asyncoffload.copies.Copies.now) with
+ * the glue between its Python calls in C. ``how`` is the tuple of what stays the same
+ * for a direction: (manager, touch_name or None, complete_name, complete_kwnames or None,
+ * publish or None, durations, rates, result_type, set_result, copies, count_name,
+ * bytes_name), methods by name so that what an instance overrides is what runs. In order:
+ *   copy the blocks with fn (see call_blocks): None, having copied and called nothing,
+ *   when call_blocks cannot take the ids or raises; fn's code, calling nothing more,
+ *   when it refuses them (ids out of bounds);
+ *   manager.<touch_name>(keys, ctx) when given;
+ *   copies.<count_name> += 1;
+ *   ending.step = 1; manager.<complete_name>(keys, ctx[, success=True]); ending.step = 2;
+ *   publish() when given; copies.<bytes_name> += nbytes;
+ *   durations.observe(seconds); rates.observe(nbytes / seconds) when seconds > 0;
+ *   set_result(future, result_type(len(kv_ids), nbytes, seconds)).
+ * Returns True once the future is resolved. An exception from any of them propagates at
+ * once, with ending.step saying how far it got: the caller finishes the transfer the way
+ * the Python path would have (Copies._step_failed). */
+static int add_to(PyObject *obj, PyObject *name, PyObject *amount) {
+    PyObject *old = PyObject_GetAttr(obj, name);
+    if (old == NULL) return -1;
+    PyObject *sum = PyNumber_Add(old, amount);
+    Py_DECREF(old);
+    if (sum == NULL) return -1;
+    int rc = PyObject_SetAttr(obj, name, sum);
+    Py_DECREF(sum);
+    return rc;
+}
+
+static int set_step(PyObject *ending, long step) {
+    PyObject *v = PyLong_FromLong(step);
+    if (v == NULL) return -1;
+    int rc = PyObject_SetAttr(ending, s_step, v);
+    Py_DECREF(v);
+    return rc;
+}
+
+/* obj.<name>(*args[1:]) with args[0] = obj, its result dropped: 0, or -1 on error. */
+static int call_method(PyObject *name, PyObject *const *args, size_t nargs, PyObject *kw) {
+    PyObject *r = PyObject_VectorcallMethod(name, args, nargs, kw);
+    if (r == NULL) return -1;
+    Py_DECREF(r);
+    return 0;
+}
+
+static int observe(PyObject *histogram, double value) {
+    PyObject *v = PyFloat_FromDouble(value);
+    if (v == NULL) return -1;
+    PyObject *args[2] = {histogram, v};
+    int rc = call_method(s_observe, args, 2, NULL);
+    Py_DECREF(v);
+    return rc;
+}
+
+static double now_s(void) {
+    struct timespec ts; /* CLOCK_MONOTONIC: time.perf_counter's clock on Linux */
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static PyObject *finish(PyObject *const *how, Py_ssize_t n, double seconds, PyObject *keys,
+                        PyObject *ctx, PyObject *future, PyObject *ending, PyObject *nbytes) {
+    PyObject *manager = how[0], *touch = how[1], *complete = how[2], *kwnames = how[3];
+    PyObject *publish = how[4], *durations = how[5], *rates = how[6];
+    PyTypeObject *result_type = (PyTypeObject *)how[7];
+    PyObject *set_result = how[8], *copies = how[9], *count_name = how[10];
+    PyObject *bytes_name = how[11];
+    double nbytes_d = PyLong_AsDouble(nbytes);
+    if (nbytes_d == -1.0 && PyErr_Occurred()) return NULL;
+    PyObject *call[4] = {manager, keys, ctx, Py_True};
+    if (touch != Py_None && call_method(touch, call, 3, NULL) < 0) return NULL;
+    if (add_to(copies, count_name, s_one) < 0 || set_step(ending, 1) < 0) return NULL;
+    /* manager.complete(keys, ctx), or (..., success=True) with kwnames ("success",) */
+    if (call_method(complete, call, 3, kwnames == Py_None ? NULL : kwnames) < 0) return NULL;
+    if (set_step(ending, 2) < 0) return NULL;
+    if (publish != Py_None) {
+        PyObject *r = PyObject_CallNoArgs(publish);
+        if (r == NULL) return NULL;
+        Py_DECREF(r);
+    }
+    if (add_to(copies, bytes_name, nbytes) < 0 || observe(durations, seconds) < 0) return NULL;
+    if (seconds > 0 && observe(rates, nbytes_d / seconds) < 0) return NULL;
+
+    PyObject *result = NULL, *packed = NULL;
+    PyObject *fields = Py_BuildValue("(nOd)", n, nbytes, seconds);
+    if (fields != NULL) packed = PyTuple_Pack(1, fields);
+    /* tuple.__new__(result_type, fields): a NamedTuple without its Python __new__ */
+    if (packed != NULL) result = PyTuple_Type.tp_new(result_type, packed, NULL);
+    Py_XDECREF(fields);
+    Py_XDECREF(packed);
+    if (result == NULL) return NULL;
+    PyObject *pair[2] = {future, result};
+    PyObject *r = PyObject_Vectorcall(set_result, pair, 2, NULL);
+    Py_DECREF(result);
+    if (r == NULL) return NULL;
+    Py_DECREF(r);
+    Py_RETURN_TRUE;
+}
+
+static int how_ok(PyObject *how) {
+    if (PyTuple_CheckExact(how) && PyTuple_GET_SIZE(how) == 12 &&
+        PyType_Check(PyTuple_GET_ITEM(how, 7)) &&
+        PyType_IsSubtype((PyTypeObject *)PyTuple_GET_ITEM(how, 7), &PyTuple_Type))
+        return 1;
+    PyErr_SetString(PyExc_TypeError, "how must be a 12-tuple whose result_type is a tuple type");
+    return 0;
+}
+
+static PyObject *mod_one_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 11) {
+        PyErr_SetString(PyExc_TypeError,
+                        "one_step(how, fn, tables, direction, kv_ids, host_ids, keys, ctx, "
+                        "future, ending, nbytes)");
+        return NULL;
+    }
+    if (!how_ok(args[0])) return NULL;
+    double started = now_s();
+    PyObject *code = mod_call_blocks(self, args + 1, 5);
+    if (code == NULL) { /* nothing was copied: the caller's Python path meets it again */
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    if (code == Py_None || PyLong_AsLong(code) != 0) return code;
+    Py_DECREF(code);
+    double seconds = now_s() - started;
+    return finish(&PyTuple_GET_ITEM(args[0], 0), PySequence_Fast_GET_SIZE(args[4]), seconds,
+                  args[6], args[7], args[8], args[9], args[10]);
+}
+
+/* finish_step(how, num_blocks, seconds, keys, ctx, future, ending, nbytes): one_step
+ * after its copy, for a job that a backend's copy_now has already ended. */
+static PyObject *mod_finish_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 8) {
+        PyErr_SetString(PyExc_TypeError,
+                        "finish_step(how, num_blocks, seconds, keys, ctx, future, ending, nbytes)");
+        return NULL;
+    }
+    if (!how_ok(args[0])) return NULL;
+    Py_ssize_t n = PyLong_AsSsize_t(args[1]);
+    if (n == -1 && PyErr_Occurred()) return NULL;
+    double seconds = PyFloat_AsDouble(args[2]);
+    if (seconds == -1.0 && PyErr_Occurred()) return NULL;
+    return finish(&PyTuple_GET_ITEM(args[0], 0), n, seconds, args[3], args[4], args[5], args[6],
+                  args[7]);
+}
+
 static PyMethodDef mgrcore_functions[] = {
     {"distinct", (PyCFunction)mod_distinct, METH_O,
      "distinct(keys): the list itself when no key repeats, else None."},
@@ -2555,6 +2705,12 @@ static PyMethodDef mgrcore_functions[] = {
     {"checked_keys", (PyCFunction)(void (*)(void))mod_checked_keys, METH_FASTCALL,
      "checked_keys(keys, min_len): a list of the keys if all are exact bytes longer than "
      "min_len, else None."},
+    {"one_step", (PyCFunction)(void (*)(void))mod_one_step, METH_FASTCALL,
+     "one_step(how, fn, tables, direction, kv_ids, host_ids, keys, ctx, future, ending, "
+     "nbytes): the engine's one-step small copy; see the source."},
+    {"finish_step", (PyCFunction)(void (*)(void))mod_finish_step, METH_FASTCALL,
+     "finish_step(how, num_blocks, seconds, keys, ctx, future, ending, nbytes): one_step "
+     "for a job already copied."},
     {"ids_ok", (PyCFunction)(void (*)(void))mod_ids_ok, METH_FASTCALL,
      "ids_ok(ids, limit, unique): whether a list of block ids is all exact ints in "
      "[0, limit), distinct when unique."},

@@ -129,6 +129,14 @@ class TransferBackend(ABC):
         copies now."""
         return None
 
+    def copy_target(self, store: bool, n: int) -> tuple[int, int, int] | None:
+        """Where a job of ``n`` blocks that :meth:`copy_now` would copy here can be
+        copied by the engine's native one-step path instead: ``(fn, tables, direction)``
+        for ``mgrcore.call_blocks`` (``fn`` the address of a C function of
+        ``copy_engine.c``'s ``ao_copy_blocks`` signature). ``None`` (this default) where
+        there is none; the engine then calls :meth:`copy_now`."""
+        return None
+
     @abstractmethod
     def submit_store(self, gpu_ids: Sequence[int], host_ids: Sequence[int]) -> CopyJob:
         """Copy KV blocks ``gpu_ids[i]`` into host slots ``host_ids[i]``."""

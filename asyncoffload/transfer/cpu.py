@@ -200,6 +200,11 @@ class _NativeLane:
         # copy's ids go to C without ctypes or arrays.
         self._core = load_mgrcore()
         self._copy_address = ctypes.cast(lib.ao_copy_blocks, ctypes.c_void_p).value
+        #: ``(copy function, fragment tables, direction)``: the addresses and code that
+        #: ``mgrcore.call_blocks`` (and ``one_step``) take; ``None`` without the core.
+        self.target: tuple[int, int, int] | None = None
+        if self._core is not None and self._copy_address:
+            self.target = (self._copy_address, tables.address, direction)
         self._handle: int | None = None
         #: The native lane, once created (one handle at most): what ``stop`` destroys.
         self._owned: list[int | None] = []
@@ -381,6 +386,7 @@ class CpuCopyBackend(TransferBackend):
             raise ValueError(f"inline_bytes must be a non-negative int, got {inline_bytes!r}")
         super().__init__(layout, num_host_blocks)
         self.inline_bytes = inline_bytes
+        self._block_bytes = layout.block_bytes
         self._kv = list(kv_caches)  # the native lanes hold raw addresses into these
         self._fragments = layout.fragment_views(self._kv)
         check_host_bytes(
@@ -492,7 +498,7 @@ class CpuCopyBackend(TransferBackend):
         ``submit_*`` of that direction the class's own (not a fault plan's wrapper, nor
         a test's): copied here (see :meth:`TransferBackend.copy_now`)."""
         n = len(gpu_ids)
-        nbytes = n * self.layout.block_bytes
+        nbytes = n * self._block_bytes
         if (
             nbytes > self.inline_bytes
             or self._lib is None
@@ -507,6 +513,23 @@ class CpuCopyBackend(TransferBackend):
         if not lane.idle():
             return None
         return self._copied_here(lane, n, nbytes, gpu_ids, host_ids)
+
+    def copy_target(self, store: bool, n: int) -> tuple[int, int, int] | None:
+        """Where :meth:`copy_now` would copy a job of ``n`` blocks here, for a caller
+        that copies it in C (``mgrcore.one_step``): the native copy function's address,
+        the fragment tables' address and the direction; ``None`` where ``copy_now``
+        would not copy it here (the same checks)."""
+        if (
+            n * self._block_bytes > self.inline_bytes
+            or self._lib is None
+            or self._closed
+            or ("submit_store" if store else "submit_load") in self.__dict__
+        ):
+            return None
+        if self.pid != _Process.pid:
+            self.check_process()
+        lane = self._native_store if store else self._native_load
+        return lane.target if lane.idle() else None
 
     def _copied_here(
         self,
