@@ -181,9 +181,9 @@ class Copies:
             return False
         # The manager core's one-step functions: the same calls, in the same order, as
         # the Python below, with the glue between them in C (see mgrcore.c's one_step).
-        how = self._how(store, touch)
         keys = handle.keys_to_store if store else handle.keys
-        if how is not None and (target := self._backend.copy_target(store, len(gpu_ids))):
+        target = self._backend.copy_target(store, len(gpu_ids))
+        if target is not None and (how := self._how(store, touch)) is not None:
             ending = _Ending(self, handle, ctx)
             nbytes = len(gpu_ids) * self._block_bytes
             fn, tables, direction = target
@@ -207,7 +207,7 @@ class Copies:
         if job is None:
             return False
         ending = _Ending(self, handle, ctx)
-        if how is not None and job.error is None:
+        if job.error is None and (how := self._how(store, touch)) is not None:
             try:
                 self._core.finish_step(
                     how, job.num_blocks, job.duration_s, keys, ctx, handle._future, ending,
