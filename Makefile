@@ -34,8 +34,8 @@ $(STAMP): pyproject.toml
 	@echo "installing $(TORCH) unless the venv already imports torch"
 	@$(call install_torch,$(PY))
 	# glide: the shared tier's optional client, tested beside redis-py (not in the vLLM
-	# venv, whose tests use redis-py).
-	$(PY) -m pip install -q -e '.[test,glide]'
+	# venv, whose tests use redis-py); mooncake: Mooncake Store's client and master.
+	$(PY) -m pip install -q -e '.[test,glide,mooncake]'
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -1,0 +1,84 @@
+"""The Mooncake Store calls the Mooncake tier (issue 26) is built on, against a real
+``mooncake_master`` and client (``asyncoffload[mooncake]``), never mocked.
+
+Both listen on every interface, so they run inside a private network namespace: the test
+runs tests/mooncake_probe.py under ``unshare --net`` (root; CI runs as root) and asserts
+what it saw. Without the package (or Debian's libibverbs1, libnl-3-200 and
+libnl-route-3-200, which its binaries link even over TCP), or without ``unshare`` and
+root, the module skips with one summary line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+
+def _why_not() -> str | None:
+    try:
+        import mooncake.store  # noqa: F401
+    except (ImportError, OSError) as exc:  # OSError: a library it links is missing
+        return f"needs asyncoffload[mooncake] and its Debian libraries ({exc})"
+    if shutil.which("unshare") is None or os.geteuid() != 0:
+        return "needs unshare --net as root (its servers listen on every interface)"
+    return None
+
+
+WHY_NOT = _why_not()
+if WHY_NOT is not None:
+    pytest.skip(f"Mooncake Store: {WHY_NOT}", allow_module_level=True)
+
+PROBE = Path(__file__).with_name("mooncake_probe.py")
+TIMEOUT_S = 120
+
+
+@pytest.fixture(scope="module")
+def seen() -> dict[str, Any]:
+    cmd = ["unshare", "--net", sys.executable, str(PROBE), "50261"]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"tests/mooncake_probe.py did not finish within {TIMEOUT_S} s")
+    assert done.returncode == 0, done.stderr[-2000:]
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+def test_registered_memory_is_put_and_read_back_byte_exact(seen: dict[str, Any]) -> None:
+    assert seen["setup"] == 0 and seen["register"] == [0, 0]
+    assert seen["put"] == [0, 0]
+    assert seen["exists"] == [1, 1, 0]
+    assert seen["get"][:2] == [8192, 8192] and seen["get_equal"]
+
+
+def test_a_missing_object_is_a_negative_code_not_an_exception(seen: dict[str, Any]) -> None:
+    assert seen["get"][2] == -704  # OBJECT_NOT_FOUND: a miss
+    assert seen["exists_after_remove"] == 0
+
+
+def test_a_header_and_a_payload_from_two_places_make_one_object(seen: dict[str, Any]) -> None:
+    """What lets the tier keep its checked block format without copying the payload:
+    the header lives in its own buffer and goes out (and comes back) beside the slot."""
+    assert seen["multi_put"] == [0]
+    assert seen["multi_size"] == 64 + 8192
+    assert seen["multi_get"] == [64 + 8192] and seen["multi_equal"]
+
+
+def test_a_buffer_shorter_than_the_object_is_refused(seen: dict[str, Any]) -> None:
+    assert seen["short_get"][0] < 0
+
+
+def test_a_second_put_of_a_key_is_not_an_error(seen: dict[str, Any]) -> None:
+    assert seen["put_again"] == [0]
+
+
+def test_remove_waits_for_the_objects_lease(seen: dict[str, Any]) -> None:
+    assert seen["remove_now"] == -706  # the master's lease still holds the object
+    assert seen["remove_later"] == 0
