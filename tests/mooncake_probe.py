@@ -6,7 +6,10 @@ It starts ``mooncake_master`` on 127.0.0.1 (a short ``--default_kv_lease_ttl`` w
 sets up one client over TCP with ``P2PHANDSHAKE`` metadata, drives the calls, and prints
 one JSON object of what each returned. Nothing here decides anything: the test asserts.
 
-Run: ``unshare --net python tests/mooncake_probe.py PORT`` (root).
+``lane`` mode drives :class:`asyncoffload.tiers._mooncake.MooncakeLane` (the helper
+process) on an event loop with a completion bridge instead.
+
+Run: ``unshare --net python tests/mooncake_probe.py PORT [store|lane]`` (root).
 """
 
 from __future__ import annotations
@@ -54,13 +57,100 @@ def start_master(port: int, lease_ms: int) -> subprocess.Popen[bytes]:
     raise RuntimeError("mooncake_master did not listen on 127.0.0.1 within 15 s")
 
 
+def lane_probe(port: int) -> dict[str, Any]:
+    """The helper-process lane on an event loop: puts, existence checks and gets woken
+    through a completion bridge, then the helper killed under a pending batch."""
+    import asyncio
+    import os
+    import signal
+
+    from asyncoffload.tiers._mooncake import (
+        OP_EXISTS,
+        OP_GET,
+        OP_PUT,
+        MooncakeJob,
+        MooncakeLane,
+        Span,
+    )
+    from asyncoffload.transfer.completion import CompletionBridge
+
+    block, header = 8192, 64
+    size = 8 * block
+    memfd = os.memfd_create("probe", os.MFD_CLOEXEC)
+    os.ftruncate(memfd, size)
+    region = mmap.mmap(memfd, size)
+    region[: 2 * block] = os.urandom(2 * block)
+    region[6 * block : 6 * block + 2 * header] = os.urandom(2 * header)
+    settings: dict[str, object] = {
+        "local_hostname": "127.0.0.1",
+        "metadata_server": "P2PHANDSHAKE",
+        "global_segment_bytes": 64 << 20,
+        "local_buffer_bytes": 16 << 20,
+        "protocol": "tcp",
+        "device_name": "",
+        "master": f"127.0.0.1:{port}",
+    }
+    out: dict[str, Any] = {}
+    lane = MooncakeLane(memfd, settings)
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        bridge = CompletionBridge(loop, "eventfd")
+        queue = bridge.lane("mooncake")
+        lane.bind(bridge.wake_fd)
+
+        async def done(job: MooncakeJob) -> list[int]:
+            fut: asyncio.Future[list[int]] = loop.create_future()
+            bridge.watch(queue, job, lambda _j: fut.set_result(list(job.results)))
+            return await asyncio.wait_for(fut, 20)
+
+        put = [Span(f"k{i}", 6 * block + i * header, header, i * block, block) for i in range(2)]
+        out["put"] = await done(lane.submit(OP_PUT, put))
+        out["exists"] = await done(lane.submit(OP_EXISTS, ["k0", "k1", "nope"]))
+        get = [
+            Span(f"k{i}", 7 * block + i * header, header, (2 + i) * block, block) for i in range(2)
+        ]
+        get.append(Span("nope", 7 * block + 2 * header, header, 4 * block, block))
+        out["get"] = await done(lane.submit(OP_GET, get))
+        out["payload_equal"] = region[2 * block : 4 * block] == region[: 2 * block]
+        out["header_equal"] = (
+            region[7 * block : 7 * block + 2 * header] == region[6 * block : 6 * block + 2 * header]
+        )
+        short = [Span("k0", 7 * block, header, 5 * block, block // 2)]
+        out["short"] = await done(lane.submit(OP_GET, short))
+        try:
+            lane.submit(OP_GET, [Span("k0", 0, header, size - 10, block)])
+        except ValueError as exc:
+            out["outside"] = str(exc)
+        os.kill(lane._proc.pid, signal.SIGKILL)
+        lane._proc.wait(10)
+        out["after_kill"] = await done(lane.submit(OP_GET, get[:1]))
+        out["pending_after_kill"] = lane.pending
+        bridge.close()
+
+    try:
+        asyncio.run(run())
+    finally:
+        lane.close()
+    return out
+
+
 def main() -> int:
     port = int(sys.argv[1])
+    mode = sys.argv[2] if len(sys.argv) > 2 else "store"
     subprocess.call(["ip", "link", "set", "lo", "up"], stderr=subprocess.DEVNULL)
     from mooncake.store import MooncakeDistributedStore
 
     master = start_master(port, lease_ms=200)
     out: dict[str, Any] = {}
+    if mode == "lane":
+        try:
+            out = lane_probe(port)
+        finally:
+            master.terminate()
+            master.wait(10)
+        print(json.dumps(out))
+        return 0
     try:
         store = MooncakeDistributedStore()
         out["setup"] = store.setup(

@@ -10,6 +10,7 @@ root, the module skips with one summary line.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -82,3 +83,39 @@ def test_a_second_put_of_a_key_is_not_an_error(seen: dict[str, Any]) -> None:
 def test_remove_waits_for_the_objects_lease(seen: dict[str, Any]) -> None:
     assert seen["remove_now"] == -706  # the master's lease still holds the object
     assert seen["remove_later"] == 0
+
+
+@pytest.fixture(scope="module")
+def lane() -> dict[str, Any]:
+    """tests/mooncake_probe.py's ``lane`` mode: asyncoffload's helper-process lane."""
+    cmd = ["unshare", "--net", sys.executable, str(PROBE), "50271", "lane"]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"tests/mooncake_probe.py lane did not finish within {TIMEOUT_S} s")
+    assert done.returncode == 0, done.stderr[-2000:]
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+def test_the_lane_puts_and_gets_header_and_payload_byte_exact(lane: dict[str, Any]) -> None:
+    """Batches woken through a completion bridge's eventfd (the helper writes it): the
+    header and the payload of each block come back where the reader asked."""
+    assert lane["put"] == [0, 0]
+    assert lane["exists"] == [1, 1, 0]
+    assert lane["get"][:2] == [64 + 8192, 64 + 8192]
+    assert lane["payload_equal"] and lane["header_equal"]
+
+
+def test_the_lane_reports_a_miss_and_a_short_buffer_as_errnos(lane: dict[str, Any]) -> None:
+    assert lane["get"][2] == -errno.ENOENT
+    assert lane["short"] == [-errno.ENODATA]
+
+
+def test_the_lane_refuses_a_span_outside_its_region(lane: dict[str, Any]) -> None:
+    assert "outside the region" in lane["outside"]
+
+
+def test_a_dead_helper_fails_the_batch_instead_of_hanging(lane: dict[str, Any]) -> None:
+    assert lane["after_kill"] == [-errno.EHOSTDOWN]
+    assert lane["pending_after_kill"] == 0
