@@ -13,17 +13,18 @@ key into registered memory) by:
 
 - ``executor``: Mooncake's own pattern, ``loop.run_in_executor(None, ...)``; the worker
   stamps the end after the call returns and hands it back with ``call_soon_threadsafe``.
-- ``process``: a helper process that owns its own client and maps the same host memory
-  (a ``memfd`` both processes map, registered with the store by the helper). The loop
-  writes a 12-byte request to a socket and learns of the end from the helper's reply,
-  read by an ``add_reader`` callback on the loop: no thread of this process, and the
-  helper's GIL is its own. The helper stamps the end (``CLOCK_MONOTONIC``, the clock of
-  ``time.perf_counter_ns`` in both processes).
+- ``process``: asyncoffload's :class:`~asyncoffload.tiers._mooncake.MooncakeLane`: a
+  helper process owns its own client and maps the host memory (a ``memfd``) registered
+  with the store; the loop sends one message per batch and the helper's reply is read
+  when the completion bridge's eventfd, which the helper writes, wakes it: no thread of
+  this process, and the helper's GIL is its own. The helper stamps the end
+  (``CLOCK_MONOTONIC``, the clock of ``time.perf_counter_ns`` in both processes).
 
-Both read the same keys from one ``mooncake_master`` on 127.0.0.1, started here. Mooncake's
-client and master listen on every interface, so the script runs inside a private network
-namespace: it re-runs itself under ``unshare --net`` (root) unless ``--in-netns`` says it
-already is in one.
+Every block is one object of a 64-byte header span and its payload span (as the tier
+writes them), put through the lane before the runs; both paths read the same keys from
+one ``mooncake_master`` on 127.0.0.1, started here. Mooncake's client and master listen
+on every interface, so the script runs inside a private network namespace: it re-runs
+itself under ``unshare --net`` (root) unless ``--in-netns`` says it already is in one.
 
 Run (root, Linux, ``pip install 'asyncoffload[mooncake]'`` and Debian's libibverbs1,
 libnl-3-200 and libnl-route-3-200): ``.venv/bin/python benchmarks/mooncake_busy.py``
@@ -40,7 +41,6 @@ import os
 import platform
 import shutil
 import socket
-import struct
 import subprocess
 import sys
 import time
@@ -50,38 +50,11 @@ from typing import Any
 
 from disk_busy import Reader, Row, _deliver, measure, now_ns, run_on, table
 
-MASTER_PORT = 50151
-REQUEST = struct.Struct("<QI")  # request id, block index
-REPLY = struct.Struct("<QqQ")  # request id, bytes read or a negative code, end (ns)
+from asyncoffload.tiers._mooncake import OP_GET, OP_PUT, MooncakeLane, Span
+from asyncoffload.transfer.completion import CompletionBridge
 
-HELPER = r"""
-import mmap, os, socket, struct, sys, time
-from mooncake.store import MooncakeDistributedStore
-fd, sock_fd, size, block = (int(a) for a in sys.argv[1:5])
-master = sys.argv[5]
-buf = mmap.mmap(fd, size)
-import ctypes
-base = ctypes.addressof(ctypes.c_char.from_buffer(buf))
-store = MooncakeDistributedStore()
-rc = store.setup("127.0.0.1", "P2PHANDSHAKE", 64 << 20, 64 << 20, "tcp", "", master)
-assert rc == 0, rc
-assert store.register_buffer(base, size) == 0
-sock = socket.socket(fileno=sock_fd)
-req, rep = struct.Struct("<QI"), struct.Struct("<QqQ")
-sock.sendall(b"R")
-pending = b""
-while True:
-    data = sock.recv(65536)
-    if not data:
-        break
-    pending += data
-    while len(pending) >= req.size:
-        rid, i = req.unpack_from(pending)
-        pending = pending[req.size:]
-        got = store.batch_get_into(["block-%08d" % i], [base + (i % 2) * block], [block])[0]
-        sock.sendall(rep.pack(rid, got, time.perf_counter_ns()))
-store.close()
-"""
+MASTER_PORT = 50151
+HEADER = 64  # the bytes of a block's header span (written and read beside its payload)
 
 
 def _address(buf: mmap.mmap) -> int:
@@ -120,9 +93,9 @@ class ExecutorReader(Reader):
     def __init__(self, store: Any, block: int) -> None:
         self.store = store
         self.block = block
-        self.buf = mmap.mmap(-1, 2 * block)
+        self.buf = mmap.mmap(-1, 2 * (block + HEADER))
         self.base = _address(self.buf)
-        if store.register_buffer(self.base, 2 * block) != 0:
+        if store.register_buffer(self.base, len(self.buf)) != 0:
             raise RuntimeError("register_buffer failed")
         self.loop: asyncio.AbstractEventLoop | None = None
 
@@ -130,11 +103,12 @@ class ExecutorReader(Reader):
         self.loop = loop
 
     def _read(self, i: int, fut: asyncio.Future[tuple[int, int]]) -> None:
-        got = self.store.batch_get_into(
-            [f"block-{i:08d}"], [self.base + (i % 2) * self.block], [self.block]
+        at = self.base + (i % 2) * (self.block + HEADER)
+        got = self.store.batch_get_into_multi_buffers(
+            [f"block-{i:08d}"], [[at, at + HEADER]], [[HEADER, self.block]]
         )[0]
         end = now_ns()
-        assert got == self.block, got
+        assert got == HEADER + self.block, got
         assert self.loop is not None
         self.loop.call_soon_threadsafe(_deliver, fut, end)
 
@@ -146,70 +120,80 @@ class ExecutorReader(Reader):
 
 
 class ProcessReader(Reader):
+    """asyncoffload's :class:`~asyncoffload.tiers._mooncake.MooncakeLane`, woken through a
+    :class:`CompletionBridge` as the tier is."""
+
     name = "process"
 
-    def __init__(self, block: int, master: str) -> None:
+    def __init__(self, block: int, master: str, blocks: int) -> None:
         self.block = block
-        size = 2 * block
+        self.blocks = blocks
+        self.size = (blocks + 2) * (block + HEADER)
         self.memfd = os.memfd_create("mooncake-busy", os.MFD_CLOEXEC)
-        os.ftruncate(self.memfd, size)
-        self.buf = mmap.mmap(self.memfd, size)
-        ours, theirs = socket.socketpair()
-        self.sock = ours
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-c",
-                HELPER,
-                str(self.memfd),
-                str(theirs.fileno()),
-                str(size),
-                str(block),
-                master,
-            ],
-            pass_fds=(self.memfd, theirs.fileno()),
-        )
-        theirs.close()
-        ours.settimeout(30)
-        if ours.recv(1) != b"R":
-            raise RuntimeError("the helper process did not start")
-        ours.setblocking(False)
-        self.waiting: dict[int, asyncio.Future[tuple[int, int]]] = {}
-        self.next_id = 0
-        self.pending = b""
-        self.loop: asyncio.AbstractEventLoop | None = None
+        os.ftruncate(self.memfd, self.size)
+        self.buf = mmap.mmap(self.memfd, self.size)
+        self.buf[: blocks * block] = os.urandom(blocks * block)
+        self.lane = MooncakeLane(self.memfd, settings(master))
+        self.bridge: CompletionBridge | None = None
+
+    def span(self, i: int, at: int) -> Span:
+        """Block ``i`` in slot ``at``: its payload there, its header in the slot's header
+        (the headers follow every payload slot)."""
+        header = (self.blocks + 2) * self.block + at * HEADER
+        return Span(f"block-{i:08d}", header, HEADER, at * self.block, self.block)
+
+    def fill(self, blocks: int) -> None:
+        """Put blocks [0, blocks) through the lane (polled: no loop yet)."""
+        job = self.lane.submit(OP_PUT, [self.span(i, i) for i in range(blocks)])
+        deadline = time.monotonic() + 30
+        while not job.query():
+            if time.monotonic() > deadline:
+                raise RuntimeError("putting the blocks took over 30 s")
+            time.sleep(0.001)
+        if any(r != 0 for r in job.results):
+            raise RuntimeError(f"put: {job.results[:4]}")
 
     def open(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        loop.add_reader(self.sock.fileno(), self._on_reply)
-
-    def _on_reply(self) -> None:
-        delivered = now_ns()
-        self.pending += self.sock.recv(65536)
-        while len(self.pending) >= REPLY.size:
-            rid, got, end = REPLY.unpack_from(self.pending)
-            self.pending = self.pending[REPLY.size :]
-            assert got == self.block, got
-            self.waiting.pop(rid).set_result((end, delivered))
+        self.bridge = CompletionBridge(loop, "eventfd")
+        self.queue = self.bridge.lane("mooncake")
+        self.lane.bind(self.bridge.wake_fd)
 
     def read(self, i: int) -> Awaitable[tuple[int, int]]:
-        assert self.loop is not None
-        fut: asyncio.Future[tuple[int, int]] = self.loop.create_future()
-        self.next_id += 1
-        self.waiting[self.next_id] = fut
-        self.sock.send(REQUEST.pack(self.next_id, i))
+        bridge = self.bridge
+        assert bridge is not None
+        fut: asyncio.Future[tuple[int, int]] = bridge.loop.create_future()
+        job = self.lane.submit(OP_GET, [self.span(i, self.blocks + i % 2)])
+
+        def done(_job: Any) -> None:
+            delivered = now_ns()
+            assert job.results == [HEADER + self.block], job.results
+            fut.set_result((job.finished_ns, delivered))
+
+        bridge.watch(self.queue, job, done)
         return fut
 
     def close(self) -> None:
-        if self.loop is not None:
-            self.loop.remove_reader(self.sock.fileno())
-            self.loop = None
+        if self.bridge is not None:
+            self.lane.bind(None)
+            self.bridge.close()
+            self.bridge = None
 
     def stop(self) -> None:
-        self.sock.close()
-        self.proc.wait(10)
+        self.lane.close()
         self.buf.close()
         os.close(self.memfd)
+
+
+def settings(master: str) -> dict[str, object]:
+    return {
+        "local_hostname": "127.0.0.1",
+        "metadata_server": "P2PHANDSHAKE",
+        "global_segment_bytes": 512 << 20,
+        "local_buffer_bytes": 64 << 20,
+        "protocol": "tcp",
+        "device_name": "",
+        "master": master,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -242,23 +226,17 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[Row] = []
     try:
         store = MooncakeDistributedStore()
-        rc = store.setup("127.0.0.1", "P2PHANDSHAKE", 512 << 20, 64 << 20, "tcp", "", master)
+        rc = store.setup(*settings(master).values())
         if rc != 0:
             raise RuntimeError(f"setup: {rc}")
-        payload = mmap.mmap(-1, args.block_bytes)
-        payload.write(os.urandom(args.block_bytes))
-        base = _address(payload)
-        store.register_buffer(base, args.block_bytes)
-        keys = [f"block-{i:08d}" for i in range(args.blocks)]
-        put = store.batch_put_from(keys, [base] * args.blocks, [args.block_bytes] * args.blocks)
-        if any(r != 0 for r in put):
-            raise RuntimeError(f"batch_put_from: {put[:4]}")
+        process = ProcessReader(args.block_bytes, master, args.blocks)
+        process.fill(args.blocks)
         readers: dict[str, Reader] = {}
         for path in args.paths.split(","):
             if path == "executor":
                 readers[path] = ExecutorReader(store, args.block_bytes)
             else:
-                readers[path] = ProcessReader(args.block_bytes, master)
+                readers[path] = process
         for loop_name in args.loops.split(","):
             for path, reader in readers.items():
                 row = Row(loop_name, path)
@@ -273,9 +251,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"p50/p99 {row.total_us[0]:.0f}/{row.total_us[1]:.0f} us",
                     flush=True,
                 )
-        for reader in readers.values():
-            if isinstance(reader, ProcessReader):
-                reader.stop()
+        process.stop()
         store.close()
     finally:
         master_proc.terminate()

@@ -77,7 +77,6 @@ class MooncakeJob(CopyJob):
         super().__init__(n, nbytes)
         self._lane = lane
         self.results: list[int] = []
-        self.stamped = False  # ended when the loop read the reply, not when it ended
 
     def query(self) -> bool:
         if not self._done:
@@ -225,12 +224,13 @@ class MooncakeLane:
             if not data:
                 self._fail_all("the helper process exited")
                 return
-            job_id, n = REPLY.unpack_from(data)
+            job_id, n, end_ns = REPLY.unpack_from(data)
             job = self._jobs.pop(job_id, None)
             if job is not None:
                 raw = struct.unpack_from(f"<{n}q", data, REPLY.size)
                 job.results = [-MOONCAKE_ERRNO[r] if r in MOONCAKE_ERRNO else r for r in raw]
                 job.finish()
+                job.finished_ns = end_ns  # the helper's stamp: when the batch ended
         if check_alive and self._jobs and self._proc.poll() is not None:
             self._fail_all(f"the helper process exited with {self._proc.returncode}")
 
@@ -239,6 +239,7 @@ class MooncakeLane:
         jobs, self._jobs = self._jobs, {}
         for job in jobs.values():
             job.results = [-errno.EHOSTDOWN] * job.num_blocks
+            job.stamped = False  # noticed now, not when anything ended
             job.finish()
 
     @property

@@ -8,8 +8,8 @@ straight between the store and the engine's host slots.
 
 Messages (``SOCK_SEQPACKET``, one per batch): the engine sends ``(job id, op, n)`` then
 ``n`` items ``(key length, header offset, header length, payload offset, payload
-length)`` and the keys; this process runs the batch, sends ``(job id, n)`` and ``n``
-results (bytes moved, or a negative code), then writes 1 to the engine's completion
+length)`` and the keys; this process runs the batch, sends ``(job id, n, end)`` and
+``n`` results (bytes moved, or a negative code), then writes 1 to the engine's completion
 eventfd, which the engine hands over (and replaces) with an ``OP_WAKE`` message carrying
 the fd (none: no wake-up; the engine polls). Its first message is ``(0, setup code)``.
 It exits when the engine's end of the socket closes, ignores SIGINT (the engine's Ctrl-C
@@ -29,14 +29,16 @@ import signal
 import socket
 import struct
 import sys
+import time
 from typing import Any
 
 #: (job id, op, item count)
 HEAD = struct.Struct("<QII")
 #: Per item: key length, header offset, header length, payload offset, payload length.
 ITEM = struct.Struct("<IQIQI")
-#: (job id, result count), then that many int64 results.
-REPLY = struct.Struct("<QI")
+#: (job id, result count, when the batch ended: CLOCK_MONOTONIC ns, the clock of
+#: ``time.perf_counter_ns`` in every process), then that many int64 results.
+REPLY = struct.Struct("<QIQ")
 
 OP_GET, OP_PUT, OP_EXISTS, OP_REMOVE, OP_WAKE = 0, 1, 2, 3, 4
 #: A request that names memory outside the shared region (never sent by the engine).
@@ -98,7 +100,9 @@ def serve(store: Any, sock: socket.socket, base: int, size: int) -> None:
                     got = store.batch_put_from_multi_buffers(names, ptrs, lens)
                 for i, r in zip(todo, got):
                     results[i] = int(r)
-        sock.send(REPLY.pack(job, len(results)) + struct.pack(f"<{len(results)}q", *results))
+        end = time.perf_counter_ns()
+        reply = REPLY.pack(job, len(results), end) + struct.pack(f"<{len(results)}q", *results)
+        sock.send(reply)
         if wake_fd >= 0:
             os.write(wake_fd, wake)
 
@@ -125,7 +129,7 @@ def main(argv: list[str]) -> int:
     )
     if code == 0:
         code = store.register_buffer(base, size)
-    sock.send(REPLY.pack(0, 1) + struct.pack("<q", int(code)))
+    sock.send(REPLY.pack(0, 1, time.perf_counter_ns()) + struct.pack("<q", int(code)))
     if code != 0:
         return 1
     try:
