@@ -48,13 +48,15 @@ from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any
 
-from disk_busy import Reader, Row, _deliver, measure, now_ns, run_on, table
+from disk_busy import Reader, Row, measure, now_ns, run_on, table
 
 from asyncoffload.tiers._mooncake import OP_GET, OP_PUT, MooncakeLane, Span
 from asyncoffload.transfer.completion import CompletionBridge
 
 MASTER_PORT = 50151
 HEADER = 64  # the bytes of a block's header span (written and read beside its payload)
+#: A read not back within this many seconds counts the path as starved.
+STARVED_S = 10.0
 
 
 def _address(buf: mmap.mmap) -> int:
@@ -87,6 +89,11 @@ def start_master(port: int) -> subprocess.Popen[bytes]:
     raise RuntimeError("mooncake_master did not listen within 10 s")
 
 
+def _deliver(fut: asyncio.Future[tuple[int, int]], end: int) -> None:
+    if not fut.done():  # a read that counted as starved was given up
+        fut.set_result((end, now_ns()))
+
+
 class ExecutorReader(Reader):
     name = "executor"
 
@@ -116,7 +123,7 @@ class ExecutorReader(Reader):
         assert self.loop is not None
         fut: asyncio.Future[tuple[int, int]] = self.loop.create_future()
         self.loop.run_in_executor(None, self._read, i, fut)
-        return fut
+        return asyncio.wait_for(fut, STARVED_S)
 
 
 class ProcessReader(Reader):
@@ -170,7 +177,7 @@ class ProcessReader(Reader):
             fut.set_result((job.finished_ns, delivered))
 
         bridge.watch(self.queue, job, done)
-        return fut
+        return asyncio.wait_for(fut, STARVED_S)
 
     def close(self) -> None:
         if self.bridge is not None:
@@ -224,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     master_proc = start_master(MASTER_PORT)
     master = f"127.0.0.1:{MASTER_PORT}"
     rows: list[Row] = []
+    starved: list[str] = []
     try:
         store = MooncakeDistributedStore()
         rc = store.setup(*settings(master).values())
@@ -240,10 +248,17 @@ def main(argv: list[str] | None = None) -> int:
         for loop_name in args.loops.split(","):
             for path, reader in readers.items():
                 row = Row(loop_name, path)
-                run_on(
-                    loop_name,
-                    functools.partial(measure, reader, row, args.reads, args.blocks, args.busy_ms),
-                )
+                try:
+                    run_on(
+                        loop_name,
+                        functools.partial(
+                            measure, reader, row, args.reads, args.blocks, args.busy_ms
+                        ),
+                    )
+                except TimeoutError:
+                    print(f"{loop_name:>8} {path:>8}: STARVED (a read not back in {STARVED_S:g} s)")
+                    starved.append(f"{loop_name} {path}")
+                    continue
                 rows.append(row)
                 print(
                     f"{loop_name:>8} {path:>8}: deliver p50/p99/max {row.deliver_us[0]:.0f}/"
@@ -258,6 +273,8 @@ def main(argv: list[str] | None = None) -> int:
         master_proc.wait(10)
     print()
     print(table(rows))
+    for name in starved:
+        print(f"| {name} | starved: a read was not back within {STARVED_S:g} s |")
     return 0
 
 
