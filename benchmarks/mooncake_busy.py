@@ -34,13 +34,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import functools
 import mmap
 import os
 import platform
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -50,8 +48,12 @@ from typing import Any
 
 from disk_busy import Reader, Row, measure, now_ns, run_on, table
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the master
+
 from asyncoffload.tiers._mooncake import OP_GET, OP_PUT, MooncakeLane, Span
 from asyncoffload.transfer.completion import CompletionBridge
+from tests.mooncake_probe import lane_settings as settings
+from tests.mooncake_probe import start_master
 
 MASTER_PORT = 50151
 HEADER = 64  # the bytes of a block's header span (written and read beside its payload)
@@ -63,30 +65,6 @@ def _address(buf: mmap.mmap) -> int:
     import ctypes
 
     return ctypes.addressof(ctypes.c_char.from_buffer(buf))
-
-
-def start_master(port: int) -> subprocess.Popen[bytes]:
-    import mooncake
-
-    binary = Path(mooncake.__file__).with_name("mooncake_master")
-    proc = subprocess.Popen(
-        [
-            str(binary),
-            "--rpc_address=127.0.0.1",
-            f"--rpc_port={port}",
-            "--enable_http_metadata_server=false",
-            f"--metrics_port={port + 1}",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
-            return proc
-        time.sleep(0.05)
-    proc.kill()
-    raise RuntimeError("mooncake_master did not listen within 10 s")
 
 
 def _deliver(fut: asyncio.Future[tuple[int, int]], end: int) -> None:
@@ -191,18 +169,6 @@ class ProcessReader(Reader):
         os.close(self.memfd)
 
 
-def settings(master: str) -> dict[str, object]:
-    return {
-        "local_hostname": "127.0.0.1",
-        "metadata_server": "P2PHANDSHAKE",
-        "global_segment_bytes": 512 << 20,
-        "local_buffer_bytes": 64 << 20,
-        "protocol": "tcp",
-        "device_name": "",
-        "master": master,
-    }
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--block-bytes", type=int, default=256 << 10)
@@ -228,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         f"block {args.block_bytes} B | busy {args.busy_ms} ms",
         flush=True,
     )
-    master_proc = start_master(MASTER_PORT)
+    master_proc = start_master(MASTER_PORT, lease_ms=5000)
     master = f"127.0.0.1:{MASTER_PORT}"
     rows: list[Row] = []
     starved: list[str] = []

@@ -57,6 +57,19 @@ def start_master(port: int, lease_ms: int) -> subprocess.Popen[bytes]:
     raise RuntimeError("mooncake_master did not listen on 127.0.0.1 within 15 s")
 
 
+def lane_settings(master: str) -> dict[str, object]:
+    """``MooncakeLane``'s settings for a client of ``master`` over TCP on 127.0.0.1."""
+    return {
+        "local_hostname": "127.0.0.1",
+        "metadata_server": "P2PHANDSHAKE",
+        "global_segment_bytes": 512 << 20,
+        "local_buffer_bytes": 64 << 20,
+        "protocol": "tcp",
+        "device_name": "",
+        "master": master,
+    }
+
+
 def lane_probe(port: int) -> dict[str, Any]:
     """The helper-process lane on an event loop: puts, existence checks and gets woken
     through a completion bridge, then the helper killed under a pending batch."""
@@ -81,17 +94,8 @@ def lane_probe(port: int) -> dict[str, Any]:
     region = mmap.mmap(memfd, size)
     region[: 2 * block] = os.urandom(2 * block)
     region[6 * block : 6 * block + 2 * header] = os.urandom(2 * header)
-    settings: dict[str, object] = {
-        "local_hostname": "127.0.0.1",
-        "metadata_server": "P2PHANDSHAKE",
-        "global_segment_bytes": 64 << 20,
-        "local_buffer_bytes": 16 << 20,
-        "protocol": "tcp",
-        "device_name": "",
-        "master": f"127.0.0.1:{port}",
-    }
     out: dict[str, Any] = {}
-    lane = MooncakeLane(memfd, settings)
+    lane = MooncakeLane(memfd, lane_settings(f"127.0.0.1:{port}"))
 
     async def run() -> None:
         loop = asyncio.get_running_loop()

@@ -186,25 +186,47 @@ async def _one_step_workload(engine: ao.AsyncOffloadEngine) -> list[tuple[object
 
 
 @pytest.mark.skipif(load_mgrcore() is None, reason="needs the native manager core")
-async def test_the_cores_one_step_leaves_what_the_python_path_leaves() -> None:
-    """``mgrcore.one_step`` makes the same calls as Copies.now's Python path: the same
-    handles, counters, histograms, manager state, events and bytes."""
+@pytest.mark.parametrize("entry", ["one_step", "finish_step"])
+async def test_the_cores_one_step_leaves_what_the_python_path_leaves(entry: str) -> None:
+    """``mgrcore.one_step`` (the core copies too) and ``finish_step`` (after a backend's
+    own ``copy_now``) make the same calls as Copies.now's Python path: the same handles,
+    counters, histograms, manager state, events and bytes."""
     kv = random_kv(2, 8)
     fast, kv_fast = make_engine(4, 8, kv=[t.clone() for t in kv], policy="lru")
     slow, kv_slow = make_engine(4, 8, kv=[t.clone() for t in kv], policy="lru")
-    declined: list[bool] = []
+    copied_now: list[bool] = []
     backend = fast.backend
     assert isinstance(backend, ao.CpuCopyBackend)
     copy_now = backend.copy_now
 
     def spied(*args: Any) -> ao.CopyJob | None:
-        declined.append(True)
+        copied_now.append(True)
         return copy_now(*args)
 
     backend.copy_now = spied  # type: ignore[method-assign,assignment]
+    if entry == "finish_step":
+        backend.copy_target = lambda store, n: None  # type: ignore[method-assign]
+    core: Any = load_mgrcore()
+    entered: list[str] = []
+
+    class Spy:
+        """The core's two entries, each noting that it ran."""
+
+        def one_step(self, *args: Any) -> Any:
+            entered.append("one_step")
+            return core.one_step(*args)
+
+        def finish_step(self, *args: Any) -> Any:
+            entered.append("finish_step")
+            return core.finish_step(*args)
+
+    for store, touch in ((True, False), (False, True), (False, False)):
+        fast._copies._how(store, touch)  # built now: _how sets the core only when it builds
+    fast._copies._core = Spy()
     slow._copies._how = lambda store, touch: None  # type: ignore[method-assign]
     assert await _one_step_workload(fast) == await _one_step_workload(slow)
-    assert not declined, "the core's one-step path was not taken"
+    assert bool(copied_now) == (entry == "finish_step")
+    assert entered and set(entered) == {entry}, entered
     # Bytes, not values: random KV bytes hold NaNs.
     assert [block_bytes(kv_fast, b) for b in range(8)] == [
         block_bytes(kv_slow, b) for b in range(8)

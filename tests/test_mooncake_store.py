@@ -40,16 +40,22 @@ PROBE = Path(__file__).with_name("mooncake_probe.py")
 TIMEOUT_S = 120
 
 
-@pytest.fixture(scope="module")
-def seen() -> dict[str, Any]:
-    cmd = ["unshare", "--net", sys.executable, str(PROBE), "50261"]
+def _probe(port: int, mode: str) -> dict[str, Any]:
+    """What tests/mooncake_probe.py in ``mode`` saw, run inside its own netns."""
+    cmd = ["unshare", "--net", sys.executable, str(PROBE), str(port), mode]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        pytest.fail(f"tests/mooncake_probe.py did not finish within {TIMEOUT_S} s")
+        pytest.fail(f"tests/mooncake_probe.py {mode} did not finish within {TIMEOUT_S} s")
     assert done.returncode == 0, done.stderr[-2000:]
     result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
     return result
+
+
+@pytest.fixture(scope="module")
+def seen() -> dict[str, Any]:
+    """The store's own client, driven by the probe."""
+    return _probe(50261, "store")
 
 
 def test_registered_memory_is_put_and_read_back_byte_exact(seen: dict[str, Any]) -> None:
@@ -87,15 +93,8 @@ def test_remove_waits_for_the_objects_lease(seen: dict[str, Any]) -> None:
 
 @pytest.fixture(scope="module")
 def lane() -> dict[str, Any]:
-    """tests/mooncake_probe.py's ``lane`` mode: asyncoffload's helper-process lane."""
-    cmd = ["unshare", "--net", sys.executable, str(PROBE), "50271", "lane"]
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"tests/mooncake_probe.py lane did not finish within {TIMEOUT_S} s")
-    assert done.returncode == 0, done.stderr[-2000:]
-    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
-    return result
+    """asyncoffload's helper-process lane, driven by the probe."""
+    return _probe(50271, "lane")
 
 
 def test_the_lane_puts_and_gets_header_and_payload_byte_exact(lane: dict[str, Any]) -> None:
