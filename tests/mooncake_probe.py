@@ -70,10 +70,12 @@ def lane_settings(master: str) -> dict[str, object]:
     }
 
 
-def lane_probe(port: int) -> dict[str, Any]:
+def lane_probe(port: int, masters: list[subprocess.Popen[bytes]]) -> dict[str, Any]:
     """The helper-process lane on an event loop: puts, existence checks and gets woken
-    through a completion bridge, then the helper killed under a pending batch."""
+    through a completion bridge; the master (``masters[-1]``) killed and restarted (the
+    new one appended); then the helper killed."""
     import asyncio
+    import errno
     import os
     import signal
 
@@ -126,6 +128,28 @@ def lane_probe(port: int) -> dict[str, Any]:
             lane.submit(OP_GET, [Span("k0", 0, header, size - 10, block)])
         except ValueError as exc:
             out["outside"] = str(exc)
+        masters[-1].kill()
+        masters[-1].wait(10)
+        started = time.monotonic()
+        out["master_down"] = await done(lane.submit(OP_GET, get[:1]))
+        out["master_down_s"] = time.monotonic() - started
+        masters.append(start_master(port, lease_ms=200))
+        deadline = time.monotonic() + 20
+        gets = []
+        while time.monotonic() < deadline:  # the client reconnects
+            gets.append((await done(lane.submit(OP_GET, get[:1])))[0])
+            if gets[-1] != -errno.EHOSTDOWN:
+                break
+            await asyncio.sleep(0.2)
+        out["restarted_gets"] = gets
+        deadline = time.monotonic() + 20
+        puts = []
+        while time.monotonic() < deadline:  # the client mounts its segment again
+            puts.append((await done(lane.submit(OP_PUT, put[:1])))[0])
+            if puts[-1] == 0:
+                break
+            await asyncio.sleep(0.2)
+        out["restarted_puts"] = puts
         os.kill(lane._proc.pid, signal.SIGKILL)
         lane._proc.wait(10)
         out["after_kill"] = await done(lane.submit(OP_GET, get[:1]))
@@ -148,11 +172,13 @@ def main() -> int:
     master = start_master(port, lease_ms=200)
     out: dict[str, Any] = {}
     if mode == "lane":
+        masters = [master]
         try:
-            out = lane_probe(port)
+            out = lane_probe(port, masters)
         finally:
-            master.terminate()
-            master.wait(10)
+            for proc in masters:
+                proc.terminate()
+                proc.wait(10)
         print(json.dumps(out))
         return 0
     try:

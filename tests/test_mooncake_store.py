@@ -118,3 +118,19 @@ def test_the_lane_refuses_a_span_outside_its_region(lane: dict[str, Any]) -> Non
 def test_a_dead_helper_fails_the_batch_instead_of_hanging(lane: dict[str, Any]) -> None:
     assert lane["after_kill"] == [-errno.EHOSTDOWN]
     assert lane["pending_after_kill"] == 0
+
+
+def test_a_master_down_fails_the_batch_at_once_and_a_restarted_one_is_used_again(
+    lane: dict[str, Any],
+) -> None:
+    """Killed: the batch fails (EHOSTDOWN) without waiting. Restarted: once the client has
+    reconnected it knows no object (a miss), and its puts succeed again once it has
+    mounted its segment (each within the probe's 20 s)."""
+    assert lane["master_down"] == [-errno.EHOSTDOWN]
+    assert lane["master_down_s"] < 5.0
+    gets = lane["restarted_gets"]
+    assert gets[-1] == -errno.ENOENT, gets
+    assert all(g == -errno.EHOSTDOWN for g in gets[:-1]), gets
+    puts = lane["restarted_puts"]
+    assert puts[-1] == 0, puts
+    assert all(p == -errno.ENOSPC for p in puts[:-1]), puts

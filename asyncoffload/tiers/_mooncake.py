@@ -42,16 +42,39 @@ from asyncoffload.tiers._mooncake_helper import (
 )
 from asyncoffload.transfer.base import CopyJob
 
-__all__ = ["OP_EXISTS", "OP_GET", "OP_PUT", "OP_REMOVE", "MooncakeJob", "MooncakeLane", "Span"]
+__all__ = [
+    "MOONCAKE_ERRNO",
+    "OP_EXISTS",
+    "OP_GET",
+    "OP_PUT",
+    "OP_REMOVE",
+    "SETTLED_CODES",
+    "MooncakeJob",
+    "MooncakeLane",
+    "Span",
+]
 
 #: Items in one batch (one message of at most about 150 KB, under the socket's buffer).
 MAX_ITEMS = 1024
-#: What a Mooncake code means for a block, as ``-errno`` (the tiers' failure causes).
+#: What a Mooncake code (``ErrorCode`` of mooncake-store's types.h) means for a block, as
+#: ``-errno`` (the tiers' failure causes); other codes stay Mooncake's own.
 MOONCAKE_ERRNO = {
+    -200: errno.ENOSPC,  # NO_AVAILABLE_HANDLE: no space (or the segment is not mounted yet)
+    -600: errno.ENODATA,  # INVALID_PARAMS: here, a buffer shorter than the object
+    -703: errno.EAGAIN,  # REPLICA_IS_NOT_READY: still being written
     -704: errno.ENOENT,  # OBJECT_NOT_FOUND: a miss
-    -600: errno.ENODATA,  # the buffer is shorter than the object: not this block's size
-    -706: errno.EBUSY,  # the object's lease still holds (remove)
+    -705: errno.EEXIST,  # OBJECT_ALREADY_EXISTS
+    -706: errno.EBUSY,  # OBJECT_HAS_LEASE (remove)
+    -707: errno.EBUSY,  # LEASE_EXPIRED
+    -800: errno.EIO,  # TRANSFER_FAIL
+    -900: errno.EHOSTDOWN,  # RPC_FAIL: the master is unreachable (fails at once)
+    -901: errno.ETIMEDOUT,  # RPC_TIMEOUT
 }
+#: Codes after which the call's transfer may have ended (vLLM's Mooncake connector, after
+#: Mooncake 0.3.12: other failures, TRANSFER_FAIL and RPC_TIMEOUT among them, can leave
+#: I/O in flight into registered memory after the call returned). The tier must not hand
+#: a slot on after any other failure until the helper that issued it has exited.
+SETTLED_CODES = frozenset({0, -200, -600, -703, -704, -705, -706, -707, -900})
 
 
 @dataclass(frozen=True)
