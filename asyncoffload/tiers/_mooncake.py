@@ -143,6 +143,9 @@ class MooncakeLane:
                 pass_fds=(memfd, theirs.fileno()),
                 stdin=subprocess.DEVNULL,
             )
+        except BaseException:
+            ours.close()  # no helper: nothing else holds the socket
+            raise
         finally:
             theirs.close()
         self._jobs: dict[int, MooncakeJob] = {}
