@@ -8,11 +8,12 @@ on a completion path, because a busy loop starves it (``benchmarks/disk_busy.py`
 native lane cannot call the client without the GIL either (it is a pybind11 module with
 no C interface). This script measures, with the busy-loop method of disk_busy.py (a task
 runs ``--busy-ms`` of Python between ``await asyncio.sleep(0)``; each read is submitted at
-a random point of a busy chunk and awaited), one-block reads (``batch_get_into`` of one
-key into registered memory) by:
+a random point of a busy chunk and awaited), one-block reads
+(``batch_get_into_multi_buffers`` of one key into registered memory) by:
 
 - ``executor``: Mooncake's own pattern, ``loop.run_in_executor(None, ...)``; the worker
   stamps the end after the call returns and hands it back with ``call_soon_threadsafe``.
+  A read not back within 10 s marks the path starved (the row says so).
 - ``process``: asyncoffload's :class:`~asyncoffload.tiers._mooncake.MooncakeLane`: a
   helper process owns its own client and maps the host memory (a ``memfd``) registered
   with the store; the loop sends one message per batch and the helper's reply is read
