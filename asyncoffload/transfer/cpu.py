@@ -498,27 +498,23 @@ class CpuCopyBackend(TransferBackend):
         ``submit_*`` of that direction the class's own (not a fault plan's wrapper, nor
         a test's): copied here (see :meth:`TransferBackend.copy_now`)."""
         n = len(gpu_ids)
-        nbytes = n * self._block_bytes
-        if (
-            nbytes > self.inline_bytes
-            or self._lib is None
-            or self._closed
-            or n != len(host_ids)
-            or ("submit_store" if store else "submit_load") in self.__dict__
-        ):
+        lane = self._lane_here(store, n) if n == len(host_ids) else None
+        if lane is None:
             return None
-        if self.pid != _Process.pid:
-            self.check_process()
-        lane = self._native_store if store else self._native_load
-        if not lane.idle():
-            return None
-        return self._copied_here(lane, n, nbytes, gpu_ids, host_ids)
+        return self._copied_here(lane, n, n * self._block_bytes, gpu_ids, host_ids)
 
     def copy_target(self, store: bool, n: int) -> tuple[int, int, int] | None:
         """Where :meth:`copy_now` would copy a job of ``n`` blocks here, for a caller
         that copies it in C (``mgrcore.one_step``): the native copy function's address,
         the fragment tables' address and the direction; ``None`` where ``copy_now``
-        would not copy it here (the same checks)."""
+        would not copy it here (the same checks: :meth:`_lane_here`)."""
+        lane = self._lane_here(store, n)
+        return lane.target if lane is not None else None
+
+    def _lane_here(self, store: bool, n: int) -> _NativeLane | None:
+        """The native lane of a job of ``n`` blocks that may be copied on this thread
+        now: at most ``inline_bytes``, the native engine open, ``submit_*`` of that
+        direction the class's own, the lane idle; else ``None``."""
         if (
             n * self._block_bytes > self.inline_bytes
             or self._lib is None
@@ -529,7 +525,7 @@ class CpuCopyBackend(TransferBackend):
         if self.pid != _Process.pid:
             self.check_process()
         lane = self._native_store if store else self._native_load
-        return lane.target if lane.idle() else None
+        return lane if lane.idle() else None
 
     def _copied_here(
         self,
