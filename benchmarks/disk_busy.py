@@ -56,6 +56,7 @@ from typing import Any
 import asyncoffload as ao
 from asyncoffload.config import parse_bytes
 from asyncoffload.tiers._io import IoJob, IoOp, IoPool, slot_bytes
+from asyncoffload.transfer.base import CopyJob
 from asyncoffload.transfer.completion import CompletionBridge
 
 now_ns = time.perf_counter_ns
@@ -108,8 +109,53 @@ class Reader:
         pass
 
 
-class NativeReader(Reader):
+class BridgeReader(Reader):
+    """A reader whose jobs a :class:`CompletionBridge` watches, woken through its eventfd
+    (``bind``): what the engine does with its lanes. Subclasses submit block ``i``'s read
+    and check its job; ``timeout_s``: a read not back by then raises ``TimeoutError``."""
+
+    lane_name = "read"
+    timeout_s: float | None = None
+    bridge: CompletionBridge | None = None
+
+    def bind(self, wake_fd: int | None) -> None:
+        raise NotImplementedError
+
+    def submit(self, i: int) -> CopyJob:
+        raise NotImplementedError
+
+    def check(self, job: CopyJob) -> None:
+        raise NotImplementedError
+
+    def open(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.bridge = CompletionBridge(loop, "eventfd")
+        self.lane = self.bridge.lane(self.lane_name)
+        self.bind(self.bridge.wake_fd)
+
+    def read(self, i: int) -> Awaitable[tuple[int, int]]:
+        bridge = self.bridge
+        assert bridge is not None
+        fut: asyncio.Future[tuple[int, int]] = bridge.loop.create_future()
+        job = self.submit(i)
+
+        def done(_job: Any) -> None:
+            delivered = now_ns()  # the bridge runs this on the loop
+            self.check(job)
+            fut.set_result((job.finished_ns, delivered))
+
+        bridge.watch(self.lane, job, done)
+        return fut if self.timeout_s is None else asyncio.wait_for(fut, self.timeout_s)
+
+    def close(self) -> None:
+        if self.bridge is not None:
+            self.bind(None)
+            self.bridge.close()
+            self.bridge = None
+
+
+class NativeReader(BridgeReader):
     name = "native"
+    lane_name = "disk-read"
 
     def __init__(self, path: Path, block: int, blocks: int) -> None:
         self.block = block
@@ -129,36 +175,18 @@ class NativeReader(Reader):
         while not job.query():
             time.sleep(0.001)
         assert not job.failed, job.results[:4]
-        self.bridge: CompletionBridge | None = None
 
     def key(self, i: int) -> bytes:
         return b"block-%08d" % i
 
-    def open(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.bridge = CompletionBridge(loop, "eventfd")
-        self.lane = self.bridge.lane("disk-read")
-        self.pool.bind(self.bridge.wake_fd)
+    def bind(self, wake_fd: int | None) -> None:
+        self.pool.bind(wake_fd)
 
-    def read(self, i: int) -> Awaitable[tuple[int, int]]:
-        bridge = self.bridge
-        assert bridge is not None
-        fut: asyncio.Future[tuple[int, int]] = bridge.loop.create_future()
-        op = IoOp(self.host, i * self.slot, None, self.key(i), self.fd)
-        job = self.pool.submit(False, [op])
+    def submit(self, i: int) -> CopyJob:
+        return self.pool.submit(False, [IoOp(self.host, i * self.slot, None, self.key(i), self.fd)])
 
-        def done(j: Any) -> None:
-            delivered = now_ns()  # the bridge runs this on the loop
-            assert isinstance(j, IoJob) and not j.failed, j.results
-            fut.set_result((j.finished_ns, delivered))
-
-        bridge.watch(self.lane, job, done)
-        return fut
-
-    def close(self) -> None:
-        if self.bridge is not None:
-            self.pool.bind(None)
-            self.bridge.close()
-            self.bridge = None
+    def check(self, job: CopyJob) -> None:
+        assert isinstance(job, IoJob) and not job.failed, job
 
 
 class ExecutorReader(Reader):

@@ -47,12 +47,12 @@ from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any
 
-from disk_busy import Reader, Row, measure, now_ns, run_on, table
+from disk_busy import BridgeReader, Reader, Row, measure, now_ns, run_on, table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the master
 
-from asyncoffload.tiers._mooncake import OP_GET, OP_PUT, MooncakeLane, Span
-from asyncoffload.transfer.completion import CompletionBridge
+from asyncoffload.tiers._mooncake import OP_GET, OP_PUT, MooncakeJob, MooncakeLane, Span
+from asyncoffload.transfer.base import CopyJob
 from tests.mooncake_probe import lane_settings as settings
 from tests.mooncake_probe import start_master
 
@@ -105,11 +105,13 @@ class ExecutorReader(Reader):
         return asyncio.wait_for(fut, STARVED_S)
 
 
-class ProcessReader(Reader):
+class ProcessReader(BridgeReader):
     """asyncoffload's :class:`~asyncoffload.tiers._mooncake.MooncakeLane`, woken through a
-    :class:`CompletionBridge` as the tier is."""
+    completion bridge as the tier is."""
 
     name = "process"
+    lane_name = "mooncake"
+    timeout_s = STARVED_S
 
     def __init__(self, block: int, master: str, blocks: int) -> None:
         self.block = block
@@ -119,8 +121,8 @@ class ProcessReader(Reader):
         os.ftruncate(self.memfd, self.size)
         self.buf = mmap.mmap(self.memfd, self.size)
         self.buf[: blocks * block] = os.urandom(blocks * block)
-        self.lane = MooncakeLane(self.memfd, settings(master))
-        self.bridge: CompletionBridge | None = None
+        #: The lane to the store (``self.lane`` is the bridge's, as in disk_busy.py).
+        self.store = MooncakeLane(self.memfd, settings(master))
 
     def span(self, i: int, at: int) -> Span:
         """Block ``i`` in slot ``at``: its payload there, its header in the slot's header
@@ -130,7 +132,7 @@ class ProcessReader(Reader):
 
     def fill(self, blocks: int) -> None:
         """Put blocks [0, blocks) through the lane (polled: no loop yet)."""
-        job = self.lane.submit(OP_PUT, [self.span(i, i) for i in range(blocks)])
+        job = self.store.submit(OP_PUT, [self.span(i, i) for i in range(blocks)])
         deadline = time.monotonic() + 30
         while not job.query():
             if time.monotonic() > deadline:
@@ -139,33 +141,17 @@ class ProcessReader(Reader):
         if any(r != 0 for r in job.results):
             raise RuntimeError(f"put: {job.results[:4]}")
 
-    def open(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.bridge = CompletionBridge(loop, "eventfd")
-        self.queue = self.bridge.lane("mooncake")
-        self.lane.bind(self.bridge.wake_fd)
+    def bind(self, wake_fd: int | None) -> None:
+        self.store.bind(wake_fd)
 
-    def read(self, i: int) -> Awaitable[tuple[int, int]]:
-        bridge = self.bridge
-        assert bridge is not None
-        fut: asyncio.Future[tuple[int, int]] = bridge.loop.create_future()
-        job = self.lane.submit(OP_GET, [self.span(i, self.blocks + i % 2)])
+    def submit(self, i: int) -> CopyJob:
+        return self.store.submit(OP_GET, [self.span(i, self.blocks + i % 2)])
 
-        def done(_job: Any) -> None:
-            delivered = now_ns()
-            assert job.results == [HEADER + self.block], job.results
-            fut.set_result((job.finished_ns, delivered))
-
-        bridge.watch(self.queue, job, done)
-        return asyncio.wait_for(fut, STARVED_S)
-
-    def close(self) -> None:
-        if self.bridge is not None:
-            self.lane.bind(None)
-            self.bridge.close()
-            self.bridge = None
+    def check(self, job: CopyJob) -> None:
+        assert isinstance(job, MooncakeJob) and job.results == [HEADER + self.block], job
 
     def stop(self) -> None:
-        self.lane.close()
+        self.store.close()
         self.buf.close()
         os.close(self.memfd)
 
