@@ -75,6 +75,7 @@ from asyncoffload.manager.admission import (
 from asyncoffload.manager.policies.kv import KVPolicy
 from asyncoffload.tiers.disk import DiskTier
 from asyncoffload.tiers.format import Namespace
+from asyncoffload.tiers.mooncake import MooncakeTier
 from asyncoffload.tiers.remote import RemoteTier
 from asyncoffload.transfer import (
     CopyJob,
@@ -116,6 +117,7 @@ __all__ = [
     "LookupResult",
     "ManagerStats",
     "Medium",
+    "MooncakeTier",
     "Namespace",
     "OffloadKey",
     "OffloadingEvent",

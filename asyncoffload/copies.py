@@ -566,6 +566,7 @@ def make_backend(
             config.cpu_blocks,
             config.copy_engine,
             inline_bytes=config.inline_copy_bytes,
+            shared_host=any(getattr(tier, "shares_host", False) for tier in config.tiers),
         )
     if layout.device.type == "cuda":
         from asyncoffload.transfer.cuda import CudaCopyBackend

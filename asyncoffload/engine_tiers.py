@@ -292,6 +292,7 @@ def open_tiers(
         for i, tier_cfg in enumerate(cfg.tiers):
             store = tier_cfg.open(namespace, f"{tier_cfg.kind}{i}")
             stores.append(store)
+            store.attach_host(backend.host_regions())
             above = stores[-2].manager.num_blocks if i else cfg.cpu_blocks
             if store.manager.num_blocks <= above:
                 log.warning(

@@ -771,6 +771,17 @@ def _configure_disk_io(lib: ctypes.CDLL) -> ctypes.CDLL:
         ptr, i64, ptr, i64, ptr, ptr, cint, cint, ptr, ptr, ctypes.c_int32
     ]  # fmt: skip
     lib.ao_unpack_block.restype = i64
+    # headers, n, piece addresses (u64), piece lengths, first piece of each block (n + 1),
+    # keys, where each key starts, key lengths (i32), identity, payload_len, MAC key, length
+    lib.ao_seal_blocks.argtypes = [
+        ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, ctypes.c_int32
+    ]  # fmt: skip
+    lib.ao_seal_blocks.restype = i64
+    # ... then the results (int64[n]), checked in place
+    lib.ao_check_blocks.argtypes = [
+        ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, ctypes.c_int32, ptr
+    ]  # fmt: skip
+    lib.ao_check_blocks.restype = i64
     # out, outlen, key, keylen, data, len
     size = ctypes.c_size_t
     lib.ao_blake2b.argtypes = [ptr, size, ptr, size, ptr, size]

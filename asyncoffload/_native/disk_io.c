@@ -806,6 +806,89 @@ int64_t ao_unpack_block(const uint8_t *value, int64_t value_len, void *dst, int6
                           mac_key, mac_key_len);
 }
 
+/* --- blocks whose payload stays where it is (the Mooncake tier) ----------------------- */
+
+/* The pieces of block i: [first[i], first[i + 1]) of (ptrs, lens), their lengths adding up
+ * to payload_len; its key at keys + key_at[i], key_lens[i] bytes. The payload is read in
+ * place, never copied: a store's value is the header and these pieces, sent as one object. */
+static int ao_pieces_ok(int64_t i, const int64_t *lens, const int64_t *first,
+                        int64_t payload_len, const int32_t *key_lens) {
+    int64_t total = 0;
+    if (first[i + 1] < first[i]) return 0;
+    for (int64_t p = first[i]; p < first[i + 1]; p++) {
+        if (lens[p] < 0) return 0;
+        total += lens[p];
+    }
+    return total == payload_len && key_lens[i] > 0 && key_lens[i] <= 256;
+}
+
+/* Writes the header of each of n blocks at headers + i * AO_HEADER: the CRC32C (and with
+ * mac_key, the keyed BLAKE2b MAC) of its pieces taken in place. 0, or -3 for arguments
+ * that do not describe n blocks of payload_len bytes (nothing written). */
+int64_t ao_seal_blocks(uint8_t *headers, int64_t n, const uint64_t *ptrs, const int64_t *lens,
+                       const int64_t *first, const uint8_t *keys, const int64_t *key_at,
+                       const int32_t *key_lens, const uint8_t *identity, int64_t payload_len,
+                       const uint8_t *mac_key, int32_t mac_key_len) {
+    if (n < 0 || mac_key_len < 0 || mac_key_len > AO_B2B_MAX_KEY || (mac_key_len && !mac_key))
+        return -3;
+    for (int64_t i = 0; i < n; i++)
+        if (!ao_pieces_ok(i, lens, first, payload_len, key_lens)) return -3;
+    for (int64_t i = 0; i < n; i++) {
+        ao_b2b state;
+        ao_b2b *mac = ao_mac_begin(&state, mac_key, mac_key_len);
+        uint32_t crc = 0;
+        for (int64_t p = first[i]; p < first[i + 1]; p++)
+            crc = ao_digest(crc, (const uint8_t *)(uintptr_t)ptrs[p], (size_t)lens[p], mac);
+        ao_fill_header(headers + i * AO_HEADER, identity, payload_len, crc, keys + key_at[i],
+                       key_lens[i], mac);
+    }
+    return 0;
+}
+
+/* Checks each of n blocks read back (header at headers + i * AO_HEADER, payload in its
+ * pieces, as for ao_seal_blocks). results[i] holds what the read gave (the bytes of the
+ * object, or a negative code, left as it is) and becomes payload_len or the -errno of the
+ * check: -ENODATA (shorter than a block), then as ao_match_header and ao_verify. A block
+ * that fails is not to be used: its pieces hold what came, unchecked. -3: bad arguments. */
+int64_t ao_check_blocks(const uint8_t *headers, int64_t n, const uint64_t *ptrs,
+                        const int64_t *lens, const int64_t *first, const uint8_t *keys,
+                        const int64_t *key_at, const int32_t *key_lens,
+                        const uint8_t *identity, int64_t payload_len, const uint8_t *mac_key,
+                        int32_t mac_key_len, int64_t *results) {
+    if (n < 0 || mac_key_len < 0 || mac_key_len > AO_B2B_MAX_KEY || (mac_key_len && !mac_key))
+        return -3;
+    for (int64_t i = 0; i < n; i++)
+        if (!ao_pieces_ok(i, lens, first, payload_len, key_lens)) return -3;
+    for (int64_t i = 0; i < n; i++) {
+        if (results[i] < 0) continue;
+        if (results[i] != AO_HEADER + payload_len) {
+            results[i] = -ENODATA;
+            continue;
+        }
+        const uint8_t *h = headers + i * AO_HEADER;
+        int64_t bad = ao_match_header(h, identity, payload_len, keys + key_at[i], key_lens[i],
+                                      mac_key_len > 0);
+        if (bad == 0) {
+            ao_b2b state;
+            ao_b2b *mac = ao_mac_begin(&state, mac_key, mac_key_len);
+            uint32_t crc = 0;
+            for (int64_t p = first[i]; p < first[i + 1]; p++)
+                crc = ao_digest(crc, (const uint8_t *)(uintptr_t)ptrs[p], (size_t)lens[p], mac);
+            if (crc != ao_get32(h + 40)) {
+                if (mac != NULL) ao_wipe(mac, sizeof *mac);
+                bad = -EBADMSG;
+            } else if (mac != NULL) {
+                uint8_t want[AO_MAC_LEN];
+                ao_b2b_update(mac, h, AO_MAC_AT);
+                ao_b2b_final(mac, want);
+                if (!ao_equal(want, h + AO_MAC_AT, AO_MAC_LEN)) bad = -ENOKEY;
+            }
+        }
+        results[i] = bad == 0 ? payload_len : bad;
+    }
+    return 0;
+}
+
 /* All of iov (count cnt) at offset, looping on short transfers and EINTR. Returns the
  * bytes moved (short only at end of file, for reads) or -errno. The iovecs are consumed. */
 static int64_t ao_full_io(int fd, int write, struct iovec *iov, int cnt, int64_t offset) {

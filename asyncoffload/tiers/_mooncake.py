@@ -10,11 +10,13 @@ GIL; the engine's loop only sends a message per batch and reads the helper's rep
 the completion bridge's eventfd (:meth:`MooncakeLane.bind`), which the helper writes after
 each reply, wakes it.
 
-The bytes never pass through the socket: the region (a ``memfd``) is registered with the
-store by the helper, and a batch names offsets in it. Each block goes out, and comes back,
-as two spans of one object (``batch_put_from_multi_buffers`` /
-``batch_get_into_multi_buffers``): a header and a payload, from and into wherever the
-caller keeps them.
+The bytes never pass through the socket: the engine's host memory (file descriptors of
+shared memory: a ``memfd``, a shared-memory file) is mapped by the helper and registered
+with the store once (:meth:`MooncakeLane.map`), and a request names offsets in it. Each
+block goes out, and comes back, as one object of several spans
+(``batch_put_from_multi_buffers`` / ``batch_get_into_multi_buffers``): the block format's
+header, in the helper's own buffer, then the payload's pieces where they are. The helper
+writes and checks the headers (see its docstring).
 """
 
 from __future__ import annotations
@@ -22,40 +24,47 @@ from __future__ import annotations
 import errno
 import itertools
 import json
-import os
+import select
 import socket
 import struct
 import subprocess
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from asyncoffload.tiers._mooncake_helper import (
+    CONFIG,
+    EXIT_UNSETTLED,
     HEAD,
     ITEM,
+    MAX_ITEMS,
+    OP_CONFIG,
     OP_EXISTS,
     OP_GET,
+    OP_MAP,
     OP_PUT,
     OP_REMOVE,
     OP_WAKE,
+    PIECE,
     REPLY,
+    SETTLED,
 )
 from asyncoffload.transfer.base import CopyJob
 
 __all__ = [
+    "MAX_ITEMS",
     "MOONCAKE_ERRNO",
     "OP_EXISTS",
     "OP_GET",
     "OP_PUT",
     "OP_REMOVE",
     "SETTLED_CODES",
+    "Block",
     "MooncakeJob",
     "MooncakeLane",
-    "Span",
 ]
 
-#: Items in one batch (one message of at most about 150 KB, under the socket's buffer).
-MAX_ITEMS = 1024
 #: What a Mooncake code (``ErrorCode`` of mooncake-store's types.h) means for a block, as
 #: ``-errno`` (the tiers' failure causes); other codes stay Mooncake's own.
 MOONCAKE_ERRNO = {
@@ -70,36 +79,33 @@ MOONCAKE_ERRNO = {
     -900: errno.EHOSTDOWN,  # RPC_FAIL: the master is unreachable (fails at once)
     -901: errno.ETIMEDOUT,  # RPC_TIMEOUT
 }
-#: Codes after which the call's transfer may have ended (vLLM's Mooncake connector, after
-#: Mooncake 0.3.12: other failures, TRANSFER_FAIL and RPC_TIMEOUT among them, can leave
-#: I/O in flight into registered memory after the call returned). The tier must not hand
-#: a slot on after any other failure until the helper that issued it has exited.
-SETTLED_CODES = frozenset({0, -200, -600, -703, -704, -705, -706, -707, -900})
+#: Codes after which the call's transfer has ended (see the helper's ``SETTLED``): after
+#: any other, the helper exits before it answers.
+SETTLED_CODES = SETTLED
 
 
 @dataclass(frozen=True)
-class Span:
-    """One block of a batch: its key and where its header and payload are (offsets into
-    the shared region)."""
+class Block:
+    """One block of a get or a put: its key (an ``OffloadKey``'s bytes) and its payload's
+    pieces, ``(region, offset, length)`` in the regions mapped with
+    :meth:`MooncakeLane.map`, in order."""
 
-    key: str
-    header_offset: int
-    header_len: int
-    payload_offset: int
-    payload_len: int
+    key: bytes
+    pieces: tuple[tuple[int, int, int], ...]
 
 
 class MooncakeJob(CopyJob):
-    """A batch the helper runs; ``results`` per block: bytes moved (for a put, 0 on
-    success), 1 / 0 for an existence check, or a negative code (``-errno`` where
-    :data:`MOONCAKE_ERRNO` knows it, else Mooncake's own)."""
+    """A request the helper runs; ``results`` per block: payload bytes (a get), 0 (a
+    put), 1 / 0 (exists), or a negative code (``-errno`` where :data:`MOONCAKE_ERRNO`
+    knows it, else Mooncake's own). ``on_end``: called once it ended, on the loop."""
 
-    __slots__ = ("_lane", "results")
+    __slots__ = ("_lane", "on_end", "results")
 
     def __init__(self, lane: MooncakeLane, n: int, nbytes: int) -> None:
         super().__init__(n, nbytes)
         self._lane = lane
         self.results: list[int] = []
+        self.on_end: Callable[[MooncakeJob], None] | None = None
 
     def query(self) -> bool:
         if not self._done:
@@ -111,23 +117,37 @@ class MooncakeJob(CopyJob):
             self._lane.poll(check_alive=True)
         return self._done
 
+    def end(self, results: list[int]) -> None:
+        self.results = results
+        self.finish()
+        callback, self.on_end = self.on_end, None
+        if callback is not None:
+            callback(self)
+
 
 class MooncakeLane:
-    """A helper process with one Mooncake client, on the shared region ``memfd``.
+    """A helper process with one Mooncake client.
 
     ``settings`` are ``MooncakeDistributedStore.setup``'s: ``local_hostname``,
     ``metadata_server``, ``global_segment_bytes``, ``local_buffer_bytes``, ``protocol``,
-    ``device_name``, ``master``. The constructor waits up to ``start_timeout_s`` for the
-    client's setup and raises ``OSError`` naming what failed. Loop thread only, after that.
+    ``device_name``, ``master``. Blocks are named ``<prefix>:<identity hex>:<key hex>``
+    and hold the block format for ``identity`` and ``payload_len`` (authenticated with
+    ``mac_key``, if given). The helper starts in the background: requests queue behind its
+    setup, and fail (``EHOSTDOWN``) if it fails; :meth:`wait_started` waits for it. Loop
+    thread only.
     """
 
     def __init__(
         self,
-        memfd: int,
         settings: dict[str, object],
-        start_timeout_s: float = 30.0,
+        *,
+        identity: bytes,
+        payload_len: int,
+        prefix: str = "ao",
+        mac_key: bytes | None = None,
     ) -> None:
-        self.size = os.fstat(memfd).st_size
+        if len(identity) != 16:
+            raise ValueError(f"identity must be 16 bytes, got {len(identity)}")
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._sock = ours
         try:
@@ -136,11 +156,10 @@ class MooncakeLane:
                     sys.executable,
                     "-m",
                     "asyncoffload.tiers._mooncake_helper",
-                    str(memfd),
                     str(theirs.fileno()),
                     json.dumps(settings),
                 ],
-                pass_fds=(memfd, theirs.fileno()),
+                pass_fds=(theirs.fileno(),),
                 stdin=subprocess.DEVNULL,
             )
         except BaseException:
@@ -148,98 +167,141 @@ class MooncakeLane:
             raise
         finally:
             theirs.close()
+        ours.setblocking(False)
         self._jobs: dict[int, MooncakeJob] = {}
         self._ids = itertools.count(1)
         self._dead: str | None = None
         self.closed = False
-        try:
-            code = self._first_reply(start_timeout_s)
-        except BaseException:
-            self.close()
-            raise
-        if code != 0:
-            self.close()
-            raise OSError(
-                errno.EHOSTDOWN,
-                f"Mooncake Store: the client's setup failed with code {code} "
-                f"(master {settings.get('master')!r})",
-            )
-        ours.setblocking(False)
+        #: The helper's setup code once it answered (0: running), else None.
+        self.setup_code: int | None = None
+        #: Region sizes mapped so far, in order.
+        self.region_sizes: list[int] = []
+        mac = mac_key or b""
+        prefix_bytes = prefix.encode("ascii")
+        config = CONFIG.pack(identity, payload_len, len(prefix_bytes), len(mac))
+        self._send(OP_CONFIG, 0, config + prefix_bytes + mac)
 
-    def _first_reply(self, timeout_s: float) -> int:
-        self._sock.settimeout(timeout_s)
-        try:
-            data = self._sock.recv(REPLY.size + 8)
-        except TimeoutError:
-            raise OSError(
-                errno.ETIMEDOUT, f"Mooncake Store: no client after {timeout_s:g} s"
-            ) from None
-        if len(data) < REPLY.size + 8:
-            raise OSError(errno.EHOSTDOWN, "Mooncake Store: the helper process exited at start")
-        return int(struct.unpack_from("<q", data, REPLY.size)[0])
+    @property
+    def dead(self) -> str | None:
+        """Why the helper is gone (its requests fail), or None."""
+        return self._dead
+
+    def wait_started(self, timeout_s: float = 30.0) -> None:
+        """Block until the helper's client is set up; ``OSError`` naming what failed."""
+        deadline = time.monotonic() + timeout_s
+        while self.setup_code is None and self._dead is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise OSError(errno.ETIMEDOUT, f"Mooncake Store: no client after {timeout_s:g} s")
+            select.select([self._sock], [], [], min(left, 0.1))
+            self.poll(check_alive=True)
+        if self._dead is not None:
+            raise OSError(errno.EHOSTDOWN, f"Mooncake Store: {self._dead}")
 
     def bind(self, wake_fd: int | None) -> None:
         """Have the helper write ``wake_fd`` (the completion bridge's eventfd) after each
         reply from now on; ``None``: no wake-up (the bridge polls)."""
         if self.closed or self._dead is not None:
             return
-        message = [HEAD.pack(0, OP_WAKE, 0)]
         self._sock.setblocking(True)
         try:
-            socket.send_fds(self._sock, message, [] if wake_fd is None else [wake_fd])
+            fds = [] if wake_fd is None else [wake_fd]
+            socket.send_fds(self._sock, [HEAD.pack(0, OP_WAKE, 0)], fds)
+        except OSError as exc:
+            self._fail_all(f"the helper's socket failed: {exc}")
         finally:
             self._sock.setblocking(False)
 
-    def submit(self, op: int, spans: Sequence[Span] | Sequence[str]) -> MooncakeJob:
-        """Queue a batch (``op``: :data:`OP_GET`, :data:`OP_PUT` of spans;
-        :data:`OP_EXISTS`, :data:`OP_REMOVE` of keys)."""
+    def map(self, regions: Sequence[tuple[int, int]]) -> MooncakeJob:
+        """Map ``regions`` (``(fd, size)``: memory both processes share) in the helper
+        and register them with the store; they become regions ``len(region_sizes)`` on.
+        The job's results: a code per region (0: usable)."""
+        job = MooncakeJob(self, len(regions), 0)
+        payload = HEAD.pack(0, OP_MAP, len(regions)) + b"".join(
+            struct.pack("<Q", size) for _, size in regions
+        )
+        self.region_sizes.extend(size for _, size in regions)
+        return self._submit(job, OP_MAP, payload[HEAD.size :], [fd for fd, _ in regions])
+
+    def submit(self, op: int, blocks: Sequence[Block] | Sequence[bytes]) -> MooncakeJob:
+        """Queue a request: :data:`OP_GET`, :data:`OP_PUT` of blocks; :data:`OP_EXISTS`,
+        :data:`OP_REMOVE` of keys. ``ValueError`` (nothing sent) for a piece outside the
+        regions mapped, or more than :data:`MAX_ITEMS` blocks."""
         if self.closed:
             raise RuntimeError("the Mooncake lane is closed")
-        n = len(spans)
+        n = len(blocks)
         if n > MAX_ITEMS:
-            raise ValueError(f"a batch holds at most {MAX_ITEMS} blocks, got {n}")
+            raise ValueError(f"a request holds at most {MAX_ITEMS} blocks, got {n}")
         items = []
         keys = []
         nbytes = 0
-        for span in spans:
-            if isinstance(span, str):
-                key = span.encode("ascii")
-                items.append(ITEM.pack(len(key), 0, 0, 0, 0))
+        sizes = self.region_sizes
+        for block in blocks:
+            if isinstance(block, (bytes, bytearray)):
+                key = bytes(block)
+                items.append(ITEM.pack(len(key), 0))
             else:
-                key = span.key.encode("ascii")
-                for off, ln in ((span.header_offset, span.header_len),
-                                (span.payload_offset, span.payload_len)):  # fmt: skip
-                    if off < 0 or ln < 0 or off + ln > self.size:
-                        raise ValueError(f"span {span} is outside the region of {self.size} B")
-                items.append(ITEM.pack(len(key), span.header_offset, span.header_len,
-                                       span.payload_offset, span.payload_len))  # fmt: skip
-                nbytes += span.payload_len
+                key = block.key
+                items.append(ITEM.pack(len(key), len(block.pieces)))
+                for region, offset, length in block.pieces:
+                    if (
+                        not 0 <= region < len(sizes)
+                        or offset < 0
+                        or length < 0
+                        or (offset + length > sizes[region])
+                    ):
+                        raise ValueError(
+                            f"piece {(region, offset, length)} of block {key.hex()} is "
+                            f"outside the regions mapped ({sizes})"
+                        )
+                    items.append(PIECE.pack(region, offset, length))
+                    nbytes += length
+            if not 0 < len(key) <= 256:
+                raise ValueError(f"a key is 1 to 256 bytes, got {len(key)}")
             keys.append(key)
-        job_id = next(self._ids)
-        job = MooncakeJob(self, n, nbytes)
+        return self._submit(MooncakeJob(self, n, nbytes), op, b"".join(items) + b"".join(keys))
+
+    def _submit(
+        self, job: MooncakeJob, op: int, body: bytes, fds: Sequence[int] = ()
+    ) -> MooncakeJob:
         if self._dead is not None:
-            job.results = [-errno.EHOSTDOWN] * n
-            job.finish()
+            job.end([-errno.EHOSTDOWN] * job.num_blocks)
             return job
-        message = HEAD.pack(job_id, op, n) + b"".join(items) + b"".join(keys)
-        try:
-            self._sock.send(message)
-        except BlockingIOError:
-            job.results = [-errno.EAGAIN] * n  # the helper is that far behind: refuse
-            job.finish()
-            return job
-        except OSError as exc:
-            self._fail_all(f"the helper's socket failed: {exc}")
-            job.results = [-errno.EHOSTDOWN] * n
-            job.finish()
+        job_id = next(self._ids)
+        if not self._send(op, job_id, body, fds, job):
             return job
         self._jobs[job_id] = job
         return job
 
+    def _send(
+        self,
+        op: int,
+        job_id: int,
+        body: bytes,
+        fds: Sequence[int] = (),
+        job: MooncakeJob | None = None,
+    ) -> bool:
+        message = HEAD.pack(job_id, op, job.num_blocks if job is not None else 0) + body
+        try:
+            if fds:
+                socket.send_fds(self._sock, [message], list(fds))
+            else:
+                self._sock.send(message)
+        except BlockingIOError:
+            if job is not None:  # the helper is that far behind: refuse
+                job.end([-errno.EAGAIN] * job.num_blocks)
+            return False
+        except OSError as exc:
+            self._fail_all(f"the helper's socket failed: {exc}")
+            if job is not None:
+                job.end([-errno.EHOSTDOWN] * job.num_blocks)
+            return False
+        return True
+
     def poll(self, check_alive: bool = False) -> None:
         """Read the helper's replies and end their jobs; with ``check_alive``, fail every
         job if the helper has exited."""
-        while True:
+        while not self.closed:
             try:
                 data = self._sock.recv(REPLY.size + 8 * MAX_ITEMS)
             except (BlockingIOError, InterruptedError):
@@ -248,35 +310,58 @@ class MooncakeLane:
                 self._fail_all(f"the helper's socket failed: {exc}")
                 return
             if not data:
-                self._fail_all("the helper process exited")
+                self._fail_all(self._exit_reason())
                 return
             job_id, n, end_ns = REPLY.unpack_from(data)
+            raw = struct.unpack_from(f"<{n}q", data, REPLY.size)
+            if job_id == 0:
+                self.setup_code = int(raw[0]) if raw else -1
+                if self.setup_code != 0:
+                    self._fail_all(f"the client's setup failed with code {self.setup_code}")
+                    return
+                continue
             job = self._jobs.pop(job_id, None)
             if job is not None:
-                raw = struct.unpack_from(f"<{n}q", data, REPLY.size)
-                job.results = [-MOONCAKE_ERRNO[r] if r in MOONCAKE_ERRNO else r for r in raw]
-                job.finish()
-                job.finished_ns = end_ns  # the helper's stamp: when the batch ended
-        if check_alive and self._jobs and self._proc.poll() is not None:
-            self._fail_all(f"the helper process exited with {self._proc.returncode}")
+                job.finished_ns = end_ns  # the helper's stamp: when the request ended
+                job.end([-MOONCAKE_ERRNO[r] if r in MOONCAKE_ERRNO else r for r in raw])
+        if check_alive and self._dead is None and self._proc.poll() is not None:
+            self._fail_all(self._exit_reason())
+
+    def _exit_reason(self) -> str:
+        try:
+            code = self._proc.wait(5.0)  # the socket closed: it is exiting
+        except subprocess.TimeoutExpired:
+            return "the helper process closed its socket"
+        if code == EXIT_UNSETTLED:
+            return "the helper exited after a transfer that may not have ended"
+        return f"the helper process exited with {code}"
 
     def _fail_all(self, why: str) -> None:
-        self._dead = why
+        if self._dead is None:
+            self._dead = why
         jobs, self._jobs = self._jobs, {}
         for job in jobs.values():
-            job.results = [-errno.EHOSTDOWN] * job.num_blocks
             job.stamped = False  # noticed now, not when anything ended
-            job.finish()
+            job.end([-errno.EHOSTDOWN] * job.num_blocks)
 
     @property
     def pending(self) -> int:
         return len(self._jobs)
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    def fileno(self) -> int:
+        """The socket the helper answers on (readable when a reply is there)."""
+        return self._sock.fileno()
 
     def close(self, timeout_s: float = 5.0) -> None:
         """End the helper (it exits when its socket closes; killed after ``timeout_s``)
         and fail what it had not answered. Idempotent."""
         if self.closed:
             return
+        self._fail_all("the lane was closed")
         self.closed = True
         self._sock.close()
         try:
@@ -284,4 +369,3 @@ class MooncakeLane:
         except subprocess.TimeoutExpired:
             self._proc.kill()
             self._proc.wait()
-        self._fail_all("the lane was closed")

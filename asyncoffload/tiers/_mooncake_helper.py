@@ -3,25 +3,44 @@
 Mooncake's client is synchronous and needs the GIL to return from every call; a thread of
 the engine's process would wait for a busy event loop's GIL twice per call. So the calls
 run here, in a process of their own (its GIL is its own), on host memory the engine
-shares with it (a ``memfd`` both map, registered with the store once): the bytes go
-straight between the store and the engine's host slots.
+shares with it (its host pool's file descriptors, mapped here and registered with the
+store once): the bytes go straight between the store and the engine's host slots.
 
-Messages (``SOCK_SEQPACKET``, one per batch): the engine sends ``(job id, op, n)`` then
-``n`` items ``(key length, header offset, header length, payload offset, payload
-length)`` and the keys; this process runs the batch, sends ``(job id, n, end)`` and
-``n`` results (bytes moved, or a negative code), then writes 1 to the engine's completion
-eventfd, which the engine hands over (and replaces) with an ``OP_WAKE`` message carrying
-the fd (none: no wake-up; the engine polls). Its first message is ``(0, setup code)``.
-It exits when the engine's end of the socket closes, ignores SIGINT (the engine's Ctrl-C
-is the engine's), and never touches the region outside the offsets it is given (checked
-against the region's size).
+This process also keeps the block format (:mod:`asyncoffload.tiers.format`): a block is
+one object, its 4096-byte header (in a buffer of this process) then its payload pieces
+where they are in the engine's slots. Before a put it writes each header, taking the
+payload's CRC32C (and MAC) in place; after a get it checks the header and the payload
+in place, so the engine is told a block was read only when it is this block, whole and
+unchanged. A damaged object is removed (when its lease allows), so a later put replaces it.
 
-Run by the engine only: ``python -m asyncoffload.tiers._mooncake_helper FD...``.
+Messages (``SOCK_SEQPACKET``, one per request), each starting ``(job id, op, n)``:
+
+- ``OP_CONFIG``: identity (16 bytes), payload length, prefix length, MAC key length,
+  then the prefix and the MAC key. Sent first, once.
+- ``OP_MAP``: ``n`` region sizes, the regions' fds attached (``SCM_RIGHTS``): mapped in
+  order, region ``k`` being the ``k``-th mapped.
+- ``OP_WAKE``: the completion eventfd to write after each reply (none attached: none).
+- ``OP_GET`` / ``OP_PUT``: ``n`` items ``(key length, piece count)``, each followed by its
+  pieces ``(region, offset, length)``; then the keys (an ``OffloadKey``'s bytes).
+- ``OP_EXISTS`` / ``OP_REMOVE``: ``n`` items ``(key length, 0)``, then the keys.
+
+Every request but ``OP_WAKE`` is answered ``(job id, n, end ns)`` and ``n`` int64 results:
+per block the payload bytes (a get), 0 (a put), 1 / 0 (exists), or a negative code
+(Mooncake's, or ``-errno`` of a failed check). The first reply, job 0, is the setup's code.
+
+After a store call returns a code that may leave its transfer running (anything outside
+``SETTLED``), this process exits before replying: the engine must not reuse those slots
+while a transfer could still write them, and once this process is gone none can. The
+engine sees the socket close and fails what was pending. It also exits when the engine's
+end of the socket closes, and ignores SIGINT (the engine's Ctrl-C is the engine's).
+
+Run by the engine only: ``python -m asyncoffload.tiers._mooncake_helper FD SETTINGS``.
 """
 
 from __future__ import annotations
 
 import ctypes
+import errno
 import json
 import mmap
 import os
@@ -34,88 +53,227 @@ from typing import Any
 
 #: (job id, op, item count)
 HEAD = struct.Struct("<QII")
-#: Per item: key length, header offset, header length, payload offset, payload length.
-ITEM = struct.Struct("<IQIQI")
-#: (job id, result count, when the batch ended: CLOCK_MONOTONIC ns, the clock of
+#: Per item: key length, piece count.
+ITEM = struct.Struct("<HH")
+#: Per piece: region, offset in it, length.
+PIECE = struct.Struct("<HQQ")
+#: OP_CONFIG: identity, payload length, prefix length, MAC key length.
+CONFIG = struct.Struct("<16sqHH")
+#: (job id, result count, when the request ended: CLOCK_MONOTONIC ns, the clock of
 #: ``time.perf_counter_ns`` in every process), then that many int64 results.
 REPLY = struct.Struct("<QIQ")
 
-OP_GET, OP_PUT, OP_EXISTS, OP_REMOVE, OP_WAKE = 0, 1, 2, 3, 4
-#: A request that names memory outside the shared region (never sent by the engine).
-E_RANGE = -22  # -EINVAL
+OP_GET, OP_PUT, OP_EXISTS, OP_REMOVE, OP_WAKE, OP_CONFIG, OP_MAP = range(7)
+#: Items in one request.
+MAX_ITEMS = 512
+#: Header size of the block format (asyncoffload.tiers.format.HEADER_BYTES).
+HEADER = 4096
+#: Store codes after which the call's transfer has ended (0, no space, bad arguments,
+#: not ready, not found, exists, lease, RPC failure). vLLM's Mooncake connector notes that
+#: other failures (TRANSFER_FAIL, RPC_TIMEOUT among them) can leave I/O in flight into
+#: registered memory after the call returned.
+SETTLED = frozenset({0, -200, -600, -703, -704, -705, -706, -707, -900})
+#: Checks whose block is damaged or not this one: the object is removed.
+DAMAGED = frozenset(
+    -e for e in (errno.ENODATA, errno.EBADMSG, errno.ESTALE, errno.EKEYREJECTED, errno.ENOKEY)
+)
+#: Exit status after an unsettled code.
+EXIT_UNSETTLED = 75
 
 
-def _items(data: bytes, n: int) -> tuple[list[str], list[tuple[int, int, int, int]]]:
-    at = HEAD.size
-    spans = []
-    lengths = []
-    for _ in range(n):
-        key_len, h_off, h_len, p_off, p_len = ITEM.unpack_from(data, at)
-        at += ITEM.size
-        lengths.append(key_len)
-        spans.append((h_off, h_len, p_off, p_len))
-    keys = []
-    for key_len in lengths:
-        keys.append(data[at : at + key_len].decode("ascii"))
-        at += key_len
-    return keys, spans
+class _Blocks:
+    """What OP_CONFIG set: the names and the block format's checks."""
+
+    def __init__(self, data: bytes, lib: Any) -> None:
+        identity, self.payload_len, plen, mlen = CONFIG.unpack_from(data, HEAD.size)
+        at = HEAD.size + CONFIG.size
+        self.identity = identity
+        prefix = data[at : at + plen].decode("ascii")
+        self.mac = data[at + plen : at + plen + mlen] or None
+        self.mac_len = mlen
+        self.name_prefix = f"{prefix}:{identity.hex()}:"
+        self.lib = lib
+
+    def name(self, key: bytes) -> str:
+        return self.name_prefix + key.hex()
+
+    def run(self, check: bool, headers: int, keys: list[bytes], pieces: list[list[tuple[int, int]]],
+            results: list[int] | None) -> list[int]:  # fmt: skip
+        """ao_seal_blocks (``check`` False) or ao_check_blocks over ``pieces`` (addresses
+        and lengths per block); the checked results, or [] after sealing."""
+        n = len(keys)
+        flat = [piece for block in pieces for piece in block]
+        ptrs = (ctypes.c_uint64 * max(1, len(flat)))(*(p for p, _ in flat))
+        lens = (ctypes.c_int64 * max(1, len(flat)))(*(ln for _, ln in flat))
+        first = [0]
+        for block in pieces:
+            first.append(first[-1] + len(block))
+        firsts = (ctypes.c_int64 * (n + 1))(*first)
+        joined = b"".join(keys)
+        key_at = [0]
+        for key in keys[:-1]:
+            key_at.append(key_at[-1] + len(key))
+        ats = (ctypes.c_int64 * max(1, n))(*key_at)
+        key_lens = (ctypes.c_int32 * max(1, n))(*(len(k) for k in keys))
+        args = (headers, n, ptrs, lens, firsts, joined, ats, key_lens, self.identity,
+                self.payload_len, self.mac, self.mac_len)  # fmt: skip
+        if not check:
+            if self.lib.ao_seal_blocks(*args) != 0:
+                raise ValueError("pieces that do not make blocks")
+            return []
+        assert results is not None
+        out = (ctypes.c_int64 * max(1, n))(*results)
+        if self.lib.ao_check_blocks(*args, out) != 0:
+            raise ValueError("pieces that do not make blocks")
+        return list(out[:n])
 
 
-def serve(store: Any, sock: socket.socket, base: int, size: int) -> None:
-    wake = (1).to_bytes(8, sys.byteorder)
-    wake_fd = -1
-    while True:
-        data, fds, _flags, _addr = socket.recv_fds(sock, 1 << 20, 1)
-        if not data:
-            return
-        job, op, n = HEAD.unpack_from(data)
-        if op == OP_WAKE:
-            if wake_fd >= 0:
-                os.close(wake_fd)
-            wake_fd = fds[0] if fds else -1
-            continue
-        for fd in fds:  # none is expected with a batch
+class Helper:
+    """One client, its regions and its header buffer; :meth:`serve` answers requests."""
+
+    def __init__(self, store: Any, sock: socket.socket, lib: Any) -> None:
+        self.store = store
+        self.sock = sock
+        self.lib = lib
+        self.regions: list[tuple[mmap.mmap, int, int]] = []  # (map, address, size)
+        self.blocks: _Blocks | None = None
+        self.wake_fd = -1
+        self.headers = mmap.mmap(-1, MAX_ITEMS * HEADER)
+        self.headers_at = ctypes.addressof(ctypes.c_char.from_buffer(self.headers))
+
+    def register(self) -> int:
+        return int(self.store.register_buffer(self.headers_at, MAX_ITEMS * HEADER))
+
+    def serve(self) -> None:
+        while True:
+            data, fds, _flags, _addr = socket.recv_fds(self.sock, 1 << 20, 64)
+            if not data:
+                return
+            job, op, n = HEAD.unpack_from(data)
+            if op == OP_WAKE:
+                if self.wake_fd >= 0:
+                    os.close(self.wake_fd)
+                self.wake_fd = fds[0] if fds else -1
+                for fd in fds[1:]:
+                    os.close(fd)
+                continue
+            if op == OP_MAP:
+                results = self.map(data, n, fds)
+            else:
+                for fd in fds:  # none is expected
+                    os.close(fd)
+                results = self.request(data, op, n)
+            end = time.perf_counter_ns()
+            self.sock.send(
+                REPLY.pack(job, len(results), end) + struct.pack(f"<{len(results)}q", *results)
+            )
+            if self.wake_fd >= 0:
+                os.write(self.wake_fd, (1).to_bytes(8, sys.byteorder))
+
+    def map(self, data: bytes, n: int, fds: list[int]) -> list[int]:
+        sizes = struct.unpack_from(f"<{n}Q", data, HEAD.size)
+        results = []
+        for i in range(n):
+            if i >= len(fds):
+                results.append(-errno.EBADF)
+                continue
+            try:
+                region = mmap.mmap(fds[i], sizes[i])
+            except (OSError, ValueError) as exc:
+                results.append(-(getattr(exc, "errno", None) or errno.EINVAL))
+                continue
+            finally:
+                os.close(fds[i])
+            address = ctypes.addressof(ctypes.c_char.from_buffer(region))
+            code = int(self.store.register_buffer(address, sizes[i]))
+            results.append(code)
+            if code == 0:
+                self.regions.append((region, address, sizes[i]))
+        for fd in fds[n:]:
             os.close(fd)
-        keys, spans = _items(data, n)
-        results: list[int]
+        return results
+
+    def request(self, data: bytes, op: int, n: int) -> list[int]:
+        blocks = self.blocks
+        if op == OP_CONFIG:
+            self.blocks = _Blocks(data, self.lib)
+            return [0]
+        if blocks is None or n > MAX_ITEMS:
+            return [-errno.EINVAL] * n
+        at = HEAD.size
+        lengths = []
+        pieces: list[list[tuple[int, int]]] = []
+        ok = []
+        for _ in range(n):
+            key_len, count = ITEM.unpack_from(data, at)
+            at += ITEM.size
+            lengths.append(key_len)
+            block = []
+            good = True
+            for _ in range(count):
+                region, offset, length = PIECE.unpack_from(data, at)
+                at += PIECE.size
+                if region >= len(self.regions) or offset + length > self.regions[region][2]:
+                    good = False
+                else:
+                    block.append((self.regions[region][1] + offset, length))
+            pieces.append(block)
+            ok.append(good)
+        keys = []
+        for key_len in lengths:
+            keys.append(data[at : at + key_len])
+            at += key_len
+        names = [blocks.name(key) for key in keys]
         if op == OP_EXISTS:
-            results = list(store.batch_is_exist(keys)) if keys else []
-        elif op == OP_REMOVE:
-            results = [store.remove(key) for key in keys]
-        else:
-            results = [0] * n
-            todo = []
-            for i, (h_off, h_len, p_off, p_len) in enumerate(spans):
-                if h_off + h_len > size or p_off + p_len > size:
-                    results[i] = E_RANGE
-                else:
-                    todo.append(i)
-            if todo:
-                ptrs = [[base + spans[i][0], base + spans[i][2]] for i in todo]
-                lens = [[spans[i][1], spans[i][3]] for i in todo]
-                names = [keys[i] for i in todo]
-                if op == OP_GET:
-                    got = store.batch_get_into_multi_buffers(names, ptrs, lens)
-                else:
-                    got = store.batch_put_from_multi_buffers(names, ptrs, lens)
-                for i, r in zip(todo, got):
-                    results[i] = int(r)
-        end = time.perf_counter_ns()
-        reply = REPLY.pack(job, len(results), end) + struct.pack(f"<{len(results)}q", *results)
-        sock.send(reply)
-        if wake_fd >= 0:
-            os.write(wake_fd, wake)
+            return [int(r) for r in self.store.batch_is_exist(names)] if names else []
+        if op == OP_REMOVE:
+            return [int(self.store.remove(name)) for name in names]
+        results = [0 if good else -errno.EINVAL for good in ok]
+        todo = [i for i in range(n) if ok[i]]
+        if not todo:
+            return results
+        heads = [self.headers_at + k * HEADER for k in range(len(todo))]
+        ptrs = [[head] + [p for p, _ in pieces[i]] for head, i in zip(heads, todo)]
+        lens = [[HEADER] + [ln for _, ln in pieces[i]] for i in todo]
+        names_todo = [names[i] for i in todo]
+        keys_todo = [keys[i] for i in todo]
+        pieces_todo = [pieces[i] for i in todo]
+        try:
+            if op == OP_PUT:
+                blocks.run(False, self.headers_at, keys_todo, pieces_todo, None)
+                got = [
+                    int(r) for r in self.store.batch_put_from_multi_buffers(names_todo, ptrs, lens)
+                ]
+            elif op == OP_GET:
+                got = [
+                    int(r) for r in self.store.batch_get_into_multi_buffers(names_todo, ptrs, lens)
+                ]
+            else:
+                return [-errno.EINVAL] * n
+        except ValueError:  # pieces that do not add up to a block: never sent
+            for i in todo:
+                results[i] = -errno.EINVAL
+            return results
+        if any(r < 0 and r not in SETTLED for r in got):
+            # A transfer may still write these slots: only this process's exit stops it.
+            os._exit(EXIT_UNSETTLED)
+        if op == OP_GET:
+            got = blocks.run(True, self.headers_at, keys_todo, pieces_todo, got)
+            damaged = [name for name, r in zip(names_todo, got) if r in DAMAGED]
+            for name in damaged:
+                self.store.remove(name)  # -706 under a lease: it stays until then
+        for i, r in zip(todo, got):
+            results[i] = r
+        return results
 
 
 def main(argv: list[str]) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    memfd, sock_fd = int(argv[0]), int(argv[1])
-    settings = json.loads(argv[2])
-    sock = socket.socket(fileno=sock_fd)
-    size = os.fstat(memfd).st_size
-    region = mmap.mmap(memfd, size)
-    base = ctypes.addressof(ctypes.c_char.from_buffer(region))
+    sock = socket.socket(fileno=int(argv[0]))
+    settings = json.loads(argv[1])
     from mooncake.store import MooncakeDistributedStore
+
+    from asyncoffload.tiers._io import _library
 
     store = MooncakeDistributedStore()
     code = store.setup(
@@ -127,13 +285,16 @@ def main(argv: list[str]) -> int:
         settings["device_name"],
         settings["master"],
     )
+    helper = Helper(store, sock, _library())
     if code == 0:
-        code = store.register_buffer(base, size)
-    sock.send(REPLY.pack(0, 1, time.perf_counter_ns()) + struct.pack("<q", int(code)))
-    if code != 0:
-        return 1
+        code = helper.register()
     try:
-        serve(store, sock, base, size)
+        sock.send(REPLY.pack(0, 1, time.perf_counter_ns()) + struct.pack("<q", int(code)))
+        if code != 0:
+            return 1
+        helper.serve()
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # the engine went away: nothing to answer
     finally:
         store.close()
     return 0

@@ -20,7 +20,7 @@ from asyncoffload.manager.admission import AdmissionFilter
 from asyncoffload.manager.base import Medium
 from asyncoffload.manager.cpu import CPUOffloadingManager
 from asyncoffload.manager.policies import CachePolicy
-from asyncoffload.transfer.base import CopyJob
+from asyncoffload.transfer.base import CopyJob, HostRegion
 
 __all__ = [
     "LowerTier",
@@ -186,6 +186,12 @@ class LowerTier(ABC):
         """Write host addresses ``host`` as the blocks of ``keys`` (tier slots ``slots``);
         the job's ``results`` say, per block, ``block_bytes``, ``0`` (the block was there
         already: nothing written) or ``-errno``."""
+
+    def attach_host(self, regions: Sequence[HostRegion]) -> None:
+        """The host slots' memory as another process can map it (the backend's
+        :meth:`~asyncoffload.transfer.base.TransferBackend.host_regions`), given once
+        before any I/O. Tiers whose I/O runs in this process ignore it."""
+        return None
 
     def set_segments(self, deltas: Sequence[int]) -> None:
         """Each block's payload is in ``len(deltas)`` equal slices from now on, slice

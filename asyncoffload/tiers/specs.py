@@ -3,7 +3,8 @@ vLLM's ``kv_connector_extra_config["tiers"]``.
 
 A setting is ``list[TierSpec]``, validated after :func:`tier_specs` has read it: a JSON
 string (from the environment, or a command line) becomes a list, and a tier given as a
-mapping without its ``kind`` gets one (a disk tier has a path, a remote one a url).
+mapping without its ``kind`` gets one (a disk tier has a path, a remote one a url, a
+Mooncake one a master).
 """
 
 from __future__ import annotations
@@ -14,15 +15,22 @@ from typing import Annotated
 from pydantic import Field
 
 from asyncoffload.tiers.disk import DiskTier
+from asyncoffload.tiers.mooncake import MooncakeTier
 from asyncoffload.tiers.remote import RemoteTier
 
 __all__ = ["TIER_KINDS", "TierSpec", "tier_specs"]
 
 #: The ``kind`` of each tier a list takes.
-TIER_KINDS = ("disk", "remote")
+TIER_KINDS = ("disk", "remote", "mooncake")
 
 #: One tier of a list: its settings model, picked by ``kind``.
-TierSpec = Annotated[DiskTier | RemoteTier, Field(discriminator="kind")]
+TierSpec = Annotated[DiskTier | RemoteTier | MooncakeTier, Field(discriminator="kind")]
+
+
+def _kind_of(tier: dict[object, object]) -> str:
+    """The kind of a tier given without one: a url is a remote tier's, a master a
+    Mooncake tier's, anything else a disk tier's."""
+    return "remote" if "url" in tier else "mooncake" if "master" in tier else "disk"
 
 
 def tier_specs(value: object, where: str = "") -> object:
@@ -40,9 +48,7 @@ def tier_specs(value: object, where: str = "") -> object:
             ) from None
     if isinstance(value, list):
         value = [
-            dict(t, kind="remote" if "url" in t else "disk")
-            if isinstance(t, dict) and "kind" not in t
-            else t
+            dict(t, kind=_kind_of(t)) if isinstance(t, dict) and "kind" not in t else t
             for t in value
         ]
     return value

@@ -22,6 +22,7 @@ import ctypes
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -32,7 +33,25 @@ from asyncoffload.transfer.faults import FaultDecision, FaultPlan, install, wrap
 # imports too); this module, where they were first, still exports them.
 from asyncoffload.transfer.jobs import CopyJob, FailedJob
 
-__all__ = ["CopyJob", "FailedJob", "TransferBackend", "check_process", "forked_since", "host_bytes"]
+__all__ = [
+    "CopyJob",
+    "FailedJob",
+    "HostRegion",
+    "TransferBackend",
+    "check_process",
+    "forked_since",
+    "host_bytes",
+]
+
+
+@dataclass(frozen=True)
+class HostRegion:
+    """Host memory another process can map: ``size`` bytes of file descriptor ``fd``
+    from offset 0, mapped in this process at ``address``."""
+
+    fd: int
+    address: int
+    size: int
 
 
 class _Process:
@@ -154,6 +173,12 @@ class TransferBackend(ABC):
         that stays put for the backend's life): where lower tiers read and write. A
         backend that cannot say raises ``NotImplementedError`` (no lower tiers then)."""
         raise NotImplementedError(f"{type(self).__name__} does not expose host slot addresses")
+
+    def host_regions(self) -> tuple[HostRegion, ...]:
+        """The host slots' memory as descriptors another process can map (a lower tier
+        whose I/O runs in a helper process moves blocks straight in and out of them);
+        empty where the slots are not in shareable memory."""
+        return ()
 
     def describe(self) -> dict[str, object]:
         """Backend details for stats and logs (copy methods, memory, ...)."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
+import mmap
 import os
 import queue
 import threading
@@ -33,6 +34,7 @@ from asyncoffload.hostmem import check_host_bytes, format_bytes
 from asyncoffload.layout import KVLayout
 from asyncoffload.transfer.base import (
     CopyJob,
+    HostRegion,
     TransferBackend,
     _Process,
     forked_since,
@@ -82,6 +84,21 @@ def _page_aligned(rows: int, row_bytes: int) -> torch.Tensor:
     raw = torch.zeros(rows * row_bytes + _PAGE, dtype=torch.uint8)
     skip = -raw.data_ptr() % _PAGE
     return raw[skip : skip + rows * row_bytes].view(rows, row_bytes)
+
+
+def _shared_pages(rows: int, row_bytes: int) -> tuple[torch.Tensor, int, mmap.mmap]:
+    """As :func:`_page_aligned`, in a ``memfd`` that another process can map: the tensor,
+    the fd (to close when done) and the mapping it views."""
+    size = max(rows * row_bytes, 1)
+    fd = os.memfd_create("asyncoffload-host", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, size)
+        mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    except BaseException:
+        os.close(fd)
+        raise
+    flat = torch.frombuffer(mm, dtype=torch.uint8)
+    return flat[: rows * row_bytes].view(rows, row_bytes), fd, mm
 
 
 def _discarded(errno: int) -> OSError:
@@ -368,6 +385,11 @@ class CpuCopyBackend(TransferBackend):
     copied by ``submit_*`` itself, on the calling thread: a hop to a lane thread and
     back (a wake-up each way) costs tens of microseconds on a virtual machine, more than
     copying that much (see docs/benchmarks.md). 0 sends every job to its lane.
+
+    ``shared_host``: keep the host slots in a ``memfd`` (:meth:`host_regions`), so that a
+    lower tier's helper process maps them and moves blocks in and out without a copy
+    (the Mooncake tier). The memory is then shared with a fork's child, not copied on
+    write; the engine refuses to be used from a fork anyway.
     """
 
     def __init__(
@@ -377,6 +399,7 @@ class CpuCopyBackend(TransferBackend):
         num_host_blocks: int,
         copy_engine: CopyEngine = "auto",
         inline_bytes: int = 0,
+        shared_host: bool = False,
     ) -> None:
         if layout.device.type != "cpu":
             raise ValueError(f"CpuCopyBackend needs CPU tensors, got {layout.device}")
@@ -394,7 +417,15 @@ class CpuCopyBackend(TransferBackend):
             f"the CPU tier ({num_host_blocks} blocks of {format_bytes(layout.block_bytes)}: "
             "cpu_blocks)",
         )
-        self.host = _page_aligned(num_host_blocks, layout.block_bytes)
+        #: The host slots' memfd and its mapping (``shared_host``), else -1 / None.
+        self._host_fd = -1
+        self._host_map: mmap.mmap | None = None
+        if shared_host:
+            self.host, self._host_fd, self._host_map = _shared_pages(
+                num_host_blocks, layout.block_bytes
+            )
+        else:
+            self.host = _page_aligned(num_host_blocks, layout.block_bytes)
         frag = layout.fragment_bytes
         self._host_columns = [
             self.host[:, i * frag : (i + 1) * frag] for i in range(len(self._fragments))
@@ -588,6 +619,11 @@ class CpuCopyBackend(TransferBackend):
     def host_address(self, host_id: int) -> int:
         return int(self.host[host_id].data_ptr())
 
+    def host_regions(self) -> tuple[HostRegion, ...]:
+        if self._host_fd < 0 or self._closed:
+            return ()
+        return (HostRegion(self._host_fd, int(self.host.data_ptr()), self.host.numel()),)
+
     def close(self) -> None:
         """Finish queued copies, then stop the copy threads. Idempotent. In a fork's
         child: only marks the backend closed (the threads are the parent's)."""
@@ -598,3 +634,6 @@ class CpuCopyBackend(TransferBackend):
         if detached is not None:
             _, release, args, _ = detached
             release(*args, discard=False)
+        if self._host_fd >= 0:  # the mapping goes with the last view of it
+            os.close(self._host_fd)
+            self._host_fd = -1
