@@ -16,13 +16,15 @@ a random point of a busy chunk and awaited), one-block reads
   A read not back within 10 s marks the path starved (the row says so).
 - ``process``: asyncoffload's :class:`~asyncoffload.tiers._mooncake.MooncakeLane`: a
   helper process owns its own client and maps the host memory (a ``memfd``) registered
-  with the store; the loop sends one message per batch and the helper's reply is read
-  when the completion bridge's eventfd, which the helper writes, wakes it: no thread of
-  this process, and the helper's GIL is its own. The helper stamps the end
-  (``CLOCK_MONOTONIC``, the clock of ``time.perf_counter_ns`` in both processes).
+  with the store, and checks each block it reads; the loop sends one message per batch
+  and the helper's reply is read when the completion bridge's eventfd, which the helper
+  writes, wakes it: no thread of this process, and the helper's GIL is its own. The
+  helper stamps the end (``CLOCK_MONOTONIC``, the clock of ``time.perf_counter_ns`` in
+  both processes).
 
-Every block is one object of a 64-byte header span and its payload span (as the tier
-writes them), put through the lane before the runs; both paths read the same keys from
+Every block is one object of the block format's 4096-byte header and its payload (as the
+tier writes them), put through the lane before the runs (the lane's reads also check
+each block's header and checksum, as the tier's do); both paths read the same keys from
 one ``mooncake_master`` on 127.0.0.1, started here. Mooncake's client and master listen
 on every interface, so the script runs inside a private network namespace: it re-runs
 itself under ``unshare --net`` (root) unless ``--in-netns`` says it already is in one.
@@ -51,13 +53,15 @@ from disk_busy import BridgeReader, Reader, Row, measure, now_ns, run_on, table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the master
 
-from asyncoffload.tiers._mooncake import OP_GET, OP_PUT, MooncakeJob, MooncakeLane, Span
+from asyncoffload.tiers._mooncake import OP_GET, OP_PUT, Block, MooncakeJob, MooncakeLane
 from asyncoffload.transfer.base import CopyJob
 from tests.mooncake_probe import lane_settings as settings
 from tests.mooncake_probe import start_master
 
 MASTER_PORT = 50151
-HEADER = 64  # the bytes of a block's header span (written and read beside its payload)
+HEADER = 4096  # the block format's header, written and read beside each payload
+#: The identity the lane names (and checks) blocks with.
+IDENTITY = bytes(range(16))
 #: A read not back within this many seconds counts the path as starved.
 STARVED_S = 10.0
 
@@ -66,6 +70,15 @@ def _address(buf: mmap.mmap) -> int:
     import ctypes
 
     return ctypes.addressof(ctypes.c_char.from_buffer(buf))
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(8, "big") * 4
+
+
+def object_name(i: int) -> str:
+    """The store's name of block ``i`` as the lane puts it (prefix "ao")."""
+    return f"ao:{IDENTITY.hex()}:{key(i).hex()}"
 
 
 def _deliver(fut: asyncio.Future[tuple[int, int]], end: int) -> None:
@@ -91,7 +104,7 @@ class ExecutorReader(Reader):
     def _read(self, i: int, fut: asyncio.Future[tuple[int, int]]) -> None:
         at = self.base + (i % 2) * (self.block + HEADER)
         got = self.store.batch_get_into_multi_buffers(
-            [f"block-{i:08d}"], [[at, at + HEADER]], [[HEADER, self.block]]
+            [object_name(i)], [[at, at + HEADER]], [[HEADER, self.block]]
         )[0]
         end = now_ns()
         assert got == HEADER + self.block, got
@@ -116,39 +129,43 @@ class ProcessReader(BridgeReader):
     def __init__(self, block: int, master: str, blocks: int) -> None:
         self.block = block
         self.blocks = blocks
-        self.size = (blocks + 2) * (block + HEADER)
+        self.size = (blocks + 2) * block
         self.memfd = os.memfd_create("mooncake-busy", os.MFD_CLOEXEC)
         os.ftruncate(self.memfd, self.size)
         self.buf = mmap.mmap(self.memfd, self.size)
         self.buf[: blocks * block] = os.urandom(blocks * block)
         #: The lane to the store (``self.lane`` is the bridge's, as in disk_busy.py).
-        self.store = MooncakeLane(self.memfd, settings(master))
+        self.store = MooncakeLane(settings(master), identity=IDENTITY, payload_len=block)
+        self.store.wait_started()
+        self.wait(self.store.map([(self.memfd, self.size)]), [0])
 
-    def span(self, i: int, at: int) -> Span:
-        """Block ``i`` in slot ``at``: its payload there, its header in the slot's header
-        (the headers follow every payload slot)."""
-        header = (self.blocks + 2) * self.block + at * HEADER
-        return Span(f"block-{i:08d}", header, HEADER, at * self.block, self.block)
+    def piece(self, i: int, at: int) -> Block:
+        """Block ``i`` with its payload in slot ``at`` (its header is the helper's)."""
+        return Block(key(i), ((0, at * self.block, self.block),))
 
-    def fill(self, blocks: int) -> None:
-        """Put blocks [0, blocks) through the lane (polled: no loop yet)."""
-        job = self.store.submit(OP_PUT, [self.span(i, i) for i in range(blocks)])
+    def wait(self, job: MooncakeJob, want: list[int]) -> None:
+        """Wait for ``job`` (polled: no loop yet) and check its results."""
         deadline = time.monotonic() + 30
         while not job.query():
             if time.monotonic() > deadline:
-                raise RuntimeError("putting the blocks took over 30 s")
+                raise RuntimeError("the helper took over 30 s")
             time.sleep(0.001)
-        if any(r != 0 for r in job.results):
-            raise RuntimeError(f"put: {job.results[:4]}")
+        if job.results != want:
+            raise RuntimeError(f"results: {job.results[:4]}")
+
+    def fill(self, blocks: int) -> None:
+        """Put blocks [0, blocks) through the lane."""
+        put = self.store.submit(OP_PUT, [self.piece(i, i) for i in range(blocks)])
+        self.wait(put, [0] * blocks)
 
     def bind(self, wake_fd: int | None) -> None:
         self.store.bind(wake_fd)
 
     def submit(self, i: int) -> CopyJob:
-        return self.store.submit(OP_GET, [self.span(i, self.blocks + i % 2)])
+        return self.store.submit(OP_GET, [self.piece(i, self.blocks + i % 2)])
 
     def check(self, job: CopyJob) -> None:
-        assert isinstance(job, MooncakeJob) and job.results == [HEADER + self.block], job
+        assert isinstance(job, MooncakeJob) and job.results == [self.block], job
 
     def stop(self) -> None:
         self.store.close()

@@ -32,6 +32,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from asyncoffload.tiers._mooncake_helper import (
     CONFIG,
@@ -65,6 +66,8 @@ __all__ = [
     "MooncakeLane",
 ]
 
+#: The helper, run as a script.
+HELPER = str(Path(__file__).with_name("_mooncake_helper.py"))
 #: What a Mooncake code (``ErrorCode`` of mooncake-store's types.h) means for a block, as
 #: ``-errno`` (the tiers' failure causes); other codes stay Mooncake's own.
 MOONCAKE_ERRNO = {
@@ -130,7 +133,9 @@ class MooncakeLane:
 
     ``settings`` are ``MooncakeDistributedStore.setup``'s: ``local_hostname``,
     ``metadata_server``, ``global_segment_bytes``, ``local_buffer_bytes``, ``protocol``,
-    ``device_name``, ``master``. Blocks are named ``<prefix>:<identity hex>:<key hex>``
+    ``device_name``, ``master``; and ``retry_s`` (after the master failed to answer,
+    requests fail at once for so long). ``library``, the native library's path, is
+    added here. Blocks are named ``<prefix>:<identity hex>:<key hex>``
     and hold the block format for ``identity`` and ``payload_len`` (authenticated with
     ``mac_key``, if given). The helper starts in the background: requests queue behind its
     setup, and fail (``EHOSTDOWN``) if it fails; :meth:`wait_started` waits for it. Loop
@@ -148,17 +153,14 @@ class MooncakeLane:
     ) -> None:
         if len(identity) != 16:
             raise ValueError(f"identity must be 16 bytes, got {len(identity)}")
+        from asyncoffload.tiers._io import _library
+
+        settings = dict(settings, library=_library()._name)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._sock = ours
         try:
             self._proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "asyncoffload.tiers._mooncake_helper",
-                    str(theirs.fileno()),
-                    json.dumps(settings),
-                ],
+                [sys.executable, HELPER, str(theirs.fileno()), json.dumps(settings)],
                 pass_fds=(theirs.fileno(),),
                 stdin=subprocess.DEVNULL,
             )

@@ -41,7 +41,7 @@ from asyncoffload.tiers.base import LowerTier, TierManager
 from asyncoffload.tiers.format import Namespace
 from asyncoffload.tiers.settings import TierSettings
 from asyncoffload.transfer.base import CopyJob, HostRegion
-from asyncoffload.validators import ByteSize
+from asyncoffload.validators import ByteSize, byte_setting
 
 __all__ = ["MooncakeStore", "MooncakeTier"]
 
@@ -77,7 +77,7 @@ class MooncakeTier(TierSettings):
     protocol: Literal["tcp", "rdma"] = "tcp"
     device_name: str = Field("", description="RDMA devices (protocol 'rdma').")
     local_hostname: str = Field("127.0.0.1", description="This client's address in the cluster.")
-    segment_bytes: ByteSize = Field(
+    segment_bytes: int = Field(
         512 << 20, ge=0, description="Memory this client gives to the pool (0: none)."
     )
     local_buffer_bytes: ByteSize = Field(16 << 20, ge=1 << 20)
@@ -104,10 +104,25 @@ class MooncakeTier(TierSettings):
         allow_inf_nan=False,
         description="After the store or the helper failed, fail at once for this long.",
     )
+    start_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        le=3600,
+        allow_inf_nan=False,
+        description="How long a question waits for a helper's client to be set up.",
+    )
 
     def __init__(self, *args: Any, **data: Any) -> None:
         """``MooncakeTier(master, **settings)``."""
         super().__init__(*args, **data)  # (here for mypy's pydantic plugin)
+
+    @field_validator("segment_bytes", mode="before")
+    @classmethod
+    def _segment(cls, value: object) -> object:
+        """A byte size (``"4GiB"``), or 0 (a client of the others' memory only)."""
+        if value == 0 and not isinstance(value, bool):
+            return 0
+        return byte_setting(value, "segment_bytes")
 
     @field_validator("master")
     @classmethod
@@ -148,13 +163,16 @@ class MooncakeBatch(CopyJob):
         if self._left == 0 and not self._done:
             self.end([r for job in self._parts for r in job.results])
 
-    def end(self, raw: list[int]) -> None:
+    def end(self, raw: list[int], observed: bool = True) -> None:
+        """Ends the job with the helper's results ``raw``; ``observed``: they come from
+        the helper (not failed at once by the tier), so they say whether it is down."""
         size = self._store.block_bytes
         if self._write:
             self.results = [size if r == 0 else (r if r < 0 else -errno.EIO) for r in raw]
         else:
             self.results = [size if r == size else (r if r < 0 else -errno.EIO) for r in raw]
-        self._store._seen(self.results)
+        if observed:
+            self._store._seen(self.results)
         self._parts = []
         self.finish()
 
@@ -209,6 +227,8 @@ class MooncakeStore(LowerTier):
         self._down_until = 0.0
         self._closed = False
         self._asking = 0
+        #: Waiting in connect() for the helper's setup.
+        self._started: list[asyncio.Future[None]] = []
         self._reader: tuple[asyncio.AbstractEventLoop, int] | None = None
         #: Helpers started (the first, and each restart).
         self.starts = 0
@@ -242,6 +262,7 @@ class MooncakeStore(LowerTier):
             "protocol": cfg.protocol,
             "device_name": cfg.device_name,
             "master": cfg.master,
+            "retry_s": cfg.retry_s,
         }
 
     def _start(self) -> None:
@@ -352,8 +373,8 @@ class MooncakeStore(LowerTier):
         blocks = [Block(bytes(key), self._pieces(addr)) for key, addr in zip(keys, host)]
         lane = self._live_lane()
         job = MooncakeBatch(self, len(blocks), write)
-        if lane is None:
-            job.end([-errno.EHOSTDOWN] * len(blocks))
+        if lane is None:  # down: failed at once, which says nothing new about the store
+            job.end([-errno.EHOSTDOWN] * len(blocks), observed=False)
             return job
         step = self.config.batch_blocks
         for start in range(0, len(blocks), step):
@@ -370,6 +391,7 @@ class MooncakeStore(LowerTier):
         lane = self._live_lane()
         if lane is None:
             return [False] * len(keys)
+        await self.connect()
         loop = asyncio.get_running_loop()
         futures = []
         for start in range(0, len(keys), MAX_ITEMS):
@@ -406,13 +428,48 @@ class MooncakeStore(LowerTier):
             raise OSError(-bad[0], f"tier {self.name}: the existence check failed ({why})")
         return [r == 1 for r in found]
 
+    async def connect(self) -> None:
+        """Wait until the helper's client is set up (it starts in the background when
+        the tier opens), at most ``start_timeout_s``; ``OSError`` if it failed."""
+        lane = self._live_lane()
+        if lane is None:
+            raise OSError(errno.EHOSTDOWN, f"tier {self.name}: the store is down")
+        if lane.setup_code is None and lane.dead is None:
+            loop = asyncio.get_running_loop()
+            started: asyncio.Future[None] = loop.create_future()
+            self._started.append(started)
+            self._asking += 1
+            self._watch(loop, lane)
+            try:
+                await asyncio.wait_for(started, self.config.start_timeout_s)
+            except asyncio.TimeoutError:
+                raise OSError(
+                    errno.ETIMEDOUT,
+                    f"tier {self.name}: no Mooncake client after {self.config.start_timeout_s:g} s",
+                ) from None
+            finally:
+                self._asking -= 1
+                if not self._asking:
+                    self._drop_reader()
+        if lane.dead is not None:
+            self._seen([])
+            raise OSError(errno.EHOSTDOWN, f"tier {self.name}: {lane.dead}")
+
     def _watch(self, loop: asyncio.AbstractEventLoop, lane: Any) -> None:
         """Read the helper's replies when its socket is readable, while a question is
         out (the completion bridge only polls the jobs it was given)."""
         if self._reader is None:
             fd = lane.fileno()
-            loop.add_reader(fd, lane.poll)
+            loop.add_reader(fd, self._readable, lane)
             self._reader = (loop, fd)
+
+    def _readable(self, lane: Any) -> None:
+        lane.poll(check_alive=True)
+        if self._started and (lane.setup_code is not None or lane.dead is not None):
+            waiters, self._started = self._started, []
+            for waiter in waiters:
+                if not waiter.done():
+                    waiter.set_result(None)
 
     def _drop_reader(self) -> None:
         reader, self._reader = self._reader, None

@@ -1,0 +1,405 @@
+"""Engines with a Mooncake tier on a real ``mooncake_master`` (issue 26): run by
+tests/test_mooncake_tier.py inside a private network namespace (``unshare --net``), since
+the master and the clients listen on every interface.
+
+Each scenario starts its own master on 127.0.0.1, drives engines (and, where a test needs
+a value planted or a second process, Mooncake's own client or another process of this
+script), and prints one JSON object of what it saw. Nothing here decides anything: the
+test asserts.
+
+Run: ``unshare --net python tests/mooncake_engines.py PORT SCENARIO [ARGS]`` (root).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import hashlib
+import json
+import mmap
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from mooncake_probe import start_master
+
+import asyncoffload as ao
+from asyncoffload.manager.base import Medium
+from asyncoffload.tiers.format import HEADER_BYTES, Namespace, pack_header
+from asyncoffload.tiers.mooncake import MooncakeStore
+
+NUM_KV = 32
+FRAG = 4096
+BLOCK = 2 * FRAG
+#: Each wait of a scenario, at most.
+WAIT_S = 30.0
+#: How long a restarted master or helper may take to be used again: Mooncake's client
+#: reconnects after its pings have failed for a while, then mounts its segment again.
+REJOIN_S = 90.0
+
+
+def kv_caches(seed: int = 5, frag: int = FRAG) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        torch.randint(0, 256, (NUM_KV, frag), dtype=torch.uint8, generator=gen) for _ in range(2)
+    ]
+
+
+def keys(n: int, start: int = 0) -> list[ao.OffloadKey]:
+    return [ao.make_offload_key(i.to_bytes(4, "big") * 8) for i in range(start, start + n)]
+
+
+def block(kv: list[torch.Tensor], i: int) -> bytes:
+    return b"".join(bytes(t[i].numpy().tobytes()) for t in kv)
+
+
+def digest(data: bytes) -> str:
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+def config(port: int, cpu_blocks: int = 8, **kw: Any) -> ao.EngineConfig:
+    tier = {"segment_bytes": 64 << 20, "timeout_s": 5.0, **kw.pop("tier", {})}
+    kw.setdefault("policy", "lru")  # the scenarios count on which block the CPU tier evicts
+    return ao.EngineConfig(
+        cpu_blocks=cpu_blocks,
+        tiers=[ao.MooncakeTier(f"127.0.0.1:{port}", **tier)],
+        model=kw.pop("model", "m"),
+        **kw,
+    )
+
+
+def the_tier(eng: ao.AsyncOffloadEngine) -> MooncakeStore:
+    tier = eng.tiers[0]
+    assert isinstance(tier, MooncakeStore)
+    return tier
+
+
+async def store(eng: ao.AsyncOffloadEngine, ks: list[ao.OffloadKey], ids: list[int]) -> None:
+    handle = await eng.prepare_store(ks, ids)
+    assert handle is not None
+    await asyncio.wait_for(handle, WAIT_S)
+    await asyncio.wait_for(eng.flush(), WAIT_S)
+
+
+async def load(eng: ao.AsyncOffloadEngine, ks: list[ao.OffloadKey], ids: list[int]) -> str:
+    """ "ok", or the error a load ended with."""
+    try:
+        await asyncio.wait_for(await eng.prepare_load(ks, ids), WAIT_S)
+    except (ao.TransferError, ao.PromotionError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "ok"
+
+
+async def events_of(eng: ao.AsyncOffloadEngine, sub: ao.EventSubscription) -> dict[str, list[str]]:
+    """Closes ``eng``; the keys of its tier's stored and removed events (hex)."""
+    await eng.aclose()
+    out: dict[str, list[str]] = {"stored": [], "removed": []}
+    async for event in sub:
+        if isinstance(event, ao.OffloadingEvent) and event.medium is Medium.REMOTE:
+            out["removed" if event.removed else "stored"].extend(k.hex() for k in event.keys)
+    return out
+
+
+def run_here(port: int, scenario: str, *args: str) -> dict[str, Any]:
+    """This script's ``scenario`` in another process (in this netns)."""
+    cmd = [sys.executable, __file__, str(port), scenario, *args]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    if done.returncode != 0:
+        raise RuntimeError(f"{scenario} failed: {done.stderr[-3000:]}")
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+# --- scenarios ----------------------------------------------------------------------------
+
+
+async def share(port: int) -> dict[str, Any]:
+    """Engine A stores 8 blocks; while it runs (its segment holds them), engine B in
+    another process finds and loads them; other identities find nothing."""
+    out: dict[str, Any] = {}
+    kv = kv_caches()
+    ks = keys(8)
+    async with ao.AsyncOffloadEngine(kv, config(port)) as a:
+        await store(a, ks, list(range(8)))
+        out["written"] = a.stats().tiers[0].blocks_written
+        out["want"] = [digest(block(kv, i)) for i in range(8)]
+        out["reader"] = await asyncio.to_thread(run_here, port, "reader")
+    return out
+
+
+async def reader(port: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    ks = keys(8)
+    fresh = [torch.zeros_like(t) for t in kv_caches()]
+    async with ao.AsyncOffloadEngine(fresh, config(port)) as b:
+        sub = b.events()
+        out["lookup_before"] = b.lookup(ks)
+        out["alookup"] = await b.alookup(ks)
+        out["lookup_after"] = b.lookup(ks)
+        out["load"] = await load(b, ks, list(range(16, 24)))
+        out["got"] = [digest(block(fresh, 16 + i)) for i in range(8)]
+        st = b.stats().tiers[0]
+        out["blocks_read"] = st.blocks_read
+        out["lookup_hits"] = st.lookup_hits
+        out["events"] = await events_of(b, sub)
+    for name, cfg in (
+        ("other_model", config(port, model="other")),
+        ("other_tenant", config(port, tenant="t2")),
+        ("other_mac", config(port, tier={"mac_key": b"k" * 32})),
+    ):
+        async with ao.AsyncOffloadEngine(kv_caches(), cfg) as other:
+            out[name] = await other.alookup(ks)
+    return out
+
+
+def _raw_client(port: int) -> tuple[Any, mmap.mmap, int]:
+    """Mooncake's own client (no segment of its own) with a registered buffer."""
+    from mooncake.store import MooncakeDistributedStore
+
+    raw = MooncakeDistributedStore()
+    code = raw.setup("127.0.0.1", "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", f"127.0.0.1:{port}")
+    assert code == 0, code
+    buf = mmap.mmap(-1, 1 << 20)
+    at = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    assert raw.register_buffer(at, len(buf)) == 0
+    return raw, buf, at
+
+
+def _replace(raw: Any, buf: mmap.mmap, at: int, name: str, value: bytes) -> list[int]:
+    """Remove object ``name`` (after its lease) and put ``value`` under it."""
+    deadline = time.monotonic() + WAIT_S
+    while (code := raw.remove(name)) == -706 and time.monotonic() < deadline:
+        time.sleep(0.05)  # the master's lease (200 ms here)
+    buf[: len(value)] = value
+    return [code, *raw.batch_put_from([name], [at], [len(value)])]
+
+
+def _until_gone(raw: Any, names: list[str]) -> list[int]:
+    """``batch_is_exist(names)`` once none is left, or after ``WAIT_S``."""
+    deadline = time.monotonic() + WAIT_S
+    while any(found := list(raw.batch_is_exist(names))) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return found
+
+
+async def damaged(port: int) -> dict[str, Any]:
+    """Blocks damaged in the store (a flipped payload byte, a flipped header byte, cut
+    short, another identity's) are misses: the load fails, the KV stays as it was, a
+    removed event says so, and the failures are counted by cause."""
+    out: dict[str, Any] = {}
+    kv = kv_caches()
+    ks = keys(5)
+    async with ao.AsyncOffloadEngine(kv_caches(), config(port)) as a:
+        await store(a, ks, list(range(5)))
+        names = [the_tier(a).object_name(k) for k in ks]
+        raw, buf, at = _raw_client(port)
+        whole = HEADER_BYTES + BLOCK
+        got = raw.batch_get_into(names[:4], [at + i * whole for i in range(4)], [whole] * 4)
+        out["raw_get"] = list(got)
+        values = [bytearray(buf[i * whole : (i + 1) * whole]) for i in range(4)]
+        values[0][HEADER_BYTES + 77] ^= 1
+        values[1][40] ^= 1
+        values[2] = values[2][: HEADER_BYTES + 100]
+        other = Namespace("other", "uint8", "x", BLOCK).identity()
+        payload = os.urandom(BLOCK)
+        values[3] = bytearray(pack_header(other, ks[3], payload) + payload)
+        out["planted"] = [_replace(raw, buf, at, n, bytes(v)) for n, v in zip(names, values)]
+        # A second engine knows the blocks from the store only.
+        async with ao.AsyncOffloadEngine(kv, config(port)) as b:
+            sub = b.events()
+            out["alookup"] = await b.alookup(ks)
+            before = [t.clone() for t in kv]
+            out["loads"] = [await load(b, [k], [20 + i]) for i, k in enumerate(ks[:4])]
+            out["kv_untouched"] = all(torch.equal(t, x) for t, x in zip(kv, before))
+            out["lookup_after"] = [b.lookup([k]) for k in ks]
+            out["good_load"] = await load(b, ks[4:], [25])
+            out["good_equal"] = block(kv, 25) == block(kv_caches(), 4)
+            st = b.stats().tiers[0]
+            out["failures"] = st.failures
+            out["dropped"] = st.dropped
+            out["events"] = await events_of(b, sub)
+        # The reader's helper removes the damaged objects once their leases let it (the
+        # get that found them took one), at the latest as it exits.
+        out["left_in_store"] = _until_gone(raw, names[:4])
+        # Stored again by an engine without them, the blocks load. (That engine gives
+        # the pool no memory: objects in its segment would go when it closes. A still
+        # runs, and its segment holds them.)
+        client_only = {"segment_bytes": 0}
+        async with ao.AsyncOffloadEngine(kv_caches(), config(port, tier=client_only)) as c:
+            await store(c, ks[:4], [0, 1, 2, 3])
+            out["restored_written"] = c.stats().tiers[0].blocks_written
+        out["restored_in_store"] = list(raw.batch_is_exist(names[:4]))
+        raw.close()
+        fresh = [torch.zeros_like(t) for t in kv]
+        async with ao.AsyncOffloadEngine(fresh, config(port)) as d:
+            out["again_alookup"] = await d.alookup(ks[:4])
+            out["again_load"] = await load(d, ks[:4], [0, 1, 2, 3])
+            out["again_equal"] = [block(fresh, i) == block(kv_caches(), i) for i in range(4)]
+    return out
+
+
+async def evicted(port: int) -> dict[str, Any]:
+    """More blocks than the pool holds: the store evicts on its own, and every read is
+    either the block's bytes or a miss."""
+    frag = 64 << 10
+    kv = kv_caches(frag=frag)
+    n = 160  # 160 x (4 KiB + 128 KiB) into a 16 MiB segment
+    ks = keys(n)
+    want = {}
+    cfg = config(port, cpu_blocks=NUM_KV, tier={"segment_bytes": 16 << 20})
+    out: dict[str, Any] = {}
+    async with ao.AsyncOffloadEngine(kv, cfg) as a:
+        for start in range(0, n, 16):
+            ids = list(range(16))
+            for j in ids:
+                for t in kv:
+                    t[j].fill_((start + j) % 251)
+                want[ks[start + j]] = block(kv, j)
+            await store(a, ks[start : start + 16], ids)
+        st = a.stats().tiers[0]
+        out["written"] = st.blocks_written
+        out["write_failures"] = st.failures
+        hits = misses = wrong = 0
+        for key in ks:
+            if a.lookup([key]) != 1:
+                misses += 1  # dropped from the index: a read found it missing
+                continue
+            result = await load(a, [key], [20])
+            if result != "ok":
+                misses += 1
+            elif block(kv, 20) == want[key]:
+                hits += 1
+            else:
+                wrong += 1
+        out["hits"], out["misses"], out["wrong"] = hits, misses, wrong
+        out["failures"] = a.stats().tiers[0].failures
+        out["dropped"] = a.stats().tiers[0].dropped
+    return out
+
+
+async def restart(port: int) -> dict[str, Any]:
+    """The master killed while writes are in flight, then restarted; the helper killed."""
+    out: dict[str, Any] = {}
+    masters = [start_master(port, 200)]
+    kv = [t[:, :1024].contiguous() for t in kv_caches()]
+    n = 256
+    ks = keys(n)
+    cfg = ao.EngineConfig(
+        cpu_blocks=n,
+        tiers=[
+            ao.MooncakeTier(
+                f"127.0.0.1:{port}", segment_bytes=64 << 20, batch_blocks=8, retry_s=0.5
+            )
+        ],
+        model="m",
+    )
+    try:
+        async with ao.AsyncOffloadEngine(kv, cfg) as eng:
+            tier = the_tier(eng)
+            await store(eng, keys(8, start=5000), list(range(8)))  # the helper is up
+            handles = []
+            for i in range(0, n, 64):
+                h = await eng.prepare_store(ks[i : i + 64], [j % NUM_KV for j in range(64)])
+                assert h is not None
+                handles.append(h)
+            await asyncio.sleep(0)  # the first requests are out
+            masters[-1].kill()
+            masters[-1].wait(10)
+            await asyncio.wait_for(asyncio.gather(*handles), WAIT_S)
+            await asyncio.wait_for(eng.flush(), WAIT_S)  # every write ended, well or not
+            st = eng.stats()
+            t = st.tiers[0]
+            out["written_plus_failed"] = t.blocks_written + t.write_failures - 8
+            out["tier_pending"] = [t.manager.write_pending, t.manager.pinned]
+            out["cpu"] = [st.manager.pinned, st.manager.ready]
+            out["failures_down"] = t.failures
+            # While down: a question to the store fails at once (a miss).
+            started = time.monotonic()
+            out["down_unavailable"] = tier.unavailable()
+            out["alookup_down"] = await asyncio.wait_for(eng.alookup(keys(1, start=9000)), 10)
+            out["alookup_down_s"] = time.monotonic() - started
+            masters.append(start_master(port, 200))
+            restarted = time.monotonic()
+            # The tier rejoins by itself (once Mooncake's client has reconnected and
+            # mounted its segment again): fresh blocks are written again.
+            deadline = time.monotonic() + REJOIN_S
+            written = eng.stats().tiers[0].blocks_written
+            start = 10_000
+            while eng.stats().tiers[0].blocks_written < written + 2:
+                if time.monotonic() > deadline:
+                    out["rejoined"] = False
+                    break
+                await store(eng, keys(2, start=start), [6, 7])
+                start += 2
+                await asyncio.sleep(0.1)
+            else:
+                out["rejoined"] = True
+            out["rejoined_s"] = time.monotonic() - restarted
+            out["starts_after_master"] = tier.starts
+            # The helper killed: its requests fail, a new one starts after retry_s.
+            pid = tier.describe()["helper_pid"]
+            assert isinstance(pid, int)
+            os.kill(pid, signal.SIGKILL)
+            killed = time.monotonic()
+            deadline = time.monotonic() + REJOIN_S
+            written = eng.stats().tiers[0].blocks_written
+            while eng.stats().tiers[0].blocks_written < written + 2:
+                if time.monotonic() > deadline:
+                    out["rejoined_helper"] = False
+                    break
+                await store(eng, keys(2, start=start), [6, 7])
+                start += 2
+                await asyncio.sleep(0.1)
+            else:
+                out["rejoined_helper"] = True
+            out["rejoined_helper_s"] = time.monotonic() - killed
+            out["starts"] = tier.starts
+            out["failures"] = eng.stats().tiers[0].failures
+    finally:
+        for proc in masters:
+            with contextlib.suppress(Exception):
+                proc.kill()
+                proc.wait(10)
+    return out
+
+
+SCENARIOS = {
+    "share": share,
+    "reader": reader,
+    "damaged": damaged,
+    "evicted": evicted,
+    "restart": restart,
+}
+
+
+def main() -> int:
+    port, scenario = int(sys.argv[1]), sys.argv[2]
+    own_master = scenario not in ("reader", "restart")
+    master = None
+    if own_master:
+        subprocess.call(["ip", "link", "set", "lo", "up"], stderr=subprocess.DEVNULL)
+        master = start_master(port, 200)
+    elif scenario == "restart":
+        subprocess.call(["ip", "link", "set", "lo", "up"], stderr=subprocess.DEVNULL)
+    try:
+        out = asyncio.run(SCENARIOS[scenario](port))
+    finally:
+        if master is not None:
+            master.kill()
+            master.wait(10)
+    print(json.dumps(out, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

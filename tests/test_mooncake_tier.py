@@ -1,0 +1,148 @@
+"""The Mooncake tier (issue 26) on a real ``mooncake_master`` and real clients, never
+mocked: engines share blocks across processes, other identities find nothing, damaged or
+evicted objects are misses that never reach the KV, and a master or helper that dies
+mid-batch is survived and rejoined.
+
+The master and Mooncake's clients listen on every interface, so each scenario runs
+tests/mooncake_engines.py inside its own private network namespace (``unshare --net``,
+as root: CI runs as root) and the test asserts what it printed. Without the package (or
+its Debian libraries), or without ``unshare`` and root, the module skips with one line.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.test_mooncake_store import WHY_NOT
+
+if WHY_NOT is not None:
+    pytest.skip(f"Mooncake Store: {WHY_NOT}", allow_module_level=True)
+
+SCRIPT = Path(__file__).with_name("mooncake_engines.py")
+TIMEOUT_S = 240
+PORT = 50161
+
+
+def _scenario(name: str) -> dict[str, Any]:
+    """What tests/mooncake_engines.py's ``name`` saw, run in a netns of its own."""
+    cmd = ["unshare", "--net", sys.executable, str(SCRIPT), str(PORT), name]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"tests/mooncake_engines.py {name} did not finish within {TIMEOUT_S} s")
+    lines = done.stdout.strip().splitlines()
+    assert done.returncode == 0 and lines, done.stderr[-3000:]
+    result: dict[str, Any] = json.loads(lines[-1])
+    return result
+
+
+@pytest.fixture(scope="module")
+def share() -> dict[str, Any]:
+    return _scenario("share")
+
+
+def test_two_engines_in_two_processes_share_blocks_byte_exact(share: dict[str, Any]) -> None:
+    seen = share
+    assert seen["written"] == 8
+    reader = seen["reader"]
+    assert reader["lookup_before"] == 0  # local knowledge only
+    assert reader["alookup"] == 8 and reader["lookup_after"] == 8
+    assert reader["load"] == "ok" and reader["blocks_read"] == 8
+    assert reader["got"] == seen["want"]
+    # alookup's finds are published: one stored event of the tier per block.
+    assert len(reader["events"]["stored"]) == 8 and not reader["events"]["removed"]
+
+
+def test_another_identity_tenant_or_mac_key_finds_nothing(share: dict[str, Any]) -> None:
+    reader = share["reader"]
+    assert reader["other_model"] == 0
+    assert reader["other_tenant"] == 0
+    assert reader["other_mac"] == 0
+
+
+@pytest.fixture(scope="module")
+def damaged() -> dict[str, Any]:
+    return _scenario("damaged")
+
+
+def test_damaged_objects_are_misses_that_never_reach_the_kv(damaged: dict[str, Any]) -> None:
+    """A flipped payload byte, a flipped header byte, a cut-short value and another
+    namespace's value, planted with Mooncake's own client: each load fails, the KV
+    blocks stay as they were, and the failures are counted by cause."""
+    assert damaged["raw_get"] == [4096 + 8192] * 4
+    assert all(codes[-1] == 0 for codes in damaged["planted"])
+    assert damaged["alookup"] == 5  # the store holds all five names
+    assert all("could not be read" in r for r in damaged["loads"])
+    assert damaged["kv_untouched"]
+    assert damaged["failures"] == {"corrupt": 2, "short": 1, "stale": 1}
+    assert damaged["dropped"] == 4
+    assert damaged["lookup_after"] == [0, 0, 0, 0, 1]
+    assert damaged["good_load"] == "ok" and damaged["good_equal"]
+
+
+def test_a_damaged_block_leaves_with_a_removed_event(damaged: dict[str, Any]) -> None:
+    events = damaged["events"]
+    assert len(events["stored"]) == 5
+    assert sorted(events["removed"]) == sorted(events["stored"])[:4]
+
+
+def test_damaged_objects_are_removed_so_a_new_store_replaces_them(
+    damaged: dict[str, Any],
+) -> None:
+    """Blocks are put if absent: a damaged object left in the store would keep every
+    later store of the block out. The helper removes it once the lease of the get that
+    found it lets go."""
+    assert damaged["left_in_store"] == [0, 0, 0, 0]
+    assert damaged["restored_written"] == 4
+    assert damaged["restored_in_store"] == [1, 1, 1, 1]
+    assert damaged["again_alookup"] == 4 and damaged["again_load"] == "ok"
+    assert damaged["again_equal"] == [True] * 4
+
+
+def test_objects_the_store_evicts_are_misses_never_wrong_bytes() -> None:
+    """160 blocks of 132 KiB into a 16 MiB segment: the store evicts some and refuses
+    others (ENOSPC, counted); every read gives the block's bytes or a miss."""
+    seen = _scenario("evicted")
+    assert seen["wrong"] == 0
+    assert seen["hits"] > 0 and seen["misses"] > 0
+    assert seen["written"] + seen["write_failures"].get("ENOSPC", 0) == 160
+    assert seen["hits"] + seen["misses"] == 160
+    # Written, then found missing when read: evicted by the store, dropped from the index.
+    assert seen["failures"].get("missing", 0) == seen["dropped"] > 0
+
+
+@pytest.fixture(scope="module")
+def restart() -> dict[str, Any]:
+    return _scenario("restart")
+
+
+def test_a_master_killed_mid_batch_leaves_no_hang_and_no_lost_state(
+    restart: dict[str, Any],
+) -> None:
+    """Killed with 256 blocks of write-through in flight: every write ends (written or
+    failed), nothing stays pinned, and the CPU tier keeps every block."""
+    assert restart["written_plus_failed"] == 256
+    assert restart["tier_pending"] == [0, 0]
+    assert restart["cpu"] == [0, 256]
+    assert set(restart["failures_down"]) == {"unavailable"}
+
+
+def test_while_the_store_is_down_the_tier_fails_at_once(restart: dict[str, Any]) -> None:
+    assert restart["down_unavailable"]
+    assert restart["alookup_down"] == 0
+    assert restart["alookup_down_s"] < 1.0
+
+
+def test_the_tier_rejoins_a_restarted_master_and_restarts_a_killed_helper(
+    restart: dict[str, Any],
+) -> None:
+    assert restart["rejoined"], restart
+    assert restart["starts_after_master"] == 1  # the same helper reconnected
+    assert restart["rejoined_helper"], restart
+    assert restart["starts"] >= 2
