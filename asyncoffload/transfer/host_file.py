@@ -6,6 +6,7 @@ engine (the worker side of a serving engine) keeps its slots in when another pro
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import mmap
 import os
@@ -17,6 +18,7 @@ import weakref
 import torch
 
 from asyncoffload._ownership import check_private_file, check_root_dir
+from asyncoffload.transfer.base import HostRegion
 
 __all__ = ["HOST_FILE_WAIT_S", "SharedHostFile"]
 
@@ -73,6 +75,8 @@ class SharedHostFile:
         self.num_slots = num_slots
         self.slot_bytes = slot_bytes
         self.owner = owner
+        #: The file, kept open by ``open(keep_fd=True)``; else -1.
+        self.fd = -1
         # Unlinks the name (the creator's), not the memory: views of the map go with
         # their last reference.
         self._finalizer = weakref.finalize(self, _unlink_quietly, path) if owner else None
@@ -141,12 +145,20 @@ class SharedHostFile:
 
     @classmethod
     def open(
-        cls, path: str | os.PathLike[str], num_slots: int, slot_bytes: int, *, unlink: bool = False
+        cls,
+        path: str | os.PathLike[str],
+        num_slots: int,
+        slot_bytes: int,
+        *,
+        unlink: bool = False,
+        keep_fd: bool = False,
     ) -> SharedHostFile:
         """Map the file a creator made at ``path``. ``FileNotFoundError`` while it does
         not exist yet; ``ValueError`` if it is not a host pool of ``num_slots`` slots of
         ``slot_bytes``; ``PermissionError`` naming the path if it is no regular file of
-        ours, or group or others may write it. ``unlink``: remove the name once mapped."""
+        ours, or group or others may write it. ``unlink``: remove the name once mapped.
+        ``keep_fd``: keep the checked file open as :attr:`fd` (for another process to
+        map: :meth:`region`), closed with the map."""
         path = os.fspath(path)
         fd = os.open(
             path,
@@ -169,11 +181,17 @@ class SharedHostFile:
             if size < want:
                 raise ValueError(f"{path} has {size} bytes, fewer than {want}")
             mm = mmap.mmap(fd, want, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
+        except BaseException:
             os.close(fd)
+            raise
+        if not keep_fd:
+            os.close(fd)
+            fd = -1
         if unlink:
             _unlink_quietly(path)
-        return cls(path, mm, num_slots, slot_bytes, owner=False, creator_pid=pid)
+        shared = cls(path, mm, num_slots, slot_bytes, owner=False, creator_pid=pid)
+        shared.fd = fd
+        return shared
 
     @classmethod
     def wait_open(
@@ -230,6 +248,16 @@ class SharedHostFile:
         if mm is not None:
             with contextlib.suppress(BufferError):  # a live view: unmapped with it
                 mm.close()
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+    def region(self) -> HostRegion:
+        """The whole file as another process maps it (``open(keep_fd=True)`` only)."""
+        if self.fd < 0 or self.map is None:
+            raise ValueError(f"{self.path}: not kept open to be shared (keep_fd=False)")
+        address = ctypes.addressof(ctypes.c_char.from_buffer(self.map))
+        return HostRegion(self.fd, address, len(self.map))
 
     def __repr__(self) -> str:
         return (

@@ -45,6 +45,7 @@ class RunVLLM(Protocol):
         num_gpu_blocks: int = REUSE_NUM_GPU_BLOCKS,
         max_tokens: int = 8,
         timeout: float = 300.0,
+        wrap: Sequence[str] = (),
         **args: Any,
     ) -> dict[str, Any]: ...
 
@@ -61,7 +62,8 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def run_vllm(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> RunVLLM:
     """Run vLLM on rounds of token-id prompts in a subprocess; returns the runner's JSON.
 
-    Extra keyword arguments go into the runner's ARGS.json (see tests/vllm/llm_runner.py).
+    Extra keyword arguments go into the runner's ARGS.json (see tests/vllm/llm_runner.py);
+    ``wrap`` runs the runner in another command (``nsenter``: another network namespace).
     Logs stay under pytest's basetemp (``{name}-{n}.log``).
     """
     workdir = tmp_path_factory.mktemp("vllm-runs")
@@ -75,6 +77,7 @@ def run_vllm(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> RunV
         num_gpu_blocks: int = REUSE_NUM_GPU_BLOCKS,
         max_tokens: int = 8,
         timeout: float = 300.0,
+        wrap: Sequence[str] = (),
         **args: Any,
     ) -> dict[str, Any]:
         payload = {
@@ -87,7 +90,8 @@ def run_vllm(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> RunV
             "logprobs": 5,
             **args,
         }
-        return run_llm(payload, workdir, name=f"{name}-{next(counter)}", timeout=timeout)
+        name = f"{name}-{next(counter)}"
+        return run_llm(payload, workdir, name=name, timeout=timeout, wrap=wrap)
 
     return run
 

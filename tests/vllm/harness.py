@@ -175,8 +175,11 @@ def run_llm(
     name: str = "run",
     timeout: float = 300.0,
     python: str | None = None,
+    wrap: Sequence[str] = (),
 ) -> dict[str, Any]:
     """Run ``tests.vllm.llm_runner`` on ``args`` in a subprocess and return its JSON.
+    ``wrap``: a command that runs it (``nsenter --net=...``: in another network
+    namespace).
 
     Writes ``{name}.args.json``, ``{name}.out.json`` and ``{name}.log`` (vLLM's stdout and
     stderr) into ``workdir``. On a non-zero exit, a missing result or a timeout it kills
@@ -194,7 +197,14 @@ def run_llm(
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
     if "VLLM_CPU_OMP_THREADS_BIND" not in env:
         env["VLLM_CPU_OMP_THREADS_BIND"] = _own_core()
-    cmd = [python or sys.executable, "-m", "tests.vllm.llm_runner", str(args_path), str(out_path)]
+    cmd = [
+        *wrap,
+        python or sys.executable,
+        "-m",
+        "tests.vllm.llm_runner",
+        str(args_path),
+        str(out_path),
+    ]
     t0 = time.monotonic()
     with log_path.open("wb") as log:
         proc = subprocess.Popen(

@@ -104,7 +104,7 @@ class HostPools:
             if pools[rank] is not None:
                 continue
             try:
-                pool = SharedHostFile.open(path, self.num_slots, self.slot_bytes)
+                pool = SharedHostFile.open(path, self.num_slots, self.slot_bytes, keep_fd=True)
             except FileNotFoundError:
                 if not self._warned and now - self._first_try > _WARN_AFTER_S:
                     self._warned = True
@@ -132,6 +132,14 @@ class HostPools:
             return None
         views = [pool.tensor() for pool in pools if pool is not None]
         bases = [view.data_ptr() for view in views]
+        try:  # a tier whose I/O runs in a helper process maps the files there
+            regions = [pool.region() for pool in pools if pool is not None]
+            for store in stores:
+                store.attach_host(regions)
+        except (ValueError, RuntimeError, OSError) as exc:
+            self._pool_error = str(exc)
+            log.error("the lower tiers cannot map the host pools (%s): tier I/O is off", exc)
+            return None
         if len(bases) > 1:
             deltas = [b - bases[0] for b in bases]
             try:

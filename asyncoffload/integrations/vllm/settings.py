@@ -80,8 +80,9 @@ class VllmOffloadSettings(BaseModel):
         default_factory=list,
         description="Tiers below the CPU tier, highest first, as EngineConfig.tiers: "
         '[{"kind": "disk", "path": ..., "capacity": "64GiB", "mode": "slab", ...}, '
-        '{"kind": "remote", "url": "redis://host:6379/0", ...}] (a tier without its kind: '
-        "remote if it has a url, else disk). The worker's host pool then lives in a "
+        '{"kind": "remote", "url": "redis://host:6379/0", ...}, {"kind": "mooncake", '
+        '"master": "host:50051", ...}] (a tier without its kind: remote if it has a url, '
+        "mooncake if it has a master, else disk). The worker's host pool then lives in a "
         "shared-memory file that the scheduler maps (see docs/vllm.md, Tiers under "
         "vLLM). With tensor parallelism, a block there holds every rank's slice.",
     )
