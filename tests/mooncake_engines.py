@@ -152,6 +152,15 @@ async def reader(port: int) -> dict[str, Any]:
         out["blocks_read"] = st.blocks_read
         out["lookup_hits"] = st.lookup_hits
         out["events"] = await events_of(b, sub)
+    # Host slots that are not in shared memory: refused at construction, named.
+    kv = kv_caches()
+    plain = ao.CpuCopyBackend(kv, ao.KVLayout.infer(kv), 8)
+    try:
+        ao.AsyncOffloadEngine(kv, config(port), backend=plain)
+    except ValueError as exc:
+        out["no_shared_host"] = str(exc)
+    finally:
+        plain.close()
     for name, cfg in (
         ("other_model", config(port, model="other")),
         ("other_tenant", config(port, tenant="t2")),

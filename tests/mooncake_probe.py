@@ -246,6 +246,14 @@ def main() -> int:
         )
         # A buffer shorter than the object.
         out["short_get"] = store.batch_get_into(["a"], [d], [block // 2])
+        # An object shorter than the header and payload buffers it is read into (a value
+        # cut short): the get fails with TRANSFER_FAIL before any transfer is submitted,
+        # and its size says why.
+        out["short_put"] = store.batch_put_from(["cut"], [s], [100])
+        out["short_object_get"] = store.batch_get_into_multi_buffers(
+            ["cut"], [[d + 3 * block, d]], [[64, block]]
+        )
+        out["short_object_size"] = store.get_size("cut")
         # Put again: what a second writer of the same block sees.
         out["put_again"] = store.batch_put_from(["a"], [s], [block])
         out["remove_now"] = store.remove("b")

@@ -82,6 +82,17 @@ def test_a_buffer_shorter_than_the_object_is_refused(seen: dict[str, Any]) -> No
     assert seen["short_get"][0] < 0
 
 
+def test_an_object_shorter_than_its_buffers_fails_as_transfer_fail(
+    seen: dict[str, Any],
+) -> None:
+    """What the tier's helper relies on to read a cut-short value as a short block (and
+    remove it) instead of a transfer that may still run: the code is TRANSFER_FAIL, and
+    the object's size is not a block's."""
+    assert seen["short_put"] == [0]
+    assert seen["short_object_get"] == [-800]
+    assert seen["short_object_size"] == 100
+
+
 def test_a_second_put_of_a_key_is_not_an_error(seen: dict[str, Any]) -> None:
     assert seen["put_again"] == [0]
 

@@ -59,6 +59,10 @@ def test_two_engines_in_two_processes_share_blocks_byte_exact(share: dict[str, A
     assert len(reader["events"]["stored"]) == 8 and not reader["events"]["removed"]
 
 
+def test_host_slots_outside_shared_memory_are_refused_by_name(share: dict[str, Any]) -> None:
+    assert "needs the host slots in shared memory" in share["reader"]["no_shared_host"]
+
+
 def test_another_identity_tenant_or_mac_key_finds_nothing(share: dict[str, Any]) -> None:
     reader = share["reader"]
     assert reader["other_model"] == 0

@@ -21,9 +21,12 @@ writes and checks the headers (see its docstring).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import errno
 import itertools
 import json
+import os
 import select
 import socket
 import struct
@@ -358,16 +361,55 @@ class MooncakeLane:
         """The socket the helper answers on (readable when a reply is there)."""
         return self._sock.fileno()
 
-    def close(self, timeout_s: float = 5.0) -> None:
-        """End the helper (it exits when its socket closes; killed after ``timeout_s``)
-        and fail what it had not answered. Idempotent."""
+    def _begin_close(self) -> bool:
+        """Fail what the helper had not answered and close the socket (the helper exits
+        when it sees that); False if closed already."""
         if self.closed:
-            return
+            return False
         self._fail_all("the lane was closed")
         self.closed = True
         self._sock.close()
+        return True
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """End the helper (it exits when its socket closes; killed after ``timeout_s``)
+        and fail what it had not answered. Idempotent."""
+        if not self._begin_close():
+            return
         try:
             self._proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
             self._proc.kill()
             self._proc.wait()
+
+    async def aclose(self, timeout_s: float = 5.0) -> None:
+        """:meth:`close` without blocking the event loop while the helper exits (it
+        closes its client, and removes the damaged objects still leased, first)."""
+        if not self._begin_close():
+            return
+        loop = asyncio.get_running_loop()
+        exited: asyncio.Future[None] = loop.create_future()
+
+        def readable() -> None:
+            if not exited.done():
+                exited.set_result(None)
+
+        try:
+            pidfd = os.pidfd_open(self._proc.pid)  # readable once the process exits
+        except (AttributeError, OSError):  # no pidfd (old kernel): wait off the loop
+            pidfd = -1
+        try:
+            if pidfd >= 0:
+                loop.add_reader(pidfd, readable)
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(exited, timeout_s)
+            else:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    await asyncio.to_thread(self._proc.wait, timeout_s)
+        finally:
+            if pidfd >= 0:
+                loop.remove_reader(pidfd)
+                os.close(pidfd)
+            if self._proc.poll() is None:
+                self._proc.kill()
+                self._proc.wait()

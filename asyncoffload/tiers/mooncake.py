@@ -502,15 +502,26 @@ class MooncakeStore(LowerTier):
             "helper_starts": self.starts,
         }
 
+    async def aclose(self) -> None:
+        """:meth:`close`, waiting for the helper's exit on the loop."""
+        lane = self._shut()
+        if lane is not None:
+            await lane.aclose()
+
     def close(self) -> None:
+        lane = self._shut()
+        if lane is not None:
+            lane.close()
+
+    def _shut(self) -> Any:
+        """Mark the tier closed and let go of its fds; the lane to close, or None."""
         if self._closed:
-            return
+            return None
         self._closed = True
         self._drop_reader()
         lane, self._lane = self._lane, None
-        if lane is not None:
-            lane.close()
         for fd, _, _ in self._regions:
             with contextlib.suppress(OSError):
                 os.close(fd)
         self._regions = []
+        return lane

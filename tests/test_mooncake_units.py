@@ -1,0 +1,203 @@
+"""The Mooncake tier's parts that need no store (issue 26): its settings, the block checks
+its helper runs (native, on payloads left where they are), and the host memory it maps.
+The tier against a real master: tests/test_mooncake_tier.py."""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import mmap
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import asyncoffload as ao
+from asyncoffload.tiers import _mooncake_helper as helper
+from asyncoffload.tiers._io import _library, crc32c
+from asyncoffload.tiers.format import HEADER_BYTES, Namespace, pack_header
+from asyncoffload.tiers.mooncake import MooncakeTier
+from asyncoffload.transfer.host_file import SharedHostFile
+
+# --- settings -----------------------------------------------------------------------
+
+
+def test_settings_take_the_master_positionally_and_sizes_as_strings() -> None:
+    tier = MooncakeTier("10.0.0.5:50051", segment_bytes="4GiB", batch_blocks=128)
+    assert (tier.kind, tier.master, tier.segment_bytes) == ("mooncake", "10.0.0.5:50051", 4 << 30)
+    assert MooncakeTier(segment_bytes=0).segment_bytes == 0  # a client of the others' memory
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"master": "nohost"}, "master must be host:port"),
+        ({"master": "host:0"}, "master must be host:port"),
+        ({"master": "host:65536"}, "master must be host:port"),
+        ({"segment_bytes": -1}, "segment_bytes"),
+        ({"segment_bytes": True}, "segment_bytes"),
+        ({"segment_bytes": "lots"}, "segment_bytes"),
+        ({"prefix": "a:b"}, "prefix"),
+        ({"batch_blocks": 513}, "batch_blocks"),
+        ({"protocol": "udp"}, "protocol"),
+        ({"timeout_s": float("inf")}, "timeout_s"),
+        ({"mac_key": b"short"}, "mac_key"),
+        ({"policy": "nope"}, "unknown cache policy"),
+        ({"colour": "blue"}, "colour"),
+    ],
+)
+def test_bad_settings_are_named(settings: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        MooncakeTier(**settings)
+
+
+def test_a_tier_list_takes_a_mooncake_tier_by_kind_or_by_its_master() -> None:
+    cfg = ao.EngineConfig(tiers=[{"master": "127.0.0.1:7"}, {"kind": "mooncake"}])
+    assert [type(t).__name__ for t in cfg.tiers] == ["MooncakeTier", "MooncakeTier"]
+    env = ao.EngineConfig.from_env(prefix="X_", tiers='[{"master": "127.0.0.1:9"}]')
+    assert isinstance(env.tiers[0], MooncakeTier) and env.tiers[0].master == "127.0.0.1:9"
+
+
+def test_the_mac_key_is_never_shown() -> None:
+    tier = MooncakeTier(mac_key=b"s" * 32)
+    assert "sss" not in repr(tier) and "sss" not in str(tier.model_dump())
+
+
+# --- the helper's block checks ------------------------------------------------------------
+
+PAYLOAD = 3 * 4096
+IDENTITY = Namespace("m", "uint8", "x", PAYLOAD).identity()
+
+
+class Pieces:
+    """A payload in three pieces, in three buffers; a header buffer for n blocks."""
+
+    def __init__(self, n: int = 1) -> None:
+        self.bufs = [mmap.mmap(-1, 4096) for _ in range(3)]
+        for buf in self.bufs:
+            buf.write(os.urandom(4096))
+        self.headers = mmap.mmap(-1, n * HEADER_BYTES)
+        self.at = ctypes.addressof(ctypes.c_char.from_buffer(self.headers))
+
+    def payload(self) -> bytes:
+        return b"".join(bytes(buf) for buf in self.bufs)
+
+    def list(self) -> list[tuple[int, int]]:
+        return [(ctypes.addressof(ctypes.c_char.from_buffer(b)), 4096) for b in self.bufs]
+
+    def header(self, i: int = 0) -> bytes:
+        return bytes(self.headers[i * HEADER_BYTES : (i + 1) * HEADER_BYTES])
+
+
+def blocks(identity: bytes = IDENTITY, mac: bytes = b"") -> Any:
+    """The helper's block checks as OP_CONFIG sets them."""
+    message = (
+        helper.HEAD.pack(0, helper.OP_CONFIG, 0)
+        + helper.CONFIG.pack(identity, PAYLOAD, 2, len(mac))
+        + b"ao"
+        + mac
+    )
+    return helper._Blocks(message, helper._library(_library()._name))
+
+
+@pytest.mark.parametrize("mac", [b"", b"k" * 32])
+def test_a_sealed_header_is_the_block_formats_own(mac: bytes) -> None:
+    """Written in place over the pieces, the header equals the one the Python format
+    packs for the whole payload: every tier reads the same blocks."""
+    p = Pieces()
+    blocks(mac=mac).run(False, p.at, [b"key-1"], [p.list()], None)
+    assert p.header() == pack_header(IDENTITY, b"key-1", p.payload(), mac or None)
+
+
+def test_a_block_read_back_is_checked_in_place() -> None:
+    p = Pieces()
+    b = blocks()
+    b.run(False, p.at, [b"key-1"], [p.list()], None)
+    whole = HEADER_BYTES + PAYLOAD
+    assert b.run(True, p.at, [b"key-1"], [p.list()], [whole]) == [PAYLOAD]
+    # What the read gave stands: a miss stays a miss, a short object is short.
+    assert b.run(True, p.at, [b"key-1"], [p.list()], [-704]) == [-704]
+    assert b.run(True, p.at, [b"key-1"], [p.list()], [whole - 1]) == [-errno.ENODATA]
+    # Another key's block, another namespace's, another MAC key's.
+    assert b.run(True, p.at, [b"key-2"], [p.list()], [whole]) == [-errno.EKEYREJECTED]
+    other = blocks(identity=bytes(16))
+    assert other.run(True, p.at, [b"key-1"], [p.list()], [whole]) == [-errno.ESTALE]
+    keyed = blocks(mac=b"k" * 32)
+    assert keyed.run(True, p.at, [b"key-1"], [p.list()], [whole]) == [-errno.ENOKEY]
+
+
+@pytest.mark.parametrize("where", ["payload", "header"])
+def test_a_flipped_byte_fails_the_check(where: str) -> None:
+    p = Pieces()
+    b = blocks()
+    b.run(False, p.at, [b"key-1"], [p.list()], None)
+    if where == "payload":
+        p.bufs[2][100] ^= 1  # the last piece
+    else:
+        p.headers[40] ^= 1  # the payload's CRC
+    whole = HEADER_BYTES + PAYLOAD
+    assert b.run(True, p.at, [b"key-1"], [p.list()], [whole]) == [-errno.EBADMSG]
+
+
+def test_a_mac_over_pieces_catches_a_payload_forged_with_its_crc() -> None:
+    """A writer without the key rewrites the payload and its CRC: the MAC fails."""
+    p = Pieces()
+    keyed = blocks(mac=b"k" * 32)
+    keyed.run(False, p.at, [b"key-1"], [p.list()], None)
+    p.bufs[0][0] ^= 1
+    p.headers[40:44] = crc32c(p.payload()).to_bytes(4, "little")
+    p.headers[4092:4096] = crc32c(p.headers[:4092]).to_bytes(4, "little")
+    whole = HEADER_BYTES + PAYLOAD
+    assert keyed.run(True, p.at, [b"key-1"], [p.list()], [whole]) == [-errno.ENOKEY]
+    assert blocks().run(True, p.at, [b"key-1"], [p.list()], [whole]) == [-errno.ENOKEY]
+
+
+def test_pieces_that_do_not_make_a_block_are_refused() -> None:
+    p = Pieces()
+    with pytest.raises(ValueError, match="do not make blocks"):
+        blocks().run(False, p.at, [b"key-1"], [p.list()[:2]], None)
+
+
+# --- host memory another process maps -------------------------------------------------------
+
+
+def test_a_shared_host_cpu_backend_gives_its_slots_as_a_memfd() -> None:
+    kv = [torch.zeros(4, 4096, dtype=torch.uint8) for _ in range(2)]
+    layout = ao.KVLayout.infer(kv)
+    plain = ao.CpuCopyBackend(kv, layout, 4)
+    assert plain.host_regions() == ()
+    plain.close()
+    backend = ao.CpuCopyBackend(kv, layout, 4, shared_host=True)
+    try:
+        (region,) = backend.host_regions()
+        assert region.address == backend.host_address(0)
+        assert region.size == 4 * layout.block_bytes
+        seen = mmap.mmap(region.fd, region.size)  # as the helper maps it
+        backend.host[2].fill_(7)
+        assert seen[2 * layout.block_bytes] == 7
+        seen.close()
+    finally:
+        backend.close()
+    assert backend.host_regions() == ()
+
+
+def test_a_host_pool_file_kept_open_is_shared_whole(tmp_path: Path) -> None:
+    made = SharedHostFile.create(tmp_path / "rank0.pool", 2, 4096)
+    opened = SharedHostFile.open(tmp_path / "rank0.pool", 2, 4096, keep_fd=True)
+    plain = SharedHostFile.open(tmp_path / "rank0.pool", 2, 4096)
+    try:
+        region = opened.region()
+        assert region.size == SharedHostFile.file_bytes(2, 4096)
+        made.tensor()[1].fill_(9)
+        seen = mmap.mmap(region.fd, region.size)
+        assert seen[4096 + 4096] == 9  # the header page, then slot 0, then slot 1
+        seen.close()
+        with pytest.raises(ValueError, match="keep_fd"):
+            plain.region()
+    finally:
+        plain.close()
+        opened.close()
+        made.close()
+    assert opened.fd == -1
