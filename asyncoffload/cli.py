@@ -203,6 +203,14 @@ def _add_demo(parser: argparse.ArgumentParser) -> None:
         "prompts are looked up there first, so a second demo process with the same --seed "
         "loads what the first stored",
     )
+    eng.add_argument(
+        "--mooncake",
+        metavar="HOST:PORT",
+        help="add a shared tier on Mooncake Store, its mooncake_master at HOST:PORT "
+        "(needs asyncoffload[mooncake]), below the other tiers: every stored block is "
+        "written to it, and prompts are looked up there first. Mooncake's client listens "
+        "on every interface: see docs/tiers.md",
+    )
 
     srv = parser.add_argument_group("simulated server")
     srv.add_argument(
@@ -293,6 +301,8 @@ def _run_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             disk["disk_bytes"] = args.disk_bytes
     if args.remote is not None:
         disk["remote_url"] = args.remote
+    if args.mooncake is not None:
+        disk["mooncake_master"] = args.mooncake
     try:
         cfg = DemoConfig(
             requests=args.requests,
@@ -321,7 +331,12 @@ def _run_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             _options_message(
                 exc,
                 parser,
-                {"think_time_s": "think_time", "disk_path": "disk", "remote_url": "remote"},
+                {
+                    "think_time_s": "think_time",
+                    "disk_path": "disk",
+                    "remote_url": "remote",
+                    "mooncake_master": "mooncake",
+                },
             )
         )
     try:

@@ -382,12 +382,86 @@ async def restart(port: int) -> dict[str, Any]:
     return out
 
 
+async def demo(port: int) -> dict[str, Any]:
+    """Two demo runs with ``--mooncake``, one after the other, beside a storage client
+    (objects in a demo's own segment go when it ends; those in the storage client's
+    stay); then the command line, and a master that does not answer."""
+    from mooncake.store import MooncakeDistributedStore
+
+    from asyncoffload import cli
+    from asyncoffload.demo import DemoConfig, DemoConfigError, run_demo
+
+    small: dict[str, Any] = dict(
+        requests=60,
+        system_prompts=2,
+        system_prompt_blocks=4,
+        turns=3,
+        blocks_per_turn=2.0,
+        output_tokens=24.0,
+        arrival_rate=400.0,
+        think_time_s=0.02,
+        cpu_blocks=80,
+        layers=2,
+        kv_heads=1,
+        head_dim=16,
+        concurrency=2,
+        time_scale=0.0,
+        mooncake_master=f"127.0.0.1:{port}",
+    )
+    storage = MooncakeDistributedStore()
+    code = storage.setup(
+        "127.0.0.1", "P2PHANDSHAKE", 256 << 20, 16 << 20, "tcp", "", f"127.0.0.1:{port}"
+    )
+    assert code == 0, code
+    out: dict[str, Any] = {}
+    try:
+        first = await run_demo(DemoConfig(**small), progress=False)
+        second = await run_demo(DemoConfig(**small), progress=False)
+    finally:
+        storage.close()
+    for name, report in (("first", first), ("second", second)):
+        (tier,) = report.stats.tiers
+        out[name] = {
+            "ok": report.ok,
+            "medium": tier.medium,
+            "written": tier.blocks_written,
+            "write_failures": tier.write_failures,
+            "read": tier.blocks_read,
+            "read_failures": tier.failures,
+            "prelookup": report.remote_prelookup,
+            "remote_hits": report.remote_hit_blocks,
+            "hit_blocks": report.hit_blocks,
+            "verified": report.verified_blocks,
+            "rows": dict(report.rows()),
+        }
+    try:
+        await run_demo(DemoConfig(**dict(small, mooncake_master="127.0.0.1:9")), progress=False)
+    except DemoConfigError as exc:
+        out["no_master"] = str(exc)
+    argv = ["demo", "--requests", "20", "--cpu-blocks", "40", "--layers", "2"]
+    argv += ["--time-scale", "0", "--mooncake", f"127.0.0.1:{port}"]
+    code = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-m", "asyncoffload", *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    out["cli"] = [code.returncode, code.stdout[-3000:]]
+    try:
+        cli.main(["demo", "--mooncake", "nohost"])
+    except SystemExit as exc:
+        out["cli_bad_master"] = exc.code
+    return out
+
+
 SCENARIOS = {
     "share": share,
     "reader": reader,
     "damaged": damaged,
     "evicted": evicted,
     "restart": restart,
+    "demo": demo,
 }
 
 

@@ -150,3 +150,28 @@ def test_the_tier_rejoins_a_restarted_master_and_restarts_a_killed_helper(
     assert restart["starts_after_master"] == 1  # the same helper reconnected
     assert restart["rejoined_helper"], restart
     assert restart["starts"] >= 2
+
+
+def test_the_demo_takes_a_mooncake_tier_and_a_second_run_loads_what_the_first_stored() -> None:
+    """Two demo runs beside a storage client (blocks in the first run's own segment go
+    with it; those in the storage client's stay): the second finds some of the first's
+    blocks before it starts and loads them, checked bit for bit."""
+    seen = _scenario("demo")
+    first, second = seen["first"], seen["second"]
+    assert first["ok"] and second["ok"]
+    assert first["medium"] == "REMOTE" and first["written"] > 0
+    assert first["write_failures"] == 0
+    assert first["prelookup"][1] == 0  # nothing there before the first run
+    assert second["prelookup"][0] == first["prelookup"][0]
+    assert 0 < second["prelookup"][1] <= first["written"]
+    assert second["remote_hits"] > 0 and second["read"] > 0
+    assert second["verified"] == second["hit_blocks"]
+    rows = second["rows"]
+    assert rows["remote tier"].startswith("Mooncake Store, master 127.0.0.1:")
+    assert "remote lookup (before the run)" in rows
+    assert rows["verification"].startswith("OK")
+    # The command line, a master that does not answer, and a malformed master.
+    rc, out = seen["cli"]
+    assert rc == 0 and "Mooncake Store, master" in out, out
+    assert "the Mooncake tier at 127.0.0.1:9" in seen["no_master"]
+    assert seen["cli_bad_master"] == 2

@@ -221,23 +221,24 @@ class DemoReport:
                 continue
             failed = t.read_failures + t.write_failures
             failures = f", {failed:,} failed {t.failures}" if failed else ""
+            where = t.info.get("url") or f"Mooncake Store, master {t.info.get('master')}"
             rows.append(
                 (
                     "remote tier",
-                    f"{t.info.get('url')}: written {t.blocks_written:,} "
+                    f"{where}: written {t.blocks_written:,} "
                     f"({t.bytes_written / _GB:.2f} GB), read {t.blocks_read:,} "
                     f"({t.bytes_read / _GB:.2f} GB){failures}{self._refused()}",
                 )
             )
-            if self.remote_prelookup is not None:
-                asked, found, seconds = self.remote_prelookup
-                rows.append(
-                    (
-                        "remote lookup (before the run)",
-                        f"{found:,} of {asked:,} distinct blocks already on the server "
-                        f"({seconds:.2f} s)",
-                    )
+        if rows and self.remote_prelookup is not None:
+            asked, found, seconds = self.remote_prelookup
+            rows.append(
+                (
+                    "remote lookup (before the run)",
+                    f"{found:,} of {asked:,} distinct blocks already on the server "
+                    f"({seconds:.2f} s)",
                 )
+            )
         return rows
 
     def _disk_rows(self) -> list[tuple[str, str]]:

@@ -27,6 +27,7 @@ from asyncoffload.hostmem import check_host_bytes, format_bytes
 from asyncoffload.keys import OffloadKey
 from asyncoffload.simkv import SimulatedKVCache
 from asyncoffload.tiers.disk import DiskTier
+from asyncoffload.tiers.mooncake import MooncakeStore, MooncakeTier
 from asyncoffload.tiers.remote import RemoteTier
 from asyncoffload.workloads import Request, summarize
 
@@ -93,7 +94,7 @@ async def _run(cfg: DemoConfig, progress_stream: TextIO | None) -> DemoReport:
         policy=cfg.policy,
         completion=cfg.completion,
         event_buffer=cfg.event_buffer,
-        tiers=[*_disk_tiers(cfg), *_remote_tiers(cfg)],
+        tiers=[*_disk_tiers(cfg), *_remote_tiers(cfg), *_mooncake_tiers(cfg)],
         model="asyncoffload-demo",
     )
     try:
@@ -101,8 +102,16 @@ async def _run(cfg: DemoConfig, progress_stream: TextIO | None) -> DemoReport:
     except (OSError, RuntimeError, ValueError) as exc:
         if not engine_cfg.tiers:
             raise
-        where = f"the disk tier in {cfg.disk_path}" if cfg.disk_path else "the remote tier"
+        where = (
+            f"the disk tier in {cfg.disk_path}"
+            if cfg.disk_path
+            else "the remote tier"
+            if cfg.remote_url
+            else f"the Mooncake tier at {cfg.mooncake_master}"
+        )
         raise DemoConfigError(f"{where}: {exc}") from None
+    if cfg.mooncake_master is not None:
+        await _check_mooncake(engine, cfg.mooncake_master)
     state = _Progress()
     counts = EventCounts()
     finished = asyncio.Event()
@@ -124,7 +133,7 @@ async def _run(cfg: DemoConfig, progress_stream: TextIO | None) -> DemoReport:
             t0 = time.perf_counter()
             prelookup = None
             prelookup_hits: tuple[int, tuple[int, ...]] = (0, ())
-            if cfg.remote_url is not None:
+            if cfg.remote_url is not None or cfg.mooncake_master is not None:
                 prelookup = await _remote_prelookup(engine, requests)
                 before = engine.stats()
                 prelookup_hits = (before.lookup_hits, tuple(t.lookup_hits for t in before.tiers))
@@ -229,6 +238,29 @@ def _remote_tiers(cfg: DemoConfig) -> list[RemoteTier]:
     return [RemoteTier(cfg.remote_url, admission=None)]
 
 
+def _mooncake_tiers(cfg: DemoConfig) -> list[MooncakeTier]:
+    """The shared tier on Mooncake Store at ``cfg.mooncake_master``: every block the CPU
+    tier stores is written to it. The demo's client gives the pool 256 MiB, so a master
+    without storage nodes holds blocks too (while this demo runs)."""
+    if cfg.mooncake_master is None:
+        return []
+    return [
+        MooncakeTier(
+            cfg.mooncake_master, admission=None, segment_bytes=256 << 20, start_timeout_s=10.0
+        )
+    ]
+
+
+async def _check_mooncake(engine: AsyncOffloadEngine, master: str) -> None:
+    """Fail early, naming the master, when the tier's client cannot be set up."""
+    store = next(t for t in engine.tiers if isinstance(t, MooncakeStore))
+    try:
+        await store.connect()
+    except OSError as exc:
+        await engine.aclose()
+        raise DemoConfigError(f"the Mooncake tier at {master}: {exc}") from None
+
+
 async def _check_server(url: str) -> None:
     """Fail early, with the URL in the message, when the server does not answer."""
     from redis.asyncio import Redis
@@ -263,8 +295,8 @@ async def _remote_prelookup(
             continue
         distinct.update(fresh)
         await engine.alookup(keys)
-    tier = next(t for t in engine.stats().tiers if t.medium == "REMOTE")
-    return len(distinct), tier.manager.ready, time.perf_counter() - t0
+    found = sum(t.manager.ready for t in engine.stats().tiers if t.medium == "REMOTE")
+    return len(distinct), found, time.perf_counter() - t0
 
 
 class _Integrations:

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from asyncoffload.config import byte_setting
 from asyncoffload.hostmem import available_host_bytes, format_bytes
 from asyncoffload.integrations import check_endpoint, shift_tcp_port
+from asyncoffload.tiers.mooncake import MooncakeTier
 from asyncoffload.tiers.remote import RemoteTier
 from asyncoffload.tiers.settings import known_policy
 from asyncoffload.workloads import Request, synthetic_chat
@@ -66,6 +67,12 @@ class DemoConfig(BaseModel):
         description="A shared tier on Redis / Valkey at this URL (redis://host:port/db), "
         "below the CPU tier and the disk tier; every stored block is written to it, and "
         "prompts are looked up there first. None: no shared tier.",
+    )
+    mooncake_master: str | None = Field(
+        None,
+        description="A shared tier on Mooncake Store, its master at this host:port, below "
+        "the CPU tier, the disk tier and the Redis / Valkey tier; every stored block is "
+        "written to it, and prompts are looked up there first. None: no Mooncake tier.",
     )
     # The simulated model and server.
     layers: int = Field(8, ge=1, description="KV layers.")
@@ -128,6 +135,13 @@ class DemoConfig(BaseModel):
     def _remote_url(cls, value: str | None) -> str | None:
         if value is not None:
             RemoteTier(value)  # its own checks (the scheme)
+        return value
+
+    @field_validator("mooncake_master")
+    @classmethod
+    def _mooncake_master(cls, value: str | None) -> str | None:
+        if value is not None:
+            MooncakeTier(value)  # its own checks (host:port)
         return value
 
     @field_validator("publish", "publish_replay")

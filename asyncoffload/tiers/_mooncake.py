@@ -363,12 +363,18 @@ class MooncakeLane:
 
     def _begin_close(self) -> bool:
         """Fail what the helper had not answered and close the socket (the helper exits
-        when it sees that); False if closed already."""
+        when it sees that); False if closed already. A helper still in its client's setup
+        (a master that does not answer: it retries for long) is killed at once: it has
+        nothing to finish."""
         if self.closed:
             return False
+        with contextlib.suppress(OSError):
+            self.poll()
         self._fail_all("the lane was closed")
         self.closed = True
         self._sock.close()
+        if self.setup_code is None:
+            self._proc.kill()
         return True
 
     def close(self, timeout_s: float = 5.0) -> None:
