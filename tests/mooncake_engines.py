@@ -31,12 +31,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mooncake_probe import start_master
-
 import asyncoffload as ao
 from asyncoffload.manager.base import Medium
 from asyncoffload.tiers.format import HEADER_BYTES, Namespace, pack_header
 from asyncoffload.tiers.mooncake import MooncakeStore
+from tests.mooncake_probe import start_master
 
 NUM_KV = 32
 FRAG = 4096
@@ -455,6 +454,85 @@ async def demo(port: int) -> dict[str, Any]:
     return out
 
 
+async def slices(port: int) -> dict[str, Any]:
+    """The tier as vLLM's scheduler drives it with two tensor-parallel ranks: each rank's
+    host pool a region of its own (two memfds), a block one slice in each, written and
+    read back whole; a block with one damaged slice fails its read whole."""
+    from asyncoffload.transfer.base import HostRegion
+    from asyncoffload.transfer.completion import CompletionBridge
+
+    slots, half = 4, BLOCK // 2
+    maps = []
+    regions = []
+    for _ in range(2):  # rank 0's pool, rank 1's pool
+        fd = os.memfd_create("rank", os.MFD_CLOEXEC)
+        os.ftruncate(fd, slots * half)
+        mm = mmap.mmap(fd, slots * half)
+        maps.append((fd, mm))
+        at = ctypes.addressof(ctypes.c_char.from_buffer(mm))
+        regions.append(HostRegion(fd, at, slots * half))
+    namespace = Namespace("m", "uint8", "tp2", BLOCK, world_size=2)
+    store = ao.MooncakeTier(f"127.0.0.1:{port}", segment_bytes=64 << 20).open(namespace)
+    out: dict[str, Any] = {}
+    loop = asyncio.get_running_loop()
+    bridge = CompletionBridge(loop, "eventfd")
+    lane = bridge.lane("mooncake")
+    try:
+        store.attach_host(regions)
+        store.set_segments([0, regions[1].address - regions[0].address])
+        store.bind(bridge.wake_fd)
+        await store.connect()
+
+        async def done(job: Any) -> list[int]:
+            fut: asyncio.Future[list[int]] = loop.create_future()
+            bridge.watch(lane, job, lambda _j: fut.set_result(list(job.results)))
+            return await asyncio.wait_for(fut, WAIT_S)
+
+        def slot(i: int) -> int:  # rank 0's address of slot i
+            return regions[0].address + i * half
+
+        for _, mm in maps:
+            mm[: 2 * half] = os.urandom(2 * half)  # slots 0 and 1 of each rank
+        ks = keys(2)
+        out["write"] = await done(store.submit_write(ks, [0, 1], [slot(0), slot(1)]))
+        out["read"] = await done(store.submit_read(ks, [0, 1], [slot(2), slot(3)]))
+        out["equal"] = [
+            mm[2 * half : 4 * half] == mm[: 2 * half] for _, mm in maps
+        ]  # both slices of both blocks, where each rank's pool has them
+        # A damaged slice: rank 1's half of block 0, rewritten in the store by hand.
+        from mooncake.store import MooncakeDistributedStore
+
+        raw = MooncakeDistributedStore()
+        assert (
+            raw.setup("127.0.0.1", "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", f"127.0.0.1:{port}") == 0
+        )
+        buf = mmap.mmap(-1, HEADER_BYTES + BLOCK)
+        at = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+        assert raw.register_buffer(at, len(buf)) == 0
+        name = store.object_name(ks[0])
+        assert raw.batch_get_into([name], [at], [len(buf)]) == [len(buf)]
+        value = bytearray(buf)
+        value[HEADER_BYTES + half + 5] ^= 1
+        out["replanted"] = _replace(raw, buf, at, name, bytes(value))
+        raw.close()
+        for _, mm in maps:
+            mm[2 * half : 3 * half] = bytes(half)
+        out["damaged_read"] = await done(store.submit_read(ks[:1], [0], [slot(2)]))
+        # (What a failed read left in the slots is never used: the slot is not ready.)
+        out["set_segments_bad"] = ""
+        try:
+            store.set_segments([5, 0])
+        except ValueError as exc:
+            out["set_segments_bad"] = str(exc)
+    finally:
+        await store.aclose()
+        bridge.close()
+        for fd, mm in maps:
+            mm.close()
+            os.close(fd)
+    return out
+
+
 SCENARIOS = {
     "share": share,
     "reader": reader,
@@ -462,6 +540,7 @@ SCENARIOS = {
     "evicted": evicted,
     "restart": restart,
     "demo": demo,
+    "slices": slices,
 }
 
 

@@ -254,8 +254,11 @@ def main() -> int:
             ["cut"], [[d + 3 * block, d]], [[64, block]]
         )
         out["short_object_size"] = store.get_size("cut")
-        # Put again: what a second writer of the same block sees.
-        out["put_again"] = store.batch_put_from(["a"], [s], [block])
+        # Put again, other bytes: what a second writer of the same block sees, and
+        # whether the first value stays.
+        out["put_again"] = store.batch_put_from(["a"], [s + block], [block])
+        out["get_again"] = store.batch_get_into(["a"], [d + block], [block])
+        out["first_value_stays"] = dst[block : 2 * block] == src[:block]
         out["remove_now"] = store.remove("b")
         time.sleep(0.5)  # past the 200 ms lease
         out["remove_later"] = store.remove("b")

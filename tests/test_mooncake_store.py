@@ -95,6 +95,8 @@ def test_an_object_shorter_than_its_buffers_fails_as_transfer_fail(
 
 def test_a_second_put_of_a_key_is_not_an_error(seen: dict[str, Any]) -> None:
     assert seen["put_again"] == [0]
+    # ... and writes nothing: the first value stays (a put is put-if-absent).
+    assert seen["get_again"] == [8192] and seen["first_value_stays"]
 
 
 def test_remove_waits_for_the_objects_lease(seen: dict[str, Any]) -> None:

@@ -11,6 +11,7 @@ its Debian libraries), or without ``unshare`` and root, the module skips with on
 
 from __future__ import annotations
 
+import errno
 import json
 import subprocess
 import sys
@@ -175,3 +176,15 @@ def test_the_demo_takes_a_mooncake_tier_and_a_second_run_loads_what_the_first_st
     assert rc == 0 and "Mooncake Store, master" in out, out
     assert "the Mooncake tier at 127.0.0.1:9" in seen["no_master"]
     assert seen["cli_bad_master"] == 2
+
+
+def test_a_block_in_tensor_parallel_slices_is_one_object_checked_whole() -> None:
+    """Two ranks' host pools as two regions (as vLLM's scheduler maps them): a block is
+    written from, and read back into, one slice in each, byte-exact; a block whose
+    second slice was damaged in the store fails its read whole."""
+    seen = _scenario("slices")
+    assert seen["write"] == [8192, 8192] and seen["read"] == [8192, 8192]
+    assert seen["equal"] == [True, True]
+    assert seen["replanted"][-1] == 0
+    assert seen["damaged_read"] == [-errno.EBADMSG]
+    assert "2 slices (first delta 5)" in seen["set_segments_bad"]
