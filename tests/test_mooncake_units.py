@@ -19,6 +19,7 @@ from asyncoffload.tiers import _mooncake_helper as helper
 from asyncoffload.tiers._io import _library, crc32c
 from asyncoffload.tiers.format import HEADER_BYTES, Namespace, pack_header
 from asyncoffload.tiers.mooncake import MooncakeTier
+from asyncoffload.transfer.cpu import CopyEngine
 from asyncoffload.transfer.host_file import SharedHostFile
 
 # --- settings -----------------------------------------------------------------------
@@ -107,57 +108,57 @@ def test_a_sealed_header_is_the_block_formats_own(mac: bytes) -> None:
     """Written in place over the pieces, the header equals the one the Python format
     packs for the whole payload: every tier reads the same blocks."""
     p = Pieces()
-    blocks(mac=mac).run(False, p.at, [b"key-1"], [p.list()], None)
+    blocks(mac=mac).run(False, [p.at], [b"key-1"], [p.list()], None)
     assert p.header() == pack_header(IDENTITY, b"key-1", p.payload(), mac or None)
 
 
 def test_a_block_read_back_is_checked_in_place() -> None:
     p = Pieces()
     b = blocks()
-    b.run(False, p.at, [b"key-1"], [p.list()], None)
+    b.run(False, [p.at], [b"key-1"], [p.list()], None)
     whole = HEADER_BYTES + PAYLOAD
-    assert b.run(True, p.at, [b"key-1"], [p.list()], [whole]) == [PAYLOAD]
+    assert b.run(True, [p.at], [b"key-1"], [p.list()], [whole]) == [PAYLOAD]
     # What the read gave stands: a miss stays a miss, a short object is short.
-    assert b.run(True, p.at, [b"key-1"], [p.list()], [-704]) == [-704]
-    assert b.run(True, p.at, [b"key-1"], [p.list()], [whole - 1]) == [-errno.ENODATA]
+    assert b.run(True, [p.at], [b"key-1"], [p.list()], [-704]) == [-704]
+    assert b.run(True, [p.at], [b"key-1"], [p.list()], [whole - 1]) == [-errno.ENODATA]
     # Another key's block, another namespace's, another MAC key's.
-    assert b.run(True, p.at, [b"key-2"], [p.list()], [whole]) == [-errno.EKEYREJECTED]
+    assert b.run(True, [p.at], [b"key-2"], [p.list()], [whole]) == [-errno.EKEYREJECTED]
     other = blocks(identity=bytes(16))
-    assert other.run(True, p.at, [b"key-1"], [p.list()], [whole]) == [-errno.ESTALE]
+    assert other.run(True, [p.at], [b"key-1"], [p.list()], [whole]) == [-errno.ESTALE]
     keyed = blocks(mac=b"k" * 32)
-    assert keyed.run(True, p.at, [b"key-1"], [p.list()], [whole]) == [-errno.ENOKEY]
+    assert keyed.run(True, [p.at], [b"key-1"], [p.list()], [whole]) == [-errno.ENOKEY]
 
 
 @pytest.mark.parametrize("where", ["payload", "header"])
 def test_a_flipped_byte_fails_the_check(where: str) -> None:
     p = Pieces()
     b = blocks()
-    b.run(False, p.at, [b"key-1"], [p.list()], None)
+    b.run(False, [p.at], [b"key-1"], [p.list()], None)
     if where == "payload":
         p.bufs[2][100] ^= 1  # the last piece
     else:
         p.headers[40] ^= 1  # the payload's CRC
     whole = HEADER_BYTES + PAYLOAD
-    assert b.run(True, p.at, [b"key-1"], [p.list()], [whole]) == [-errno.EBADMSG]
+    assert b.run(True, [p.at], [b"key-1"], [p.list()], [whole]) == [-errno.EBADMSG]
 
 
 def test_a_mac_over_pieces_catches_a_payload_forged_with_its_crc() -> None:
     """A writer without the key rewrites the payload and its CRC: the MAC fails."""
     p = Pieces()
     keyed = blocks(mac=b"k" * 32)
-    keyed.run(False, p.at, [b"key-1"], [p.list()], None)
+    keyed.run(False, [p.at], [b"key-1"], [p.list()], None)
     p.bufs[0][0] ^= 1
     p.headers[40:44] = crc32c(p.payload()).to_bytes(4, "little")
     p.headers[4092:4096] = crc32c(p.headers[:4092]).to_bytes(4, "little")
     whole = HEADER_BYTES + PAYLOAD
-    assert keyed.run(True, p.at, [b"key-1"], [p.list()], [whole]) == [-errno.ENOKEY]
-    assert blocks().run(True, p.at, [b"key-1"], [p.list()], [whole]) == [-errno.ENOKEY]
+    assert keyed.run(True, [p.at], [b"key-1"], [p.list()], [whole]) == [-errno.ENOKEY]
+    assert blocks().run(True, [p.at], [b"key-1"], [p.list()], [whole]) == [-errno.ENOKEY]
 
 
 def test_pieces_that_do_not_make_a_block_are_refused() -> None:
     p = Pieces()
     with pytest.raises(ValueError, match="do not make blocks"):
-        blocks().run(False, p.at, [b"key-1"], [p.list()[:2]], None)
+        blocks().run(False, [p.at], [b"key-1"], [p.list()[:2]], None)
 
 
 # --- host memory another process maps -------------------------------------------------------
@@ -172,11 +173,16 @@ def test_a_shared_host_cpu_backend_gives_its_slots_as_a_memfd() -> None:
     backend = ao.CpuCopyBackend(kv, layout, 4, shared_host=True)
     try:
         (region,) = backend.host_regions()
-        assert region.address == backend.host_address(0)
-        assert region.size == 4 * layout.block_bytes
+        # Each slot has room for a block's header before it: header and payload are one
+        # span for the store.
+        stride = 4096 + layout.block_bytes
+        assert region.header_room == 4096
+        assert region.address == backend.host_address(0) - 4096
+        assert backend.host_address(3) - backend.host_address(2) == stride
+        assert region.size == 4 * stride
         seen = mmap.mmap(region.fd, region.size)  # as the helper maps it
         backend.host[2].fill_(7)
-        assert seen[2 * layout.block_bytes] == 7
+        assert seen[2 * stride + 4096] == 7 and seen[2 * stride + 4095] == 0
         seen.close()
     finally:
         backend.close()
@@ -201,3 +207,33 @@ def test_a_host_pool_file_kept_open_is_shared_whole(tmp_path: Path) -> None:
         opened.close()
         made.close()
     assert opened.fd == -1
+
+
+@pytest.mark.parametrize("engine", ["native", "threads"])
+@pytest.mark.parametrize("inline_bytes", [0, 1 << 20])
+async def test_slots_with_room_between_them_copy_byte_exact(
+    engine: CopyEngine, inline_bytes: int
+) -> None:
+    """The copy engines (lanes, the one-step path, Python threads) with slots 4096 bytes
+    apart: blocks go and come back whole, and the room between slots stays untouched."""
+    gen = torch.Generator().manual_seed(3)
+    kv = [torch.randint(0, 256, (16, 4096), dtype=torch.uint8, generator=gen) for _ in range(2)]
+    want = [b"".join(t[i].numpy().tobytes() for t in kv) for i in range(16)]
+    layout = ao.KVLayout.infer(kv)
+    backend = ao.CpuCopyBackend(
+        kv, layout, 8, copy_engine=engine, inline_bytes=inline_bytes, shared_host=True
+    )
+    (region,) = backend.host_regions()
+    room = mmap.mmap(region.fd, region.size)
+    config = ao.EngineConfig(cpu_blocks=8)
+    async with ao.AsyncOffloadEngine(kv, config, backend=backend) as eng:
+        keys = [ao.make_offload_key(bytes([i]) * 32) for i in range(8)]
+        await (await eng.prepare_store(keys, list(range(8))))  # type: ignore[misc]
+        for t in kv:
+            t[8:].zero_()
+        await (await eng.prepare_load(keys, list(range(8, 16))))
+        got = [b"".join(t[8 + i].numpy().tobytes() for t in kv) for i in range(8)]
+        assert got == want[:8]
+        stride = 4096 + layout.block_bytes
+        assert all(room[i * stride : i * stride + 4096] == bytes(4096) for i in range(8))
+    room.close()

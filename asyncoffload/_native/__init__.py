@@ -771,8 +771,9 @@ def _configure_disk_io(lib: ctypes.CDLL) -> ctypes.CDLL:
         ptr, i64, ptr, i64, ptr, ptr, cint, cint, ptr, ptr, ctypes.c_int32
     ]  # fmt: skip
     lib.ao_unpack_block.restype = i64
-    # headers, n, piece addresses (u64), piece lengths, first piece of each block (n + 1),
-    # keys, where each key starts, key lengths (i32), identity, payload_len, MAC key, length
+    # header addresses (u64), n, piece addresses (u64), piece lengths, first piece of each
+    # block (n + 1), keys, where each key starts, key lengths (i32), identity, payload_len,
+    # MAC key, its length
     lib.ao_seal_blocks.argtypes = [
         ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, ctypes.c_int32
     ]  # fmt: skip

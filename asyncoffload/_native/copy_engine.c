@@ -5,8 +5,9 @@
  *
  * A job copies n whole blocks between the KV tensors and the host pool: for block i and
  * fragment f, the KV side is kv_base[f] + kv_ids[i] * kv_stride[f] and the host side is
- * host_base + host_ids[i] * block_bytes + f * frag_bytes. The block ids are copied into the
- * job at submission; the fragment tables belong to the backend and outlive its lanes.
+ * host_base + host_ids[i] * block_bytes + f * frag_bytes (block_bytes: the host slots'
+ * stride, which may leave room between them). The block ids are copied into the job at
+ * submission; the fragment tables belong to the backend and outlive its lanes.
  * Jobs of one lane run in submission order. A job's status is two int64 words: [state,
  * CLOCK_MONOTONIC nanoseconds at the end of the copy], kept alive by the Python side
  * until the state is set: 1 when copied, -ECANCELED when discarded unrun
@@ -57,7 +58,8 @@ static int64_t ao_run_copies(const ao_job *job) {
 }
 
 /*
- * A backend's fragment tables, as eight int64 words: nfrag, host_base, block_bytes,
+ * A backend's fragment tables, as eight int64 words: nfrag, host_base, block_bytes (the
+ * host stride),
  * frag_bytes, the addresses of its kv_base[nfrag] and kv_stride[nfrag] arrays, then how
  * many KV blocks and host blocks there are (the bounds of the ids).
  */

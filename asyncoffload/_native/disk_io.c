@@ -822,10 +822,11 @@ static int ao_pieces_ok(int64_t i, const int64_t *lens, const int64_t *first,
     return total == payload_len && key_lens[i] > 0 && key_lens[i] <= 256;
 }
 
-/* Writes the header of each of n blocks at headers + i * AO_HEADER: the CRC32C (and with
- * mac_key, the keyed BLAKE2b MAC) of its pieces taken in place. 0, or -3 for arguments
- * that do not describe n blocks of payload_len bytes (nothing written). */
-int64_t ao_seal_blocks(uint8_t *headers, int64_t n, const uint64_t *ptrs, const int64_t *lens,
+/* Writes the header of each of n blocks at headers[i] (AO_HEADER bytes): the CRC32C (and
+ * with mac_key, the keyed BLAKE2b MAC) of its pieces taken in place. 0, or -3 for
+ * arguments that do not describe n blocks of payload_len bytes (nothing written). */
+int64_t ao_seal_blocks(const uint64_t *headers, int64_t n, const uint64_t *ptrs,
+                       const int64_t *lens,
                        const int64_t *first, const uint8_t *keys, const int64_t *key_at,
                        const int32_t *key_lens, const uint8_t *identity, int64_t payload_len,
                        const uint8_t *mac_key, int32_t mac_key_len) {
@@ -839,18 +840,18 @@ int64_t ao_seal_blocks(uint8_t *headers, int64_t n, const uint64_t *ptrs, const 
         uint32_t crc = 0;
         for (int64_t p = first[i]; p < first[i + 1]; p++)
             crc = ao_digest(crc, (const uint8_t *)(uintptr_t)ptrs[p], (size_t)lens[p], mac);
-        ao_fill_header(headers + i * AO_HEADER, identity, payload_len, crc, keys + key_at[i],
-                       key_lens[i], mac);
+        ao_fill_header((uint8_t *)(uintptr_t)headers[i], identity, payload_len, crc,
+                       keys + key_at[i], key_lens[i], mac);
     }
     return 0;
 }
 
-/* Checks each of n blocks read back (header at headers + i * AO_HEADER, payload in its
- * pieces, as for ao_seal_blocks). results[i] holds what the read gave (the bytes of the
+/* Checks each of n blocks read back (header at headers[i], payload in its pieces, as for
+ * ao_seal_blocks). results[i] holds what the read gave (the bytes of the
  * object, or a negative code, left as it is) and becomes payload_len or the -errno of the
  * check: -ENODATA (shorter than a block), then as ao_match_header and ao_verify. A block
  * that fails is not to be used: its pieces hold what came, unchecked. -3: bad arguments. */
-int64_t ao_check_blocks(const uint8_t *headers, int64_t n, const uint64_t *ptrs,
+int64_t ao_check_blocks(const uint64_t *headers, int64_t n, const uint64_t *ptrs,
                         const int64_t *lens, const int64_t *first, const uint8_t *keys,
                         const int64_t *key_at, const int32_t *key_lens,
                         const uint8_t *identity, int64_t payload_len, const uint8_t *mac_key,
@@ -865,7 +866,7 @@ int64_t ao_check_blocks(const uint8_t *headers, int64_t n, const uint64_t *ptrs,
             results[i] = -ENODATA;
             continue;
         }
-        const uint8_t *h = headers + i * AO_HEADER;
+        const uint8_t *h = (const uint8_t *)(uintptr_t)headers[i];
         int64_t bad = ao_match_header(h, identity, payload_len, keys + key_at[i], key_lens[i],
                                       mac_key_len > 0);
         if (bad == 0) {

@@ -41,6 +41,7 @@ from asyncoffload.tiers._mooncake_helper import (
     CONFIG,
     EXIT_UNSETTLED,
     HEAD,
+    INLINE,
     ITEM,
     MAX_ITEMS,
     OP_CONFIG,
@@ -94,10 +95,13 @@ SETTLED_CODES = SETTLED
 class Block:
     """One block of a get or a put: its key (an ``OffloadKey``'s bytes) and its payload's
     pieces, ``(region, offset, length)`` in the regions mapped with
-    :meth:`MooncakeLane.map`, in order."""
+    :meth:`MooncakeLane.map`, in order. ``inline``: the first piece starts with the
+    block's 4096-byte header (room kept before the slot), so header and payload go as one
+    span; otherwise the helper keeps the header in a buffer of its own."""
 
     key: bytes
     pieces: tuple[tuple[int, int, int], ...]
+    inline: bool = False
 
 
 class MooncakeJob(CopyJob):
@@ -247,7 +251,8 @@ class MooncakeLane:
                 items.append(ITEM.pack(len(key), 0))
             else:
                 key = block.key
-                items.append(ITEM.pack(len(key), len(block.pieces)))
+                count = len(block.pieces) | (INLINE if block.inline else 0)
+                items.append(ITEM.pack(len(key), count))
                 for region, offset, length in block.pieces:
                     if (
                         not 0 <= region < len(sizes)

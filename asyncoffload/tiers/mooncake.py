@@ -38,7 +38,7 @@ from pydantic import Field, SecretBytes, field_validator
 from asyncoffload.keys import OffloadKey
 from asyncoffload.manager.base import Medium
 from asyncoffload.tiers.base import LowerTier, TierManager
-from asyncoffload.tiers.format import Namespace
+from asyncoffload.tiers.format import HEADER_BYTES, Namespace
 from asyncoffload.tiers.settings import TierSettings
 from asyncoffload.transfer.base import CopyJob, HostRegion
 from asyncoffload.validators import ByteSize, byte_setting
@@ -222,6 +222,7 @@ class MooncakeStore(LowerTier):
         #: The host memory the helper maps: (our fd (a duplicate), address, size).
         self._regions: list[tuple[int, int, int]] = []
         self._deltas: tuple[int, ...] = (0,)
+        self._inline = False
         self._lane: Any = None
         self._wake_fd: int | None = None
         self._down_until = 0.0
@@ -257,6 +258,8 @@ class MooncakeStore(LowerTier):
         if self._closed:
             raise RuntimeError(f"Mooncake tier {self.name} is closed")
         self._regions = [(os.dup(r.fd), r.address, r.size) for r in regions]
+        #: Room before every host slot for the header: one span per block.
+        self._inline = all(r.header_room >= HEADER_BYTES for r in regions)
         if self._lane is not None and self._lane.dead is None:
             self._lane.map([(fd, size) for fd, _, size in self._regions])
 
@@ -345,6 +348,19 @@ class MooncakeStore(LowerTier):
             )
         self._deltas = tuple(int(d) for d in deltas)
 
+    def _block(self, key: OffloadKey, address: int) -> Any:
+        """Block ``key`` at host ``address``, as the lane sends it: one span of header and
+        payload where the slot has room for the header before it (and is one slice), else
+        the payload's slices (the helper puts the header beside them)."""
+        from asyncoffload.tiers._mooncake import Block
+
+        if self._inline and len(self._deltas) == 1:
+            ((region, offset, length),) = self._pieces(address)
+            if offset >= HEADER_BYTES:
+                piece = (region, offset - HEADER_BYTES, HEADER_BYTES + length)
+                return Block(bytes(key), (piece,), inline=True)
+        return Block(bytes(key), self._pieces(address))
+
     def _pieces(self, address: int) -> tuple[tuple[int, int, int], ...]:
         """Where the payload at host ``address`` is, per slice: (region, offset, length)."""
         seg = self.block_bytes // len(self._deltas)
@@ -373,11 +389,11 @@ class MooncakeStore(LowerTier):
         return self._submit(True, keys, host)
 
     def _submit(self, write: bool, keys: Sequence[OffloadKey], host: Sequence[int]) -> CopyJob:
-        from asyncoffload.tiers._mooncake import OP_GET, OP_PUT, Block
+        from asyncoffload.tiers._mooncake import OP_GET, OP_PUT
 
         if len(keys) != len(host):
             raise ValueError(f"{len(keys)} keys but {len(host)} host addresses")
-        blocks = [Block(bytes(key), self._pieces(addr)) for key, addr in zip(keys, host)]
+        blocks = [self._block(key, addr) for key, addr in zip(keys, host)]
         lane = self._live_lane()
         job = MooncakeBatch(self, len(blocks), write)
         if lane is None:  # down: failed at once, which says nothing new about the store

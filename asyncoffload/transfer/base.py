@@ -47,11 +47,14 @@ __all__ = [
 @dataclass(frozen=True)
 class HostRegion:
     """Host memory another process can map: ``size`` bytes of file descriptor ``fd``
-    from offset 0, mapped in this process at ``address``."""
+    from offset 0, mapped in this process at ``address``. ``header_room``: bytes free
+    before each host slot in it (where a lower tier may put a block's header, so that
+    header and payload are one contiguous span)."""
 
     fd: int
     address: int
     size: int
+    header_room: int = 0
 
 
 class _Process:

@@ -86,10 +86,18 @@ def _page_aligned(rows: int, row_bytes: int) -> torch.Tensor:
     return raw[skip : skip + rows * row_bytes].view(rows, row_bytes)
 
 
+#: With ``shared_host``, the bytes kept free before each host slot: a lower tier's block
+#: header (asyncoffload.tiers.format.HEADER_BYTES) goes there, beside the payload.
+SLOT_ROOM = 4096
+
+
 def _shared_pages(rows: int, row_bytes: int) -> tuple[torch.Tensor, int, mmap.mmap]:
-    """As :func:`_page_aligned`, in a ``memfd`` that another process can map: the tensor,
-    the fd (to close when done) and the mapping it views."""
-    size = max(rows * row_bytes, 1)
+    """As :func:`_page_aligned`, in a ``memfd`` that another process can map, with
+    ``SLOT_ROOM`` bytes before each row: the ``[rows, row_bytes]`` tensor (rows
+    ``SLOT_ROOM + row_bytes`` apart), the fd (to close when done) and the mapping it
+    views."""
+    stride = SLOT_ROOM + row_bytes
+    size = max(rows * stride, 1)
     fd = os.memfd_create("asyncoffload-host", os.MFD_CLOEXEC)
     try:
         os.ftruncate(fd, size)
@@ -98,7 +106,7 @@ def _shared_pages(rows: int, row_bytes: int) -> tuple[torch.Tensor, int, mmap.mm
         os.close(fd)
         raise
     flat = torch.frombuffer(mm, dtype=torch.uint8)
-    return flat[: rows * row_bytes].view(rows, row_bytes), fd, mm
+    return flat[: rows * stride].view(rows, stride)[:, SLOT_ROOM:], fd, mm
 
 
 def _discarded(errno: int) -> OSError:
@@ -334,15 +342,15 @@ class _FragmentTables:
     ) -> None:
         self.kv_base = array("q", [v.data_ptr() for v in fragments])
         self.kv_stride = array("q", [v.stride(0) for v in fragments])
-        #: What the native calls take: nfrag, host_base, block_bytes, frag_bytes, the
-        #: addresses of kv_base and kv_stride, and the KV and host blocks there are (see
-        #: copy_engine.c).
+        #: What the native calls take: nfrag, host_base, the host slots' stride (their
+        #: bytes, more with room before each: shared_host), frag_bytes, the addresses of
+        #: kv_base and kv_stride, and the KV and host blocks there are (see copy_engine.c).
         self.words = array(
             "q",
             [
                 len(fragments),
                 host.data_ptr(),
-                host.shape[1],
+                host.stride(0),
                 frag_bytes,
                 self.kv_base.buffer_info()[0],
                 self.kv_stride.buffer_info()[0],
@@ -386,10 +394,11 @@ class CpuCopyBackend(TransferBackend):
     back (a wake-up each way) costs tens of microseconds on a virtual machine, more than
     copying that much (see docs/benchmarks.md). 0 sends every job to its lane.
 
-    ``shared_host``: keep the host slots in a ``memfd`` (:meth:`host_regions`), so that a
-    lower tier's helper process maps them and moves blocks in and out without a copy
-    (the Mooncake tier). The memory is then shared with a fork's child, not copied on
-    write; the engine refuses to be used from a fork anyway.
+    ``shared_host``: keep the host slots in a ``memfd`` (:meth:`host_regions`), 4096 bytes
+    apart (``SLOT_ROOM``, room for a block's header), so that a lower tier's helper
+    process maps them and moves blocks in and out without a copy (the Mooncake tier).
+    The memory is then shared with a fork's child, not copied on write; the engine
+    refuses to be used from a fork anyway.
     """
 
     def __init__(
@@ -620,9 +629,10 @@ class CpuCopyBackend(TransferBackend):
         return int(self.host[host_id].data_ptr())
 
     def host_regions(self) -> tuple[HostRegion, ...]:
-        if self._host_fd < 0 or self._closed:
+        if self._host_fd < 0 or self._closed or self._host_map is None:
             return ()
-        return (HostRegion(self._host_fd, int(self.host.data_ptr()), self.host.numel()),)
+        start = int(self.host.data_ptr()) - SLOT_ROOM
+        return (HostRegion(self._host_fd, start, len(self._host_map), SLOT_ROOM),)
 
     def close(self) -> None:
         """Finish queued copies, then stop the copy threads. Idempotent. In a fork's
