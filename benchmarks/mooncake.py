@@ -77,7 +77,7 @@ from asyncoffload.tiers.format import HEADER_BYTES, Namespace
 from asyncoffload.tiers.mooncake import MooncakeBatch, MooncakeStore, MooncakeTier
 from asyncoffload.transfer.base import CopyJob, HostRegion
 from asyncoffload.transfer.completion import CompletionBridge, CopyLane
-from tests.mooncake_probe import start_master
+from tests.mooncake_probe import loopback_up, start_master, unshadow
 
 MASTER_PORT = 50161
 #: How long one timed pass (or the helper's setup) may take before the run fails.
@@ -208,7 +208,14 @@ class Tier:
     backend's layout, header and payload one span; 0: vLLM's pool files, two spans)."""
 
     def __init__(
-        self, master: str, segment: int, blocks: int, block: int, batch: int, room: int
+        self,
+        master: str,
+        segment: int,
+        blocks: int,
+        block: int,
+        batch: int,
+        room: int,
+        **settings: Any,
     ) -> None:
         size = Slots.size(blocks, block, room)
         self.memfd = os.memfd_create("mooncake-bench", os.MFD_CLOEXEC)
@@ -225,7 +232,7 @@ class Tier:
             model=f"bench-room{room}", kv_dtype="uint8", layout="x", block_bytes=block
         )
         config = MooncakeTier(
-            master=master, segment_bytes=segment, batch_blocks=batch, timeout_s=WAIT_S
+            master=master, segment_bytes=segment, batch_blocks=batch, timeout_s=WAIT_S, **settings
         )
         try:
             self.store: MooncakeStore = config.open(namespace, "mooncake0")
@@ -314,7 +321,16 @@ async def measure(args: argparse.Namespace, master: str) -> Times:
         for path in paths:
             if path in TIER_ROOM:
                 room = TIER_ROOM[path]
-                tiers[path] = Tier(master, args.segment_bytes, n, block, args.batch, room)
+                tiers[path] = Tier(
+                    master,
+                    args.segment_bytes,
+                    n,
+                    block,
+                    args.batch,
+                    room,
+                    in_flight=args.in_flight,
+                    check_threads=args.check_threads,
+                )
         client = MooncakeDistributedStore()
         code = client.setup(
             "127.0.0.1", "P2PHANDSHAKE", args.segment_bytes, 16 << 20, "tcp", "", master
@@ -400,19 +416,8 @@ def run_on(loop_name: str, coro: Callable[[], Coroutine[Any, Any, Any]]) -> Any:
     return asyncio.run(coro())
 
 
-def _unshadow() -> None:
-    """This file is named as Mooncake's package is: run as a script, its folder (first
-    on ``sys.path``) would shadow the package. Nothing imports ``mooncake`` before this
-    runs (the tier and ``start_master`` import it when called)."""
-    here = Path(__file__).resolve().parent
-    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != here]
-    module = sys.modules.get("mooncake")
-    if module is not None and Path(getattr(module, "__file__", "") or "").resolve().parent == here:
-        del sys.modules["mooncake"]
-
-
 def main(argv: list[str] | None = None) -> int:
-    _unshadow()
+    unshadow(Path(__file__).resolve().parent)  # this file is named as Mooncake's package is
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--block-bytes", type=int, default=256 << 10)
     parser.add_argument("--blocks", type=int, default=512, help="blocks per pass")
@@ -422,6 +427,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--segment-bytes", type=int, default=512 << 20, help="per client")
     parser.add_argument("--paths", default=",".join(PATHS), help="raw first; of " + ",".join(PATHS))
     parser.add_argument("--loop", choices=("asyncio", "uvloop"), default="asyncio")
+    defaults = MooncakeTier()
+    parser.add_argument(
+        "--in-flight", type=int, default=defaults.in_flight, help="the tier's in_flight"
+    )
+    parser.add_argument(
+        "--check-threads",
+        type=int,
+        default=defaults.check_threads,
+        help="the tier's check_threads (at most the CPUs)",
+    )
     parser.add_argument("--in-netns", action="store_true", help="already in a private netns")
     args = parser.parse_args(argv)
     n, block = args.blocks, args.block_bytes
@@ -446,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         cmd = [sys.executable, os.path.abspath(__file__), "--in-netns", *(argv or sys.argv[1:])]
         return subprocess.call([unshare, "--net", *cmd])
-    subprocess.call(["ip", "link", "set", "lo", "up"], stderr=subprocess.DEVNULL)
+    loopback_up()
     from importlib.metadata import PackageNotFoundError, version
 
     try:
@@ -461,7 +476,9 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"block {block} B | {n} blocks per pass ({n * block / (1 << 20):.0f} MiB of payload) "
         f"| batch {args.batch} | {args.reps} reps (+{args.warmup} warm-up) | segment "
-        f"{args.segment_bytes >> 20} MiB per client | raw-2span and tier objects carry a "
+        f"{args.segment_bytes >> 20} MiB per client | tier: in_flight {args.in_flight}, "
+        f"check_threads {min(args.check_threads, os.cpu_count() or 1)} | raw-2span and "
+        "tier objects carry a "
         f"{HEADER_BYTES}-byte header too (GB/s count the payload only)",
         flush=True,
     )

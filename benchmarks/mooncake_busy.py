@@ -56,7 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the 
 from asyncoffload.tiers._mooncake import OP_GET, OP_PUT, Block, MooncakeJob, MooncakeLane
 from asyncoffload.transfer.base import CopyJob
 from tests.mooncake_probe import lane_settings as settings
-from tests.mooncake_probe import start_master
+from tests.mooncake_probe import loopback_up, start_master, unshadow
 
 MASTER_PORT = 50151
 HEADER = 4096  # the block format's header, written and read beside each payload
@@ -183,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--paths", default="process,executor")
     parser.add_argument("--in-netns", action="store_true", help="already in a private netns")
     args = parser.parse_args(argv)
+    unshadow(Path(__file__).resolve().parent)  # benchmarks/mooncake.py: not the package
     if not args.in_netns:
         unshare = shutil.which("unshare")
         if unshare is None or os.geteuid() != 0:
@@ -190,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         cmd = [sys.executable, os.path.abspath(__file__), "--in-netns", *(argv or sys.argv[1:])]
         return subprocess.call([unshare, "--net", *cmd])
-    subprocess.call(["ip", "link", "set", "lo", "up"], stderr=subprocess.DEVNULL)
+    loopback_up()
     from mooncake.store import MooncakeDistributedStore
 
     print(

@@ -35,7 +35,7 @@ import asyncoffload as ao
 from asyncoffload.manager.base import Medium
 from asyncoffload.tiers.format import HEADER_BYTES, Namespace, pack_header
 from asyncoffload.tiers.mooncake import MooncakeStore
-from tests.mooncake_probe import start_master
+from tests.mooncake_probe import loopback_up, start_master
 
 NUM_KV = 32
 FRAG = 4096
@@ -549,10 +549,10 @@ def main() -> int:
     own_master = scenario not in ("reader", "restart")
     master = None
     if own_master:
-        subprocess.call(["ip", "link", "set", "lo", "up"], stderr=subprocess.DEVNULL)
+        loopback_up()
         master = start_master(port, 200)
     elif scenario == "restart":
-        subprocess.call(["ip", "link", "set", "lo", "up"], stderr=subprocess.DEVNULL)
+        loopback_up()
     try:
         out = asyncio.run(SCENARIOS[scenario](port))
     finally:

@@ -19,14 +19,41 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import fcntl
 import json
 import mmap
 import socket
+import struct
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+
+def unshadow(folder: Path) -> None:
+    """Take ``folder`` (a script's, first on ``sys.path``) off the path, and forget a
+    ``mooncake`` imported from it: benchmarks/mooncake.py is named as Mooncake's package
+    is, and would shadow it for every script of its folder. Call it before anything
+    imports ``mooncake``."""
+    folder = folder.resolve()
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != folder]
+    module = sys.modules.get("mooncake")
+    if (
+        module is not None
+        and Path(getattr(module, "__file__", "") or "").resolve().parent == folder
+    ):
+        del sys.modules["mooncake"]
+
+
+def loopback_up() -> None:
+    """Bring ``lo`` up in this (new, private) network namespace, with the ioctl that
+    ``ip link set lo up`` makes: no iproute2 needed."""
+    siocgifflags, siocsifflags, iff_up = 0x8913, 0x8914, 0x1
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        request = struct.pack("16sH14s", b"lo", 0, b"")
+        flags = struct.unpack_from("16sH", fcntl.ioctl(sock, siocgifflags, request))[1]
+        fcntl.ioctl(sock, siocsifflags, struct.pack("16sH14s", b"lo", flags | iff_up, b""))
 
 
 def address(buf: mmap.mmap) -> int:
@@ -193,7 +220,7 @@ def hold(port: int, master: subprocess.Popen[bytes]) -> int:
 def main() -> int:
     port = int(sys.argv[1])
     mode = sys.argv[2] if len(sys.argv) > 2 else "store"
-    subprocess.call(["ip", "link", "set", "lo", "up"], stderr=subprocess.DEVNULL)
+    loopback_up()
     from mooncake.store import MooncakeDistributedStore
 
     master = start_master(port, lease_ms=200)

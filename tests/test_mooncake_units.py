@@ -92,7 +92,7 @@ class Pieces:
         return bytes(self.headers[i * HEADER_BYTES : (i + 1) * HEADER_BYTES])
 
 
-def blocks(identity: bytes = IDENTITY, mac: bytes = b"") -> Any:
+def blocks(identity: bytes = IDENTITY, mac: bytes = b"", threads: int = 1) -> Any:
     """The helper's block checks as OP_CONFIG sets them."""
     message = (
         helper.HEAD.pack(0, helper.OP_CONFIG, 0)
@@ -100,7 +100,7 @@ def blocks(identity: bytes = IDENTITY, mac: bytes = b"") -> Any:
         + b"ao"
         + mac
     )
-    return helper._Blocks(message, helper._library(_library()._name))
+    return helper._Blocks(message, helper._library(_library()._name), threads)
 
 
 @pytest.mark.parametrize("mac", [b"", b"k" * 32])
@@ -153,6 +153,33 @@ def test_a_mac_over_pieces_catches_a_payload_forged_with_its_crc() -> None:
     whole = HEADER_BYTES + PAYLOAD
     assert keyed.run(True, [p.at], [b"key-1"], [p.list()], [whole]) == [-errno.ENOKEY]
     assert blocks().run(True, [p.at], [b"key-1"], [p.list()], [whole]) == [-errno.ENOKEY]
+
+
+@pytest.mark.parametrize("threads", [2, 3, 16])
+def test_blocks_spread_over_threads_are_sealed_and_checked_as_on_one(threads: int) -> None:
+    """Eight blocks, their checksums on several threads: the same headers as on one,
+    and each block's verdict its own (two damaged ones among them)."""
+    batches = [Pieces(8), Pieces(8)]
+    many = [[Pieces() for _ in range(8)] for _ in batches]
+    for batch, owners, n in zip(batches, many, (1, threads)):
+        heads = [batch.at + i * HEADER_BYTES for i in range(8)]
+        keys = [f"key-{i}".encode() for i in range(8)]
+        if n == threads:  # the same payloads as the one-thread batch
+            for mine, theirs in zip(owners, many[0]):
+                for a, b in zip(mine.bufs, theirs.bufs):
+                    a[:] = b[:]
+        blocks(threads=n).run(False, heads, keys, [p.list() for p in owners], None)
+    assert bytes(batches[1].headers) == bytes(batches[0].headers)
+    owners = many[1]
+    owners[2].bufs[1][7] ^= 1
+    owners[5].bufs[0][0] ^= 1
+    whole = HEADER_BYTES + PAYLOAD
+    heads = [batches[1].at + i * HEADER_BYTES for i in range(8)]
+    keys = [f"key-{i}".encode() for i in range(8)]
+    got = blocks(threads=threads).run(True, heads, keys, [p.list() for p in owners], [whole] * 8)
+    want = [PAYLOAD] * 8
+    want[2] = want[5] = -errno.EBADMSG
+    assert got == want
 
 
 def test_pieces_that_do_not_make_a_block_are_refused() -> None:

@@ -773,14 +773,14 @@ def _configure_disk_io(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.ao_unpack_block.restype = i64
     # header addresses (u64), n, piece addresses (u64), piece lengths, first piece of each
     # block (n + 1), keys, where each key starts, key lengths (i32), identity, payload_len,
-    # MAC key, its length
+    # MAC key, its length, the threads to spread the blocks over
     lib.ao_seal_blocks.argtypes = [
-        ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, ctypes.c_int32
+        ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, ctypes.c_int32, ctypes.c_int32
     ]  # fmt: skip
     lib.ao_seal_blocks.restype = i64
-    # ... then the results (int64[n]), checked in place
+    # ... threads; ao_check_blocks: the results (int64[n]), checked in place, then threads
     lib.ao_check_blocks.argtypes = [
-        ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, ctypes.c_int32, ptr
+        ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, ctypes.c_int32, ptr, ctypes.c_int32
     ]  # fmt: skip
     lib.ao_check_blocks.restype = i64
     # out, outlen, key, keylen, data, len

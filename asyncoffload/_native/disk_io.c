@@ -822,72 +822,149 @@ static int ao_pieces_ok(int64_t i, const int64_t *lens, const int64_t *first,
     return total == payload_len && key_lens[i] > 0 && key_lens[i] <= 256;
 }
 
-/* Writes the header of each of n blocks at headers[i] (AO_HEADER bytes): the CRC32C (and
- * with mac_key, the keyed BLAKE2b MAC) of its pieces taken in place. 0, or -3 for
- * arguments that do not describe n blocks of payload_len bytes (nothing written). */
-int64_t ao_seal_blocks(const uint64_t *headers, int64_t n, const uint64_t *ptrs,
-                       const int64_t *lens,
-                       const int64_t *first, const uint8_t *keys, const int64_t *key_at,
-                       const int32_t *key_lens, const uint8_t *identity, int64_t payload_len,
-                       const uint8_t *mac_key, int32_t mac_key_len) {
-    if (n < 0 || mac_key_len < 0 || mac_key_len > AO_B2B_MAX_KEY || (mac_key_len && !mac_key))
-        return -3;
-    for (int64_t i = 0; i < n; i++)
-        if (!ao_pieces_ok(i, lens, first, payload_len, key_lens)) return -3;
-    for (int64_t i = 0; i < n; i++) {
-        ao_b2b state;
-        ao_b2b *mac = ao_mac_begin(&state, mac_key, mac_key_len);
-        uint32_t crc = 0;
-        for (int64_t p = first[i]; p < first[i + 1]; p++)
-            crc = ao_digest(crc, (const uint8_t *)(uintptr_t)ptrs[p], (size_t)lens[p], mac);
-        ao_fill_header((uint8_t *)(uintptr_t)headers[i], identity, payload_len, crc,
-                       keys + key_at[i], key_lens[i], mac);
+/* A batch of blocks for ao_seal_blocks / ao_check_blocks, shared by the threads that run it. */
+typedef struct {
+    const uint64_t *headers;
+    int64_t n;
+    const uint64_t *ptrs;
+    const int64_t *lens;
+    const int64_t *first;
+    const uint8_t *keys;
+    const int64_t *key_at;
+    const int32_t *key_lens;
+    const uint8_t *identity;
+    int64_t payload_len;
+    const uint8_t *mac_key;
+    int32_t mac_key_len;
+    int64_t *results; /* NULL: seal; else check */
+    int threads;
+} ao_blocks;
+
+typedef struct {
+    const ao_blocks *b;
+    int index;
+} ao_blocks_part;
+
+/* The CRC32C of block i's pieces, absorbed into mac too (unless NULL). */
+static uint32_t ao_pieces_digest(const ao_blocks *b, int64_t i, ao_b2b *mac) {
+    uint32_t crc = 0;
+    for (int64_t p = b->first[i]; p < b->first[i + 1]; p++)
+        crc = ao_digest(crc, (const uint8_t *)(uintptr_t)b->ptrs[p], (size_t)b->lens[p], mac);
+    return crc;
+}
+
+static void ao_seal_one(const ao_blocks *b, int64_t i) {
+    ao_b2b state;
+    ao_b2b *mac = ao_mac_begin(&state, b->mac_key, b->mac_key_len);
+    uint32_t crc = ao_pieces_digest(b, i, mac);
+    ao_fill_header((uint8_t *)(uintptr_t)b->headers[i], b->identity, b->payload_len, crc,
+                   b->keys + b->key_at[i], b->key_lens[i], mac);
+}
+
+static void ao_check_one(const ao_blocks *b, int64_t i) {
+    int64_t *results = b->results;
+    if (results[i] < 0) return;
+    if (results[i] != AO_HEADER + b->payload_len) {
+        results[i] = -ENODATA;
+        return;
     }
+    const uint8_t *h = (const uint8_t *)(uintptr_t)b->headers[i];
+    int64_t bad = ao_match_header(h, b->identity, b->payload_len, b->keys + b->key_at[i],
+                                  b->key_lens[i], b->mac_key_len > 0);
+    if (bad == 0) {
+        ao_b2b state;
+        ao_b2b *mac = ao_mac_begin(&state, b->mac_key, b->mac_key_len);
+        uint32_t crc = ao_pieces_digest(b, i, mac);
+        if (crc != ao_get32(h + 40)) {
+            if (mac != NULL) ao_wipe(mac, sizeof *mac);
+            bad = -EBADMSG;
+        } else if (mac != NULL) {
+            uint8_t want[AO_MAC_LEN];
+            ao_b2b_update(mac, h, AO_MAC_AT);
+            ao_b2b_final(mac, want);
+            if (!ao_equal(want, h + AO_MAC_AT, AO_MAC_LEN)) bad = -ENOKEY;
+        }
+    }
+    results[i] = bad == 0 ? b->payload_len : bad;
+}
+
+/* Blocks index, index + threads, ... of a batch. */
+static void *ao_blocks_part_run(void *arg) {
+    const ao_blocks_part *part = (const ao_blocks_part *)arg;
+    const ao_blocks *b = part->b;
+    for (int64_t i = part->index; i < b->n; i += b->threads) {
+        if (b->results == NULL)
+            ao_seal_one(b, i);
+        else
+            ao_check_one(b, i);
+    }
+    return NULL;
+}
+
+/* Checks the arguments, then runs every block on b->threads threads (this one and the
+ * others it starts and joins; one where a thread cannot be started). 0, or -3. */
+static int64_t ao_blocks_run(ao_blocks *b) {
+    if (b->n < 0 || b->mac_key_len < 0 || b->mac_key_len > AO_B2B_MAX_KEY ||
+        (b->mac_key_len && !b->mac_key))
+        return -3;
+    for (int64_t i = 0; i < b->n; i++)
+        if (!ao_pieces_ok(i, b->lens, b->first, b->payload_len, b->key_lens)) return -3;
+    enum { AO_MAX_BLOCK_THREADS = 16 };
+    int threads = b->threads < 1 ? 1 : b->threads;
+    if (threads > AO_MAX_BLOCK_THREADS) threads = AO_MAX_BLOCK_THREADS;
+    if (threads > b->n) threads = b->n > 0 ? (int)b->n : 1;
+    pthread_t tids[AO_MAX_BLOCK_THREADS];
+    ao_blocks_part parts[AO_MAX_BLOCK_THREADS];
+    int started = 0;
+    b->threads = threads;
+    for (int t = 1; t < threads; t++) {
+        parts[t].b = b;
+        parts[t].index = t;
+        if (pthread_create(&tids[t], NULL, ao_blocks_part_run, &parts[t]) != 0) break;
+        started = t;
+    }
+    if (started + 1 < threads) {
+        /* A thread could not be started: this one runs the parts of those missing. */
+        for (int t = started + 1; t < threads; t++) {
+            parts[t].b = b;
+            parts[t].index = t;
+            ao_blocks_part_run(&parts[t]);
+        }
+    }
+    parts[0].b = b;
+    parts[0].index = 0;
+    ao_blocks_part_run(&parts[0]);
+    for (int t = 1; t <= started; t++) pthread_join(tids[t], NULL);
     return 0;
 }
 
+/* Writes the header of each of n blocks at headers[i] (AO_HEADER bytes): the CRC32C (and
+ * with mac_key, the keyed BLAKE2b MAC) of its pieces taken in place, the blocks spread
+ * over threads threads. 0, or -3 for arguments that do not describe n blocks of
+ * payload_len bytes (nothing written). */
+int64_t ao_seal_blocks(const uint64_t *headers, int64_t n, const uint64_t *ptrs,
+                       const int64_t *lens, const int64_t *first, const uint8_t *keys,
+                       const int64_t *key_at, const int32_t *key_lens,
+                       const uint8_t *identity, int64_t payload_len, const uint8_t *mac_key,
+                       int32_t mac_key_len, int32_t threads) {
+    ao_blocks b = {headers, n,           ptrs,    lens,        first, keys,  key_at, key_lens,
+                   identity, payload_len, mac_key, mac_key_len, NULL,  threads};
+    return ao_blocks_run(&b);
+}
+
 /* Checks each of n blocks read back (header at headers[i], payload in its pieces, as for
- * ao_seal_blocks). results[i] holds what the read gave (the bytes of the
- * object, or a negative code, left as it is) and becomes payload_len or the -errno of the
- * check: -ENODATA (shorter than a block), then as ao_match_header and ao_verify. A block
+ * ao_seal_blocks, on threads threads). results[i] holds what the read gave (the bytes of
+ * the object, or a negative code, left as it is) and becomes payload_len or the -errno of
+ * the check: -ENODATA (not a block's size), then as ao_match_header and ao_verify. A block
  * that fails is not to be used: its pieces hold what came, unchecked. -3: bad arguments. */
 int64_t ao_check_blocks(const uint64_t *headers, int64_t n, const uint64_t *ptrs,
                         const int64_t *lens, const int64_t *first, const uint8_t *keys,
                         const int64_t *key_at, const int32_t *key_lens,
                         const uint8_t *identity, int64_t payload_len, const uint8_t *mac_key,
-                        int32_t mac_key_len, int64_t *results) {
-    if (n < 0 || mac_key_len < 0 || mac_key_len > AO_B2B_MAX_KEY || (mac_key_len && !mac_key))
-        return -3;
-    for (int64_t i = 0; i < n; i++)
-        if (!ao_pieces_ok(i, lens, first, payload_len, key_lens)) return -3;
-    for (int64_t i = 0; i < n; i++) {
-        if (results[i] < 0) continue;
-        if (results[i] != AO_HEADER + payload_len) {
-            results[i] = -ENODATA;
-            continue;
-        }
-        const uint8_t *h = (const uint8_t *)(uintptr_t)headers[i];
-        int64_t bad = ao_match_header(h, identity, payload_len, keys + key_at[i], key_lens[i],
-                                      mac_key_len > 0);
-        if (bad == 0) {
-            ao_b2b state;
-            ao_b2b *mac = ao_mac_begin(&state, mac_key, mac_key_len);
-            uint32_t crc = 0;
-            for (int64_t p = first[i]; p < first[i + 1]; p++)
-                crc = ao_digest(crc, (const uint8_t *)(uintptr_t)ptrs[p], (size_t)lens[p], mac);
-            if (crc != ao_get32(h + 40)) {
-                if (mac != NULL) ao_wipe(mac, sizeof *mac);
-                bad = -EBADMSG;
-            } else if (mac != NULL) {
-                uint8_t want[AO_MAC_LEN];
-                ao_b2b_update(mac, h, AO_MAC_AT);
-                ao_b2b_final(mac, want);
-                if (!ao_equal(want, h + AO_MAC_AT, AO_MAC_LEN)) bad = -ENOKEY;
-            }
-        }
-        results[i] = bad == 0 ? payload_len : bad;
-    }
-    return 0;
+                        int32_t mac_key_len, int64_t *results, int32_t threads) {
+    ao_blocks b = {headers, n,           ptrs,    lens,        first,   keys,   key_at, key_lens,
+                   identity, payload_len, mac_key, mac_key_len, results, threads};
+    return ao_blocks_run(&b);
 }
 
 /* All of iov (count cnt) at offset, looping on short transfers and EINTR. Returns the

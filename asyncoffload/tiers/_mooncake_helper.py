@@ -44,16 +44,20 @@ loads the native library at the path the settings give.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import json
 import mmap
 import os
+import queue
 import signal
 import socket
 import struct
 import sys
+import threading
 import time
+import traceback
 from typing import Any
 
 #: (job id, op, item count)
@@ -94,6 +98,8 @@ REMOVE_EVERY_S = 0.5
 REMOVE_FOR_S = 120.0
 #: ... and when the engine closes, for at most this long (it waits 5 s for the exit).
 REMOVE_AT_EXIT_S = 2.0
+#: Exit status after a defect of a worker thread.
+EXIT_DEFECT = 70
 #: Exit status after an unsettled code.
 EXIT_UNSETTLED = 75
 
@@ -101,7 +107,10 @@ EXIT_UNSETTLED = 75
 class _Blocks:
     """What OP_CONFIG set: the names and the block format's checks."""
 
-    def __init__(self, data: bytes, lib: Any) -> None:
+    def __init__(self, data: bytes, lib: Any, threads: int = 1) -> None:
+        #: Threads the checksums of a request are spread over (CRC32C runs at about 10
+        #: GB/s a core: one would hold a fast store's transfers back).
+        self.threads = threads
         identity, self.payload_len, plen, mlen = CONFIG.unpack_from(data, HEAD.size)
         at = HEAD.size + CONFIG.size
         self.identity = identity
@@ -143,21 +152,34 @@ class _Blocks:
         args = (heads, n, ptrs, lens, firsts, joined, ats, key_lens, self.identity,
                 self.payload_len, self.mac, self.mac_len)  # fmt: skip
         if not check:
-            if self.lib.ao_seal_blocks(*args) != 0:
+            if self.lib.ao_seal_blocks(*args, self.threads) != 0:
                 raise ValueError("pieces that do not make blocks")
             return []
         assert results is not None
         out = (ctypes.c_int64 * max(1, n))(*results)
-        if self.lib.ao_check_blocks(*args, out) != 0:
+        if self.lib.ao_check_blocks(*args, out, self.threads) != 0:
             raise ValueError("pieces that do not make blocks")
         return list(out[:n])
 
 
 class Helper:
-    """One client, its regions and its header buffer; :meth:`serve` answers requests."""
+    """One client, its regions and its header buffers; :meth:`serve` reads requests and
+    ``workers`` threads run them, each with a header buffer of its own (their store calls
+    and checksums release the GIL, so one request's checksums overlap another's
+    transfer). Replies may come in another order than the requests."""
 
-    def __init__(self, store: Any, sock: socket.socket, lib: Any, retry_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        store: Any,
+        sock: socket.socket,
+        lib: Any,
+        retry_s: float = 1.0,
+        threads: int = 1,
+        workers: int = 1,
+    ) -> None:
         self.store = store
+        self.threads = threads
+        self.workers = max(1, workers)
         #: After the master failed to answer (RPC_FAIL), requests fail at once until then:
         #: those queued behind it would each wait for the master again.
         self.down_until = 0.0
@@ -167,32 +189,81 @@ class Helper:
         self.regions: list[tuple[mmap.mmap, int, int]] = []  # (map, address, size)
         self.blocks: _Blocks | None = None
         self.wake_fd = -1
+        #: Sends and the wake-up fd (swapped by OP_WAKE) are shared by the threads.
+        self.send_lock = threading.Lock()
         #: Damaged objects to remove, with when to give up: the get that found them took
         #: a lease, under which remove fails (-706) until the master's lease TTL passes.
         self.doomed: dict[str, float] = {}
-        self.headers = mmap.mmap(-1, MAX_ITEMS * HEADER)
+        self.doomed_lock = threading.Lock()
+        self.queue: queue.SimpleQueue[tuple[int, int, int, bytes] | None] = queue.SimpleQueue()
+        self.headers = mmap.mmap(-1, self.workers * MAX_ITEMS * HEADER)
         self.headers_at = ctypes.addressof(ctypes.c_char.from_buffer(self.headers))
 
     def register(self) -> int:
-        return int(self.store.register_buffer(self.headers_at, MAX_ITEMS * HEADER))
+        return int(self.store.register_buffer(self.headers_at, len(self.headers)))
 
     def remove_later(self, names: list[str]) -> None:
         """Remove ``names`` once their leases let go (tried now, then every
         ``REMOVE_EVERY_S`` between requests, for at most ``REMOVE_FOR_S``)."""
         give_up = time.monotonic() + REMOVE_FOR_S
-        for name in names:
-            if len(self.doomed) < MAX_DOOMED:
-                self.doomed[name] = give_up
+        with self.doomed_lock:
+            for name in names:
+                if len(self.doomed) < MAX_DOOMED:
+                    self.doomed[name] = give_up
         self.remove_due()
 
     def remove_due(self) -> None:
         now = time.monotonic()
-        for name, give_up in list(self.doomed.items()):
-            code = int(self.store.remove(name))
-            if code != -706 or now > give_up:  # removed, gone, or given up on
-                del self.doomed[name]
+        with self.doomed_lock:
+            for name, give_up in list(self.doomed.items()):
+                code = int(self.store.remove(name))
+                if code != -706 or now > give_up:  # removed, gone, or given up on
+                    del self.doomed[name]
+
+    def reply(self, job: int, results: list[int]) -> None:
+        end = time.perf_counter_ns()
+        message = REPLY.pack(job, len(results), end) + struct.pack(f"<{len(results)}q", *results)
+        with self.send_lock:
+            self.sock.send(message)
+            if self.wake_fd >= 0:
+                os.write(self.wake_fd, (1).to_bytes(8, sys.byteorder))
+
+    def work(self, index: int) -> None:
+        """A worker: runs requests from the queue with header buffer ``index``, until
+        told to stop. A defect ends the process (the engine fails what was pending), never
+        one thread alone (its requests would never be answered)."""
+        scratch = self.headers_at + index * MAX_ITEMS * HEADER
+        try:
+            while (item := self.queue.get()) is not None:
+                job, op, n, data = item
+                results = self.request(data, op, n, scratch)
+                with contextlib.suppress(OSError):  # the engine went away: nobody to answer
+                    self.reply(job, results)
+        except BaseException:
+            traceback.print_exc()
+            os._exit(EXIT_DEFECT)
 
     def serve(self) -> None:
+        workers = [
+            threading.Thread(target=self.work, args=(k,), name=f"mooncake-{k}", daemon=True)
+            for k in range(self.workers)
+        ]
+        for worker in workers:
+            worker.start()
+        try:
+            self._read()
+        finally:
+            for _ in workers:
+                self.queue.put(None)
+            for worker in workers:
+                worker.join()
+            # Closing: the damaged objects still held by a lease get a last chance.
+            deadline = time.monotonic() + REMOVE_AT_EXIT_S
+            while self.doomed and time.monotonic() < deadline:
+                time.sleep(0.05)
+                self.remove_due()
+
+    def _read(self) -> None:
         while True:
             self.sock.settimeout(REMOVE_EVERY_S if self.doomed else None)
             try:
@@ -201,32 +272,26 @@ class Helper:
                 self.remove_due()
                 continue
             if not data:
-                # Closing: the damaged objects still held by a lease get a last chance.
-                deadline = time.monotonic() + REMOVE_AT_EXIT_S
-                while self.doomed and time.monotonic() < deadline:
-                    time.sleep(0.05)
-                    self.remove_due()
                 return
             job, op, n = HEAD.unpack_from(data)
             if op == OP_WAKE:
-                if self.wake_fd >= 0:
-                    os.close(self.wake_fd)
-                self.wake_fd = fds[0] if fds else -1
+                with self.send_lock:
+                    if self.wake_fd >= 0:
+                        os.close(self.wake_fd)
+                    self.wake_fd = fds[0] if fds else -1
                 for fd in fds[1:]:
                     os.close(fd)
                 continue
-            if op == OP_MAP:
-                results = self.map(data, n, fds)
-            else:
-                for fd in fds:  # none is expected
-                    os.close(fd)
-                results = self.request(data, op, n)
-            end = time.perf_counter_ns()
-            self.sock.send(
-                REPLY.pack(job, len(results), end) + struct.pack(f"<{len(results)}q", *results)
-            )
-            if self.wake_fd >= 0:
-                os.write(self.wake_fd, (1).to_bytes(8, sys.byteorder))
+            if op == OP_MAP:  # here, in order: later requests may use the regions
+                self.reply(job, self.map(data, n, fds))
+                continue
+            for fd in fds:  # none is expected
+                os.close(fd)
+            if op == OP_CONFIG:
+                self.blocks = _Blocks(data, self.lib, self.threads)
+                self.reply(job, [0])
+                continue
+            self.queue.put((job, op, n, data))
 
     def map(self, data: bytes, n: int, fds: list[int]) -> list[int]:
         sizes = struct.unpack_from(f"<{n}Q", data, HEAD.size)
@@ -251,11 +316,10 @@ class Helper:
             os.close(fd)
         return results
 
-    def request(self, data: bytes, op: int, n: int) -> list[int]:
+    def request(self, data: bytes, op: int, n: int, scratch: int) -> list[int]:
+        """Runs a get, put, existence check or removal; ``scratch``: this worker's header
+        buffer."""
         blocks = self.blocks
-        if op == OP_CONFIG:
-            self.blocks = _Blocks(data, self.lib)
-            return [0]
         if blocks is None or n > MAX_ITEMS:
             return [-errno.EINVAL] * n
         at = HEAD.size
@@ -287,7 +351,7 @@ class Helper:
         names = [blocks.name(key) for key in keys]
         if time.monotonic() < self.down_until:
             return [RPC_FAIL] * n
-        results = self.call(op, n, names, keys, pieces, inline, ok)
+        results = self.call(op, n, names, keys, pieces, inline, ok, scratch)
         if RPC_FAIL in results:
             self.down_until = time.monotonic() + self.retry_s
         return results
@@ -301,6 +365,7 @@ class Helper:
         pieces: list[list[tuple[int, int]]],
         inline: list[bool],
         ok: list[bool],
+        scratch: int,
     ) -> list[int]:
         """Runs a request on the store: its results."""
         blocks = self.blocks
@@ -331,10 +396,10 @@ class Helper:
         todo = [i for i in range(n) if ok[i]]
         if not todo:
             return results
-        scratch = iter(range(len(todo)))
+        spare = iter(range(len(todo)))
         for i in todo:
             if not inline[i]:
-                heads[i] = self.headers_at + next(scratch) * HEADER
+                heads[i] = scratch + next(spare) * HEADER
         ptrs = [
             [p for p, _ in pieces[i]] if inline[i] else [heads[i], *(p for p, _ in pieces[i])]
             for i in todo
@@ -384,9 +449,9 @@ def _library(path: str) -> Any:
     lib = ctypes.CDLL(path)
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
     blocks: list[Any] = [ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, i32]
-    lib.ao_seal_blocks.argtypes = blocks
+    lib.ao_seal_blocks.argtypes = [*blocks, i32]
     lib.ao_seal_blocks.restype = i64
-    lib.ao_check_blocks.argtypes = [*blocks, ptr]
+    lib.ao_check_blocks.argtypes = [*blocks, ptr, i32]
     lib.ao_check_blocks.restype = i64
     return lib
 
@@ -412,7 +477,9 @@ def main(argv: list[str]) -> int:
         settings["master"],
     )
     lib = _library(settings["library"])
-    helper = Helper(store, sock, lib, float(settings.get("retry_s", 1.0)))
+    threads = int(settings.get("check_threads", 1))
+    workers = int(settings.get("in_flight", 1))
+    helper = Helper(store, sock, lib, float(settings.get("retry_s", 1.0)), threads, workers)
     if code == 0:
         code = helper.register()
     try:
