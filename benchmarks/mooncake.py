@@ -60,7 +60,6 @@ import ctypes
 import mmap
 import os
 import platform
-import shutil
 import statistics
 import subprocess
 import sys
@@ -77,7 +76,7 @@ from asyncoffload.tiers.format import HEADER_BYTES, Namespace
 from asyncoffload.tiers.mooncake import MooncakeBatch, MooncakeStore, MooncakeTier
 from asyncoffload.transfer.base import CopyJob, HostRegion
 from asyncoffload.transfer.completion import CompletionBridge, CopyLane
-from tests.mooncake_probe import loopback_up, start_master, unshadow
+from tests.mooncake_probe import loopback_up, rerun_in_netns, start_master, unshadow
 
 MASTER_PORT = 50161
 #: How long one timed pass (or the helper's setup) may take before the run fails.
@@ -455,12 +454,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{int(held / 0.8 / segments) >> 20} MiB"
         )
     if not args.in_netns:
-        unshare = shutil.which("unshare")
-        if unshare is None or os.geteuid() != 0:
-            print("mooncake.py runs inside `unshare --net` (root)", file=sys.stderr)
-            return 2
-        cmd = [sys.executable, os.path.abspath(__file__), "--in-netns", *(argv or sys.argv[1:])]
-        return subprocess.call([unshare, "--net", *cmd])
+        return rerun_in_netns(__file__, argv or sys.argv[1:])
     loopback_up()
     from importlib.metadata import PackageNotFoundError, version
 

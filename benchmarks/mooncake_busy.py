@@ -41,8 +41,6 @@ import functools
 import mmap
 import os
 import platform
-import shutil
-import subprocess
 import sys
 import time
 from collections.abc import Awaitable
@@ -56,7 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the 
 from asyncoffload.tiers._mooncake import OP_GET, OP_PUT, Block, MooncakeJob, MooncakeLane
 from asyncoffload.transfer.base import CopyJob
 from tests.mooncake_probe import lane_settings as settings
-from tests.mooncake_probe import loopback_up, start_master, unshadow
+from tests.mooncake_probe import loopback_up, rerun_in_netns, start_master, unshadow
 
 MASTER_PORT = 50151
 HEADER = 4096  # the block format's header, written and read beside each payload
@@ -185,12 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     unshadow(Path(__file__).resolve().parent)  # benchmarks/mooncake.py: not the package
     if not args.in_netns:
-        unshare = shutil.which("unshare")
-        if unshare is None or os.geteuid() != 0:
-            print("mooncake_busy.py runs inside `unshare --net` (root)", file=sys.stderr)
-            return 2
-        cmd = [sys.executable, os.path.abspath(__file__), "--in-netns", *(argv or sys.argv[1:])]
-        return subprocess.call([unshare, "--net", *cmd])
+        return rerun_in_netns(__file__, argv or sys.argv[1:])
     loopback_up()
     from mooncake.store import MooncakeDistributedStore
 

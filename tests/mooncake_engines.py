@@ -295,6 +295,20 @@ async def evicted(port: int) -> dict[str, Any]:
     return out
 
 
+async def _written_again(eng: ao.AsyncOffloadEngine, start: int) -> bool:
+    """Whether fresh blocks (keys from ``start`` on) are written to the tier again within
+    ``REJOIN_S``, stored two at a time."""
+    deadline = time.monotonic() + REJOIN_S
+    written = eng.stats().tiers[0].blocks_written
+    while eng.stats().tiers[0].blocks_written < written + 2:
+        if time.monotonic() > deadline:
+            return False
+        await store(eng, keys(2, start=start), [6, 7])
+        start += 2
+        await asyncio.sleep(0.1)
+    return True
+
+
 async def restart(port: int) -> dict[str, Any]:
     """The master killed while writes are in flight, then restarted; the helper killed."""
     out: dict[str, Any] = {}
@@ -340,18 +354,7 @@ async def restart(port: int) -> dict[str, Any]:
             restarted = time.monotonic()
             # The tier rejoins by itself (once Mooncake's client has reconnected and
             # mounted its segment again): fresh blocks are written again.
-            deadline = time.monotonic() + REJOIN_S
-            written = eng.stats().tiers[0].blocks_written
-            start = 10_000
-            while eng.stats().tiers[0].blocks_written < written + 2:
-                if time.monotonic() > deadline:
-                    out["rejoined"] = False
-                    break
-                await store(eng, keys(2, start=start), [6, 7])
-                start += 2
-                await asyncio.sleep(0.1)
-            else:
-                out["rejoined"] = True
+            out["rejoined"] = await _written_again(eng, 10_000)
             out["rejoined_s"] = time.monotonic() - restarted
             out["starts_after_master"] = tier.starts
             # The helper killed: its requests fail, a new one starts after retry_s.
@@ -359,17 +362,7 @@ async def restart(port: int) -> dict[str, Any]:
             assert isinstance(pid, int)
             os.kill(pid, signal.SIGKILL)
             killed = time.monotonic()
-            deadline = time.monotonic() + REJOIN_S
-            written = eng.stats().tiers[0].blocks_written
-            while eng.stats().tiers[0].blocks_written < written + 2:
-                if time.monotonic() > deadline:
-                    out["rejoined_helper"] = False
-                    break
-                await store(eng, keys(2, start=start), [6, 7])
-                start += 2
-                await asyncio.sleep(0.1)
-            else:
-                out["rejoined_helper"] = True
+            out["rejoined_helper"] = await _written_again(eng, 20_000)
             out["rejoined_helper_s"] = time.monotonic() - killed
             out["starts"] = tier.starts
             out["failures"] = eng.stats().tiers[0].failures

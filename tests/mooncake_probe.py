@@ -22,6 +22,8 @@ import ctypes
 import fcntl
 import json
 import mmap
+import os
+import shutil
 import socket
 import struct
 import subprocess
@@ -44,6 +46,18 @@ def unshadow(folder: Path) -> None:
         and Path(getattr(module, "__file__", "") or "").resolve().parent == folder
     ):
         del sys.modules["mooncake"]
+
+
+def rerun_in_netns(script: str, argv: list[str]) -> int:
+    """Run ``script`` again with ``--in-netns`` and ``argv`` inside a private network
+    namespace (``unshare --net``: Mooncake listens on every interface); its exit status,
+    or 2 where that cannot be done (no ``unshare``, not root)."""
+    unshare = shutil.which("unshare")
+    if unshare is None or os.geteuid() != 0:
+        print(f"{Path(script).name} runs inside `unshare --net` (root)", file=sys.stderr)
+        return 2
+    cmd = [sys.executable, os.path.abspath(script), "--in-netns", *argv]
+    return subprocess.call([unshare, "--net", *cmd])
 
 
 def loopback_up() -> None:

@@ -153,6 +153,7 @@ def test_the_tier_rejoins_a_restarted_master_and_restarts_a_killed_helper(
     assert restart["starts"] >= 2
 
 
+@pytest.mark.long  # two demo runs and the command line: about 27 s on the 2-vCPU VM
 def test_the_demo_takes_a_mooncake_tier_and_a_second_run_loads_what_the_first_stored() -> None:
     """Two demo runs beside a storage client (blocks in the first run's own segment go
     with it; those in the storage client's stay): the second finds some of the first's

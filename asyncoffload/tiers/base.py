@@ -14,6 +14,7 @@ import errno
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from asyncoffload.keys import OffloadKey
 from asyncoffload.manager.admission import AdmissionFilter
@@ -24,11 +25,13 @@ from asyncoffload.transfer.base import CopyJob, HostRegion
 
 __all__ = [
     "LowerTier",
+    "SharedSettings",
     "TierCounters",
     "TierManager",
     "count_failures",
     "failure_cause",
     "outcomes",
+    "shared_index",
 ]
 
 
@@ -134,6 +137,30 @@ class TierManager(CPUOffloadingManager):
     def resident_keys(self) -> Iterator[OffloadKey]:
         bad = self._bad
         return (key for key, block in self._policy.items() if block.ref_cnt >= 0 and key not in bad)
+
+
+class SharedSettings(Protocol):
+    """What a shared tier's settings (Redis / Valkey, Mooncake) give its index."""
+
+    @property
+    def index_blocks(self) -> int: ...
+    @property
+    def policy(self) -> str: ...
+    @property
+    def admission(self) -> str | None: ...
+    @property
+    def min_offers(self) -> int: ...
+
+
+def shared_index(config: SharedSettings) -> TierManager:
+    """A shared tier's index: ``index_blocks`` of blocks it knows the store holds, its
+    policy, and its admission (``"frequency"``: the ``min_offers``-th offer; another
+    name: that filter; None: every block)."""
+    threshold = config.min_offers if config.admission == "frequency" else 0
+    admission = config.admission if config.admission not in (None, "frequency") else None
+    return TierManager(
+        config.index_blocks, Medium.REMOTE, config.policy, threshold, admission=admission
+    )
 
 
 @dataclass

@@ -37,7 +37,7 @@ from pydantic import Field, SecretBytes, field_validator
 
 from asyncoffload.keys import OffloadKey
 from asyncoffload.manager.base import Medium
-from asyncoffload.tiers.base import LowerTier, TierManager
+from asyncoffload.tiers.base import LowerTier, shared_index
 from asyncoffload.tiers.format import HEADER_BYTES, Namespace
 from asyncoffload.tiers.settings import TierSettings
 from asyncoffload.transfer.base import CopyJob, HostRegion
@@ -226,11 +226,7 @@ class MooncakeStore(LowerTier):
         self.identity = namespace.identity()
         self.block_bytes = namespace.block_bytes
         self.deadline_s = config.timeout_s
-        threshold = config.min_offers if config.admission == "frequency" else 0
-        admission = config.admission if config.admission not in (None, "frequency") else None
-        self.manager = TierManager(
-            config.index_blocks, Medium.REMOTE, config.policy, threshold, admission=admission
-        )
+        self.manager = shared_index(config)
         self._name_prefix = f"{config.prefix}:{self.identity.hex()}:"
         #: The host memory the helper maps: (our fd (a duplicate), address, size).
         self._regions: list[tuple[int, int, int]] = []

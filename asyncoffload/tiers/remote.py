@@ -33,7 +33,7 @@ from pydantic import Field, SecretBytes, SecretStr, field_validator, model_valid
 from asyncoffload.keys import OffloadKey
 from asyncoffload.manager.base import Medium
 from asyncoffload.tiers._clients import make_client
-from asyncoffload.tiers.base import LowerTier, TierManager
+from asyncoffload.tiers.base import LowerTier, shared_index
 from asyncoffload.tiers.format import HEADER_BYTES, Namespace
 from asyncoffload.tiers.settings import TierSettings
 from asyncoffload.transfer.base import CopyJob
@@ -347,11 +347,7 @@ class RemoteStore(LowerTier):
         self.identity = namespace.identity()
         self.block_bytes = namespace.block_bytes
         self.deadline_s = config.timeout_s
-        threshold = config.min_offers if config.admission == "frequency" else 0
-        admission = config.admission if config.admission not in (None, "frequency") else None
-        self.manager = TierManager(
-            config.index_blocks, Medium.REMOTE, config.policy, threshold, admission=admission
-        )
+        self.manager = shared_index(config)
         self._key_prefix = f"{config.prefix}:{self.identity.hex()}:".encode()
         from asyncoffload.tiers._io import IoPool, _library, require
 
