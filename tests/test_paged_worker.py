@@ -751,6 +751,6 @@ def test_repr_summarises_jobs_in_flight() -> None:
     with make_worker(KV(seed=50), 1, "threads") as worker:
         worker.submit_store(1, [0], [1, 0, 0], [0, 0, 0], [0])
         assert repr(worker) == (
-            "<PagedTransferWorker cpu-torch [store: 1 in flight | load: 0 in flight] "
-            f"16 slots of {sum(PAGES)} B>"
+            "<PagedTransferWorker cpu-torch [store: 1 in flight | load: 0 in flight | "
+            f"expedited: 0 in flight] 16 slots of {sum(PAGES)} B>"
         )

@@ -35,7 +35,7 @@ from asyncoffload.manager.base import (
     PrepareStoreOutput,
     ReqContext,
 )
-from asyncoffload.manager.policies import CachePolicy, get_policy_cls
+from asyncoffload.manager.policies import CachePolicy, RequestScope, get_policy_cls
 
 __all__ = ["CPUOffloadingManager", "ManagerStats"]
 
@@ -81,15 +81,21 @@ class _RequestLog:
     used (in the order given), the ready keys among them it used again, and the keys
     it inserted. Folded into sets only when the request ends."""
 
-    __slots__ = ("calls", "missed", "touched")
+    __slots__ = ("calls", "counted", "missed", "scope", "seen", "touched")
 
-    def __init__(self) -> None:
+    def __init__(self, scope: RequestScope | None = None) -> None:
         self.calls: list[tuple[Sequence[OffloadKey], Sequence[OffloadKey], Sequence[OffloadKey]]]
         self.calls = []
         #: Keys already reported to the policy as store misses.
         self.missed: set[OffloadKey] | None = None
         #: Whether a ``touch_before_store`` policy has been touched for this request.
         self.touched = False
+        #: For a ``request_ranked`` policy: the request's scope, and the keys it has used
+        #: (reported to ``on_request_access``).
+        self.scope = scope
+        self.seen: set[OffloadKey] | None = None if scope is None else set()
+        #: With ``count_once_per_request``: the keys this request's offers counted.
+        self.counted: set[OffloadKey] | None = None
 
 
 _group_of = itemgetter(slice(-GROUP_IDX_BYTES, None))
@@ -155,6 +161,7 @@ class CPUOffloadingManager(OffloadingManager):
         max_tracker_size: int = 64_000,
         admission: str | AdmissionFilter | None = None,
         request_scoped: bool = False,
+        count_once_per_request: bool = False,
         event_sink: EventSink | None = None,
     ) -> None:
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
@@ -192,6 +199,11 @@ class CPUOffloadingManager(OffloadingManager):
         self._event_sink = event_sink if enable_events else None
         self._seq = 0
         self._requests: dict[str, _RequestLog] | None = {} if request_scoped else None
+        #: Request-scoped: a ``request_ranked`` policy hears each request's first uses
+        #: and inserts (vLLM 0.34's LRU), and ``store_threshold`` counts a key once per
+        #: request (``count_once_per_request``, vLLM 0.34's rule).
+        self._ranked = request_scoped and self._policy.request_ranked
+        self._count_once = request_scoped and count_once_per_request
         #: Slots the last ``prepare_store`` asked for, whether it got them or not.
         self.last_store_size = 0
         self._touch_before_store = self._policy.touch_before_store
@@ -333,8 +345,20 @@ class CPUOffloadingManager(OffloadingManager):
         self._loaded += len(blocks)
         if self._requests is not None and ctx is not None and keys:
             loaded = tuple(keys)
-            self._request(ctx.req_id).calls.append((loaded, loaded, ()))
+            log = self._request(ctx)
+            log.calls.append((loaded, loaded, ()))
+            if self._ranked:
+                self._accessed(log, loaded)
         return CPULoadStoreSpec(tuple(map(_block_id, blocks)))
+
+    def _accessed(self, log: _RequestLog, keys: Sequence[OffloadKey]) -> None:
+        """A ``request_ranked`` policy hears the keys the request uses for the first time."""
+        seen, scope = log.seen, log.scope
+        assert seen is not None and scope is not None
+        new = [key for key in keys if key not in seen]
+        if new:
+            seen.update(new)
+            self._policy.on_request_access(new, scope)
 
     def _pin_blocks(self, blocks: list[BlockStatus]) -> None:
         idle = 0
@@ -415,22 +439,29 @@ class CPUOffloadingManager(OffloadingManager):
             ready: list[OffloadKey] = []
             pending = False
         else:
-            log = self._request(ctx.req_id)
+            log = self._request(ctx)
             offered, ready, pending = self._partition(keys)
+        counted = None
+        if self._count_once and log is not None:
+            counted = log.counted
+            if counted is None:
+                counted = log.counted = set()
         to_store = offered
         admission = self._admission
         if offered:
             full = len(offered) > self.num_free
             to_store = self._policy.admissible(offered, full)
             if self._offers is not None:
-                to_store = self._admissible(to_store)
+                to_store = self._admissible(to_store, counted)
             elif admission is not None:
                 to_store = admission.admissible(to_store, full)
         if log is not None:
             self._log_store(log, keys, offered, to_store, ready, pending)
         self.last_store_size = len(to_store)
         if not to_store:
-            self._record_offers(offered, to_store)
+            self._record_offers(offered, to_store, counted)
+            if counted is not None:
+                counted.update(keys)
             return PrepareStoreOutput([], _EMPTY_SPEC, [])
 
         # A refused call (``None``) changes no slot, offer counts included.
@@ -438,11 +469,17 @@ class CPUOffloadingManager(OffloadingManager):
         if evicted is None:
             return None
 
-        self._record_offers(offered, to_store)
+        self._record_offers(offered, to_store, counted)
+        if counted is not None:
+            counted.update(keys)
         if admission is not None and evicted:
             admission.on_evict(evicted)  # after record(): admitted keys leave the ghost first
         ids = self._allocate(len(to_store))
-        self._policy.insert_many(list(zip(to_store, map(BlockStatus, ids))))
+        items = list(zip(to_store, map(BlockStatus, ids)))
+        if self._ranked and log is not None:
+            self._policy.insert_ranked(items, log.scope)
+        else:
+            self._policy.insert_many(items)
         self._num_pending += len(to_store)
         if log is not None:
             calls = log.calls
@@ -547,18 +584,36 @@ class CPUOffloadingManager(OffloadingManager):
         else:
             seen = tuple(keys)
         log.calls.append((seen, ready, ()))
+        if self._ranked:
+            self._accessed(log, seen)
 
-    def _admissible(self, keys: list[OffloadKey]) -> list[OffloadKey]:
-        """The ``keys`` whose offer in this call reaches ``store_threshold``; changes nothing."""
+    def _admissible(
+        self, keys: list[OffloadKey], counted: set[OffloadKey] | None = None
+    ) -> list[OffloadKey]:
+        """The ``keys`` whose offer in this call reaches ``store_threshold`` (an offer of
+        a key in ``counted``, one this request counted already, adds nothing); changes
+        nothing."""
         offers = self._offers
         assert offers is not None
         threshold = self.store_threshold
+        if counted:
+            return [key for key in keys if offers.get(key, 0) + (key not in counted) >= threshold]
         return [key for key in keys if offers.get(key, 0) + 1 >= threshold]
 
-    def _record_offers(self, offered: list[OffloadKey], admitted: list[OffloadKey]) -> None:
+    def _record_offers(
+        self,
+        offered: list[OffloadKey],
+        admitted: list[OffloadKey],
+        counted: set[OffloadKey] | None = None,
+    ) -> None:
         """Count this call's offers (held back: by the policy, the threshold or the
-        filter): admitted keys leave the tracker, the others go up by one; or tell the
-        admission filter."""
+        filter): admitted keys leave the tracker, the others go up by one, but not for
+        a key in ``counted`` (this request counted it already: it is neither counted nor
+        skipped again); or tell the admission filter."""
+        if counted:
+            admitted_set = set(admitted)
+            again = [key for key in offered if key in counted and key not in admitted_set]
+            self._store_skipped -= len(again)
         self._store_skipped += len(offered) - len(admitted)
         offers = self._offers
         if offers is None:
@@ -567,6 +622,8 @@ class CPUOffloadingManager(OffloadingManager):
             return
         admitted_set = set(admitted)
         for key in offered:
+            if counted and key in counted and key not in admitted_set:
+                continue
             count = offers.pop(key, 0) + 1
             if key not in admitted_set:
                 if len(offers) >= self.max_tracker_size:
@@ -617,18 +674,23 @@ class CPUOffloadingManager(OffloadingManager):
 
     # --- requests (request_scoped) --------------------------------------------------------
 
-    def _request(self, req_id: str) -> _RequestLog:
+    def _new_log(self, ctx: ReqContext) -> _RequestLog:
+        if not self._ranked:
+            return _RequestLog()
+        return _RequestLog(RequestScope(getattr(ctx, "_offload_key_positions", None)))
+
+    def _request(self, ctx: ReqContext) -> _RequestLog:
         requests = self._requests
         assert requests is not None
-        log = requests.get(req_id)
+        log = requests.get(ctx.req_id)
         if log is None:
-            log = requests[req_id] = _RequestLog()
+            log = requests[ctx.req_id] = self._new_log(ctx)
         return log
 
     def on_new_request(self, ctx: ReqContext) -> None:
         """A request starts (request-scoped managers; otherwise nothing to do)."""
         if self._requests is not None:
-            self._requests[ctx.req_id] = _RequestLog()
+            self._requests[ctx.req_id] = self._new_log(ctx)
 
     def on_request_finished(
         self, ctx: ReqContext, positions: Mapping[OffloadKey, int] | None = None

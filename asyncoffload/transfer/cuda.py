@@ -713,8 +713,18 @@ class _NativeStaging:
         self.join = self._events[4]
 
 
-def _new_stream(device: torch.device) -> torch.cuda.Stream:
-    return torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+def _new_stream(device: torch.device, priority: int = 0) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device, priority=priority)  # type: ignore[no-untyped-call]
+
+
+def _highest_priority() -> int:
+    """The most urgent stream priority the device offers (CUDA counts down: -1 or -5 on
+    recent GPUs; 0 where priorities are not supported)."""
+    try:
+        low, high = torch.cuda.Stream.priority_range()  # type: ignore[call-arg]
+    except (AttributeError, RuntimeError):
+        return 0
+    return int(min(low, high))
 
 
 class CudaJob(CopyJob):

@@ -34,9 +34,12 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
+
+if TYPE_CHECKING:
+    import numpy as np
 
 __all__ = ["CopyPlan", "GroupSpan", "IdsLike", "PageLayout", "Segment"]
 
@@ -353,6 +356,101 @@ class PageLayout:
             slo += nchunks
         return CopyPlan(self, gpu, slots, tuple(spans))
 
+    def ids_from_pointers(
+        self,
+        ptrs: Any,
+        sizes: Any,
+        group_block_counts: Sequence[int],
+        group_ref_counts: Sequence[int],
+    ) -> torch.Tensor:
+        """The KV block ids that a transfer given as device pointers names.
+
+        vLLM 0.34 hands a worker flat arrays in canonical order: per group, per ref, per
+        block, the address of the block's row in the ref's tensor (``ptrs``) and the
+        ref's bytes (``sizes``); ``group_block_counts`` and ``group_ref_counts`` give
+        the shape. Every pointer must be the start of a row of the tensor its ref names
+        (the same row for every ref of a block) and every size the ref's bytes, so a
+        pointer outside the registered KV tensors is refused before anything is copied.
+        Raises ``TypeError`` / ``ValueError`` / ``IndexError`` naming the group, the ref
+        and the first bad position; returns the ids (int64, ordered by group) that
+        :meth:`plan` takes with ``group_sizes = group_block_counts``. Needs numpy (which
+        vLLM has), imported here only.
+        """
+        import numpy as np
+
+        p = _pointer_array(ptrs, "ptrs")
+        s = _pointer_array(sizes, "sizes")
+        counts = _int_list(group_block_counts, "group_block_counts")
+        ref_counts = _int_list(group_ref_counts, "group_data_ref_counts")
+        groups = self.num_groups
+        if len(counts) != groups or len(ref_counts) != groups:
+            raise ValueError(
+                f"device pointers describe {len(counts)} groups ({len(ref_counts)} ref "
+                f"counts); this KV cache has {groups} KV-cache groups"
+            )
+        for g, (n, r) in enumerate(zip(counts, ref_counts)):
+            if n < 0:
+                raise ValueError(f"group_block_counts[{g}] = {n} is negative")
+            if r != len(self.group_refs[g]):
+                raise ValueError(
+                    f"group_data_ref_counts[{g}] = {r}: group {g} has "
+                    f"{len(self.group_refs[g])} refs"
+                )
+        want = sum(n * len(self.group_refs[g]) for g, n in enumerate(counts))
+        if p.size != want or s.size != want:
+            raise ValueError(
+                f"device pointers hold {p.size} pointers and {s.size} sizes; group sizes "
+                f"{counts} with {ref_counts} refs need {want}"
+            )
+        parts: list[np.ndarray] = []
+        off = 0
+        for g, n in enumerate(counts):
+            refs = self.group_refs[g]
+            if not n:
+                continue
+            if not refs:  # a group that moves nothing: any row will do
+                parts.append(np.zeros(n, dtype=np.int64))
+                continue
+            ids: np.ndarray | None = None
+            for r, (t, nbytes) in enumerate(refs):
+                where = f"group {g}, ref {r} (tensor {t})"
+                tensor = self.tensors[t]
+                base, stride = tensor.data_ptr(), tensor.stride(0)
+                seg = p[off : off + n]
+                bad = np.flatnonzero(s[off : off + n] != nbytes)
+                if bad.size:
+                    raise ValueError(
+                        f"device pointers of {where}: size {int(s[off + bad[0]])} at block "
+                        f"{int(bad[0])}; the ref moves {nbytes} bytes a block"
+                    )
+                if ids is None:
+                    delta = seg.astype(np.int64) - np.int64(base)  # two's complement: exact
+                    ids = delta // max(stride, 1)
+                    bad = np.flatnonzero(
+                        (delta < 0) | (delta % max(stride, 1) != 0) | (ids >= tensor.shape[0])
+                    )
+                    if bad.size:
+                        raise IndexError(
+                            f"device pointers of {where}: {int(seg[bad[0]]):#x} at block "
+                            f"{int(bad[0])} is not the start of a row of that tensor "
+                            f"({tensor.shape[0]} rows of {stride} B from {base:#x})"
+                        )
+                else:
+                    expected = np.uint64(base) + ids.astype(np.uint64) * np.uint64(stride)
+                    bad = np.flatnonzero(seg != expected)
+                    if bad.size:
+                        raise ValueError(
+                            f"device pointers of {where}: {int(seg[bad[0]]):#x} at block "
+                            f"{int(bad[0])} is not the row ref 0 names ({int(ids[bad[0]])}: "
+                            f"{int(expected[bad[0]]):#x})"
+                        )
+                off += n
+            assert ids is not None
+            parts.append(ids)
+        if not parts:
+            return _EMPTY
+        return torch.from_numpy(np.concatenate(parts) if len(parts) > 1 else parts[0])
+
     def _checked_natively(
         self, gpu: torch.Tensor, slots: torch.Tensor, num_slots: int, store: bool
     ) -> bool:
@@ -473,6 +571,25 @@ def _int_list(values: object, name: str) -> list[int]:
     if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
         raise TypeError(f"{name} must be a sequence of ints, got {type(values).__name__}")
     return [_int(v, f"{name}[{i}]") for i, v in enumerate(values)]
+
+
+def _pointer_array(values: object, name: str) -> np.ndarray:
+    """A 1-D uint64 numpy view of device addresses or sizes (vLLM's ``DevicePointers``)."""
+    import numpy as np
+
+    if isinstance(values, np.ndarray):
+        array = values
+    elif isinstance(values, (list, tuple)):
+        array = np.asarray(values, dtype=np.uint64)
+    else:
+        raise TypeError(f"{name} must be a numpy array of uint64, got {type(values).__name__}")
+    if array.ndim != 1:
+        raise TypeError(f"{name} must be 1-D, got shape {array.shape}")
+    if array.dtype != np.uint64:
+        if array.dtype.kind not in "iu" or (array.size and int(array.min()) < 0):
+            raise TypeError(f"{name} must hold unsigned 64-bit ints, got {array.dtype}")
+        array = array.astype(np.uint64)
+    return array
 
 
 def _ids(values: IdsLike, name: str) -> torch.Tensor:

@@ -14,14 +14,18 @@ import torch
 from asyncoffload.transfer.base import CopyJob
 from asyncoffload.transfer.paged import CopyPlan, PageLayout
 
-__all__ = ["LOAD", "STORE", "PagedEngine"]
+__all__ = ["EXPEDITED", "LANES", "LOAD", "STORE", "PagedEngine"]
 
-#: Directions: a store copies KV -> host, a load host -> KV.
-STORE, LOAD = 0, 1
+#: Lanes (directions): a store copies KV -> host, a load host -> KV; an expedited load is
+#: a load on a lane of its own, queued behind no store and no other load (vLLM waits for
+#: it within the step).
+STORE, LOAD, EXPEDITED = 0, 1, 2
+LANES = 3
 
 
 class PagedEngine(Protocol):
-    """What the worker needs of a copy engine: two ways to run a plan, ordered lanes."""
+    """What the worker needs of a copy engine: two ways to run a plan, ordered lanes
+    (:data:`STORE`, :data:`LOAD`, :data:`EXPEDITED`: every lane but the first loads)."""
 
     #: Names of the primary and fallback paths (for stats and errors).
     primary_name: str
@@ -34,8 +38,9 @@ class PagedEngine(Protocol):
     def submit_fallback(self, direction: int, plan: CopyPlan) -> CopyJob:
         """Run ``plan`` by the slower, independent path (maybe synchronously)."""
 
-    def wait(self, job: CopyJob) -> None:
-        """Block until ``job`` has ended (well or not)."""
+    def wait(self, job: CopyJob, timeout: float | None = None) -> None:
+        """Block until ``job`` has ended (well or not); ``TimeoutError`` if it has not
+        after ``timeout`` seconds (``None``: no limit)."""
 
     def quiesce(self, direction: int) -> None:
         """Block until every copy queued on ``direction`` has ended (before a retry

@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import time
 import weakref
 from collections import deque
 from typing import Literal
@@ -19,7 +20,7 @@ from asyncoffload._native import load_copy_engine
 from asyncoffload.transfer.base import CopyJob, check_process, forked_since, host_bytes
 from asyncoffload.transfer.host_file import SharedHostFile, _host_file
 from asyncoffload.transfer.paged import CopyPlan, PageLayout
-from asyncoffload.transfer.paged_base import STORE, _HostPages, _pid
+from asyncoffload.transfer.paged_base import LANES, STORE, _HostPages, _pid
 
 __all__ = ["CpuCopyEngine", "CpuPagedEngine"]
 
@@ -50,24 +51,35 @@ class _NativeCopies(CopyJob):
         self.finished_ns = self._status[1]  # CLOCK_MONOTONIC, as perf_counter_ns
         self._done = True
 
-    def wait(self) -> None:
+    def wait(self, timeout: float | None = None) -> None:
+        """Until the lane has ended the job (``TimeoutError`` after ``timeout`` s): the
+        lane's own wait, in slices of at most 100 ms with the GIL released, no thread."""
         addr = ctypes.addressof(self._status)
+        deadline = None if timeout is None else time.monotonic() + timeout
         while not self._done:
+            slice_ns = 100_000_000
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"{self!r} did not end within {timeout} s")
+                slice_ns = max(1, min(slice_ns, int(left * 1e9)))
             # Bounded waits (the GIL is released during each): Ctrl-C still works.
-            state = int(self._lib.ao_lane_wait(self._lane, addr, 100_000_000))
+            state = int(self._lib.ao_lane_wait(self._lane, addr, slice_ns))
             if state:
                 self._settle(state)
 
 
 class _DescriptorLanes:
-    """The two native lanes of a :class:`CpuPagedEngine` (store, load), kept apart from
-    it so that its finalizer can stop them. Each starts with its first job. They keep
+    """The native lanes of a :class:`CpuPagedEngine` (store, load, expedited load), kept
+    apart from it so that its finalizer can stop them. Each starts with its first job. They keep
     the status words of the jobs they may still write: a job may be dropped first."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._lib = lib
-        self._handles: list[int | None] = [None, None]
-        self._pending: tuple[deque[ctypes.Array[ctypes.c_int64]], ...] = (deque(), deque())
+        self._handles: list[int | None] = [None] * LANES
+        self._pending: tuple[deque[ctypes.Array[ctypes.c_int64]], ...] = tuple(
+            deque() for _ in range(LANES)
+        )
         self._stopped = False
 
     def handle(self, direction: int) -> int:
@@ -208,10 +220,10 @@ class CpuPagedEngine:
         job.finish()
         return job
 
-    def wait(self, job: CopyJob) -> None:
+    def wait(self, job: CopyJob, timeout: float | None = None) -> None:
         check_process(self.pid, "CpuPagedEngine")
         if isinstance(job, _NativeCopies):
-            job.wait()
+            job.wait(timeout)
         elif not job.query():  # jobs of the torch path end before they are returned
             raise RuntimeError(f"{job!r} cannot be waited for")
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -27,7 +28,7 @@ from asyncoffload._native import load_cuda_helpers
 from asyncoffload.transfer.base import CopyJob, check_process, host_bytes
 from asyncoffload.transfer.host_file import SharedHostFile, _host_file
 from asyncoffload.transfer.paged import CopyPlan, GroupSpan, PageLayout
-from asyncoffload.transfer.paged_base import STORE, _HostPages, _pid
+from asyncoffload.transfer.paged_base import EXPEDITED, STORE, _HostPages, _pid
 from asyncoffload.transfer.paged_cuda_tables import (
     _GroupRuns,
     _merge_runs,
@@ -184,6 +185,7 @@ class CudaPagedEngine:
     ) -> None:
         from asyncoffload.transfer.cuda import (
             PinnedHostPool,
+            _highest_priority,
             _new_stream,
             _PinnedRing,
             _release_streams,
@@ -209,8 +211,14 @@ class CudaPagedEngine:
                 except BaseException:
                     shared.close()
                     raise
-            self.streams = (_new_stream(device), _new_stream(device))
-            self.kernel_streams = (_new_stream(device), _new_stream(device))
+            # Per lane (store, load, expedited load): the expedited lane's copy stream has
+            # the device's highest priority, so its kernels go ahead of the others'.
+            self.streams = (
+                _new_stream(device),
+                _new_stream(device),
+                _new_stream(device, priority=_highest_priority()),
+            )
+            self.kernel_streams = (_new_stream(device), _new_stream(device), _new_stream(device))
         helpers = load_cuda_helpers()
         self._lib = helpers[0] if helpers else None
         features = helpers[1] if helpers else 0
@@ -249,17 +257,17 @@ class CudaPagedEngine:
         )
         #: cuMemcpyBatchAsync (source access order, flags) per direction: stores read KV
         #: in stream order; loads read slots nothing writes meanwhile, in any order.
-        self.batch_attributes: tuple[tuple[int, int], tuple[int, int]] = ((1, 0), (3, 0))
-        self._rings = (_PinnedRing(1 << 16), _PinnedRing(1 << 16))
+        self.batch_attributes: tuple[tuple[int, int], ...] = ((1, 0), (3, 0), (3, 0))
+        self._rings = (_PinnedRing(1 << 16), _PinnedRing(1 << 16), _PinnedRing(1 << 12))
         # Staging per direction: two [rows, row_stride] buffers, the next one to fill,
         # and for each the event after which it may be refilled.
         self.row_stride = -(-layout.slot_bytes // 256) * 256
-        self._staging: list[list[torch.Tensor] | None] = [None, None]
-        self._next_buffer = [0, 0]
+        self._staging: list[list[torch.Tensor] | None] = [None, None, None]
+        self._next_buffer = [0, 0, 0]
         # Per direction and buffer: the events after its fill and after its last reader,
         # and whether they were recorded yet.
         self._staging_events: list[tuple[list[torch.cuda.Event], list[torch.cuda.Event]]] = []
-        self._staging_used = [[False, False], [False, False]]
+        self._staging_used = [[False, False], [False, False], [False, False]]
         self._ref_sets: list[list[_RefSet]] = []
         self._group_runs: list[_GroupRuns] = []
         self._slots_aligned = layout.slot_bytes % 8 == 0
@@ -275,7 +283,7 @@ class CudaPagedEngine:
         #: whose groups it serves. ``None`` where unavailable.
         self._native_tables: list[tuple[torch.Tensor, int, int] | None] = []
         self._native_dense: list[bool] = []
-        self._native_staging: list[_NativeStaging | None] = [None, None]
+        self._native_staging: list[_NativeStaging | None] = [None, None, None]
         #: ``auto`` stages jobs of at least this many blocks natively (where it can).
         self.native_staged_min_blocks = 32
         self._setup_native()
@@ -472,6 +480,12 @@ class CudaPagedEngine:
         method = self._primary_method
         if method == "auto":
             method = self.choose_method(plan)
+            if method == "staged" and direction == EXPEDITED:
+                # Expedited loads keep no staging memory of their own: the kernel (or the
+                # DMA method) serves them.
+                method = (
+                    "kernel" if self.has_kernel or self.native_serves(plan) else (self.base_method)
+                )
         return self._submit(direction, plan, method)
 
     def submit_fallback(self, direction: int, plan: CopyPlan) -> CopyJob:
@@ -741,7 +755,7 @@ class CudaPagedEngine:
                 for _ in range(2)
             ]
             self._staging[direction] = buffers
-            while len(self._staging_events) < 2:
+            while len(self._staging_events) <= direction:
                 self._staging_events.append(
                     (
                         [torch.cuda.Event() for _ in range(2)],  # type: ignore[no-untyped-call]
@@ -861,7 +875,7 @@ class CudaPagedEngine:
                 pages.gather(parts, t, staged)
                 kv.index_copy_(0, blocks, staged.to(self.device))
 
-    def wait(self, job: CopyJob) -> None:
+    def wait(self, job: CopyJob, timeout: float | None = None) -> None:
         from asyncoffload.transfer.cuda import CudaJob
 
         check_process(self.pid, "CudaPagedEngine")
@@ -870,6 +884,18 @@ class CudaPagedEngine:
         event = job._event if isinstance(job, CudaJob) else None
         if event is None:
             raise RuntimeError(f"{job!r} cannot be waited for")
+        if timeout is not None:
+            # A bounded wait polls the job's event from this thread (CUDA events have no
+            # timed wait), backing off from 20 us to 1 ms between polls.
+            deadline = time.monotonic() + timeout
+            pause = 20e-6
+            while not (job.query() or job.check_failed()):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"{job!r} did not end within {timeout} s")
+                time.sleep(min(pause, left))
+                pause = min(pause * 2, 1e-3)
+            return
         try:
             event.synchronize()
         except RuntimeError as exc:  # a CUDA error surfaced by the event
@@ -889,4 +915,4 @@ class CudaPagedEngine:
         if detached is not None:
             _, release, args, _ = detached
             release(*args)  # waits for the streams, then unpins the pool
-        self._staging = [None, None]
+        self._staging = [None, None, None]

@@ -28,11 +28,13 @@ its per-layout tables in :mod:`~asyncoffload.transfer.paged_cuda_tables`) and
 from __future__ import annotations
 
 from asyncoffload.transfer.host_file import SharedHostFile
-from asyncoffload.transfer.paged_base import LOAD, STORE, PagedEngine
+from asyncoffload.transfer.paged_base import EXPEDITED, LANES, LOAD, STORE, PagedEngine
 from asyncoffload.transfer.paged_cpu import CpuCopyEngine, CpuPagedEngine
 from asyncoffload.transfer.paged_cuda import CudaPagedEngine
 
 __all__ = [
+    "EXPEDITED",
+    "LANES",
     "LOAD",
     "STORE",
     "CpuCopyEngine",

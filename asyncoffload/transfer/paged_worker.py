@@ -17,7 +17,9 @@ Life of a job::
 - A submission only queues the copy (the CPU ``threads``/torch engine excepted: it copies
   on the calling thread) and returns; invalid input raises ``TypeError`` /
   ``ValueError`` / ``IndexError`` and nothing is queued.
-- Jobs of one direction complete, and are reported, in submission order. A store reads
+- Jobs run on three lanes: stores, loads, and expedited loads (``submit_load(...,
+  expedited=True)``: the caller waits for them soon, so they queue behind no store and no
+  other load). Jobs of one lane complete, and are reported, in submission order. A store reads
   the KV blocks only after the work queued so far on the caller's current CUDA stream (a
   load likewise writes them after it).
 - A job is reported by :meth:`~PagedTransferWorker.get_finished` only once all its bytes
@@ -66,6 +68,8 @@ from asyncoffload.transfer.base import CopyJob, FailedJob, check_process, forked
 from asyncoffload.transfer.faults import Direction, FaultDecision, FaultPlan
 from asyncoffload.transfer.paged import CopyPlan, IdsLike, PageLayout
 from asyncoffload.transfer.paged_engines import (
+    EXPEDITED,
+    LANES,
     LOAD,
     STORE,
     CpuCopyEngine,
@@ -80,6 +84,7 @@ __all__ = [
     "CudaPagedEngine",
     "DirectionStats",
     "FinishedJob",
+    "JobCompletion",
     "PagedEngine",
     "PagedTransferError",
     "PagedTransferWorker",
@@ -88,8 +93,8 @@ __all__ = [
 
 log = logging.getLogger("asyncoffload.transfer")
 
-_DIRECTIONS = ("store", "load")
-_FAULT_DIRECTIONS: tuple[Direction, Direction] = ("store", "load")
+_DIRECTIONS = ("store", "load", "load")
+_FAULT_DIRECTIONS: tuple[Direction, ...] = ("store", "load", "load")
 
 
 class FinishedJob(NamedTuple):
@@ -121,11 +126,14 @@ class DirectionStats(NamedTuple):
 
 class PagedWorkerStats(NamedTuple):
     store: DirectionStats
+    #: Loads of the regular lane.
     load: DirectionStats
     #: The primary copy path, e.g. ``cpu-native``, ``cuda-batch``.
     engine: str
     #: The path a failed copy is retried on, e.g. ``cpu-torch``, ``cuda-each``.
     fallback: str
+    #: Expedited loads (their own lane).
+    expedited: DirectionStats = DirectionStats(0, 0, 0, 0, 0)
 
 
 class PagedTransferError(TransferError):
@@ -171,6 +179,7 @@ class _Transfer:
     __slots__ = (
         "direction",
         "end_ns",
+        "error",
         "fault",
         "job",
         "job_id",
@@ -202,6 +211,8 @@ class _Transfer:
         self.primary_error: BaseException | None = None
         #: The injected fault every attempt of this job gets (tests), if any.
         self.fault = fault
+        #: Set when the job failed on both paths (it is then forgotten).
+        self.error: PagedTransferError | None = None
 
 
 class _Counters:
@@ -274,10 +285,10 @@ class PagedTransferWorker:
             )
         else:
             raise ValueError(f"no copy engine for KV tensors on {device} (want cpu or cuda)")
-        self._lanes: tuple[deque[_Transfer], deque[_Transfer]] = (deque(), deque())
+        self._lanes: tuple[deque[_Transfer], ...] = tuple(deque() for _ in range(LANES))
         self._jobs: dict[int, _Transfer] = {}
         self._ready: list[FinishedJob] = []
-        self._counters = (_Counters(), _Counters())
+        self._counters = tuple(_Counters() for _ in range(LANES))
         self._closed = False
         self._pid = os.getpid()
         self._faults: FaultPlan | None = None
@@ -295,7 +306,8 @@ class PagedTransferWorker:
         state = "shut down" if self._closed else self._engine.primary_name
         return (
             f"<PagedTransferWorker {state} [store: {len(self._lanes[STORE])} in flight | "
-            f"load: {len(self._lanes[LOAD])} in flight] {self.num_slots} slots of "
+            f"load: {len(self._lanes[LOAD])} in flight | expedited: "
+            f"{len(self._lanes[EXPEDITED])} in flight] {self.num_slots} slots of "
             f"{self.slot_bytes} B>"
         )
 
@@ -367,11 +379,16 @@ class PagedTransferWorker:
         gpu_ids: IdsLike,
         group_sizes: IdsLike,
         block_indices: IdsLike,
+        *,
+        expedited: bool = False,
     ) -> None:
         """Queue copying host slots ``slot_ids`` into KV blocks ``gpu_ids``; returns once
         queued. The blocks are written after the work queued so far on the caller's
-        current CUDA stream. Errors as for :meth:`submit_store`."""
-        self._submit(LOAD, job_id, gpu_ids, group_sizes, block_indices, slot_ids)
+        current CUDA stream. ``expedited``: the caller waits for it soon (vLLM's sync
+        loads): it goes on a lane of its own, queued behind no store and no other load
+        (on CUDA a stream of the highest priority). Errors as for :meth:`submit_store`."""
+        lane = EXPEDITED if expedited else LOAD
+        self._submit(lane, job_id, gpu_ids, group_sizes, block_indices, slot_ids)
 
     def _submit(
         self,
@@ -444,14 +461,15 @@ class PagedTransferWorker:
         """The jobs whose bytes have all landed since the last call; never blocks on a
         copy (a job found failed is retried first, synchronously).
 
-        Each direction's jobs come in submission order (which is their completion
-        order); the two directions' lists are merged by completion time. A job that
+        Each lane's jobs (stores, loads, expedited loads) come in submission order
+        (which is their completion order); the lanes' lists are merged by completion
+        time. A job that
         failed on both paths raises :class:`PagedTransferError` after the others found
         so far are set aside for the next call; it is not reported again.
         """
         self._check_open()
         found, self._ready = self._ready, []
-        per_direction: list[list[tuple[int, FinishedJob]]] = [[], []]
+        per_direction: list[list[tuple[int, FinishedJob]]] = [[] for _ in self._lanes]
         try:
             for direction, lane in enumerate(self._lanes):
                 out = per_direction[direction]
@@ -470,22 +488,39 @@ class PagedTransferWorker:
         found += [f for _, f in heapq.merge(*per_direction, key=_end)]
         return found
 
-    def wait(self, job_ids: Iterable[int]) -> None:
+    def wait(self, job_ids: Iterable[int], timeout: float | None = None) -> None:
         """Block until the bytes of every job in ``job_ids`` (and of the jobs submitted
-        before them in the same direction) have landed, retrying failed copies. Ids not
+        before them on the same lane) have landed, retrying failed copies. Ids not
         in flight (unknown, or already reported) are ignored. The jobs are still
         reported by the next :meth:`get_finished`. Raises :class:`PagedTransferError`
-        for a job that failed on both paths (it is then forgotten)."""
+        for a job that failed on both paths (it is then forgotten), ``TimeoutError`` if
+        ``timeout`` seconds pass first (the jobs stay in flight). No thread waits: the
+        copy lane's own wait (CPU) or the job's CUDA event (GPU)."""
         self._check_open()
+        deadline = None if timeout is None else time.monotonic() + timeout
         for job_id in job_ids:
             record = self._jobs.get(job_id)
             if record is not None and not record.ok:
-                self._settle_through(record)
+                self._settle_through(record, deadline)
 
-    def _settle_through(self, target: _Transfer) -> None:
+    def completion(self, job_id: int) -> JobCompletion:
+        """Job ``job_id`` (in flight) as an ``IOCompletion`` (vLLM 0.34's protocol:
+        ``done()``, ``result(timeout)``), backed by the job's own completion: the copy
+        lane's status word on CPU, its CUDA event on GPU. ``KeyError`` for an id not in
+        flight."""
+        self._check_open()
+        record = self._jobs.get(job_id)
+        if record is None:
+            raise KeyError(f"job {job_id} is not in flight")
+        return JobCompletion(self, record)
+
+    def _settle_through(self, target: _Transfer, deadline: float | None = None) -> None:
         for record in list(self._lanes[target.direction]):
             if not record.ok:
-                self._engine.wait(record.job)
+                timeout = None
+                if deadline is not None:
+                    timeout = max(0.0, deadline - time.monotonic())
+                self._engine.wait(record.job, timeout)
                 self._settle(record)
             if record is target:
                 return
@@ -541,14 +576,16 @@ class PagedTransferWorker:
             lane.remove(record)
         self._jobs.pop(record.job_id, None)
         engine = self._engine
-        raise PagedTransferError(
+        error = PagedTransferError(
             record.job_id,
             _DIRECTIONS[record.direction],
             record.plan,
             (engine.primary_name, engine.fallback_name),
             primary,
             fallback,
-        ) from fallback
+        )
+        record.error = error
+        raise error from fallback
 
     # --- inspection and shutdown -----------------------------------------------------------
 
@@ -576,6 +613,7 @@ class PagedTransferWorker:
             direction(LOAD),
             self._engine.primary_name,
             self._engine.fallback_name,
+            direction(EXPEDITED),
         )
 
     def shutdown(self) -> None:
@@ -614,6 +652,56 @@ class PagedTransferWorker:
         check_process(self._pid, "PagedTransferWorker")
         if self._closed:
             raise RuntimeError("PagedTransferWorker is shut down")
+
+
+class JobCompletion:
+    """One job of a :class:`PagedTransferWorker` as an ``IOCompletion`` (vLLM 0.34's
+    protocol, which ``concurrent.futures.Future`` satisfies too), with no thread behind
+    it: :meth:`done` polls the job's own completion (the copy lane's status word on CPU,
+    its CUDA event or host-function slot on GPU), :meth:`result` waits for it from the
+    calling thread. The job is still reported by the worker's ``get_finished``."""
+
+    __slots__ = ("_record", "_worker")
+
+    def __init__(self, worker: PagedTransferWorker, record: _Transfer) -> None:
+        self._worker = worker
+        self._record = record
+
+    @property
+    def job_id(self) -> int:
+        return self._record.job_id
+
+    def done(self) -> bool:
+        """Whether the job's copy has ended (its bytes landed, or it failed: then
+        :meth:`result` retries it on the fallback path or raises). Never blocks."""
+        record = self._record
+        if record.ok or record.error is not None:
+            return True
+        if record.job.query():
+            return True
+        return bool(record.job.check_failed())
+
+    def result(self, timeout: float | None = None) -> FinishedJob:
+        """The finished job once its bytes have all landed (a failed copy retried first);
+        :class:`PagedTransferError` if it failed on both paths, ``TimeoutError`` if
+        ``timeout`` seconds pass first (it stays in flight)."""
+        record = self._record
+        if record.error is not None:
+            raise record.error
+        if not record.ok:
+            try:
+                self._worker.wait([record.job_id], timeout)
+            except PagedTransferError:
+                if record.error is not None:
+                    raise record.error from None
+                raise
+        if record.error is not None:  # forgotten by an earlier wait
+            raise record.error
+        return _finished(record)
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else "in flight"
+        return f"<JobCompletion job {self.job_id} {_DIRECTIONS[self._record.direction]} {state}>"
 
 
 _DONE = CopyJob(0, 0)

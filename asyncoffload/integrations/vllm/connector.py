@@ -35,12 +35,19 @@ Any ``OffloadingSpec`` works under it; only a worker that reports
 connector (it reads the scheduler's job table, ``OffloadingConnectorScheduler._jobs``).
 """
 
+# vLLM is imported only once its version is checked:
+# ruff: noqa: E402
 from __future__ import annotations
 
 import logging
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
+
+# The installed vLLM is checked before anything of it is imported (see versions.py).
+from asyncoffload.integrations.vllm.versions import installed_api
+
+VLLM = installed_api()
 
 from vllm.config import VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole

@@ -18,6 +18,8 @@ Only full chunks have keys, as in vLLM.
 them on a fresh manager with no driver in between, for benchmarks.
 """
 
+# vLLM is imported only once its version is checked:
+# ruff: noqa: E402
 from __future__ import annotations
 
 import gc
@@ -28,6 +30,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+# The installed vLLM is checked before anything of it is imported (see versions.py).
+from asyncoffload.integrations.vllm.versions import installed_api
+
+VLLM = installed_api()
+
 from vllm.v1.kv_offload.base import (
     BlockIDsLoadStoreSpec,
     LookupResult,

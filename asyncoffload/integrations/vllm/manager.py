@@ -14,11 +14,18 @@ manager. Both answer in raw form (slot ids, ``(keys, removed)`` events) and the 
 builds vLLM's objects from that.
 """
 
+# vLLM is imported only once its version is checked:
+# ruff: noqa: E402
 from __future__ import annotations
 
 import os
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, cast
+
+# The installed vLLM is checked before anything of it is imported (see versions.py).
+from asyncoffload.integrations.vllm.versions import installed_api
+
+VLLM = installed_api()
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     OffloadingConnectorStats,
@@ -53,6 +60,7 @@ from asyncoffload.manager.native import (
     native_manager_available,
     native_unsupported,
 )
+from asyncoffload.manager.policies.lru_ranked import RankedLRUPolicy
 
 if TYPE_CHECKING:
     from asyncoffload.integrations.vllm.tiers import SchedulerTiers
@@ -104,6 +112,9 @@ _LOOKUP = {
     OurLookupResult.HIT: LookupResult.HIT,
 }
 _VLLM_RESULTS = (LookupResult.MISS, LookupResult.HIT, LookupResult.HIT_PENDING)
+_PENDING = LookupResult.HIT_PENDING
+_MISS = LookupResult.MISS
+_NO_REQUEST = ReqContext(req_id="")
 
 
 def metric_definitions(
@@ -291,7 +302,12 @@ class AsyncOffloadManager(OffloadingManager):
         self.medium = Medium.CPU
         self.store_threshold = store_threshold
         self._enable_events = enable_events
+        #: vLLM 0.34's rules: its LRU ranks a running request's blocks together, a key
+        #: counts toward store_threshold once per request, stored events carry the request.
+        self._v034 = VLLM.request_recency
         why_not = native_unsupported(policy, store_threshold, admission)
+        if why_not is None and self._v034 and policy == "lru":
+            why_not = "vLLM 0.34's lru (request ranks) runs on the Python manager"
         if tiers:
             if host_pool is None:
                 raise ValueError("lower tiers need host_pool=(path, slot_bytes)")
@@ -311,21 +327,29 @@ class AsyncOffloadManager(OffloadingManager):
             events: list[RawEvent] = []
             self._manager = CPUOffloadingManager(
                 num_chunks,
-                policy,
+                RankedLRUPolicy(num_chunks) if self._v034 and policy == "lru" else policy,
                 store_threshold,
                 enable_events=enable_events,
                 max_tracker_size=max_tracker_size,
                 admission=admission,
                 request_scoped=True,
+                count_once_per_request=self._v034,
                 event_sink=lambda keys, removed: events.append((list(keys), removed)),
             )
             calls = _PythonCalls(self._manager, events)
         self._calls = calls
+        #: With vLLM 0.34's events: CPU-tier events already taken from the manager, each
+        #: with the request whose store it reports (stored) or None, in order.
+        self._cpu_events: list[tuple[list[OurOffloadKey], bool, ReqContext | None]] = []
+        #: Keys of failed stores whose slots were freed (vLLM 0.34's metadata-only
+        #: removals), reported with the next events.
+        self._released: list[OurOffloadKey] = []
         # vLLM's hottest calls (lookup: once per key) go straight to the implementation.
         self.lookup = calls.lookup  # type: ignore[method-assign]
         self.touch = calls.touch  # type: ignore[method-assign]
         self.complete_load = calls.complete_load  # type: ignore[method-assign]
-        self.complete_store = calls.complete_store  # type: ignore[method-assign]
+        if not (self._v034 and enable_events):
+            self.complete_store = calls.complete_store  # type: ignore[method-assign]
         self._allocation_sizes: list[int] = []
         self._reported = self._manager.stats()
         self._tiers: SchedulerTiers | None = None
@@ -341,7 +365,8 @@ class AsyncOffloadManager(OffloadingManager):
                 self._manager, tiers, paths, num_chunks, slot_bytes, unlink_pools=unlink_pools
             )
             # Every call first finishes the tier I/O that ended (see _tick).
-            del self.lookup, self.touch, self.complete_load, self.complete_store
+            del self.lookup, self.touch, self.complete_load
+            self.__dict__.pop("complete_store", None)
 
     @property
     def manager(self) -> CPUOffloadingManager | NativeManager:
@@ -458,18 +483,40 @@ class AsyncOffloadManager(OffloadingManager):
         self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
     ) -> None:
         self._tick()
-        self._calls.complete_store(keys, req_context, success)
+        calls = self._calls
+        if self._v034 and self._enable_events:
+            # vLLM 0.34: a stored event carries the request that stored it, and a failed
+            # store's freed slots are reported as a metadata-only removal.
+            pending = (
+                [] if success else [k for k in keys if calls.lookup(k, req_context) is _PENDING]
+            )
+            self._keep_cpu_events(None)
+            calls.complete_store(keys, req_context, success)
+            self._keep_cpu_events(req_context)
+            self._released += cast(list[OurOffloadKey], pending)
+        else:
+            calls.complete_store(keys, req_context, success)
         if success and self._tiers is not None:
             self._tiers.write_through(_seq(keys))
+
+    def _keep_cpu_events(self, req_context: ReqContext | None) -> None:
+        """Take the manager's events now, its stored ones as ``req_context``'s."""
+        for keys, removed in self._calls.take_events():
+            self._cpu_events.append((keys, removed, None if removed else req_context))
 
     # --- events, stats, lifecycle --------------------------------------------------
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         self._tick()
-        events = [
-            OffloadingEvent(keys=cast(list[OffloadKey], keys), medium=Medium.CPU, removed=removed)
-            for keys, removed in self._calls.take_events()
-        ]
+        if self._v034:
+            events = self._cpu_events_v034()
+        else:
+            events = [
+                OffloadingEvent(
+                    keys=cast(list[OffloadKey], keys), medium=Medium.CPU, removed=removed
+                )
+                for keys, removed in self._calls.take_events()
+            ]
         if self._tiers is not None:
             # Lower tiers publish their own removals (evictions, dropped blocks).
             events += [
@@ -481,6 +528,38 @@ class AsyncOffloadManager(OffloadingManager):
                 )
                 for keys, removed in self._tiers.take_events()
             ]
+        return events
+
+    def _cpu_events_v034(self) -> list[OffloadingEvent]:
+        """The CPU tier's events as vLLM 0.34's manager gives them: a stored event
+        carries its request and says its removal will be published; a failed store's
+        keys come as a metadata-only removal (less the keys stored again since)."""
+        self._keep_cpu_events(None)
+        taken, self._cpu_events = self._cpu_events, []
+        events = [
+            OffloadingEvent(
+                keys=cast(list[OffloadKey], keys),
+                medium=Medium.CPU,
+                removed=removed,
+                removal_expected=not removed,
+                req_context=ctx,
+            )
+            for keys, removed, ctx in taken
+        ]
+        if self._released:
+            released, self._released = self._released, []
+            gone = [
+                k for k in released if self._calls.lookup(cast(OffloadKey, k), _NO_REQUEST) is _MISS
+            ]
+            if gone:
+                events.append(
+                    OffloadingEvent(
+                        keys=cast(list[OffloadKey], gone),
+                        medium=Medium.CPU,
+                        removed=True,
+                        metadata_only=True,
+                    )
+                )
         return events
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:

@@ -5,11 +5,18 @@ vLLM builds one in the scheduler process (``get_manager``), one in each worker p
 own CPU spec, it runs on vLLM's CPU platform as well as on CUDA.
 """
 
+# vLLM is imported only once its version is checked:
+# ruff: noqa: E402
 from __future__ import annotations
 
 import hashlib
 from pathlib import Path
 from typing import Any
+
+# The installed vLLM is checked before anything of it is imported (see versions.py).
+from asyncoffload.integrations.vllm.versions import installed_api
+
+VLLM = installed_api()
 
 from vllm.v1.kv_offload.base import (
     CanonicalKVCaches,

@@ -4,7 +4,21 @@ vLLM calls it from each worker's model-runner thread: ``submit_store`` / ``submi
 queue a copy and return, ``get_finished`` is polled once per step, ``wait`` fences. The
 copies are :class:`~asyncoffload.transfer.paged_worker.PagedTransferWorker`'s: native
 copy lanes on CPU tensors (vLLM's CPU platform), batched DMA from a pinned host pool on
-CUDA ones. This class only translates vLLM's specs into ids.
+CUDA ones. This class only translates vLLM's arguments into ids:
+
+- vLLM 0.32 and 0.33 name the KV blocks by id (``GPULoadStoreSpec``);
+- vLLM 0.34 by device pointers (``DevicePointers``): each pointer is checked to be the
+  start of a row of the KV tensor its ref names (the same row for every ref of a block),
+  and the row is the block id, so a pointer outside the registered KV cache is refused
+  (``IndexError``) before anything is copied.
+
+An *expedited* load (vLLM 0.33+: a sync load, waited on within the step) runs on a lane
+of its own, behind no store and no other load: a native lane of its own on CPU, a copy
+stream of the highest priority on CUDA. :meth:`AsyncOffloadWorker.completion` gives any
+job in flight as an ``IOCompletion`` (``done()`` / ``result(timeout)``, vLLM 0.34's
+protocol) backed by the job's own completion, with no thread: the native lane's status
+word on CPU, the job's CUDA event on GPU; :meth:`~AsyncOffloadWorker.wait` waits on
+them.
 
 A copy that fails is retried once on a slower path. If that fails too, what happens
 depends on the connector:
@@ -22,11 +36,19 @@ depends on the connector:
 Either way success is never reported for bytes that did not land.
 """
 
+# vLLM is imported only once its version is checked:
+# ruff: noqa: E402
 from __future__ import annotations
 
 import logging
 import os
 
+# The installed vLLM is checked before anything of it is imported (see versions.py).
+from asyncoffload.integrations.vllm.versions import installed_api
+
+VLLM = installed_api()
+
+from vllm.v1.kv_offload import base as _vllm_base
 from vllm.v1.kv_offload.base import (
     BlockIDsLoadStoreSpec,
     CanonicalKVCaches,
@@ -39,10 +61,14 @@ from vllm.v1.kv_offload.base import (
 from asyncoffload.integrations.vllm.settings import VllmOffloadSettings
 from asyncoffload.transfer.faults import FaultPlan
 from asyncoffload.transfer.paged_worker import (
+    JobCompletion,
     PagedTransferError,
     PagedTransferWorker,
     PagedWorkerStats,
 )
+
+#: vLLM 0.34's flat device pointers of a transfer (``None`` before 0.34).
+DevicePointers: type | None = getattr(_vllm_base, "DevicePointers", None)
 
 __all__ = ["AsyncOffloadWorker"]
 
@@ -129,17 +155,26 @@ class AsyncOffloadWorker(OffloadingWorker):
         self._errors[error.job_id] = error
         self._failed.append(TransferResult(error.job_id, False))
 
-    def submit_store(
-        self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec
-    ) -> bool:
-        try:
-            self._transfers.submit_store(
-                job_id,
-                src_spec.block_ids,
-                list(src_spec.group_sizes),
-                list(src_spec.block_indices),
-                _slots(dst_spec),
+    def _blocks(self, spec: object) -> tuple[object, list[int], list[int]]:
+        """The KV block ids, group sizes and block indices of vLLM's device side of a
+        transfer: a ``GPULoadStoreSpec`` (vLLM 0.32, 0.33) or ``DevicePointers`` (0.34)."""
+        if isinstance(spec, GPULoadStoreSpec):
+            return spec.block_ids, list(spec.group_sizes), list(spec.block_indices)
+        if DevicePointers is not None and isinstance(spec, DevicePointers):
+            counts = list(spec.group_block_counts)
+            ids = self._transfers.layout.ids_from_pointers(
+                spec.ptrs, spec.sizes, counts, spec.group_data_ref_counts
             )
+            return ids, counts, list(spec.block_indices)
+        want = "DevicePointers" if DevicePointers is not None else "GPULoadStoreSpec"
+        raise TypeError(f"expected vLLM's {want} for the KV side, got {type(spec).__name__}")
+
+    def submit_store(self, job_id: int, src_spec: object, dst_spec: LoadStoreSpec) -> bool:
+        """Queue a store of the KV blocks ``src_spec`` names (block ids on vLLM 0.32 and
+        0.33, device pointers on 0.34) into the host slots of ``dst_spec``."""
+        ids, sizes, starts = self._blocks(src_spec)
+        try:
+            self._transfers.submit_store(job_id, ids, sizes, starts, _slots(dst_spec))
         except PagedTransferError as exc:  # both copy paths refused it
             self._failure(exc)
         return True
@@ -148,22 +183,26 @@ class AsyncOffloadWorker(OffloadingWorker):
         self,
         job_id: int,
         src_spec: LoadStoreSpec,
-        dst_spec: GPULoadStoreSpec,
+        dst_spec: object,
         expedited: bool = False,
     ) -> bool:
-        # vLLM 0.33 marks loads it waits for within the step ``expedited``. Loads run in
-        # submission order on one lane either way, behind no store (stores have their own).
+        """Queue a load from the host slots of ``src_spec`` into the KV blocks
+        ``dst_spec`` names; ``expedited`` (vLLM 0.33+ sync loads) on a lane of its own,
+        queued behind no store and no other load."""
+        ids, sizes, starts = self._blocks(dst_spec)
         try:
             self._transfers.submit_load(
-                job_id,
-                _slots(src_spec),
-                dst_spec.block_ids,
-                list(dst_spec.group_sizes),
-                list(dst_spec.block_indices),
+                job_id, _slots(src_spec), ids, sizes, starts, expedited=bool(expedited)
             )
         except PagedTransferError as exc:
             self._failure(exc)
         return True
+
+    def completion(self, job_id: int) -> JobCompletion:
+        """Job ``job_id`` (in flight) as an ``IOCompletion``: ``done()`` polls it,
+        ``result(timeout)`` waits for it, no thread involved (see the module
+        docstring). ``KeyError`` for an id not in flight."""
+        return self._transfers.completion(job_id)
 
     def get_finished(self) -> list[TransferResult]:
         while True:

@@ -7,12 +7,14 @@ from asyncoffload.manager.policies.adaptive import AdaptivePolicy
 from asyncoffload.manager.policies.arc import ARCPolicy
 from asyncoffload.manager.policies.base import (
     CachePolicy,
+    RequestScope,
     available_policies,
     get_policy_cls,
     register_policy,
 )
 from asyncoffload.manager.policies.kv import KVPolicy
 from asyncoffload.manager.policies.lru import LRUPolicy
+from asyncoffload.manager.policies.lru_ranked import RankedLRUPolicy
 from asyncoffload.manager.policies.s3fifo import S3FIFOPolicy
 from asyncoffload.manager.policies.sieve import SIEVEPolicy
 
@@ -22,6 +24,8 @@ __all__ = [
     "CachePolicy",
     "KVPolicy",
     "LRUPolicy",
+    "RankedLRUPolicy",
+    "RequestScope",
     "S3FIFOPolicy",
     "SIEVEPolicy",
     "available_policies",

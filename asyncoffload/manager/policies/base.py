@@ -35,11 +35,24 @@ from asyncoffload.manager.base import BlockStatus
 
 __all__ = [
     "CachePolicy",
+    "RequestScope",
     "available_policies",
     "get_policy_cls",
     "order_request_keys",
     "register_policy",
 ]
+
+
+class RequestScope:
+    """What a request-scoped manager tells a ``request_ranked`` policy of one request:
+    the end token of each of its keys, where known (vLLM's ``_offload_key_positions``),
+    and room for the policy's own per-request state (keyed by ``id(policy)``)."""
+
+    __slots__ = ("positions", "state")
+
+    def __init__(self, positions: Mapping[OffloadKey, int] | None = None) -> None:
+        self.positions = positions
+        self.state: dict[int, tuple[int, int]] = {}
 
 
 class CachePolicy(ABC):
@@ -58,6 +71,10 @@ class CachePolicy(ABC):
     #: Whether the policy learns its decisions from the workload as it goes (``kv``'s
     #: table starts empty): ``auto`` leaves such a leader early only on a clear lead.
     learns_online: ClassVar[bool] = False
+    #: Whether a request-scoped manager tells the policy which request inserts a block
+    #: (:meth:`insert_ranked`) and which blocks a request first uses
+    #: (:meth:`on_request_access`), as vLLM 0.34's manager tells its LRU.
+    request_ranked: ClassVar[bool] = False
 
     def __init__(self, capacity: int) -> None:
         if capacity <= 0:
@@ -87,6 +104,20 @@ class CachePolicy(ABC):
         policy that can tell a block is worth less than what it would push out may
         decline it. Must not change anything."""
         return keys
+
+    def insert_ranked(
+        self, items: Iterable[tuple[OffloadKey, BlockStatus]], request: RequestScope | None
+    ) -> None:
+        """Track the blocks one request stores (``request_ranked`` policies, under a
+        request-scoped manager; ``None``: no request). The default is
+        :meth:`insert_many`."""
+        self.insert_many(items)
+
+    def on_request_access(self, keys: Sequence[OffloadKey], request: RequestScope) -> None:
+        """A running request uses ``keys`` for the first time (it loads them, or offers
+        them to a store), before any of them is inserted (``request_ranked`` policies,
+        under a request-scoped manager). Must not evict. The default does nothing."""
+        return None
 
     @abstractmethod
     def remove(self, key: OffloadKey) -> None:
