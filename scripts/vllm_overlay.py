@@ -14,7 +14,9 @@ are CUDA builds, and nothing the tests run needs them.
 With --tests, the release's source distribution (which carries vLLM's own tests) is
 downloaded from PyPI's simple index too, its sha256 checked against the index's, and the
 tests of the offloading API are unpacked into DEST/tests (`tests/v1/kv_offload`,
-`tests/v1/kv_connector/unit`): tests/vllm_upstream runs them against asyncoffload.
+`tests/v1/kv_connector/unit`, and `tests/v1/spec_decode` that they import), with a
+`pytest.ini` of their own and, for the model their configs name, a Hugging Face cache in
+DEST/hf holding only its config: tests/vllm_upstream runs them against asyncoffload.
 
 Nothing is downloaded when DEST already holds that release (DEST/.complete).
 
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import re
 import shutil
 import subprocess
@@ -38,7 +41,7 @@ from pathlib import Path
 
 INDEX = "https://pypi.org/simple/vllm/"
 #: What of the source distribution's tests/ is unpacked (with the package files above).
-TEST_PATHS = ("tests/v1/kv_offload/", "tests/v1/kv_connector/unit/")
+TEST_PATHS = ("tests/v1/kv_offload/", "tests/v1/kv_connector/unit/", "tests/v1/spec_decode/")
 TEST_FILES = ("tests/__init__.py", "tests/utils.py", "tests/v1/__init__.py")
 #: What of the wheel is unpacked (with four files of its dist-info).
 KEEP_SUFFIXES = (".py", ".pyi", ".json", ".jinja", "py.typed")
@@ -135,6 +138,45 @@ def unpack_tests(sdist: Path, version: str, dest: Path) -> int:
     return count
 
 
+#: What vLLM's connector tests need of ``facebook/opt-125m``, the model their configs name:
+#: its config (OPT-125m's shape), in a Hugging Face cache of its own that the tests read
+#: offline (HF_HOME=DEST/hf, HF_HUB_OFFLINE=1). Written here, not downloaded.
+OPT_125M_CONFIG = {
+    "architectures": ["OPTForCausalLM"],
+    "model_type": "opt",
+    "hidden_size": 768,
+    "num_attention_heads": 12,
+    "num_hidden_layers": 12,
+    "ffn_dim": 3072,
+    "max_position_embeddings": 2048,
+    "vocab_size": 50272,
+    "word_embed_proj_dim": 768,
+    "torch_dtype": "float16",
+    "do_layer_norm_before": True,
+    "pad_token_id": 1,
+    "bos_token_id": 2,
+    "eos_token_id": 2,
+}
+#: vLLM's tests run under settings of their own, not asyncoffload's pyproject.toml.
+PYTEST_INI = """[pytest]
+# Written by scripts/vllm_overlay.py: vLLM's own tests run under these settings.
+markers =
+    cpu_test: vLLM's mark of tests that need no GPU
+    skip_global_cleanup: vLLM's mark
+filterwarnings = ignore::DeprecationWarning
+"""
+
+
+def write_hub(dest: Path) -> None:
+    revision = "0" * 40
+    repo = dest / "hf" / "hub" / "models--facebook--opt-125m"
+    (repo / "refs").mkdir(parents=True, exist_ok=True)
+    (repo / "refs" / "main").write_text(revision)
+    snapshot = repo / "snapshots" / revision
+    snapshot.mkdir(parents=True, exist_ok=True)
+    (snapshot / "config.json").write_text(json.dumps(OPT_125M_CONFIG))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("version", help="the vLLM release, e.g. 0.34.0")
@@ -143,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     dest: Path = args.dest
     stamp = dest / ".complete"
-    want = f"{args.version} tests={args.tests}\n"
+    want = f"{args.version} tests={args.tests} {TEST_PATHS} hub+ini\n"
     if stamp.exists() and stamp.read_text() == want:
         return 0
     if dest.exists():
@@ -154,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"vllm_overlay: vLLM {args.version}: {files} files in {dest / 'site'}")
         if args.tests:
             tests = unpack_tests(fetch_sdist(args.version, work), args.version, dest)
+            write_hub(dest)
+            (dest / "pytest.ini").write_text(PYTEST_INI)
             print(f"vllm_overlay: vLLM {args.version}'s tests: {tests} files in {dest / 'tests'}")
     stamp.write_text(want)
     return 0

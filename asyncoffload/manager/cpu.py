@@ -442,26 +442,33 @@ class CPUOffloadingManager(OffloadingManager):
             log = self._request(ctx)
             offered, ready, pending = self._partition(keys)
         counted = None
-        if self._count_once and log is not None:
+        if self._count_once and log is not None and self._offers is not None:
+            # vLLM 0.34's tracker: every key of the offer counts, once per request,
+            # before anything is decided (a refused call has counted too).
             counted = log.counted
             if counted is None:
                 counted = log.counted = set()
+            self._count_offer(keys, counted)
         to_store = offered
         admission = self._admission
         if offered:
             full = len(offered) > self.num_free
             to_store = self._policy.admissible(offered, full)
-            if self._offers is not None:
-                to_store = self._admissible(to_store, counted)
+            if counted is not None:
+                self._store_skipped += len(offered) - len(to_store)  # the policy's own
+                to_store = self._counted_admissible(to_store, counted)
+            elif self._offers is not None:
+                to_store = self._admissible(to_store)
             elif admission is not None:
                 to_store = admission.admissible(to_store, full)
+        if counted is not None:
+            counted.update(keys)
         if log is not None:
             self._log_store(log, keys, offered, to_store, ready, pending)
         self.last_store_size = len(to_store)
         if not to_store:
-            self._record_offers(offered, to_store, counted)
-            if counted is not None:
-                counted.update(keys)
+            if counted is None:
+                self._record_offers(offered, to_store)
             return PrepareStoreOutput([], _EMPTY_SPEC, [])
 
         # A refused call (``None``) changes no slot, offer counts included.
@@ -469,9 +476,8 @@ class CPUOffloadingManager(OffloadingManager):
         if evicted is None:
             return None
 
-        self._record_offers(offered, to_store, counted)
-        if counted is not None:
-            counted.update(keys)
+        if counted is None:
+            self._record_offers(offered, to_store)
         if admission is not None and evicted:
             admission.on_evict(evicted)  # after record(): admitted keys leave the ghost first
         ids = self._allocate(len(to_store))
@@ -587,33 +593,58 @@ class CPUOffloadingManager(OffloadingManager):
         if self._ranked:
             self._accessed(log, seen)
 
-    def _admissible(
-        self, keys: list[OffloadKey], counted: set[OffloadKey] | None = None
-    ) -> list[OffloadKey]:
-        """The ``keys`` whose offer in this call reaches ``store_threshold`` (an offer of
-        a key in ``counted``, one this request counted already, adds nothing); changes
-        nothing."""
+    def _admissible(self, keys: list[OffloadKey]) -> list[OffloadKey]:
+        """The ``keys`` whose offer in this call reaches ``store_threshold``; changes nothing."""
         offers = self._offers
         assert offers is not None
         threshold = self.store_threshold
-        if counted:
-            return [key for key in keys if offers.get(key, 0) + (key not in counted) >= threshold]
         return [key for key in keys if offers.get(key, 0) + 1 >= threshold]
 
-    def _record_offers(
-        self,
-        offered: list[OffloadKey],
-        admitted: list[OffloadKey],
-        counted: set[OffloadKey] | None = None,
-    ) -> None:
+    def _count_offer(self, keys: Sequence[OffloadKey], counted: set[OffloadKey]) -> None:
+        """vLLM 0.34's offer count (``count_once_per_request``): every key of the offer,
+        present or not, goes up by one unless this request counted it already
+        (``counted``); keys new to the tracker enter at one, the least recently offered
+        keys not in this offer leaving it when it is full (a key of this offer never
+        does: with no other room it stays out)."""
+        offers = self._offers
+        assert offers is not None
+        offered = set()
+        for key in keys:
+            if key in offers:
+                offers.move_to_end(key)
+                if key not in counted:
+                    offers[key] += 1
+                offered.add(key)
+        room = len(offers) - len(offered)  # entries that may leave for a new key
+        for key in keys:
+            if key in offers:
+                continue
+            if len(offers) >= self.max_tracker_size:
+                if not room:
+                    continue
+                offers.popitem(last=False)
+                room -= 1
+            offers[key] = 1
+
+    def _counted_admissible(
+        self, keys: list[OffloadKey], counted: set[OffloadKey]
+    ) -> list[OffloadKey]:
+        """The ``keys`` (absent, counted already by :meth:`_count_offer`) that reached
+        ``store_threshold``; the others are skipped, each counted as skipped once per
+        request."""
+        offers = self._offers
+        assert offers is not None
+        threshold = self.store_threshold
+        admitted = [key for key in keys if offers.get(key, 0) >= threshold]
+        if len(admitted) != len(keys):
+            held = set(keys).difference(admitted)
+            self._store_skipped += sum(1 for key in held if key not in counted)
+        return admitted
+
+    def _record_offers(self, offered: list[OffloadKey], admitted: list[OffloadKey]) -> None:
         """Count this call's offers (held back: by the policy, the threshold or the
-        filter): admitted keys leave the tracker, the others go up by one, but not for
-        a key in ``counted`` (this request counted it already: it is neither counted nor
-        skipped again); or tell the admission filter."""
-        if counted:
-            admitted_set = set(admitted)
-            again = [key for key in offered if key in counted and key not in admitted_set]
-            self._store_skipped -= len(again)
+        filter): admitted keys leave the tracker, the others go up by one; or tell the
+        admission filter."""
         self._store_skipped += len(offered) - len(admitted)
         offers = self._offers
         if offers is None:
@@ -622,8 +653,6 @@ class CPUOffloadingManager(OffloadingManager):
             return
         admitted_set = set(admitted)
         for key in offered:
-            if counted and key in counted and key not in admitted_set:
-                continue
             count = offers.pop(key, 0) + 1
             if key not in admitted_set:
                 if len(offers) >= self.max_tracker_size:

@@ -22,6 +22,9 @@ plan's seeded generator) and/or ``nth`` (the n-th eligible submissions, from 1):
 - ``interrupt_in_callback``: once the job has ended, the first read of ``job.error``
   (the completion callback's first look at the outcome) raises a ``BaseException``
   (``KeyboardInterrupt`` unless told otherwise); later reads return the outcome.
+- ``slot_error`` (a :class:`~asyncoffload.transfer.paged_worker.PagedTransferWorker`
+  only): host slots that fail every copy touching them, on every path, as a damaged
+  host page would; the job's other slots copy.
 - ``slow_lane``: the copy ends ``delay_s`` late. On the ``threads`` engine the lane
   sleeps before copying, so the jobs behind it wait too; elsewhere the job's end becomes
   visible ``delay_s`` after the copy ended (a helper thread wakes the loop then; it runs
@@ -74,6 +77,7 @@ FaultKind = Literal[
     "interrupt_after_queue",
     "interrupt_in_callback",
     "slow_lane",
+    "slot_error",
 ]
 Direction = Literal["store", "load"]
 #: Makes the exception a fault raises, from a message (an exception class will do).
@@ -106,6 +110,8 @@ class Fault:
     times: int | None = None
     delay_s: float = 0.0
     error: ExceptionFactory | None = None
+    #: A ``slot_error``'s damaged host slots.
+    slots: frozenset[int] = frozenset()
 
     def __post_init__(self) -> None:
         if self.kind not in _KINDS:
@@ -122,6 +128,10 @@ class Fault:
             raise ValueError(f"times must be >= 0, got {self.times}")
         if self.delay_s < 0 or (self.kind == "slow_lane") != (self.delay_s > 0):
             raise ValueError("delay_s: positive for a slow_lane fault, 0 for any other")
+        if (self.kind == "slot_error") != bool(self.slots):
+            raise ValueError("slots: some for a slot_error fault, none for any other")
+        if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in self.slots):
+            raise ValueError(f"slots are host slot ids (ints >= 0), got {sorted(self.slots)}")
 
     def make_error(self, what: str) -> BaseException:
         factory = self.error
@@ -200,6 +210,21 @@ class Fault:
         """The copy ends ``delay_s`` late."""
         return cls("slow_lane", rate, _counts(nth), direction, times, delay_s)
 
+    @classmethod
+    def slot_error(
+        cls,
+        slots: Iterable[int],
+        rate: float = 1.0,
+        *,
+        nth: int | Iterable[int] = (),
+        direction: Direction | None = None,
+        times: int | None = None,
+        error: ExceptionFactory | None = None,
+    ) -> Fault:
+        """Every copy of a faulted job that touches one of ``slots`` fails, on every
+        path; its other slots copy (a damaged host page). Every eligible job by default."""
+        return cls("slot_error", rate, _counts(nth), direction, times, 0.0, error, frozenset(slots))
+
 
 def _counts(nth: int | Iterable[int]) -> frozenset[int]:
     return frozenset((nth,) if isinstance(nth, int) else nth)
@@ -217,6 +242,9 @@ class FaultDecision:
     copy_error: BaseException | None = None
     delay_s: float = 0.0
     callback_interrupt: BaseException | None = None
+    #: Damaged host slots (``slot_error``), and the error a copy touching one gets.
+    bad_slots: frozenset[int] = frozenset()
+    slot_error: BaseException | None = None
 
     def lane_copy(self, copy: Callable[..., None]) -> Callable[..., None]:
         """``copy`` as a copy lane should run it under this decision: after ``delay_s``,
@@ -343,6 +371,9 @@ def _apply(decision: FaultDecision, fault: Fault, what: str) -> None:
         decision.raise_after = fault.make_error(what)
     elif kind == "copy_error":
         decision.copy_error = fault.make_error(what)
+    elif kind == "slot_error":
+        decision.bad_slots |= fault.slots
+        decision.slot_error = fault.make_error(f"{what}, host slots {sorted(fault.slots)}")
     else:
         decision.callback_interrupt = fault.make_error(what)
 
@@ -545,6 +576,8 @@ def install(backend: _Backend, plan: FaultPlan | None) -> None:
     :meth:`TransferBackend.inject_faults`."""
     if plan is not None and not isinstance(plan, FaultPlan):
         raise TypeError(f"inject_faults takes a FaultPlan or None, got {type(plan).__name__}")
+    if plan is not None and any(f.kind == "slot_error" for f in plan.faults):
+        raise ValueError("slot_error faults apply to a PagedTransferWorker only")
     attrs = vars(backend)
     directions: tuple[tuple[str, Direction], ...] = (
         ("submit_store", "store"),

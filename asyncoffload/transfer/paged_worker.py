@@ -140,7 +140,11 @@ class PagedTransferError(TransferError):
     """A job's copy failed on the primary path and again on the fallback path.
 
     ``job_id``, ``direction`` (``"store"`` / ``"load"``), ``gpu_ids`` and ``slot_ids``
-    (lists) say which; ``primary_error`` and ``fallback_error`` say why."""
+    (lists) say which; ``primary_error`` and ``fallback_error`` say why.
+    ``failed_gpu_ids``: the GPU blocks whose bytes did not land. For a load that spans
+    several host slots, the worker retries each slot alone on the fallback path before
+    giving up, so this may be fewer than ``gpu_ids`` (the others landed); for a store,
+    and whenever every slot failed, it is all of them."""
 
     def __init__(
         self,
@@ -150,6 +154,7 @@ class PagedTransferError(TransferError):
         paths: tuple[str, str],
         primary_error: BaseException,
         fallback_error: BaseException,
+        failed_gpu_ids: list[int] | None = None,
     ) -> None:
         self.job_id = job_id
         self.direction = direction
@@ -157,11 +162,20 @@ class PagedTransferError(TransferError):
         self.slot_ids: list[int] = plan.slot_ids.tolist()
         self.primary_error = primary_error
         self.fallback_error = fallback_error
+        self.failed_gpu_ids: list[int] = (
+            list(self.gpu_ids) if failed_gpu_ids is None else failed_gpu_ids
+        )
+        partial = ""
+        if len(self.failed_gpu_ids) < len(self.gpu_ids):
+            partial = (
+                f"; {len(self.gpu_ids) - len(self.failed_gpu_ids)} blocks landed, "
+                f"{len(self.failed_gpu_ids)} did not: {_head(self.failed_gpu_ids)}"
+            )
         super().__init__(
             f"{direction} job {job_id} failed ({len(self.gpu_ids)} GPU blocks "
             f"{_head(self.gpu_ids)}, host slots {_head(self.slot_ids)}, {plan.nbytes} B): "
             f"{paths[0]} copy: {_describe(primary_error)}; retry on {paths[1]}: "
-            f"{_describe(fallback_error)}"
+            f"{_describe(fallback_error)}{partial}"
         )
 
 
@@ -328,10 +342,11 @@ class PagedTransferWorker:
                 raise TypeError(
                     f"inject_faults takes a FaultPlan or None, got {type(plan).__name__}"
                 )
-            other = sorted({f.kind for f in plan.faults} - {"copy_error", "submit_error"})
+            allowed = {"copy_error", "submit_error", "slot_error"}
+            other = sorted({f.kind for f in plan.faults} - allowed)
             if other:
                 raise ValueError(
-                    f"a PagedTransferWorker takes copy_error and submit_error faults, "
+                    f"a PagedTransferWorker takes copy_error, submit_error and slot_error faults, "
                     f"not {', '.join(other)}"
                 )
         self._faults = plan
@@ -353,6 +368,9 @@ class PagedTransferWorker:
                 raise fault.raise_before
             if fault.copy_error is not None:
                 return FailedJob(plan.num_copies, fault.copy_error)
+            if fault.bad_slots and not fault.bad_slots.isdisjoint(plan.slot_ids.tolist()):
+                assert fault.slot_error is not None
+                return FailedJob(plan.num_copies, fault.slot_error)
         return submit(direction, plan)
 
     # --- submission ------------------------------------------------------------------------
@@ -539,7 +557,7 @@ class PagedTransferWorker:
                 self._mark_ok(record, end, (end - record.submitted_ns) / 1e9)
             return
         if primary is not None:  # this was the retry
-            self._fail(record, primary, job.error)
+            self._fail(record, primary, job.error, self._salvage(record))
         direction = record.direction
         engine = self._engine
         record.primary_error = job.error
@@ -557,8 +575,59 @@ class PagedTransferWorker:
             record.job = self._attempt(engine.submit_fallback, direction, record.plan, record.fault)
             engine.wait(record.job)
         except Exception as fallback:
-            self._fail(record, job.error, fallback)
+            self._fail(record, job.error, fallback, self._salvage(record))
         self._settle(record)
+
+    def _salvage(self, record: _Transfer) -> list[int] | None:
+        """A load that failed on both paths, retried one host slot at a time on the
+        fallback path (waiting for each): the GPU blocks of the slots that failed
+        again, or ``None`` when nothing landed (one slot, a store, every slot failed).
+        vLLM then recomputes from the first failed block instead of from the first of
+        the job."""
+        plan = record.plan
+        if record.direction == STORE or plan.slot_ids.numel() < 2:
+            return None
+        engine = self._engine
+        layout = self.layout
+        bpc = layout.blocks_per_chunk
+        failed: list[int] = []
+        landed = 0
+        try:
+            engine.quiesce(record.direction)
+            for span in plan.spans:
+                for i in range(span.num_slots):
+                    lo = max(0, i * bpc - span.skip)
+                    hi = min(span.n, (i + 1) * bpc - span.skip)
+                    if lo >= hi:
+                        continue
+                    ids = plan.gpu_ids[span.gpu_lo + lo : span.gpu_lo + hi]
+                    sizes = [0] * layout.num_groups
+                    sizes[span.group] = hi - lo
+                    starts = [0] * layout.num_groups
+                    starts[span.group] = span.skip + lo
+                    one = layout.plan(
+                        ids,
+                        sizes,
+                        starts,
+                        plan.slot_ids[span.slot_lo + i : span.slot_lo + i + 1],
+                        num_slots=self.num_slots,
+                        store=False,
+                    )
+                    try:
+                        job = self._attempt(
+                            engine.submit_fallback, record.direction, one, record.fault
+                        )
+                        engine.wait(job)
+                        ok = job.error is None
+                    except Exception:
+                        ok = False
+                    if ok:
+                        landed += 1
+                    else:
+                        failed += ids.tolist()
+        except Exception:
+            return None
+        return failed if landed and failed else None
 
     def _mark_ok(self, record: _Transfer, end_ns: int, seconds: float) -> None:
         record.ok = True
@@ -569,7 +638,13 @@ class PagedTransferWorker:
         counters.jobs += 1
         counters.bytes += record.plan.nbytes
 
-    def _fail(self, record: _Transfer, primary: BaseException, fallback: BaseException) -> NoReturn:
+    def _fail(
+        self,
+        record: _Transfer,
+        primary: BaseException,
+        fallback: BaseException,
+        failed_gpu_ids: list[int] | None = None,
+    ) -> NoReturn:
         self._counters[record.direction].failures += 1
         lane = self._lanes[record.direction]
         if record in lane:
@@ -583,6 +658,7 @@ class PagedTransferWorker:
             (engine.primary_name, engine.fallback_name),
             primary,
             fallback,
+            failed_gpu_ids,
         )
         record.error = error
         raise error from fallback

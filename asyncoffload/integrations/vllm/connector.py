@@ -1,9 +1,13 @@
-"""``AsyncOffloadConnector``: vLLM's ``OffloadingConnector`` with the failure channel working.
+"""``AsyncOffloadConnector``: vLLM's ``OffloadingConnector`` where a failed load costs only
+the blocks that failed, never a worker.
 
-vLLM's ``OffloadingConnector`` asserts that every transfer succeeds, so a load that fails
-kills the worker, although vLLM's scheduler can recompute blocks that failed to load
-(``kv_load_failure_policy="recompute"``, fed by ``get_block_ids_with_load_errors()``).
-This subclass changes only the failure path::
+vLLM 0.32 and 0.33's ``OffloadingConnector`` asserts that every transfer succeeds, so a
+load that fails kills the worker. vLLM 0.34's reports a failed async load per request
+(``failed_recving``): under ``kv_load_failure_policy="recompute"`` the whole request is
+recomputed from token 0; a failed sync (expedited) load still raises. vLLM's scheduler
+can do better on every version: it recomputes from the first block a connector reports
+through ``get_block_ids_with_load_errors()``, keeping the valid prefix, for async and
+sync loads alike. This subclass changes only the failure path::
 
     --kv-transfer-config '{"kv_connector": "AsyncOffloadConnector",
       "kv_connector_module_path": "asyncoffload.integrations.vllm",
@@ -21,7 +25,16 @@ This subclass changes only the failure path::
   the cause, and the engine keeps serving. A request whose load failed is not offered
   offloaded blocks again (it recomputes rather than retrying the load). Models with
   several KV cache groups get the request-level channel (``failed_recving``: vLLM
-  recomputes the whole request) since vLLM maps block ids back only for one group.
+  recomputes the whole request) since vLLM maps block ids back only for one group; for
+  them sync loads are turned off (``sync_load_budget_bytes`` 0, logged), since a failed
+  sync load has no request-level channel.
+- **Only the blocks that failed**: a load whose copy failed on both paths is retried one
+  host slot at a time, so the blocks of the slots that copy are kept and only the
+  others are reported (vLLM recomputes from the first of those: its scheduler can resume
+  a request only at a block boundary, never skip a block in the middle).
+- **A sync (expedited) load** (vLLM 0.33+) that fails is reported the same way, in the
+  step that waited for it: vLLM discards that step's output for the request and
+  recomputes from the first failed block. It never raises.
 - **A failed store** is skipped: its blocks never become loadable
   (``complete_store(success=False)``) and it is counted.
 - Counters (vLLM's Prometheus registry and ``get_kv_connector_stats``):
@@ -31,8 +44,10 @@ This subclass changes only the failure path::
 
 Any ``OffloadingSpec`` works under it; only a worker that reports
 ``TransferResult(success=False)`` (ours does once the connector sets
-``report_failures``) ever takes the failure path. Written against vLLM 0.32's offloading
-connector (it reads the scheduler's job table, ``OffloadingConnectorScheduler._jobs``).
+``report_failures``) ever takes the failure path. On vLLM 0.32 and 0.33 it reads the
+scheduler's job table (``OffloadingConnectorScheduler._jobs``) to drop a failed store's
+keys and keep a failed request from loading again; vLLM 0.34's scheduler does both
+itself (``failed_jobs``).
 """
 
 # vLLM is imported only once its version is checked:
@@ -151,6 +166,8 @@ class AsyncOffloadWorkerMetadata(OffloadingWorkerMetadata):
             failed_loads=dict(self.failed_loads),
             failed_stores=set(self.failed_stores),
         )
+        if VLLM.failed_jobs:  # vLLM 0.34's own record of failed jobs
+            out.failed_jobs = set(merged.failed_jobs)  # type: ignore[attr-defined]
         if isinstance(other, AsyncOffloadWorkerMetadata):
             for job_id, blocks in other.failed_loads.items():
                 out.failed_loads[job_id] = max(blocks, out.failed_loads.get(job_id, 0))
@@ -202,7 +219,8 @@ class AsyncOffloadConnectorWorker(OffloadingConnectorWorker):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         """As vLLM's, but a failed job is reported done and recorded as failed (see
-        :meth:`take_block_ids_with_load_errors`) instead of asserted."""
+        :meth:`take_block_ids_with_load_errors`) instead of asserted or raised; a failed
+        sync load (no request id: its request already ran this step) too."""
         assert self.worker is not None
         meta = self._connector_worker_meta
         assert isinstance(meta, AsyncOffloadWorkerMetadata)
@@ -213,10 +231,15 @@ class AsyncOffloadConnectorWorker(OffloadingConnectorWorker):
             block_ids = self._load_block_ids.pop(job_id, [])
             if not result.success:
                 self._record_failure(meta, job_id, is_load, block_ids)
-            elif result.transfer_time is not None and result.transfer_size is not None:
-                stats = meta.transfer_stats.load if is_load else meta.transfer_stats.store
-                stats.record(result.transfer_size, result.transfer_time)
-            meta.mark_completed(job_id)
+                if VLLM.failed_jobs:
+                    meta.mark_completed(job_id, success=False)  # type: ignore[call-arg]
+                else:
+                    meta.mark_completed(job_id)
+            else:
+                if result.transfer_time is not None and result.transfer_size is not None:
+                    stats = meta.transfer_stats.load if is_load else meta.transfer_stats.store
+                    stats.record(result.transfer_size, result.transfer_time)
+                meta.mark_completed(job_id)
             req_id = self._load_jobs.pop(job_id, None)
             if req_id is not None:
                 finished_recving.add(req_id)
@@ -239,15 +262,20 @@ class AsyncOffloadConnectorWorker(OffloadingConnectorWorker):
             meta.failed_stores.add(job_id)
             log.warning("asyncoffload: %s; its blocks are dropped, not stored", cause)
             return
+        if error is not None and error.failed_gpu_ids and block_ids:
+            # Slots retried alone that landed: only the others' blocks are lost.
+            failed = set(error.failed_gpu_ids)
+            block_ids = [b for b in block_ids if b in failed]
         self.load_jobs_failed += 1
         self.load_blocks_failed += len(block_ids)
         meta.failed_loads[job_id] = len(block_ids)
-        req_id = self._load_jobs[job_id]
-        if self.per_request:
+        req_id = self._load_jobs[job_id]  # None for a sync load (vLLM 0.33+)
+        if self.per_request and req_id is not None:
             self._failed_req_ids.add(req_id)
         else:
             self._invalid_block_ids.update(block_ids)
-        what = f"load job {job_id} of request {req_id}, GPU blocks {block_ids}"
+        kind = "sync load" if req_id is None else "load"
+        what = f"{kind} job {job_id} of request {req_id}, GPU blocks {block_ids}"
         if self.recompute:
             log.warning(
                 "asyncoffload: %s: %s; vLLM recomputes them (kv_load_failure_policy='recompute')",
@@ -333,14 +361,28 @@ class AsyncOffloadConnector(OffloadingConnector):
         #: reported it, maybe over several steps).
         self._failed_jobs: set[int] = set()
         self._failure_stats = OffloadingConnectorStats()
+        per_request = len(kv_cache_config.kv_cache_groups) > 1
         if self.connector_worker is not None:
             self.connector_worker = AsyncOffloadConnectorWorker(
                 self.connector_worker.spec,
                 vllm_config,
                 kv_cache_config,
                 recompute=policy == "recompute",
-                per_request=len(kv_cache_config.kv_cache_groups) > 1,
+                per_request=per_request,
             )
+        scheduler = self.connector_scheduler
+        if per_request and scheduler is not None and VLLM.expedited_loads:
+            config = scheduler.config
+            if config.sync_load_budget_bytes:
+                # A failed sync load of several groups could only be reported per
+                # request, and vLLM has no per-request channel for a request that ran.
+                log.warning(
+                    "asyncoffload: sync loads are off (sync_load_budget_bytes %d -> 0): "
+                    "with %d KV cache groups a failed one could not be recomputed",
+                    config.sync_load_budget_bytes,
+                    len(kv_cache_config.kv_cache_groups),
+                )
+                scheduler.config = config._replace(sync_load_budget_bytes=0)
 
     # --- worker side -------------------------------------------------------------------
 
@@ -386,7 +428,7 @@ class AsyncOffloadConnector(OffloadingConnector):
                     self._failed_jobs.add(job_id)
                     stats.increase_counter(STORE_JOBS_FAILED, 1)
         failed_stores = [jobs[j].keys for j in self._failed_jobs if j in jobs and jobs[j].is_store]
-        if not failed_stores:
+        if not failed_stores or VLLM.failed_jobs:  # vLLM 0.34 drops a failed store itself
             super().update_connector_output(connector_output)
         else:
             manager = scheduler.manager

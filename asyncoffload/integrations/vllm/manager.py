@@ -338,12 +338,10 @@ class AsyncOffloadManager(OffloadingManager):
             )
             calls = _PythonCalls(self._manager, events)
         self._calls = calls
-        #: With vLLM 0.34's events: CPU-tier events already taken from the manager, each
-        #: with the request whose store it reports (stored) or None, in order.
-        self._cpu_events: list[tuple[list[OurOffloadKey], bool, ReqContext | None]] = []
-        #: Keys of failed stores whose slots were freed (vLLM 0.34's metadata-only
-        #: removals), reported with the next events.
-        self._released: list[OurOffloadKey] = []
+        #: With vLLM 0.34's events: CPU-tier events already taken from the manager, in
+        #: order, each as (keys, removed, the request whose store it reports or None,
+        #: metadata-only: the freed slots of a failed store).
+        self._cpu_events: list[tuple[list[OurOffloadKey], bool, ReqContext | None, bool]] = []
         # vLLM's hottest calls (lookup: once per key) go straight to the implementation.
         self.lookup = calls.lookup  # type: ignore[method-assign]
         self.touch = calls.touch  # type: ignore[method-assign]
@@ -493,7 +491,8 @@ class AsyncOffloadManager(OffloadingManager):
             self._keep_cpu_events(None)
             calls.complete_store(keys, req_context, success)
             self._keep_cpu_events(req_context)
-            self._released += cast(list[OurOffloadKey], pending)
+            if pending:
+                self._cpu_events.append((cast(list[OurOffloadKey], pending), True, None, True))
         else:
             calls.complete_store(keys, req_context, success)
         if success and self._tiers is not None:
@@ -502,7 +501,7 @@ class AsyncOffloadManager(OffloadingManager):
     def _keep_cpu_events(self, req_context: ReqContext | None) -> None:
         """Take the manager's events now, its stored ones as ``req_context``'s."""
         for keys, removed in self._calls.take_events():
-            self._cpu_events.append((keys, removed, None if removed else req_context))
+            self._cpu_events.append((keys, removed, None if removed else req_context, False))
 
     # --- events, stats, lifecycle --------------------------------------------------
 
@@ -536,30 +535,24 @@ class AsyncOffloadManager(OffloadingManager):
         keys come as a metadata-only removal (less the keys stored again since)."""
         self._keep_cpu_events(None)
         taken, self._cpu_events = self._cpu_events, []
-        events = [
-            OffloadingEvent(
-                keys=cast(list[OffloadKey], keys),
-                medium=Medium.CPU,
-                removed=removed,
-                removal_expected=not removed,
-                req_context=ctx,
-            )
-            for keys, removed, ctx in taken
-        ]
-        if self._released:
-            released, self._released = self._released, []
-            gone = [
-                k for k in released if self._calls.lookup(cast(OffloadKey, k), _NO_REQUEST) is _MISS
-            ]
-            if gone:
-                events.append(
-                    OffloadingEvent(
-                        keys=cast(list[OffloadKey], gone),
-                        medium=Medium.CPU,
-                        removed=True,
-                        metadata_only=True,
-                    )
+        events: list[OffloadingEvent] = []
+        lookup = self._calls.lookup
+        for keys, removed, ctx, metadata_only in taken:
+            if metadata_only:
+                # A store of the key since (a retry) owns it now: nothing to release.
+                keys = [k for k in keys if lookup(cast(OffloadKey, k), _NO_REQUEST) is _MISS]
+                if not keys:
+                    continue
+            events.append(
+                OffloadingEvent(
+                    keys=cast(list[OffloadKey], keys),
+                    medium=Medium.CPU,
+                    removed=removed,
+                    removal_expected=not removed,
+                    req_context=ctx,
+                    metadata_only=metadata_only,
                 )
+            )
         return events
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
