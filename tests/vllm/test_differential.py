@@ -23,6 +23,7 @@ from asyncoffload.integrations.vllm.connector_replay import (
     record_calls,
     replay_like_connector,
 )
+from asyncoffload.integrations.vllm.versions import installed_api
 from asyncoffload.keys import make_offload_key
 from asyncoffload.manager.native import NativeManager, native_manager_available
 from asyncoffload.manager.policies.arc import ARCPolicy
@@ -73,6 +74,21 @@ NATIVE = pytest.mark.parametrize(
         ),
     ],
 )
+#: vLLM 0.33+'s lru (a running request's blocks ranked together) runs on the Python
+#: manager only; arc on both.
+VLLM = installed_api()
+POLICY_NATIVE = pytest.mark.parametrize(
+    ("policy", "native"),
+    [
+        pytest.param(policy, native, id=f"{policy}-{'native' if native else 'python'}", marks=marks)
+        for policy in ("lru", "arc")
+        for native, marks in (
+            (False, ()),
+            (True, pytest.mark.skipif(not native_manager_available(), reason="no native core")),
+        )
+        if not (native and policy == "lru" and VLLM.ranked_lru)
+    ],
+)
 
 
 @pytest.fixture(scope="module")
@@ -85,9 +101,8 @@ def conversation() -> list[list[OffloadKey]]:
 
 
 @pytest.mark.timeout(300)
-@NATIVE
+@POLICY_NATIVE
 @pytest.mark.parametrize("share", [0.01, 0.05, 0.10])
-@pytest.mark.parametrize("policy", ["lru", "arc"])
 @needs_trace
 def test_conversation_trace_decisions_equal_vllms(
     policy: str, share: float, native: bool, conversation: list[list[OffloadKey]]
@@ -133,8 +148,7 @@ def test_conversation_trace_kv_decides_alike_in_c_and_python(
 
 
 @pytest.mark.timeout(300)
-@NATIVE
-@pytest.mark.parametrize("policy", ["lru", "arc"])
+@POLICY_NATIVE
 def test_random_workloads_with_two_groups_decide_as_vllm(policy: str, native: bool) -> None:
     """Short random request streams over few keys (so pending stores, pinned blocks,
     refused stores and ghost hits all happen), keys of two KV-cache groups per request

