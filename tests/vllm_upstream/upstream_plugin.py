@@ -19,7 +19,7 @@ vLLM's connector tests build a ``ModelConfig`` of ``facebook/opt-125m``, which a
 Hugging Face hub for its ``config.json``. No test here may use the network: they run with
 the hub offline, on a cache holding only a config of that shape (written by the overlay
 script, not downloaded). ``upstream_hub`` (the same without any class replaced) gives the
-baseline: vLLM's own classes under the same tests.
+baseline: vLLM's own classes under the same tests (``--vllm-own``).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from typing import Any
 import pytest
 
 from asyncoffload.manager.policies.arc import ARCPolicy
+
 
 def _check_offline() -> None:
     """vLLM's connector tests build a ``ModelConfig`` of ``facebook/opt-125m``, which
@@ -54,10 +55,6 @@ def _platform() -> None:
     if type(current_platform).__name__ == "UnspecifiedPlatform":
         current_platform.device_type = "cpu"
         current_platform.support_hybrid_kv_cache = lambda: True  # type: ignore[method-assign]
-
-
-class UpstreamManager:
-    """Placeholder replaced in :func:`pytest_configure` (vLLM must be imported first)."""
 
 
 def _manager_class() -> type:
@@ -129,10 +126,11 @@ def _arc_view(policy: ARCPolicy) -> Any:
     class ARCView(ARCCachePolicy):
         def __init__(self, ours: ARCPolicy) -> None:  # vLLM's __init__ is not run
             self._ours = ours
-            self.t1, self.t2, self.b1, self.b2 = ours.t1, ours.t2, ours.b1, ours.b2
+            lists: Any = (ours.t1, ours.t2, ours.b1, ours.b2)
+            self.t1, self.t2, self.b1, self.b2 = lists
             self.cache_capacity = ours.capacity
 
-        @property  # type: ignore[override]
+        @property
         def target_t1_size(self) -> float:
             return self._ours.target_t1
 
@@ -149,23 +147,79 @@ def _arc_view(policy: ARCPolicy) -> Any:
     return ARCView(policy)
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--vllm-own",
+        action="store_true",
+        help="the baseline: vLLM's own classes under the same tests (nothing replaced)",
+    )
+
+
 def pytest_configure(config: pytest.Config) -> None:
     _check_offline()
     _platform()
+    if config.getoption("--vllm-own"):
+        return
     import vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector as connector_module
     import vllm.v1.kv_offload.cpu.manager as manager_module
 
     # vLLM's tiering keeps vLLM's own CPU manager as its primary tier (it reads that
     # class's internals): imported before the replacement, it holds the original.
-    import vllm.v1.kv_offload.tiering.manager  # noqa: F401
+    import vllm.v1.kv_offload.tiering.manager
     import vllm.v1.kv_offload.tiering.spec  # noqa: F401
 
     from asyncoffload.integrations.vllm.connector import AsyncOffloadConnector
 
-    global UpstreamManager
-    UpstreamManager = _manager_class()  # type: ignore[misc]
-    manager_module.CPUOffloadingManager = UpstreamManager  # type: ignore[misc,assignment]
-    connector_module.OffloadingConnector = AsyncOffloadConnector  # type: ignore[misc]
+    setattr(manager_module, "CPUOffloadingManager", _manager_class())  # noqa: B010
+    setattr(connector_module, "OffloadingConnector", AsyncOffloadConnector)  # noqa: B010
+
+
+#: vLLM 0.34's tests that fail against ours, each for a reason that is vLLM's
+#: implementation, not the contract: strict xfails, so one that starts to pass fails the
+#: run until it leaves this list (docs/vllm.md, "vLLM's own tests").
+_MANAGER = "tests/v1/kv_offload/cpu/test_manager.py::"
+KNOWN_FAILURES: dict[str, str] = {
+    _MANAGER + "test_cpu_manager_reports_cache_usage_gauge": (
+        "builds a manager of 0 chunks; ours refuses a CPU tier that holds nothing (the "
+        "spec names cpu_bytes_to_use then)"
+    ),
+    _MANAGER + "test_cpu_manager_reports_allocation_size_on_allocation_failure": (
+        "patches vLLM's private _allocate_chunks"
+    ),
+    _MANAGER + "test_lru_batch_eviction_failure_is_atomic": (
+        "reads vLLM's LRUCachePolicy internals (its type, its heap)"
+    ),
+    _MANAGER + "test_lru_repeated_pin_cycles_compact_lazy_heap_entries": (
+        "measures vLLM's LRU heap (its compaction), not a decision"
+    ),
+    _MANAGER + "TestARCPolicy::test_batch_eviction_scans_t1_and_t2_once": (
+        "counts how often vLLM's ARC iterates its lists (it swaps in counting dicts)"
+    ),
+    _MANAGER + "TestARCPolicy::test_batch_eviction_falls_back_after_t1_iterator_exhausted": (
+        "counts how often vLLM's ARC iterates its lists (it swaps in counting dicts)"
+    ),
+    _MANAGER + "test_request_finish_forwards_grouped_deduplicated_accesses": (
+        "checks the argument types of vLLM's policy hook (tuples and the request "
+        "context); ours passes the same keys as lists, with their positions"
+    ),
+    _MANAGER + "test_failed_store_records_access_once_and_uses_store_miss_hook": (
+        "patches vLLM's private _record_request_cache_access"
+    ),
+    _MANAGER + "test_lru_incremental_stores_do_not_rescan_the_prefix": (
+        "counts calls of ReqContext.get_offload_key_position; ours reads the positions "
+        "map directly (as often: once per key, the prefix never rescanned)"
+    ),
+}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--vllm-own"):
+        return
+    for item in items:
+        name = item.nodeid.split("[")[0]
+        reason = KNOWN_FAILURES.get(name)
+        if reason is not None:
+            item.add_marker(pytest.mark.xfail(strict=True, reason=reason))
 
 
 def pytest_report_header(config: pytest.Config) -> str:

@@ -373,16 +373,18 @@ class AsyncOffloadConnector(OffloadingConnector):
         scheduler = self.connector_scheduler
         if per_request and scheduler is not None and VLLM.expedited_loads:
             config = scheduler.config
-            if config.sync_load_budget_bytes:
+            budget = getattr(config, "sync_load_budget_bytes", 0)
+            if budget:
                 # A failed sync load of several groups could only be reported per
                 # request, and vLLM has no per-request channel for a request that ran.
                 log.warning(
                     "asyncoffload: sync loads are off (sync_load_budget_bytes %d -> 0): "
                     "with %d KV cache groups a failed one could not be recomputed",
-                    config.sync_load_budget_bytes,
+                    budget,
                     len(kv_cache_config.kv_cache_groups),
                 )
-                scheduler.config = config._replace(sync_load_budget_bytes=0)
+                replace: Any = config._replace
+                scheduler.config = replace(sync_load_budget_bytes=0)
 
     # --- worker side -------------------------------------------------------------------
 

@@ -30,6 +30,7 @@ VLLM_KEYS = frozenset(
         "offload_prompt_only",
         "self_describing_kv_events",
         "canonical_layout",
+        "sync_load_budget_bytes",
     }
 )
 
@@ -100,6 +101,13 @@ class VllmOffloadSettings(BaseModel):
     blocks_per_chunk: int | None = None
     offload_prompt_only: bool = True
     self_describing_kv_events: bool = False
+    sync_load_budget_bytes: int = Field(
+        0,
+        ge=0,
+        description="vLLM 0.33+'s: KV bytes per step (per worker) that may be loaded "
+        "synchronously, within the step that computes the request (expedited loads); "
+        "0: every load is asynchronous.",
+    )
     canonical_layout: bool = Field(
         False,
         description="vLLM's parallelism-free host layout; asyncoffload keeps a per-worker "
@@ -114,6 +122,7 @@ class VllmOffloadSettings(BaseModel):
         "staging_bytes",
         "block_size",
         "blocks_per_chunk",
+        "sync_load_budget_bytes",
         mode="before",
     )
     @classmethod

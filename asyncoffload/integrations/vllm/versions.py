@@ -23,6 +23,7 @@ anything of vLLM's that may have changed is touched.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import re
 from typing import NamedTuple
@@ -123,7 +124,7 @@ def check_vllm_version() -> VllmApi:
     """The installed vLLM's API, or ``VllmVersionError`` (logged too: vLLM may wrap it)
     if asyncoffload does not support it. Imports vLLM's version module only."""
     try:
-        from vllm.version import __version__ as version  # type: ignore[import-not-found,unused-ignore]
+        version = getattr(importlib.import_module("vllm.version"), "__version__", "")
     except ImportError as exc:
         raise VllmVersionError(
             f"asyncoffload's vLLM integration needs vLLM {_supported_text()}, and vLLM "

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Any
 
 # The installed vLLM is checked before anything of it is imported (see versions.py).
 from asyncoffload.integrations.vllm.versions import installed_api
@@ -161,11 +162,12 @@ class AsyncOffloadWorker(OffloadingWorker):
         if isinstance(spec, GPULoadStoreSpec):
             return spec.block_ids, list(spec.group_sizes), list(spec.block_indices)
         if DevicePointers is not None and isinstance(spec, DevicePointers):
-            counts = list(spec.group_block_counts)
+            pointers: Any = spec
+            counts = list(pointers.group_block_counts)
             ids = self._transfers.layout.ids_from_pointers(
-                spec.ptrs, spec.sizes, counts, spec.group_data_ref_counts
+                pointers.ptrs, pointers.sizes, counts, pointers.group_data_ref_counts
             )
-            return ids, counts, list(spec.block_indices)
+            return ids, counts, list(pointers.block_indices)
         want = "DevicePointers" if DevicePointers is not None else "GPULoadStoreSpec"
         raise TypeError(f"expected vLLM's {want} for the KV side, got {type(spec).__name__}")
 
