@@ -139,3 +139,26 @@ def test_without_count_once_every_offer_counts() -> None:
     assert first is not None and first.keys_to_store == []
     second = manager.prepare_store([k("a")], ctx)
     assert second is not None and second.keys_to_store == [k("a")]
+
+
+class PositionedContext(ReqContext):
+    """A context that names its keys' end tokens, as vLLM's does."""
+
+    _offload_key_positions: dict[OffloadKey, int]
+
+
+def test_auto_hears_a_request_stored_chunk_by_chunk_whole_and_once() -> None:
+    """vLLM stores a long prompt over several steps. ``auto``'s ghosts hear the request
+    once, with every key vLLM named a position for, not only the first chunk."""
+    manager = CPUOffloadingManager(64, "auto", request_scoped=True)
+    keys = [k(f"p{i}") for i in range(8)]
+    ctx = PositionedContext(req_id="long")
+    ctx._offload_key_positions = {key: 32 * (i + 1) for i, key in enumerate(keys)}
+    manager.on_new_request(ctx)
+    for lo in (0, 3, 6):  # three chunks of prefill
+        out = manager.prepare_store(keys[lo : lo + 3], ctx)
+        assert out is not None
+        manager.complete_store(out.keys_to_store, ctx)
+    manager.on_request_finished(ctx)
+    seen, _ = manager.policy.snapshot()["seen"]  # type: ignore[attr-defined]
+    assert seen == len(keys)

@@ -81,9 +81,13 @@ class _RequestLog:
     used (in the order given), the ready keys among them it used again, and the keys
     it inserted. Folded into sets only when the request ends."""
 
-    __slots__ = ("calls", "counted", "missed", "scope", "seen", "touched")
+    __slots__ = ("calls", "counted", "missed", "positions", "scope", "seen", "touched")
 
-    def __init__(self, scope: RequestScope | None = None) -> None:
+    def __init__(
+        self,
+        scope: RequestScope | None = None,
+        positions: Mapping[OffloadKey, int] | None = None,
+    ) -> None:
         self.calls: list[tuple[Sequence[OffloadKey], Sequence[OffloadKey], Sequence[OffloadKey]]]
         self.calls = []
         #: Keys already reported to the policy as store misses.
@@ -96,9 +100,23 @@ class _RequestLog:
         self.seen: set[OffloadKey] | None = None if scope is None else set()
         #: With ``count_once_per_request``: the keys this request's offers counted.
         self.counted: set[OffloadKey] | None = None
+        #: The end token of each of the request's keys, where the caller knows them
+        #: (vLLM's ``_offload_key_positions``: every full block of the request).
+        self.positions = positions
 
 
 _group_of = itemgetter(slice(-GROUP_IDX_BYTES, None))
+
+
+def _whole_request(log: _RequestLog, used: Sequence[OffloadKey]) -> Sequence[OffloadKey]:
+    """The request a policy that observes requests hears once: every key the request
+    has, head first, where the caller named their positions (vLLM names each full block
+    of the request: it stores a long prompt chunk by chunk, over several steps, so the
+    first store alone holds only the first chunk), else the keys it used so far."""
+    positions = log.positions
+    if not positions or len(positions) <= len(used):
+        return used
+    return sorted(positions, key=lambda key: (positions[key], key))
 
 
 def _group_keys(
@@ -581,7 +599,7 @@ class CPUOffloadingManager(OffloadingManager):
             loaded = [key for seen, reused, _ in log.calls for key in reused]
             touched = loaded + list(keys) if loaded else keys
             if self._policy.observes_requests:
-                self._policy.on_request(touched)
+                self._policy.on_request(_whole_request(log, touched))
             self._policy.touch(touched)
         if pending or len(to_store) != len(offered):
             used = set(to_store)
@@ -704,9 +722,8 @@ class CPUOffloadingManager(OffloadingManager):
     # --- requests (request_scoped) --------------------------------------------------------
 
     def _new_log(self, ctx: ReqContext) -> _RequestLog:
-        if not self._ranked:
-            return _RequestLog()
-        return _RequestLog(RequestScope(getattr(ctx, "_offload_key_positions", None)))
+        positions = getattr(ctx, "_offload_key_positions", None)
+        return _RequestLog(RequestScope(positions) if self._ranked else None, positions)
 
     def _request(self, ctx: ReqContext) -> _RequestLog:
         requests = self._requests
@@ -740,7 +757,7 @@ class CPUOffloadingManager(OffloadingManager):
             if not log.touched:
                 touched = [key for seen, _, _ in log.calls for key in seen]
                 if policy.observes_requests:
-                    policy.on_request(touched)
+                    policy.on_request(_whole_request(log, touched))
                 policy.touch(touched)
             return
         seen_order: dict[OffloadKey, None] = {}
