@@ -188,10 +188,13 @@ class TierHierarchy:
 
     # --- which tier holds a key ------------------------------------------------------
 
-    def source(self, key: OffloadKey) -> TierState | None:
-        """The highest tier that has ``key`` ready."""
+    def source(
+        self, key: OffloadKey, allow: Callable[[TierState], bool] | None = None
+    ) -> TierState | None:
+        """The highest tier that has ``key`` ready (of those ``allow`` accepts: a
+        request's tier filter)."""
         for tier in self.tiers:
-            if tier.store.manager.ready(key):
+            if tier.store.manager.ready(key) and (allow is None or allow(tier)):
                 return tier
         return None
 

@@ -317,3 +317,84 @@ def test_reset_cache_waits_for_tier_io_and_keeps_the_disk(tmp_path: Path) -> Non
     assert _block(caches, 0, 14) == expected[5]
     worker.shutdown()
     manager.shutdown()
+
+
+# --- a request's tier filter, and its later keys promoted with its first -------------------
+
+
+def _positioned(keys: list[OffloadKey], req_id: str, **params: Any) -> ReqContext:
+    """A request's context as vLLM's scheduler makes it: its kv_transfer_params parsed
+    into a tier filter (vLLM's own parser), every key's end token named up front."""
+    ctx = ReqContext(req_id=req_id, kv_transfer_params=params or None)
+    tiers = params.get("kv_load_tiers")
+    if tiers is not None:
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
+            _parse_tier_filter,
+        )
+
+        ctx.load_tier_filter = _parse_tier_filter(tiers)
+    for i, key in enumerate(keys):
+        ctx.set_offload_key_position(key, 32 * (i + 1))
+    return ctx
+
+
+def test_a_promotion_brings_up_the_requests_later_keys_in_the_same_step(
+    tmp_path: Path,
+) -> None:
+    """vLLM stops a lookup walk at its first pending key. The request's next keys on
+    disk are promoted with the first: the next step finds all three ready (one read)."""
+    spec = _tier_spec(tmp_path)
+    caches, worker, manager = _parts(spec)
+    keys, _ = _fill(manager, worker, caches)
+    ctx = _positioned(keys[:4], "again")  # a request of keys 0-3, all gone to disk
+    manager.on_new_request(ctx)
+    assert manager.lookup(keys[0], ctx) is LookupResult.HIT_PENDING
+    manager.on_schedule_end(ScheduleEndContext(new_req_ids=set(), preempted_req_ids=set()))
+    _settle(manager)
+    assert [manager.lookup(k, ctx) for k in keys[:4]] == [LookupResult.HIT] * 4
+    (tier,) = manager.tier_stats()
+    assert tier.blocks_read == 4
+    worker.shutdown()
+    manager.shutdown()
+
+
+def test_without_positions_a_promotion_brings_up_only_its_key(tmp_path: Path) -> None:
+    spec = _tier_spec(tmp_path)
+    caches, worker, manager = _parts(spec)
+    keys, _ = _fill(manager, worker, caches)
+    ctx = ReqContext(req_id="again")
+    manager.on_new_request(ctx)
+    assert manager.lookup(keys[0], ctx) is LookupResult.HIT_PENDING
+    manager.on_schedule_end(ScheduleEndContext(new_req_ids=set(), preempted_req_ids=set()))
+    _settle(manager)
+    assert manager.lookup(keys[0], ctx) is LookupResult.HIT
+    assert manager.lookup(keys[1], ctx) is LookupResult.HIT_PENDING
+    worker.shutdown()
+    manager.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("tiers", "promoted"),
+    [
+        ([{"medium": "cpu"}], False),
+        ([{"medium": "storage", "locality": "remote"}], False),
+        ([], False),
+        ([{"medium": "storage", "locality": "local"}], True),
+        ([{"medium": "storage"}], True),
+    ],
+)
+def test_kv_load_tiers_decides_which_lower_tiers_a_request_loads_from(
+    tmp_path: Path, tiers: list[dict[str, str]], promoted: bool
+) -> None:
+    """A disk tier is vLLM's local storage: a request whose ``kv_load_tiers`` leaves it
+    out gets no promotion from it (a miss, recomputed); the CPU tier always answers."""
+    spec = _tier_spec(tmp_path)
+    caches, worker, manager = _parts(spec)
+    keys, _ = _fill(manager, worker, caches)
+    ctx = _positioned(keys, "filtered", kv_load_tiers=tiers)
+    manager.on_new_request(ctx)
+    assert manager.lookup(keys[7], ctx) is LookupResult.HIT  # the CPU tier always answers
+    expected = LookupResult.HIT_PENDING if promoted else LookupResult.MISS
+    assert manager.lookup(keys[0], ctx) is expected
+    worker.shutdown()
+    manager.shutdown()

@@ -19,7 +19,7 @@ builds vLLM's objects from that.
 from __future__ import annotations
 
 import os
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 # The installed vLLM is checked before anything of it is imported (see versions.py).
@@ -30,6 +30,7 @@ VLLM = installed_api()
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     OffloadingConnectorStats,
 )
+from vllm.v1.kv_offload import base as _vllm_base
 from vllm.v1.kv_offload.base import (
     LoadStoreSpec,
     LookupResult,
@@ -53,6 +54,7 @@ from asyncoffload.keys import OffloadKey as OurOffloadKey
 from asyncoffload.manager import CPUOffloadingManager, ManagerStats
 from asyncoffload.manager import LookupResult as OurLookupResult
 from asyncoffload.manager import ReqContext as OurReqContext
+from asyncoffload.manager.base import Medium as OurMedium
 from asyncoffload.manager.native import (
     NativeManager,
     RawEvent,
@@ -65,7 +67,7 @@ from asyncoffload.manager.policies.lru_ranked import RankedLRUPolicy
 if TYPE_CHECKING:
     from asyncoffload.integrations.vllm.tiers import SchedulerTiers
     from asyncoffload.tiers.base import LowerTier
-    from asyncoffload.tiers.hierarchy import TierStats
+    from asyncoffload.tiers.hierarchy import TierState, TierStats
 
 __all__ = ["AsyncOffloadManager", "metric_definitions"]
 
@@ -112,6 +114,10 @@ _LOOKUP = {
     OurLookupResult.HIT: LookupResult.HIT,
 }
 _VLLM_RESULTS = (LookupResult.MISS, LookupResult.HIT, LookupResult.HIT_PENDING)
+#: A lookup that promotes promotes at most this many of the request's later keys too.
+_LOOKAHEAD = 256
+_ALL_TIERS = getattr(getattr(_vllm_base, "TierFilter", None), "ALL", None)
+_LOCALITY = getattr(_vllm_base, "Locality", None)
 _PENDING = LookupResult.HIT_PENDING
 _MISS = LookupResult.MISS
 _NO_REQUEST = ReqContext(req_id="")
@@ -431,10 +437,47 @@ class AsyncOffloadManager(OffloadingManager):
         walk = self._walk
         if walk[0] != req_id or ours in walk[1]:  # another request, or a new pass
             walk = self._walk = (req_id, {})
-        if result is LookupResult.MISS and tiers.promote(ours, list(walk[1])):
-            result = LookupResult.HIT_PENDING
+        if result is LookupResult.MISS:
+            allow = _tier_filter(req_context)
+            protect = list(walk[1])
+            if tiers.promote(ours, protect, allow):
+                result = LookupResult.HIT_PENDING
+                self._promote_ahead(ours, req_context, protect, allow)
         walk[1][ours] = None
         return result
+
+    def _promote_ahead(
+        self,
+        key: OurOffloadKey,
+        req_context: ReqContext,
+        protect: list[OurOffloadKey],
+        allow: Callable[[TierState], bool] | None,
+    ) -> None:
+        """Lookahead: the request's keys after ``key`` (vLLM names every full block of a
+        request with its position before it looks any up) that a lower tier holds are
+        promoted with ``key``, in one read per tier at the step's end. vLLM stops a
+        lookup walk at the first pending key and walks again next step, so without
+        this a prefix of N blocks below the CPU tier would take N steps to come up.
+        A lookahead promotion never evicts a key of the request (the CPU tier may be
+        too small for its whole prefix: then fewer come up, as without lookahead).
+        Stops at the first key that is in no tier (or not promotable: no CPU slot)."""
+        positions: Mapping[OurOffloadKey, int] | None = getattr(
+            req_context, "_offload_key_positions", None
+        )
+        tiers = self._tiers
+        if not positions or tiers is None:
+            return
+        at = positions.get(key)
+        if at is None:
+            return
+        group = key[-4:]
+        later = sorted((pos, k) for k, pos in positions.items() if pos > at and k[-4:] == group)
+        held = [*protect, key, *(k for _, k in later)]
+        lookup = self._calls.lookup
+        for _, nxt in later[:_LOOKAHEAD]:
+            missing = lookup(cast(OffloadKey, nxt), req_context) is LookupResult.MISS
+            if missing and not tiers.promote(nxt, held, allow, ask=False):
+                return
 
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
         return CacheHitSource.HOST
@@ -629,6 +672,25 @@ class AsyncOffloadManager(OffloadingManager):
 
     def stats(self) -> ManagerStats:
         return self._manager.stats()
+
+
+def _tier_filter(req_context: ReqContext) -> Callable[[TierState], bool] | None:
+    """The request's ``kv_load_tiers`` (vLLM's ``load_tier_filter``) as a test of our
+    tiers, or None for every tier. A disk tier is vLLM's local storage, a shared tier
+    (Redis / Valkey, Mooncake) remote storage; the CPU tier is always looked up, as in
+    vLLM's own tiering."""
+    flt = getattr(req_context, "load_tier_filter", None)
+    if flt is None or flt is _ALL_TIERS:
+        return None
+    allows = flt.allows
+    local = _LOCALITY.LOCAL if _LOCALITY is not None else None
+    remote = _LOCALITY.REMOTE if _LOCALITY is not None else None
+
+    def allow(tier: TierState) -> bool:
+        where = local if tier.store.medium is OurMedium.DISK else remote
+        return bool(allows(Medium.STORAGE, where))
+
+    return allow
 
 
 def _ours(req_context: ReqContext) -> OurReqContext:

@@ -47,7 +47,7 @@ import logging
 import os
 import time
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -250,14 +250,28 @@ class SchedulerTiers:
 
     # --- promotions -----------------------------------------------------------------
 
-    def promote(self, key: OffloadKey, protect: Sequence[OffloadKey] = ()) -> bool:
+    def promote(
+        self,
+        key: OffloadKey,
+        protect: Sequence[OffloadKey] = (),
+        allow: Callable[[TierState], bool] | None = None,
+        *,
+        ask: bool = True,
+    ) -> bool:
         """``key`` is absent from the CPU tier: if a lower tier has it ready, reserve a
         CPU slot (never evicting one of ``protect``: the keys of the same lookup walk
-        found before it) and queue its read (True: the caller answers ``HIT_PENDING``)."""
+        found before it) and queue its read (True: the caller answers ``HIT_PENDING``).
+        ``allow``: the tiers the request may load from (vLLM's per-request
+        ``kv_load_tiers``); ``ask``: whether a key no tier knows is asked of the
+        shared tiers (a lookahead promotion does not ask)."""
         core = self.core
-        tier = core.source(key)
+        tier = core.source(key, allow)
         if tier is None:
-            return self._ask_shared(key) if self._shared else False
+            if not (ask and self._shared):
+                return False
+            if allow is not None and not any(allow(shared) for shared in self._shared):
+                return False
+            return self._ask_shared(key)
         if self._pool_base() is None:
             core.skip(tier, "no_pool", 1)
             return False
