@@ -220,9 +220,9 @@ def test_stored_events_carry_the_request_and_failed_stores_release_their_keys() 
     stored = [e for e in events if not e.removed]
     assert [e.keys for e in stored] == [[a]] and stored[0].medium is Medium.CPU
     if VLLM.event_request:
-        assert stored[0].req_context is ctx and stored[0].removal_expected
+        assert getattr(stored[0], "req_context", None) is ctx and stored[0].removal_expected
     released = [e for e in events if e.removed]
     if VLLM.metadata_only_events:
-        assert [(e.keys, e.metadata_only) for e in released] == [([b], True)]
+        assert [(e.keys, getattr(e, "metadata_only", None)) for e in released] == [([b], True)]
     else:
         assert released == []
