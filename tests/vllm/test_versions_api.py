@@ -226,3 +226,46 @@ def test_stored_events_carry_the_request_and_failed_stores_release_their_keys() 
         assert [(e.keys, getattr(e, "metadata_only", None)) for e in released] == [([b], True)]
     else:
         assert released == []
+
+
+# --- an unsupported vLLM at start-up ---------------------------------------------------------
+
+_START_UP = """
+import json, sys, traceback
+import vllm.version
+vllm.version.__version__ = sys.argv[1]  # what another vLLM would report
+from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+extra = {"spec_name": "AsyncOffloadSpec", "spec_module_path": "asyncoffload.integrations.vllm"}
+try:
+    OffloadingSpecFactory.get_spec_cls(extra)  # the first thing vLLM does with our spec
+except BaseException as exc:
+    frames = traceback.extract_tb(exc.__traceback__)
+    print(json.dumps({"type": type(exc).__name__, "message": str(exc),
+                      "raised_in": frames[-1].filename}))
+"""
+
+
+@pytest.mark.parametrize("version", ["0.31.0", "0.35.0"])
+def test_vllm_start_up_with_an_unsupported_vllm_is_refused_by_us_by_name(version: str) -> None:
+    """What vLLM does first with our spec at start-up, in every process (the front end
+    for its metrics, the scheduler, each worker): find its class through the factory.
+    Another vLLM release is refused there by our check, before any of its classes is
+    used, with a message that names the version found and those supported."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run(
+        [sys.executable, "-c", _START_UP, version],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert report["type"] == "VllmVersionError"
+    assert f"vLLM {version}" in report["message"] and "0.32 to 0.34" in report["message"]
+    assert report["raised_in"].endswith("asyncoffload/integrations/vllm/versions.py")
