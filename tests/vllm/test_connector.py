@@ -48,6 +48,7 @@ from asyncoffload.integrations.vllm.connector import (
     _StoreOutcomes,
     failure_metric_definitions,
 )
+from asyncoffload.integrations.vllm.versions import installed_api
 from asyncoffload.transfer.paged_worker import PagedTransferError
 from tests.vllm.conftest import RunVLLM, baseline_rounds
 from tests.vllm.fault_spec import FaultyAsyncOffloadSpec, fault_plan
@@ -199,11 +200,23 @@ def test_a_failed_load_is_reported_with_its_blocks_instead_of_killing_the_worker
 
 
 def test_under_vllms_connector_a_failed_load_raises_naming_job_blocks_and_cause() -> None:
+    """vLLM 0.32 and 0.33's connector cannot take a failed job: the worker raises,
+    naming it. vLLM 0.34's takes it: the worker reports it, and vLLM fails the whole
+    request's load (``failed_recving``)."""
     caches = _caches(seed=2)
     faults = ao.FaultPlan(ao.Fault.copy_error(nth=1, direction="load"))
     connector = _connector_worker(caches, ours=False, faults=faults)
     load = {7: TransferJob("r1", CPULoadStoreSpec([2]), GPULoadStoreSpec([5], [1], [0]))}
     connector.start_kv_transfers(OffloadingConnectorMetadata(load_jobs=load, store_jobs={}))
+    if installed_api().failed_jobs:
+        _, recving = connector.get_finished(set())
+        assert recving == {"r1"}
+        assert connector.take_failed_recving() == {"r1"}  # type: ignore[attr-defined]
+        worker = connector.worker
+        assert isinstance(worker, AsyncOffloadWorker)
+        error = worker.pop_failure(7)
+        assert error is not None and error.gpu_ids == [5]
+        return
     with pytest.raises(PagedTransferError) as info:
         connector.get_finished(set())
     message = str(info.value)
@@ -251,6 +264,9 @@ def test_the_worker_reports_failures_only_when_asked() -> None:
     )
     worker = spec.get_worker(_caches(seed=5))
     assert isinstance(worker, AsyncOffloadWorker)
+    # vLLM 0.34's own connector takes failed jobs: the worker reports them by default.
+    assert worker.report_failures is installed_api().failed_jobs
+    worker.report_failures = False
     worker.inject_faults(ao.FaultPlan(ao.Fault.submit_error(nth=1), ao.Fault.copy_error(nth=2)))
     with pytest.raises(PagedTransferError, match=r"store job 1 .*injected submit error"):
         worker.submit_store(1, GPULoadStoreSpec([0], [1], [0]), CPULoadStoreSpec([0]))

@@ -23,10 +23,12 @@ them.
 A copy that fails is retried once on a slower path. If that fails too, what happens
 depends on the connector:
 
-- under vLLM's ``OffloadingConnector``, which treats any failed transfer as fatal (it
-  asserts success), :class:`~asyncoffload.transfer.paged_worker.PagedTransferError` is
-  raised (from ``submit_*``, ``get_finished`` or ``wait``), saying which job, which
-  blocks and why;
+- under vLLM 0.32 and 0.33's ``OffloadingConnector``, which treats any failed transfer
+  as fatal (it asserts success),
+  :class:`~asyncoffload.transfer.paged_worker.PagedTransferError` is raised (from
+  ``submit_*``, ``get_finished`` or ``wait``), saying which job, which blocks and why;
+- under vLLM 0.34's, which takes failed jobs (it recomputes a failed async load's whole
+  request and raises for a failed sync load), the job is reported failed, as below;
 - under :class:`~asyncoffload.integrations.vllm.connector.AsyncOffloadConnector`, which
   sets :attr:`AsyncOffloadWorker.report_failures`, the job is reported by
   ``get_finished`` as ``TransferResult(job_id, success=False)`` and its error is kept
@@ -87,8 +89,9 @@ class AsyncOffloadWorker(OffloadingWorker):
     #: Whether a job that failed on both copy paths is reported by :meth:`get_finished`
     #: as ``TransferResult(success=False)`` (its error kept for :meth:`pop_failure`)
     #: instead of raising :class:`PagedTransferError`. ``AsyncOffloadConnector`` sets it;
-    #: vLLM's ``OffloadingConnector`` asserts success, so it stays off there.
-    report_failures: bool = False
+    #: vLLM's own ``OffloadingConnector`` asserts success before 0.34, takes failures
+    #: from 0.34 on: on by default where vLLM takes them.
+    report_failures: bool = VLLM.failed_jobs
 
     def __init__(
         self,
