@@ -86,6 +86,7 @@ $(VLLM_034)/.complete: scripts/vllm_overlay.py | $(VLLM_STAMP)
 # build of those releases exists. test_vllm_scenarios.py holds vLLM 0.32's manager
 # scenarios; from 0.33 on vLLM's own manager tests run against ours (tests/vllm_upstream).
 # The C core's kv against the Python one is not vLLM's business: 0.32's run checks it.
+VLLM_034_ONLY = benchmarks/vllm_failures.py benchmarks/vllm_worker_034.py
 OVERLAY_TESTS = -n 2 -m "not long and not engine" --ignore=tests/vllm/test_vllm_scenarios.py \
 	-k "not kv_decides_alike"
 
@@ -94,10 +95,9 @@ test-vllm: $(VLLM_STAMP) $(VLLM_033)/.complete $(VLLM_034)/.complete
 	$(VLLM_PY) -m mypy --follow-imports=silent \
 		$(wildcard asyncoffload/integrations/vllm/*.py) \
 		$(wildcard tests/vllm/*.py) $(wildcard tests/vllm_upstream/*.py) \
-		$(filter-out benchmarks/vllm_failures.py,$(wildcard benchmarks/vllm_*.py))
-	# benchmarks/vllm_failures.py drives vLLM 0.34's scheduler: checked against 0.34.
-	PYTHONPATH=$(VLLM_034)/site $(VLLM_PY) -m mypy --follow-imports=silent \
-		benchmarks/vllm_failures.py
+		$(filter-out $(VLLM_034_ONLY),$(wildcard benchmarks/vllm_*.py))
+	# Benchmarks of vLLM 0.34's scheduler and worker API: checked against 0.34.
+	PYTHONPATH=$(VLLM_034)/site $(VLLM_PY) -m mypy --follow-imports=silent $(VLLM_034_ONLY)
 	$(VLLM_PY) -m pytest -q --durations=30 -m "not long" tests/vllm $(ARGS)
 	PYTHONPATH=$(VLLM_033)/site $(VLLM_PY) -m pytest -q $(OVERLAY_TESTS) tests/vllm $(ARGS)
 	PYTHONPATH=$(VLLM_034)/site $(VLLM_PY) -m pytest -q $(OVERLAY_TESTS) tests/vllm $(ARGS)
