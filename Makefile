@@ -87,22 +87,26 @@ $(VLLM_034)/.complete: scripts/vllm_overlay.py | $(VLLM_STAMP)
 # scenarios; from 0.33 on vLLM's own manager tests run against ours (tests/vllm_upstream).
 # The C core's kv against the Python one is not vLLM's business: 0.32's run checks it.
 VLLM_034_ONLY = benchmarks/vllm_failures.py benchmarks/vllm_worker_034.py
-OVERLAY_TESTS = -n 2 -m "not long and not engine" --ignore=tests/vllm/test_vllm_scenarios.py \
+OVERLAY_TESTS = -m "not long and not engine" --ignore=tests/vllm/test_vllm_scenarios.py \
 	-k "not kv_decides_alike"
 
 test-vllm: $(VLLM_STAMP) $(VLLM_033)/.complete $(VLLM_034)/.complete
-	# mypy of the modules that import vLLM (make lint checks everything else).
-	$(VLLM_PY) -m mypy --follow-imports=silent \
-		$(wildcard asyncoffload/integrations/vllm/*.py) \
-		$(wildcard tests/vllm/*.py) $(wildcard tests/vllm_upstream/*.py) \
-		$(filter-out $(VLLM_034_ONLY),$(wildcard benchmarks/vllm_*.py))
-	# Benchmarks of vLLM 0.34's scheduler and worker API: checked against 0.34.
-	PYTHONPATH=$(VLLM_034)/site $(VLLM_PY) -m mypy --follow-imports=silent $(VLLM_034_ONLY)
 	$(VLLM_PY) -m pytest -q --durations=30 -m "not long" tests/vllm $(ARGS)
-	PYTHONPATH=$(VLLM_033)/site $(VLLM_PY) -m pytest -q $(OVERLAY_TESTS) tests/vllm $(ARGS)
-	PYTHONPATH=$(VLLM_034)/site $(VLLM_PY) -m pytest -q $(OVERLAY_TESTS) tests/vllm $(ARGS)
-	# vLLM 0.34's own manager and connector tests, with our classes in place of vLLM's.
-	scripts/vllm_upstream.sh $(VLLM_PY) $(VLLM_034) -q -n 2 $(ARGS)
+	# Then, in two lanes side by side (scripts/lanes.sh; each lane's log printed at its
+	# end): mypy of the modules that import vLLM (make lint checks everything else), the
+	# benchmarks of vLLM 0.34's scheduler and worker API checked against 0.34, tests/vllm
+	# on vLLM 0.33's and 0.34's modules, and vLLM 0.34's own manager and connector tests
+	# with our classes in place of vLLM's.
+	scripts/lanes.sh build/test-vllm \
+		'$(VLLM_PY) -m mypy --follow-imports=silent \
+			$(wildcard asyncoffload/integrations/vllm/*.py) \
+			$(wildcard tests/vllm/*.py) $(wildcard tests/vllm_upstream/*.py) \
+			$(filter-out $(VLLM_034_ONLY),$(wildcard benchmarks/vllm_*.py)) \
+		&& PYTHONPATH=$(VLLM_033)/site $(VLLM_PY) -m pytest -q $(OVERLAY_TESTS) tests/vllm $(ARGS)' \
+		'PYTHONPATH=$(VLLM_034)/site $(VLLM_PY) -m mypy --follow-imports=silent \
+			--cache-dir .mypy_cache/vllm-0.34 $(VLLM_034_ONLY) \
+		&& PYTHONPATH=$(VLLM_034)/site $(VLLM_PY) -m pytest -q $(OVERLAY_TESTS) tests/vllm $(ARGS) \
+		&& scripts/vllm_upstream.sh $(VLLM_PY) $(VLLM_034) -q $(ARGS)'
 
 # The long profiles of both suites (CI runs them too): what `make test` and
 # `make test-vllm` leave out.

@@ -444,6 +444,7 @@ def test_a_copy_failing_on_both_paths_raises_naming_the_job(
 ) -> None:
     spec = _spec()
     worker = _worker(spec, _caches(num_blocks=4))
+    worker.report_failures = False  # as under vLLM 0.32 and 0.33's own connector
     engine = worker.transfers.engine
     monkeypatch.setattr(engine, "submit_primary", _raise("primary broke"))
     monkeypatch.setattr(engine, "submit_fallback", _raise("fallback broke"))
