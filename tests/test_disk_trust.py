@@ -8,11 +8,14 @@ uid 65534 (nobody)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
+import shutil
 import stat
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,7 +29,8 @@ from asyncoffload.tiers.disk import DiskStore, DiskTier
 from asyncoffload.tiers.format import Namespace, pack_header
 from asyncoffload.transfer.paged_engines import SharedHostFile
 from tests.test_disk_io import fifo_writer_after
-from tests.test_tiers import config, keys, kv_caches, store_to_disk_only
+from tests.test_tiers import block, config, keys, kv_caches, store_to_disk_only
+from tests.test_tiers import store as store_blocks
 
 pytestmark = pytest.mark.skipif(not _io.available(), reason="native I/O lanes not built")
 
@@ -189,16 +193,135 @@ def test_a_tier_root_symlink_of_another_user_is_refused(
     assert os.listdir(target) == []
 
 
-def test_an_ancestor_others_may_write_is_refused_unless_sticky(
-    tmp_path: Path, opened: list[DiskStore]
+@pytest.mark.parametrize("bits", [0o777, 0o775, 0o757], ids=oct)
+def test_an_ancestor_group_or_others_may_write_is_refused_unless_sticky(
+    tmp_path: Path, opened: list[DiskStore], bits: int
 ) -> None:
     open_dir = tmp_path / "open"
     open_dir.mkdir()
-    open_dir.chmod(0o777)
-    with pytest.raises(PermissionError, match=rf"{open_dir}: writable by others and not sticky"):
+    open_dir.chmod(bits)
+    with pytest.raises(
+        PermissionError,
+        match=rf"{open_dir}: writable by group or others and not sticky \(mode {bits:04o}\)",
+    ):
         open_store(opened, open_dir / "kv")
-    open_dir.chmod(0o1777)
+    assert os.listdir(open_dir) == []  # nothing made under it
+    open_dir.chmod(bits | stat.S_ISVTX)
     open_store(opened, open_dir / "kv")
+
+
+@pytest.mark.parametrize("mode", ["files", "slab"])
+def test_an_ancestor_another_user_owns_is_refused_and_nothing_is_made_in_it(
+    tmp_path: Path, opened: list[DiskStore], mode: str
+) -> None:
+    """/tmp/X made by another user before DiskTier("/tmp/X/kv"): they could rename kv
+    away and plant their own tree under the running engine."""
+    theirs = tmp_path / "X"
+    theirs.mkdir(mode=0o755)
+    os.chown(theirs, OTHER_UID, -1)
+    with pytest.raises(
+        PermissionError,
+        match=rf"{theirs}: owned by uid {OTHER_UID}, not by .*: its owner could rename a "
+        rf"directory above {theirs / 'kv' / 'deep'}.*every directory belongs to this user",
+    ):
+        open_store(opened, theirs / "kv" / "deep", mode)
+    assert os.listdir(theirs) == []
+
+
+def test_a_symlinked_ancestor_another_user_owns_is_refused(
+    tmp_path: Path, opened: list[DiskStore]
+) -> None:
+    sticky = tmp_path / "sticky"
+    sticky.mkdir()
+    sticky.chmod(0o1777)
+    real = tmp_path / "real"
+    real.mkdir(mode=0o700)
+    link = sticky / "link"
+    link.symlink_to(real)
+    os.lchown(link, OTHER_UID, -1)
+    with pytest.raises(PermissionError, match=rf"{link}: a symlink owned by uid {OTHER_UID}"):
+        open_store(opened, link / "kv")
+    assert os.listdir(real) == []
+    os.lchown(link, 0, -1)  # root's (or ours): followed, and the target checked
+    store = open_store(opened, link / "kv")
+    assert (real / "kv" / NAMESPACE.dirname()).is_dir() and store.dir == link / "kv" / (
+        NAMESPACE.dirname()
+    )
+
+
+def test_a_symlink_loop_in_the_path_is_an_error_not_a_hang(tmp_path: Path) -> None:
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    with pytest.raises(OSError, match="too many levels of symlinks"):
+        tier(tmp_path / "a" / "kv").open(NAMESPACE)
+
+
+@contextlib.contextmanager
+def shared_base() -> Iterator[Path]:
+    """A directory under /tmp that uid 65534 can reach (pytest's tmp_path is root's
+    0700), removed at the end."""
+    base = Path(tempfile.mkdtemp(prefix="ao-trust-", dir="/tmp"))
+    try:
+        base.chmod(0o755)
+        yield base
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def as_other_user(script: str) -> None:
+    """Run ``script`` (sh) as uid/gid 65534 with no supplementary groups: a second local
+    user."""
+    subprocess.run(
+        ["setpriv", f"--reuid={OTHER_UID}", f"--regid={OTHER_UID}", "--clear-groups", "sh",
+         "-ec", script],
+        check=True,
+        timeout=30,
+        capture_output=True,
+    )  # fmt: skip
+
+
+async def test_an_ancestor_renamed_mid_run_changes_nothing_the_tier_reads_or_writes() -> None:
+    """The tier passed its checks at open; later an ancestor's parent comes under
+    another user's control (an administrator's chown), and that user renames the tree
+    away and plants a namespace directory of their own, with a forged block that passes
+    every check, at the old path. The engine still reads its own blocks and writes into
+    its own tree: it works relative to the directory it opened, not by path."""
+    kv = kv_caches()
+    with shared_base() as base:
+        top = base / "top"
+        top.mkdir(mode=0o755)
+        path = top / "X" / "kv"
+        cfg = config(path, "files")
+        eng = ao.AsyncOffloadEngine(kv, cfg)
+        try:
+            ks = keys(3)
+            want = [block(kv, i) for i in range(2)]
+            await store_to_disk_only(eng, ks[:2], [0, 1])
+            disk = eng.tiers[0]
+            assert isinstance(disk, DiskStore)
+            ns = disk.dir.name
+            os.chown(top, OTHER_UID, OTHER_UID)  # the administrator's mistake
+            plant = [f"mv {top}/X {top}/X.moved"]
+            for key in ks[:2]:  # forged blocks that pass every check (no MAC key here)
+                forged = os.urandom(BLOCK)
+                forged_file = base / f"{key.hex()}.kv"
+                forged_file.write_bytes(pack_header(disk.identity, bytes(key), forged) + forged)
+                forged_file.chmod(0o644)
+                sub = f"{top}/X/kv/{ns}/{key.hex()[:2]}"
+                plant += [f"mkdir -p {sub}", f"cp {forged_file} {sub}/"]
+            plant.append(f"chmod -R 777 {top}/X")
+            as_other_user(" && ".join(plant))
+            for t in kv:
+                t[10:12].zero_()
+            await asyncio.wait_for(await eng.prepare_load(ks[:2], [10, 11]), 10)
+            assert [block(kv, 10), block(kv, 11)] == want, "the planted block was read"
+            # A later write lands in the engine's own (moved) tree, not the planted one.
+            await store_blocks(eng, [ks[2]], [2])
+            mine = top / "X.moved" / "kv" / ns / ks[2].hex()[:2] / f"{ks[2].hex()}.kv"
+            planted = top / "X" / "kv" / ns / ks[2].hex()[:2] / f"{ks[2].hex()}.kv"
+            assert mine.is_file() and not planted.exists()
+        finally:
+            await asyncio.wait_for(eng.aclose(), 10)
 
 
 def test_a_namespace_dir_another_user_made_with_a_forged_block_is_refused(

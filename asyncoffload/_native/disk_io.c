@@ -21,7 +21,9 @@
  *   [4092:4096) CRC32C of bytes [0:4092)
  *
  * Two places a block lives: a slab (an open fd, the block at a file offset) or a file of
- * its own (files mode: a path). Files are written to a temporary name and renamed into
+ * its own (files mode: a path relative to a directory fd the owner holds open, so that
+ * nothing done to the directories above it after it was opened changes which file is
+ * used; every open is O_NOFOLLOW, and the path's directories are the owner's). Files are written to a temporary name and renamed into
  * place. There is no fsync: a crash may leave a torn or empty file behind (or a lost
  * rename), and a torn file fails its header or payload CRC when read (-EBADMSG / -ENODATA),
  * so it is never served; durability across power loss is not promised.
@@ -462,7 +464,7 @@ typedef struct {
 typedef struct {
     int64_t host;
     int64_t offset;
-    const char *path; /* into the job's blob, or NULL */
+    const char *path; /* into the job's blob, or NULL; relative to fd if fd >= 0 */
     const uint8_t *key; /* into the job's blob */
     int32_t key_len;
     int32_t fd;
@@ -1011,21 +1013,27 @@ static int ao_direct_ok(const ao_pool *pool, const ao_iojob *job, const ao_op *o
            (pool->payload_len % AO_ALIGN) == 0;
 }
 
+/* The directory a files-mode op's path is relative to: op->fd, a directory the pool's
+ * owner opened once and holds (so a rename of any directory above it, or a directory
+ * planted at its old path, changes nothing here); -1: the current directory (an
+ * absolute path, tests of the pool alone). */
+static int ao_dir_of(const ao_op *op) { return op->fd >= 0 ? op->fd : AT_FDCWD; }
+
 /* Opens a block file, or -1 with errno set. Only a regular file is one: a symlink
  * fails (ELOOP: never followed out of the tier's directory), and a FIFO, device, socket or
  * directory fails with EINVAL. O_NONBLOCK keeps open() itself from blocking on a FIFO
  * with no writer (or a device); it is cleared again once the file is known to be regular. */
-static int ao_open(const char *path, int flags, int direct) {
+static int ao_open(int dir, const char *path, int flags, int direct) {
     int fd = -1;
     flags |= O_NOFOLLOW | O_NONBLOCK;
     if (direct && O_DIRECT) {
-        do fd = open(path, flags | O_DIRECT, 0600);
+        do fd = openat(dir, path, flags | O_DIRECT, 0600);
         while (fd < 0 && errno == EINTR);
         if (fd < 0 && errno != EINVAL) return -1;
         /* EINVAL: the file system refuses O_DIRECT (tmpfs of old kernels ...): buffered. */
     }
     if (fd < 0) {
-        do fd = open(path, flags, 0600);
+        do fd = openat(dir, path, flags, 0600);
         while (fd < 0 && errno == EINTR);
         if (fd < 0) return -1;
     }
@@ -1080,7 +1088,8 @@ static int64_t ao_do_write(ao_worker *w, const ao_iojob *job, const ao_op *op) {
     snprintf(tmp, plen_path + 80, "%s.tmp.%ld.%ld.%llu", op->path, (long)getpid(),
              (long)syscall(SYS_gettid),
              (unsigned long long)__atomic_fetch_add(&ao_tmp_counter, 1, __ATOMIC_RELAXED));
-    int fd = ao_open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, pool->flags & 1);
+    int dir = ao_dir_of(op);
+    int fd = ao_open(dir, tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, pool->flags & 1);
     if (fd < 0) {
         int64_t e = -(int64_t)errno;
         free(tmp);
@@ -1088,8 +1097,8 @@ static int64_t ao_do_write(ao_worker *w, const ao_iojob *job, const ao_op *op) {
     }
     int64_t r = ao_full_io(fd, 1, iov, cnt, 0);
     if (close(fd) != 0 && r >= 0 && errno != EINTR) r = -(int64_t)errno;
-    if (r >= 0 && rename(tmp, op->path) != 0) r = -(int64_t)errno;
-    if (r < 0) unlink(tmp);
+    if (r >= 0 && renameat(dir, tmp, dir, op->path) != 0) r = -(int64_t)errno;
+    if (r < 0) unlinkat(dir, tmp, 0);
     free(tmp);
     return r < 0 ? r : pool->payload_len;
 }
@@ -1117,7 +1126,7 @@ static int64_t ao_do_read(ao_worker *w, const ao_iojob *job, const ao_op *op) {
     }
     int fd = op->fd;
     if (op->path != NULL) {
-        fd = ao_open(op->path, O_RDONLY | O_CLOEXEC, pool->flags & 1);
+        fd = ao_open(ao_dir_of(op), op->path, O_RDONLY | O_CLOEXEC, pool->flags & 1);
         if (fd < 0) return -(int64_t)errno;
     }
     int64_t r = ao_full_io(fd, 0, iov, cnt, op->path ? 0 : op->offset);

@@ -6,7 +6,8 @@ A block on disk is a 4096-byte header (magic, format version, the pool's 16-byte
 identity, the payload length, the payload's CRC32C, the key, and the header's own
 CRC32C) followed by the payload, zero-padded to a multiple of 4096: :func:`slot_bytes`.
 It lives either in a slab (an open fd, at an offset: ``IoOp.fd``/``IoOp.offset``) or in
-a file of its own (``IoOp.path``: written to a temporary name, then renamed into place).
+a file of its own (``IoOp.path``, relative to the directory fd ``IoOp.fd``: written to a
+temporary name, then renamed into place).
 
 A job's ops end one by one, each with a result: ``payload_len`` when it worked, else
 ``-errno``: a read of a block that fails its checks ends with ``-EBADMSG`` (damaged:
@@ -72,7 +73,8 @@ MAX_SEGMENTS = 64
 class IoOp(NamedTuple):
     """One block to write or read: ``payload_len`` bytes at address ``host``. In a slab:
     ``fd`` and ``offset`` (of the header), ``path`` None; in files mode: ``path`` (the
-    block file's final path), ``fd`` -1, ``offset`` 0."""
+    block file's final path) relative to the directory ``fd`` (held open by the caller
+    until the job ended; -1: the current directory), ``offset`` 0."""
 
     host: int
     offset: int
@@ -379,8 +381,8 @@ class IoPool:
 
     def submit(self, write: bool, ops: Sequence[IoOp], deadline_s: float | None = None) -> IoJob:
         """Queue ``ops`` (all writes or all reads); ``deadline_s``: seconds from now
-        after which ops not yet started end with ``-ETIMEDOUT``. The host memory and
-        slab fds must stay valid until the job has ended."""
+        after which ops not yet started end with ``-ETIMEDOUT``. The host memory, the
+        slab fds and the directory fds must stay valid until the job has ended."""
         check_process(self.pid, "IoPool")
         if self._closed:
             raise RuntimeError("IoPool is closed")
@@ -400,7 +402,7 @@ class IoPool:
             c.path = None if op.path is None else os.fsencode(op.path)
             c.key = key
             c.key_len = len(key)
-            c.fd = op.fd if op.path is None else -1
+            c.fd = op.fd  # files mode: the directory the path is relative to (-1: cwd)
         deadline_ns = 0
         if deadline_s is not None:
             deadline_ns = max(1, time.monotonic_ns() + int(deadline_s * 1e9))

@@ -34,7 +34,7 @@ from typing import Any, Literal
 
 from pydantic import Field, SecretBytes, field_validator, model_validator
 
-from asyncoffload._ownership import check_root_dir, make_private_dir
+from asyncoffload._ownership import open_private_dir, open_root_dir
 from asyncoffload.keys import OffloadKey
 from asyncoffload.manager.base import Medium
 from asyncoffload.tiers.base import LowerTier, TierManager
@@ -61,6 +61,8 @@ _TEMP = re.compile(r"[0-9a-f]+\.kv\.tmp\.(\d+)\.\d+\.\d+|\.namespace\.(\d+)\.[0-
 _TEMP_STALE_S = 3600.0
 #: The largest file offset (off_t): a slab cannot be larger.
 _MAX_FILE_BYTES = 2**63 - 1
+#: Linux's largest pid_max (2**22): no process has a larger pid.
+_PID_MAX = 1 << 22
 
 
 class DiskTier(TierSettings):
@@ -149,21 +151,22 @@ class DiskTier(TierSettings):
         return DiskStore(self, namespace, name)
 
 
-def _probe_direct(path: Path) -> bool:
-    """Whether files in ``path`` can be opened with O_DIRECT (tmpfs and some overlay
-    filesystems refuse it with EINVAL)."""
+def _probe_direct(dir_fd: int) -> bool:
+    """Whether files in the directory ``dir_fd`` can be opened with O_DIRECT (tmpfs and
+    some overlay filesystems refuse it with EINVAL)."""
     if not hasattr(os, "O_DIRECT"):
         return False
-    probe = path / f".direct-probe.{os.getpid()}.{secrets.token_hex(4)}"
+    probe = f".direct-probe.{os.getpid()}.{secrets.token_hex(4)}"
+    flags = os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_DIRECT | os.O_NOFOLLOW | os.O_CLOEXEC
     try:
-        fd = os.open(probe, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_DIRECT, 0o600)
+        fd = os.open(probe, flags, 0o600, dir_fd=dir_fd)
     except OSError:
         with contextlib.suppress(OSError):
-            probe.unlink()
+            os.unlink(probe, dir_fd=dir_fd)
         return False
     os.close(fd)
     with contextlib.suppress(OSError):
-        probe.unlink()
+        os.unlink(probe, dir_fd=dir_fd)
     return True
 
 
@@ -184,7 +187,7 @@ def _writer_alive(pid: int, mtime: float) -> bool:
     """Whether process ``pid`` may still be writing a temporary file last modified at
     ``mtime``: it runs, it started before then (a later process that got the same pid
     is not the writer), and the file is less than :data:`_TEMP_STALE_S` old."""
-    if pid <= 0:
+    if not 0 < pid <= _PID_MAX:  # no process has it (a pid os.kill cannot even take)
         return False
     try:
         os.kill(pid, 0)
@@ -204,7 +207,7 @@ class DiskStore(LowerTier):
     medium = Medium.DISK
 
     def __init__(self, config: DiskTier, namespace: Namespace, name: str = "disk") -> None:
-        from asyncoffload.tiers._io import IoPool, require
+        from asyncoffload.tiers._io import require
 
         require("the disk tier")
         self.config = config
@@ -231,17 +234,27 @@ class DiskStore(LowerTier):
         )
         self._closed = False
         self._fd = -1
+        #: Files mode: the namespace directory, opened once; every block file is opened,
+        #: written and removed relative to it (see asyncoffload._ownership).
+        self._dir_fd = -1
         self.identity = namespace.identity()
         root = Path(config.path)
+        root_fd = open_root_dir(root, f"disk tier {name}", create=True)
         try:
-            root.mkdir(parents=True, exist_ok=True, mode=0o700)
-        except OSError as exc:
-            raise OSError(
-                exc.errno, f"disk tier {name}: cannot create {root}: {exc.strerror}"
-            ) from None
-        check_root_dir(root, f"disk tier {name}")
+            self._open(config, root, root_fd, name, mac_key)
+        except BaseException:
+            self._release_fds()
+            raise
+        finally:
+            os.close(root_fd)
+
+    def _open(
+        self, config: DiskTier, root: Path, root_fd: int, name: str, mac_key: bytes | None
+    ) -> None:
+        from asyncoffload.tiers._io import IoPool
+
         want = config.direct_io
-        direct = _probe_direct(root) if want is not False else False
+        direct = _probe_direct(root_fd) if want is not False else False
         if want and not direct:
             raise OSError(
                 errno.EINVAL, f"disk tier {name}: direct_io=True but {root} refuses O_DIRECT"
@@ -256,10 +269,10 @@ class DiskStore(LowerTier):
         self.direct_io = direct
         self.dir = root
         if config.mode == "slab":
-            self._open_slab(root)
+            self._open_slab(root, root_fd)
         else:
-            self.dir = root / namespace.dirname()
-            self._open_files()
+            self.dir = root / self.namespace.dirname()
+            self._open_files(root_fd)
         self._pool = IoPool(
             threads=config.io_threads,
             payload_len=self.block_bytes,
@@ -270,17 +283,17 @@ class DiskStore(LowerTier):
 
     # --- layouts --------------------------------------------------------------------
 
-    def _open_slab(self, root: Path) -> None:
-        path = root / f"asyncoffload-{os.getpid()}-{uuid.uuid4().hex}.slab"
+    def _open_slab(self, root: Path, root_fd: int) -> None:
+        name = f"asyncoffload-{os.getpid()}-{uuid.uuid4().hex}.slab"
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
         flags |= getattr(os, "O_NOFOLLOW", 0)
         if self.direct_io:
             flags |= os.O_DIRECT
-        fd = os.open(path, flags, 0o600)
+        fd = os.open(name, flags, 0o600, dir_fd=root_fd)
         # Unlinked before it is sized: nothing else may open it, and a crash (or a size
         # the file system refuses) leaves nothing behind.
         with contextlib.suppress(OSError):
-            path.unlink()
+            os.unlink(name, dir_fd=root_fd)
         size = self.num_blocks * self.slot_bytes
         try:
             try:
@@ -313,23 +326,33 @@ class DiskStore(LowerTier):
             f"slab in {root}, and its file system {why}",
         )
 
-    def _open_files(self) -> None:
+    def _open_files(self, root_fd: int) -> None:
         ns_dir = self.dir
         what = f"disk tier {self.name}"
-        make_private_dir(ns_dir, what)
-        meta = ns_dir / "namespace.json"
-        if not meta.exists():
-            tmp = ns_dir / f".namespace.{os.getpid()}.{secrets.token_hex(4)}"
-            tmp.write_text(json.dumps(self.namespace.describe(), indent=1) + "\n")
-            os.replace(tmp, meta)
+        self._dir_fd = fd = open_private_dir(ns_dir.name, what, root_fd, ns_dir)
+        try:
+            os.stat("namespace.json", dir_fd=fd, follow_symlinks=False)
+        except FileNotFoundError:
+            tmp = f".namespace.{os.getpid()}.{secrets.token_hex(4)}"
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+            out = os.open(tmp, flags, 0o600, dir_fd=fd)
+            with os.fdopen(out, "w") as f:
+                f.write(json.dumps(self.namespace.describe(), indent=1) + "\n")
+            os.replace(tmp, "namespace.json", src_dir_fd=fd, dst_dir_fd=fd)
         for i in range(256):
-            make_private_dir(ns_dir / f"{i:02x}", what)
+            os.close(open_private_dir(f"{i:02x}", what, fd, ns_dir / f"{i:02x}"))
         self._recover()
 
     def path_of(self, key: OffloadKey) -> Path:
-        """The file of ``key`` (files mode)."""
+        """Where the file of ``key`` is (files mode), as of the tier's opening: the tier
+        itself uses the name relative to its namespace directory (:meth:`name_of`)."""
+        return self.dir / self.name_of(key)
+
+    @staticmethod
+    def name_of(key: OffloadKey) -> str:
+        """The file of ``key`` relative to the namespace directory (files mode)."""
         hexkey = key.hex()
-        return self.dir / hexkey[:2] / f"{hexkey}{_SUFFIX}"
+        return f"{hexkey[:2]}/{hexkey}{_SUFFIX}"
 
     def _recover(self) -> None:
         """Index the blocks a previous run left (files mode): each must be a regular
@@ -340,26 +363,30 @@ class DiskStore(LowerTier):
         found: list[tuple[float, OffloadKey]] = []
         skipped = removed = 0
         started = time.monotonic()
-        temps = self._remove_stale_temps(self.dir)
+        temps = self._remove_stale_temps(self._dir_fd)
+        flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
         for i in range(256):  # only the subdirectories checked in _open_files
-            sub = self.dir / f"{i:02x}"
-            for entry in os.scandir(sub):
-                name = entry.name
-                if not name.endswith(_SUFFIX):
-                    temps += self._remove_if_stale_temp(entry)
-                    continue
-                if not entry.is_file(follow_symlinks=False):
-                    skipped += 1
-                    if not entry.is_dir(follow_symlinks=False):
-                        with contextlib.suppress(OSError):
-                            os.unlink(entry.path)  # a symlink is removed, not followed
-                            removed += 1
-                    continue
-                checked = self._check_file(entry.path, name[: -len(_SUFFIX)])
-                if checked is None:
-                    skipped += 1
-                    continue
-                found.append(checked)
+            sub = os.open(f"{i:02x}", flags, dir_fd=self._dir_fd)
+            try:
+                for entry in os.scandir(sub):
+                    name = entry.name
+                    if not name.endswith(_SUFFIX):
+                        temps += self._remove_if_stale_temp(entry, sub)
+                        continue
+                    if not entry.is_file(follow_symlinks=False):
+                        skipped += 1
+                        if not entry.is_dir(follow_symlinks=False):
+                            with contextlib.suppress(OSError):
+                                os.unlink(name, dir_fd=sub)  # a symlink: removed, not followed
+                                removed += 1
+                        continue
+                    checked = self._check_file(sub, name)
+                    if checked is None:
+                        skipped += 1
+                        continue
+                    found.append(checked)
+            finally:
+                os.close(sub)
         found.sort()
         keep = found[-self.num_blocks :]
         manager = self.manager
@@ -393,10 +420,10 @@ class DiskStore(LowerTier):
         self.unusable = skipped
         self.stale_temps = temps
 
-    def _remove_stale_temps(self, folder: Path) -> int:
-        return sum(self._remove_if_stale_temp(entry) for entry in os.scandir(folder))
+    def _remove_stale_temps(self, folder: int) -> int:
+        return sum(self._remove_if_stale_temp(entry, folder) for entry in os.scandir(folder))
 
-    def _remove_if_stale_temp(self, entry: os.DirEntry[str]) -> int:
+    def _remove_if_stale_temp(self, entry: os.DirEntry[str], folder: int) -> int:
         """Remove ``entry`` if it is a temporary file (:data:`_TEMP`) whose writer is
         gone: 1 if removed. A live writer's, this process's included (another engine
         may share the directory), is kept."""
@@ -413,22 +440,23 @@ class DiskStore(LowerTier):
         if _writer_alive(pid, st.st_mtime):
             return 0
         try:
-            os.unlink(entry.path)
+            os.unlink(entry.name, dir_fd=folder)
         except OSError:
             return 0
         return 1
 
-    def _check_file(self, path: str, hexkey: str) -> tuple[float, OffloadKey] | None:
-        """The file's modification time and key if it is this namespace's block of the
-        key its name says, else ``None``. Never blocks: opened ``O_NONBLOCK`` (a FIFO
-        swapped in after the scan) and ``O_NOFOLLOW``, and only a regular file is read."""
+    def _check_file(self, folder: int, name: str) -> tuple[float, OffloadKey] | None:
+        """The modification time and key of file ``name`` in the directory ``folder`` if
+        it is this namespace's block of the key its name says, else ``None``. Never
+        blocks: opened ``O_NONBLOCK`` (a FIFO swapped in after the scan) and
+        ``O_NOFOLLOW``, and only a regular file is read."""
         try:
-            key = bytes.fromhex(hexkey)
+            key = bytes.fromhex(name[: -len(_SUFFIX)])
         except ValueError:
             return None
         flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
         try:
-            fd = os.open(path, flags)
+            fd = os.open(name, flags, dir_fd=folder)
         except OSError:
             return None
         try:
@@ -462,7 +490,8 @@ class DiskStore(LowerTier):
             return [
                 IoOp(addr, slot * size, None, key, fd) for key, slot, addr in zip(keys, slots, host)
             ]
-        return [IoOp(addr, 0, str(self.path_of(key)), key, -1) for key, addr in zip(keys, host)]
+        fd, name_of = self._dir_fd, self.name_of
+        return [IoOp(addr, 0, name_of(key), key, fd) for key, addr in zip(keys, host)]
 
     def submit_read(
         self, keys: Sequence[OffloadKey], slots: Sequence[int], host: Sequence[int]
@@ -482,7 +511,7 @@ class DiskStore(LowerTier):
             return  # slab slots are simply reused
         for key in keys:
             with contextlib.suppress(OSError):
-                os.unlink(self.path_of(key))
+                os.unlink(self.name_of(key), dir_fd=self._dir_fd)
 
     @property
     def pool(self) -> Any:
@@ -504,11 +533,16 @@ class DiskStore(LowerTier):
         if self._closed:
             return
         self._closed = True
-        self._pool.close()
-        if self._fd >= 0:
-            with contextlib.suppress(OSError):
-                os.close(self._fd)
-            self._fd = -1
+        self._pool.close()  # joins the lanes: no op uses the fds after this
+        self._release_fds()
+
+    def _release_fds(self) -> None:
+        for attr in ("_fd", "_dir_fd"):
+            fd = getattr(self, attr)
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+                setattr(self, attr, -1)
 
     def __repr__(self) -> str:
         m = self.manager.stats()

@@ -17,7 +17,7 @@ import weakref
 
 import torch
 
-from asyncoffload._ownership import check_private_file, check_root_dir
+from asyncoffload._ownership import check_private_file, open_root_dir
 from asyncoffload.transfer.base import HostRegion
 
 __all__ = ["HOST_FILE_WAIT_S", "SharedHostFile"]
@@ -96,9 +96,18 @@ class SharedHostFile:
         path = os.fspath(path)
         size = cls.file_bytes(num_slots, slot_bytes)
         folder = os.path.dirname(path) or "."
-        check_root_dir(folder, "shared host pool")
+        dir_fd = open_root_dir(folder, "shared host pool")
         try:
-            st = os.statvfs(folder)
+            return cls._create(path, folder, dir_fd, num_slots, slot_bytes, size)
+        finally:
+            os.close(dir_fd)
+
+    @classmethod
+    def _create(
+        cls, path: str, folder: str, dir_fd: int, num_slots: int, slot_bytes: int, size: int
+    ) -> SharedHostFile:
+        try:
+            st = os.fstatvfs(dir_fd)
         except OSError:
             pass
         else:
@@ -108,12 +117,11 @@ class SharedHostFile:
                     f"{folder} has {st.f_bavail * st.f_frsize} bytes free, too few for a "
                     f"{size}-byte shared host pool ({num_slots} slots of {slot_bytes} B)",
                 )
-        tmp = os.path.join(
-            folder, f".{os.path.basename(path)}.{os.getpid()}.{secrets.token_hex(4)}"
-        )
+        name = os.path.basename(path)
+        tmp = f".{name}.{os.getpid()}.{secrets.token_hex(4)}"
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
         flags |= getattr(os, "O_NOFOLLOW", 0)
-        fd = os.open(tmp, flags, 0o600)
+        fd = os.open(tmp, flags, 0o600, dir_fd=dir_fd)
         try:
             os.ftruncate(fd, size)
             header = _HOST_FILE_STRUCT.pack(
@@ -127,17 +135,18 @@ class SharedHostFile:
             os.pwrite(fd, header, 0)
             mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
             try:
-                os.replace(tmp, path)
+                os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
             except PermissionError:  # a sticky directory: another user's file has the name
                 owner = "?"
                 with contextlib.suppress(OSError):
-                    owner = str(os.lstat(path).st_uid)
+                    owner = str(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_uid)
                 raise PermissionError(
                     f"shared host pool: cannot replace {path}, owned by uid {owner} (this "
                     f"process's uid is {os.geteuid()}): remove it, or set another directory"
                 ) from None
         except BaseException:
-            _unlink_quietly(tmp)
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=dir_fd)
             raise
         finally:
             os.close(fd)
