@@ -488,6 +488,23 @@ def test_a_temp_file_older_than_its_writers_pid_is_removed(
     assert again.stale_temps == 1
 
 
+@pytest.mark.parametrize("pid", [2**31, 2**63, 10**30, 0])
+def test_a_temp_file_naming_a_pid_no_process_can_have_is_stale(
+    tmp_path: Path, opened: list[DiskStore], pid: int
+) -> None:
+    """A pid of 2**31 or more made os.kill raise OverflowError, and the engine could not
+    start; no process has such a pid (nor 0), so the file is a dead writer's."""
+    store = open_store(opened, tmp_path)
+    store.close()
+    key = keys(1)[0].hex()
+    odd = [store.dir / key[:2] / f"{key}.kv.tmp.{pid}.1.3", store.dir / f".namespace.{pid}.0a"]
+    for path in odd:
+        path.write_bytes(b"x")
+    again = open_store(opened, tmp_path)
+    assert [p for p in odd if p.exists()] == []
+    assert again.stale_temps == 2
+
+
 # --- 11. settings a file system cannot hold ----------------------------------------------
 
 
