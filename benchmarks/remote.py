@@ -17,6 +17,8 @@ ships, on 127.0.0.1, no persistence), or ``--url`` names one. For each block siz
   its CPU tier) ``alookup`` of all ``N`` keys (pipelined EXISTS), then ``prepare_load``
   in calls of ``batch``, up to ``--in-flight`` at once: remote -> CPU slot (header and
   CRC32C checked) -> KV blocks. The read time includes the alookup, reported apart too.
+  The tier reads with ``GETRANGE`` (``bounded_reads``, the default); ``--whole-values``
+  runs it again with ``bounded_reads=False`` (``MGET`` of whole values), in the same run.
 
 Throughput counts payload bytes. Ratios tier/raw per direction; the goal is >= 0.80.
 
@@ -258,10 +260,12 @@ def make_keys(run: int, n: int) -> list[ao.OffloadKey]:
 
 
 def engine_config(
-    url: str, batch: int, cpu_blocks: int, client: str = "redis-py"
+    url: str, batch: int, cpu_blocks: int, client: str = "redis-py", bounded: bool = True
 ) -> ao.EngineConfig:
-    tier = RemoteTier(url, admission=None, batch_blocks=batch, client=client)
-    return ao.EngineConfig(cpu_blocks=cpu_blocks, tiers=[tier], model=MODEL)
+    tier = RemoteTier(url, admission=None, batch_blocks=batch, client=client, bounded_reads=bounded)
+    # LRU: every block stored goes on to the server (the default 'auto' policy may hold
+    # some back, and a read of them would find nothing).
+    return ao.EngineConfig(cpu_blocks=cpu_blocks, tiers=[tier], model=MODEL, policy="lru")
 
 
 def kv_for(block: int, kv_blocks: int, fill: bool) -> tuple[list[torch.Tensor], ao.KVLayout]:
@@ -308,7 +312,7 @@ async def load(
 
 async def tier_run(
     url: str, n: int, block: int, batch: int, in_flight: int, cpu_bytes: int, run: int,
-    profiler: cProfile.Profile | None, client: str = "redis-py",
+    profiler: cProfile.Profile | None, client: str = "redis-py", bounded: bool = True,
 ) -> dict[str, Any]:  # fmt: skip
     cpu_blocks = max(cpu_bytes // block, 2 * batch * in_flight)
     kv_blocks = max(batch * in_flight, 4)
@@ -316,7 +320,7 @@ async def tier_run(
     out: dict[str, Any] = {"cpu_blocks": cpu_blocks}
     kv, layout = kv_for(block, kv_blocks, fill=True)
     async with ao.AsyncOffloadEngine(
-        kv, engine_config(url, batch, cpu_blocks, client), layout=layout
+        kv, engine_config(url, batch, cpu_blocks, client, bounded), layout=layout
     ) as a:
         if profiler:
             profiler.enable()
@@ -330,7 +334,7 @@ async def tier_run(
         out["write"], out["write_cpu"] = t1 - t0, c1 - c0
     fresh, layout = kv_for(block, kv_blocks, fill=False)
     async with ao.AsyncOffloadEngine(
-        fresh, engine_config(url, batch, cpu_blocks, client), layout=layout
+        fresh, engine_config(url, batch, cpu_blocks, client, bounded), layout=layout
     ) as b:
         assert b.lookup(keys) == 0
         if profiler:
@@ -451,9 +455,11 @@ async def tail_run(url: str, block: int, count: int, busy_ms: float) -> dict[str
     kv, layout = kv_for(block, 8, fill=True)
     async with ao.AsyncOffloadEngine(kv, engine_config(url, 64, 16), layout=layout) as a:
         await store_all(a, keys, 8, 2)
+        written = a.stats().tiers[0]
     fresh, layout = kv_for(block, 8, fill=False)
     async with ao.AsyncOffloadEngine(fresh, engine_config(url, 64, 16), layout=layout) as b:
-        assert await b.alookup(keys) == n
+        found = await b.alookup(keys)
+        assert found == n, f"alookup found {found} of {n} blocks stored: {written}"
 
         async def tier_read(i: int) -> None:
             await (await load(b, [keys[i]], [i % 8]))
@@ -487,6 +493,7 @@ def measure(args: argparse.Namespace, url: str) -> tuple[list[dict[str, Any]], A
             tiers: list[dict[str, Any]] = []
             glides: list[dict[str, float]] = []
             tier_glides: list[dict[str, Any]] = []
+            wholes: list[dict[str, Any]] = []
             for _ in range(args.repeat):
                 run += 1
                 value_bytes = block + HEADER_BYTES
@@ -523,6 +530,17 @@ def measure(args: argparse.Namespace, url: str) -> tuple[list[dict[str, Any]], A
                     )
                 )
                 ao.run(flushall(url), use_uvloop=False)
+                if args.whole_values:
+                    wholes.append(
+                        ao.run(
+                            tier_run(
+                                url, n, block, batch, args.in_flight, args.cpu_bytes,
+                                run + 2 * 10**6, None, bounded=False,
+                            ),
+                            use_uvloop=False,
+                        )
+                    )  # fmt: skip
+                    ao.run(flushall(url), use_uvloop=False)
             total = n * block
             med = {
                 f"{who}_{d}_gbps": total / statistics.median(r[d] for r in runs) / 1e9
@@ -531,6 +549,7 @@ def measure(args: argparse.Namespace, url: str) -> tuple[list[dict[str, Any]], A
                     ("tier", tiers),
                     ("glide", glides),
                     ("tierglide", tier_glides),
+                    ("tierwhole", wholes),
                 )
                 if runs
                 for d in ("write", "read")
@@ -559,6 +578,7 @@ def measure(args: argparse.Namespace, url: str) -> tuple[list[dict[str, Any]], A
                 "tier_runs": tiers,
                 "glide_runs": glides,
                 "tier_glide_runs": tier_glides,
+                "tier_whole_runs": wholes,
             }
             if tier_glides:
                 row["glide_tier_write_ratio"] = med["tierglide_write_gbps"] / med["raw_write_gbps"]
@@ -568,7 +588,13 @@ def measure(args: argparse.Namespace, url: str) -> tuple[list[dict[str, Any]], A
                 f"block {fmt_bytes(block):>8} batch {batch:>3}: write raw "
                 f"{row['raw_write_gbps']:.2f} tier {row['tier_write_gbps']:.2f} GB/s "
                 f"({row['write_ratio']:.2f}); read raw {row['raw_read_gbps']:.2f} tier "
-                f"{row['tier_read_gbps']:.2f} GB/s ({row['read_ratio']:.2f})",
+                f"{row['tier_read_gbps']:.2f} GB/s ({row['read_ratio']:.2f})"
+                + (
+                    f"; whole values (MGET) read {row['tierwhole_read_gbps']:.2f} GB/s "
+                    f"({row['tierwhole_read_gbps'] / row['raw_read_gbps']:.2f})"
+                    if wholes
+                    else ""
+                ),
                 flush=True,
             )
     prof_text = None
@@ -662,6 +688,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reads", type=int, default=200, help="busy-loop reads (0: none)")
     parser.add_argument("--busy-ms", type=float, default=2.0)
     parser.add_argument("--tail-block-bytes", type=byte_size, default=256 << 10)
+    parser.add_argument(
+        "--whole-values",
+        action="store_true",
+        help="also run the tier with bounded_reads=False (MGET of whole values)",
+    )
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--profile", type=Path, default=None, help="cProfile text of the tier")
     args = parser.parse_args(argv)

@@ -442,7 +442,7 @@ async def test_a_password_and_an_acl_user_with_only_the_tiers_commands(
     resp_command(
         server.port,
         "ACL", "SETUSER", "kv", "on", ">kv-secret", "~ao:*", "resetchannels",
-        "+set", "+get", "+mget", "+exists", "+del", "+type", "+ping", "+hello",
+        "+set", "+getrange", "+exists", "+del", "+type", "+ping", "+hello",
         "+client|setinfo",
         "+info",  # valkey-glide asks INFO when it connects
         password="admin-secret",

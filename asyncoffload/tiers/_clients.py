@@ -4,9 +4,11 @@ Both complete on the event loop: redis-py's ``redis.asyncio`` reads its sockets 
 valkey-glide's native core hands finished requests to the loop through a pipe it reads
 there. Neither runs a Python thread.
 
-A client answers per block where the server does: ``put_absent`` and ``get_many`` give
-one entry per name, an exception object where that name's request failed. A request that
-cannot be made at all (the server down, a timeout) raises.
+A client answers per block where the server does: ``put_absent`` and ``get_prefixes``
+give one entry per name, an exception object where that name's request failed. A request
+that cannot be made at all (the server down, a timeout) raises. Reads are bounded: a
+value is read up to a limit set from the block size (``GETRANGE``), so a value planted
+far larger than a block costs no more than a block to read.
 """
 
 from __future__ import annotations
@@ -29,8 +31,11 @@ class Client(Protocol):
         true) when written, ``None`` when it was there already, or an exception."""
         ...
 
-    async def get_many(self, names: list[bytes]) -> list[Any]:
-        """The value of each name: bytes, ``None`` when absent, or an exception."""
+    async def get_prefixes(self, names: list[bytes], end: int | None) -> list[Any]:
+        """The first ``end + 1`` bytes of each name's value (``GETRANGE name 0 end``):
+        bytes (empty when the name is absent or its value empty), or an exception (a
+        name holding another type than a string answers ``WRONGTYPE``). ``end`` None:
+        whole values (``MGET``, ``None`` when absent and for another type)."""
         ...
 
     async def exists(self, names: list[bytes]) -> list[bool]:
@@ -172,19 +177,27 @@ class RedisPyClient:
             names, lambda pipe, i, name: pipe.set(name, values[i], nx=True, px=px)
         )
 
-    async def get_many(self, names: list[bytes]) -> list[Any]:
-        if self.config.cluster:  # one pipeline, split per node
-            return await self._pipelined(names, lambda pipe, i, name: pipe.get(name))
-        if len(names) == 1:
+    async def get_prefixes(self, names: list[bytes], end: int | None) -> list[Any]:
+        if len(names) == 1 and not self.config.cluster:
+            # One command: no pipeline connection release (a task and a shield: three
+            # loop passes).
             from redis.exceptions import ResponseError
 
+            client = self._connect()
             try:
-                return [await self._connect().get(names[0])]
-            except ResponseError as exc:  # WRONGTYPE: that name's answer, as MGET's nil is
+                if end is None:
+                    return [await client.get(names[0])]
+                return [await client.getrange(names[0], 0, end)]
+            except ResponseError as exc:  # WRONGTYPE: that name's answer
                 return [exc]
-        # One command, one reply: less to parse than a pipeline of GETs, and no pipeline
-        # connection release (a task and a shield: three loop passes).
-        return list(await self._connect().mget(names))
+        if end is None:
+            if self.config.cluster:  # one pipeline, split per node
+                return await self._pipelined(names, lambda pipe, i, name: pipe.get(name))
+            # One command, one reply: less to parse than a pipeline of GETs.
+            return list(await self._connect().mget(names))
+        # A pipeline (split per node on a cluster). Not MGET: it reads values whole,
+        # whatever their size.
+        return await self._pipelined(names, lambda pipe, i, name: pipe.getrange(name, 0, end))
 
     async def exists(self, names: list[bytes]) -> list[bool]:
         if self.config.cluster:  # keys of one command must share a slot
@@ -334,9 +347,16 @@ class GlideClient:
             )
         return list(await client.exec(batch, raise_on_error=False) or [])
 
-    async def get_many(self, names: list[bytes]) -> list[Any]:
+    async def get_prefixes(self, names: list[bytes], end: int | None) -> list[Any]:
+        import glide
+
         client = await self._connect()
-        return list(await client.mget(names))
+        if end is None:
+            return list(await client.mget(names))
+        batch = glide.ClusterBatch(is_atomic=False) if self._cluster else glide.Batch(False)
+        for name in names:
+            batch.getrange(name, 0, end)
+        return list(await client.exec(batch, raise_on_error=False) or [])
 
     async def exists(self, names: list[bytes]) -> list[bool]:
         import glide

@@ -11,6 +11,7 @@ move bytes and signal the completion bridge.
 from __future__ import annotations
 
 import errno
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -22,6 +23,8 @@ from asyncoffload.manager.base import Medium
 from asyncoffload.manager.cpu import CPUOffloadingManager
 from asyncoffload.manager.policies import CachePolicy
 from asyncoffload.transfer.base import CopyJob, HostRegion
+
+log = logging.getLogger("asyncoffload.tiers")
 
 __all__ = [
     "LowerTier",
@@ -251,6 +254,8 @@ _CAUSES = {
     errno.EKEYREJECTED: "wrong_key",
     errno.ENOKEY: "unauthenticated",
     errno.ENODATA: "short",
+    errno.EMSGSIZE: "oversize",
+    errno.EPROTO: "protocol",
     errno.ENOENT: "missing",
     errno.ETIMEDOUT: "timeout",
     errno.EHOSTDOWN: "unavailable",
@@ -264,13 +269,20 @@ def failure_cause(code: int) -> str:
 
 
 def outcomes(job: CopyJob, n: int) -> list[int]:
-    """Per block of an I/O job: bytes moved, or ``-errno``."""
+    """Per block of an I/O job: bytes moved, or ``-errno``. A job that ended with
+    another number of results than its ``n`` blocks (a defect) fails them all with
+    ``-EPROTO``: pairing results with the wrong blocks, or leaving some unsettled,
+    would be worse."""
     results = getattr(job, "results", None)
     if results is None or job.error is not None:
         err = job.error
         code = err.errno if isinstance(err, OSError) and err.errno else errno.EIO
         return [-code] * n
-    return list(results)
+    out = list(results)
+    if len(out) != n:
+        log.error("an I/O job of %d blocks ended with %d results: all fail", n, len(out))
+        return [-errno.EPROTO] * n
+    return out
 
 
 def count_failures(counters: TierCounters, results: Sequence[int]) -> dict[str, int]:

@@ -46,12 +46,46 @@ log = logging.getLogger("asyncoffload.tiers")
 #: The longest ``ttl_s`` (Redis adds PX to the current time in ms: far larger values
 #: overflow there and are refused).
 _TEN_YEARS_S = 10 * 365 * 86_400.0
+#: What aclose() waits beyond timeout_s for jobs, removals and the client to end.
+_CLOSE_GRACE_S = 1.0
 #: Batches of at most this many payload bytes are packed or checked on the loop: a
 #: native job's wake-up is one more loop pass, which costs more under a busy loop.
 INLINE_BYTES = 1 << 20
 #: Read-back errors that mean the value on the server is damaged or not this block's:
-#: the tier deletes it, so that the next store of the block can put it again (NX).
-_DAMAGED = frozenset({errno.ENODATA, errno.EBADMSG, errno.ESTALE, errno.EKEYREJECTED, errno.ENOKEY})
+#: the tier deletes it, so that the next store of the block can put it again (NX). A
+#: value longer than a block (EMSGSIZE) is one; so is one whose read was sent and not
+#: answered by the deadline (ETIMEDOUT): left there, every later read would pay again.
+_DAMAGED = frozenset(
+    {
+        errno.ENODATA,
+        errno.EBADMSG,
+        errno.ESTALE,
+        errno.EKEYREJECTED,
+        errno.ENOKEY,
+        errno.EMSGSIZE,
+        errno.ETIMEDOUT,
+    }
+)
+
+
+class ProtocolError(OSError):
+    """The server answered a request with another number of replies than it holds
+    commands (or names): nothing of that answer is used."""
+
+    def __init__(self, what: str, got: int, want: int) -> None:
+        super().__init__(
+            errno.EPROTO, f"the server answered {what} with {got} replies for {want} names"
+        )
+
+
+def _answers(replies: Sequence[Any], want: int, what: str) -> list[Any]:
+    """``replies`` as a list if it holds ``want`` of them, else :class:`ProtocolError`
+    (a hostile or broken server: zipping them with the names would pair a value with
+    the wrong block, or leave blocks unanswered)."""
+    out = list(replies)
+    if len(out) != want:
+        raise ProtocolError(what, len(out), want)
+    return out
 
 
 class RemoteTier(TierSettings):
@@ -109,11 +143,24 @@ class RemoteTier(TierSettings):
     threads: int = Field(
         2, ge=1, le=64, description="Native threads that pack and check values off the loop."
     )
+    bounded_reads: bool = Field(
+        True,
+        description="Read at most one block (and a byte) of each value (GETRANGE): a value "
+        "planted far larger than a block costs a reader one block. False: whole values "
+        "(MGET: faster where the server shares the engine's cores, see docs/benchmarks.md), "
+        "for a keyspace only your engines can write.",
+    )
     pipelines: int = Field(
         4, gt=0, le=256, description="Pipelined requests in flight, for reads and for writes."
     )
     timeout_s: float = Field(
-        5.0, gt=0, le=3600, allow_inf_nan=False, description="Per request; a late one is a miss."
+        5.0,
+        gt=0,
+        le=3600,
+        allow_inf_nan=False,
+        description="Every job (a load's blocks, a write-through's) and every question "
+        "ends within this long after it was submitted, answered or not: a late block is "
+        "a miss, and aclose() waits no longer than this.",
     )
     retry_s: float = Field(
         1.0,
@@ -262,6 +309,13 @@ def _deadline(seconds: float) -> contextlib.AbstractAsyncContextManager[Any]:
     return _WaitFor(seconds)  # pragma: no cover - Python 3.10
 
 
+def _deadline_at(when: float) -> contextlib.AbstractAsyncContextManager[Any]:
+    """``asyncio.timeout_at``: the body ends by ``when`` (the loop's clock)."""
+    if sys.version_info >= (3, 11):
+        return asyncio.timeout_at(when)
+    return _WaitFor(max(0.0, when - asyncio.get_running_loop().time()))  # pragma: no cover
+
+
 class _WaitFor:
     """Python 3.10: a deadline for the body, by cancelling the task running it."""
 
@@ -294,8 +348,10 @@ def _wrong_type(reply: object) -> bool:
 
 
 def _reply_errno(value: object, whole: int) -> int:
-    """0 for a reply to check natively, else the ``-errno`` of why it is a miss."""
-    if value is None:
+    """0 for a reply to ``GETRANGE name 0 whole`` to check natively, else the ``-errno``
+    of why it is a miss (``-ENOENT`` also for an empty reply: absent, or an empty
+    value, which only ``TYPE`` tells apart)."""
+    if value is None or value == b"":
         return -errno.ENOENT  # evicted by the server, or never there
     if _wrong_type(value):
         return -errno.EBADMSG  # not a block: damaged, deleted like one
@@ -303,6 +359,8 @@ def _reply_errno(value: object, whole: int) -> int:
         return -_errno_of(value)
     if not isinstance(value, bytes):
         return -errno.EBADMSG
+    if len(value) > whole:
+        return -errno.EMSGSIZE  # longer than any block: damaged, read no further
     if len(value) < whole:
         return -errno.ENODATA
     return 0
@@ -379,6 +437,8 @@ class RemoteStore(LowerTier):
         self._client = make_client(config)
         self._wake_fd: int | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        #: Removals of damaged values, run beside the jobs that found them.
+        self._cleanups: set[asyncio.Task[None]] = set()
         self._closed = False
         self._down_until = 0.0
         self.errors = 0
@@ -432,21 +492,26 @@ class RemoteStore(LowerTier):
         limit: asyncio.Semaphore,
         n: int,
         request: Callable[[int, int], Awaitable[list[int]]],
+        late: list[int] | None = None,
     ) -> list[int]:
         """Runs ``request(start, end)`` for each batch of ``n`` blocks, the batches in
-        parallel as far as ``limit`` lets them; a batch that fails or is not answered
-        within ``timeout_s`` gives ``-errno`` for its blocks, the others keep theirs."""
+        parallel as far as ``limit`` lets them; a batch that fails, or is not answered
+        within ``timeout_s`` of the job's submission (waiting its turn included), gives
+        ``-errno`` for its blocks, the others keep theirs. ``late``: gets the start of
+        each batch that was sent and not answered in time."""
         batch = self.batch
         reported = False
+        deadline = asyncio.get_running_loop().time() + self.config.timeout_s
 
         async def one(start: int, end: int) -> list[int]:
             nonlocal reported
+            sent = False
             try:
-                async with limit:
+                async with _deadline_at(deadline), limit:
                     if self.unavailable():
                         return [-errno.EHOSTDOWN] * (end - start)
-                    async with _deadline(self.config.timeout_s):
-                        out = await request(start, end)
+                    sent = True
+                    out = _answers(await request(start, end), end - start, "a batch")
                     self._down_until = 0.0
                     return out
             except Exception as exc:
@@ -454,9 +519,12 @@ class RemoteStore(LowerTier):
                 code = _errno_of(exc)
                 if code in (errno.ECONNREFUSED, errno.ETIMEDOUT):
                     self._down_until = time.monotonic() + self.config.retry_s
+                if code == errno.ETIMEDOUT and sent and late is not None:
+                    late.append(start)
                 if not reported:  # one line per job, not one per batch
                     reported = True
-                    log.warning("remote tier %s: %s: %s", self.name, type(exc).__name__, exc)
+                    why = str(exc) or os.strerror(code)
+                    log.warning("remote tier %s: %s: %s", self.name, type(exc).__name__, why)
                 return [-code] * (end - start)
 
         if n <= batch:  # one batch: no gather (each task it makes is a loop pass more)
@@ -560,7 +628,7 @@ class RemoteStore(LowerTier):
             packed = await self._natively(job, True, ops, values)
             names = [self.redis_key(key) for key in keys[start:end]]
             buffers = [value for value, _ in values]
-            replies = await client.put_absent(names, buffers, px)
+            replies = _answers(await client.put_absent(names, buffers, px), len(names), "SET NX")
             # None: the name was taken. A block there (put-if-absent: the same content,
             # another engine's) is present, 0 bytes written; anything else at the name
             # (a list, a hash) would keep every later store out: deleted, put again.
@@ -592,7 +660,7 @@ class RemoteStore(LowerTier):
         (an ACL without it), the names count as present, as before."""
         client = self._client
         try:
-            kinds = await client.types(names)
+            kinds = _answers(await client.types(names), len(names), "TYPE")
         except Exception:
             return [None] * len(names)
         wrong = [i for i, kind in enumerate(kinds) if isinstance(kind, str) and kind != "string"]
@@ -610,19 +678,20 @@ class RemoteStore(LowerTier):
             )
             await client.delete([names[i] for i in bad])
         replies = await client.put_absent([names[i] for i in wrong], [values[i] for i in wrong], px)
+        replies = _answers(replies, len(wrong), "SET NX")
         for i, reply in zip(wrong, replies):
             out[i] = reply
         return out
 
-    async def _damaged_types(self, names: list[bytes]) -> list[bool]:
-        """MGET answered nil for ``names``: which hold another type than a string (a
-        list, a hash: damaged, to be deleted) rather than nothing (a miss). ``TYPE``
-        failing (an ACL without it) finds none."""
+    async def _types(self, names: list[bytes]) -> list[str | None]:
+        """A read answered nothing for ``names``: the ``TYPE`` of each (``"none"``: a
+        miss; ``"string"``: an empty value; another: a list, a hash: both damaged, to be
+        deleted); ``None`` where it is not known (``TYPE`` failed: an ACL without it)."""
         try:
-            kinds = await self._client.types(names)
+            kinds = _answers(await self._client.types(names), len(names), "TYPE")
         except Exception:
-            return [False] * len(names)
-        return [isinstance(kind, str) and kind not in ("none", "string") for kind in kinds]
+            return [None] * len(names)
+        return [kind if isinstance(kind, str) else None for kind in kinds]
 
     def submit_read(
         self, keys: Sequence[OffloadKey], slots: Sequence[int], host: Sequence[int]
@@ -635,16 +704,24 @@ class RemoteStore(LowerTier):
         client = self._client
         damaged: list[bytes] = []
         whole = HEADER_BYTES + self.block_bytes
+        limit = whole if self.config.bounded_reads else None
+        command = "GETRANGE" if limit is not None else "MGET"
 
         async def request(start: int, end: int) -> list[int]:
             names = [self.redis_key(key) for key in keys[start:end]]
-            replies = await client.get_many(names)
+            # At most one byte more than a block: a longer value is damaged, and costs
+            # no more than a block to find so.
+            replies = _answers(await client.get_prefixes(names, limit), len(names), command)
             out = [_reply_errno(value, whole) for value in replies]
-            absent = [i for i, value in enumerate(replies) if value is None]
-            if absent:  # MGET's nil is also its answer for a list or a hash at the name
-                typed = await self._damaged_types([names[i] for i in absent])
-                for i, bad in zip(absent, typed):
-                    if bad:
+            absent = [i for i, value in enumerate(replies) if value == b"" or value is None]
+            if absent:
+                # GETRANGE's "" is also its answer for an empty value; MGET's nil for a
+                # list or a hash at the name.
+                typed = await self._types([names[i] for i in absent])
+                for i, kind in zip(absent, typed):
+                    if kind == "string":
+                        out[i] = -errno.ENODATA
+                    elif kind is not None and kind != "none":
                         out[i] = -errno.EBADMSG
             ops = [
                 (host[start + i], _address(value), keys[start + i])
@@ -662,14 +739,30 @@ class RemoteStore(LowerTier):
                     damaged.append(self.redis_key(key))
             return out
 
-        out = await self._batches(self._read_limit, len(keys), request)
+        late: list[int] = []
+        out = await self._batches(self._read_limit, len(keys), request, late)
+        for start in late:  # sent and not answered in time: as damaged
+            damaged.extend(self.redis_key(k) for k in keys[start : start + self.batch])
         if damaged:
             # A damaged value would stay until evicted, and NX would keep every later
             # store of the block from replacing it. (A good value put between the GET
-            # and this DEL is lost too: a miss later, never wrong bytes.)
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(client.delete(damaged), self.config.timeout_s)
+            # and this DEL is lost too: a miss later, never wrong bytes.) Beside the
+            # job, which ends now, within timeout_s.
+            self._remove(damaged)
         return out
+
+    def _remove(self, names: list[bytes]) -> None:
+        """Delete ``names`` on the server, in a task of its own bounded by
+        ``timeout_s`` (awaited by :meth:`aclose`)."""
+
+        async def remove() -> None:
+            with contextlib.suppress(Exception):
+                async with _deadline(self.config.timeout_s):
+                    await self._client.delete(names)
+
+        task = asyncio.get_running_loop().create_task(remove())
+        self._cleanups.add(task)
+        task.add_done_callback(self._cleanups.discard)
 
     def unavailable(self) -> bool:
         """Whether the server failed to connect or answer in the last ``retry_s``: until
@@ -682,18 +775,17 @@ class RemoteStore(LowerTier):
         ``EXISTS`` counts, asked again name by name only where some are missing (key
         by key on a redis-py cluster, where one command's keys must share a slot)."""
         names = [self.redis_key(key) for key in keys]
-        async with self._read_limit:
-            if self.unavailable():
-                return [False] * len(names)
-            try:
-                async with _deadline(self.config.timeout_s):
-                    found = await self._client.exists(names)
-            except Exception as exc:
-                if _errno_of(exc) in (errno.ECONNREFUSED, errno.ETIMEDOUT):
-                    self._down_until = time.monotonic() + self.config.retry_s
-                raise
-            self._down_until = 0.0
-            return found
+        try:
+            async with _deadline(self.config.timeout_s), self._read_limit:
+                if self.unavailable():
+                    return [False] * len(names)
+                found = _answers(await self._client.exists(names), len(names), "EXISTS")
+        except Exception as exc:
+            if _errno_of(exc) in (errno.ECONNREFUSED, errno.ETIMEDOUT):
+                self._down_until = time.monotonic() + self.config.retry_s
+            raise
+        self._down_until = 0.0
+        return found
 
     async def connect(self) -> None:
         """Open the client's connections now, within ``timeout_s``: ``pipelines``
@@ -721,12 +813,20 @@ class RemoteStore(LowerTier):
         }
 
     async def aclose(self) -> None:
+        """Wait for the jobs and removals running (each ends within ``timeout_s`` of its
+        submission; any left after that much more are cancelled), then close the
+        client's connections and the native threads."""
         self._closed = True
-        tasks = list(self._tasks)
+        tasks = self._tasks | self._cleanups
         if tasks:
-            await asyncio.gather(*tasks, return_exceptions=True)
+            _, left = await asyncio.wait(tasks, timeout=self.config.timeout_s + _CLOSE_GRACE_S)
+            for task in left:
+                task.cancel()
+            if left:
+                await asyncio.wait(left, timeout=_CLOSE_GRACE_S)
         with contextlib.suppress(Exception):
-            await self._client.aclose()
+            async with _deadline(_CLOSE_GRACE_S):
+                await self._client.aclose()
         self._stop_native()
 
     def close(self) -> None:
