@@ -133,6 +133,19 @@ async def share(port: int) -> dict[str, Any]:
         out["written"] = a.stats().tiers[0].blocks_written
         out["want"] = [digest(block(kv, i)) for i in range(8)]
         out["reader"] = await asyncio.to_thread(run_here, port, "reader")
+        # Another engine stores 6 of the same blocks and 2 new ones: the store held
+        # the 6 (Mooncake's put answers 0 for them too): present, not written.
+        client_only = {"segment_bytes": 0}
+        async with ao.AsyncOffloadEngine(kv_caches(), config(port, tier=client_only)) as c:
+            await store(c, ks[:6] + keys(2, start=100), list(range(8)))
+            st = c.stats().tiers[0]
+            out["again"] = {
+                "written": st.blocks_written,
+                "present": st.blocks_present,
+                "bytes_written": st.bytes_written,
+                "failures": st.write_failures,
+                "ready": st.manager.ready,
+            }
     return out
 
 
@@ -206,53 +219,58 @@ async def damaged(port: int) -> dict[str, Any]:
     removed event says so, and the failures are counted by cause."""
     out: dict[str, Any] = {}
     kv = kv_caches()
-    ks = keys(5)
+    ks = keys(6)  # 5 damaged, the last one good
+    bad = len(ks) - 1
     async with ao.AsyncOffloadEngine(kv_caches(), config(port)) as a:
-        await store(a, ks, list(range(5)))
+        await store(a, ks, list(range(6)))
         names = [the_tier(a).object_name(k) for k in ks]
         raw, buf, at = _raw_client(port)
         whole = HEADER_BYTES + BLOCK
-        got = raw.batch_get_into(names[:4], [at + i * whole for i in range(4)], [whole] * 4)
+        got = raw.batch_get_into(names[:5], [at + i * whole for i in range(5)], [whole] * 5)
         out["raw_get"] = list(got)
-        values = [bytearray(buf[i * whole : (i + 1) * whole]) for i in range(4)]
+        values = [bytearray(buf[i * whole : (i + 1) * whole]) for i in range(5)]
         values[0][HEADER_BYTES + 77] ^= 1
         values[1][40] ^= 1
         values[2] = values[2][: HEADER_BYTES + 100]
         other = Namespace("other", "uint8", "x", BLOCK).identity()
         payload = os.urandom(BLOCK)
         values[3] = bytearray(pack_header(other, ks[3], payload) + payload)
+        # Longer than a block: Mooncake answers a get of it INVALID_PARAMS (-600), which
+        # the helper did not count as damaged: never removed, and put-if-absent kept the
+        # good block out for good (issue 37, D5).
+        values[4] = values[4] + bytearray(4096)
         out["planted"] = [_replace(raw, buf, at, n, bytes(v)) for n, v in zip(names, values)]
         # A second engine knows the blocks from the store only.
         async with ao.AsyncOffloadEngine(kv, config(port)) as b:
             sub = b.events()
             out["alookup"] = await b.alookup(ks)
             before = [t.clone() for t in kv]
-            out["loads"] = [await load(b, [k], [20 + i]) for i, k in enumerate(ks[:4])]
+            out["loads"] = [await load(b, [k], [20 + i]) for i, k in enumerate(ks[:bad])]
             out["kv_untouched"] = all(torch.equal(t, x) for t, x in zip(kv, before))
             out["lookup_after"] = [b.lookup([k]) for k in ks]
-            out["good_load"] = await load(b, ks[4:], [25])
-            out["good_equal"] = block(kv, 25) == block(kv_caches(), 4)
+            out["good_load"] = await load(b, ks[bad:], [26])
+            out["good_equal"] = block(kv, 26) == block(kv_caches(), bad)
             st = b.stats().tiers[0]
             out["failures"] = st.failures
             out["dropped"] = st.dropped
             out["events"] = await events_of(b, sub)
         # The reader's helper removes the damaged objects once their leases let it (the
         # get that found them took one), at the latest as it exits.
-        out["left_in_store"] = _until_gone(raw, names[:4])
+        out["left_in_store"] = _until_gone(raw, names[:bad])
         # Stored again by an engine without them, the blocks load. (That engine gives
         # the pool no memory: objects in its segment would go when it closes. A still
         # runs, and its segment holds them.)
         client_only = {"segment_bytes": 0}
         async with ao.AsyncOffloadEngine(kv_caches(), config(port, tier=client_only)) as c:
-            await store(c, ks[:4], [0, 1, 2, 3])
+            await store(c, ks[:bad], list(range(bad)))
             out["restored_written"] = c.stats().tiers[0].blocks_written
-        out["restored_in_store"] = list(raw.batch_is_exist(names[:4]))
+        out["restored_in_store"] = list(raw.batch_is_exist(names[:bad]))
         raw.close()
         fresh = [torch.zeros_like(t) for t in kv]
         async with ao.AsyncOffloadEngine(fresh, config(port)) as d:
-            out["again_alookup"] = await d.alookup(ks[:4])
-            out["again_load"] = await load(d, ks[:4], [0, 1, 2, 3])
-            out["again_equal"] = [block(fresh, i) == block(kv_caches(), i) for i in range(4)]
+            out["again_alookup"] = await d.alookup(ks[:bad])
+            out["again_load"] = await load(d, ks[:bad], list(range(bad)))
+            out["again_equal"] = [block(fresh, i) == block(kv_caches(), i) for i in range(bad)]
     return out
 
 
@@ -526,6 +544,152 @@ async def slices(port: int) -> dict[str, Any]:
     return out
 
 
+def _gone(pid: int) -> bool:
+    """Whether process ``pid`` has exited (and been reaped)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def storage_node(port: int) -> int:
+    """A Mooncake client giving the pool 64 MiB (a storage node): prints ``ready``, then
+    runs until stdin closes. Run as a process of its own (``storage``), to be stopped."""
+    from mooncake.store import MooncakeDistributedStore
+
+    node = MooncakeDistributedStore()
+    code = node.setup(
+        "127.0.0.1", "P2PHANDSHAKE", 64 << 20, 16 << 20, "tcp", "", f"127.0.0.1:{port}"
+    )
+    print("ready" if code == 0 else f"setup failed: {code}", flush=True)
+    try:
+        sys.stdin.read()
+    finally:
+        node.close()
+    return 0
+
+
+def _start_node(port: int) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, __file__, str(port), "storage"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _proc_file(pid: int, name: str) -> bytes:
+    return Path(f"/proc/{pid}/{name}").read_bytes()
+
+
+async def _timed(awaitable: Any) -> float:
+    started = time.monotonic()
+    await asyncio.wait_for(awaitable, WAIT_S)
+    return time.monotonic() - started
+
+
+async def stopped(port: int) -> dict[str, Any]:
+    """A helper that stops answering (SIGSTOP: as one stuck in a Mooncake call), and a
+    storage node that does: flush() and aclose() end within timeout_s (issue 37, D2),
+    writes fail by their deadline instead of Mooncake's own 60 s, and the CPU slots they
+    pinned come back (D6)."""
+    timeout_s = 1.0
+    tier = {"timeout_s": timeout_s, "retry_s": 0.5}
+    out: dict[str, Any] = {"timeout_s": timeout_s}
+    # The helper stopped with write-through pending.
+    eng = ao.AsyncOffloadEngine(kv_caches(), config(port, cpu_blocks=16, tier=tier))
+    try:
+        await store(eng, keys(2, start=100), [0, 1])  # the helper is up
+        pid = the_tier(eng).describe()["helper_pid"]
+        assert isinstance(pid, int)
+        os.kill(pid, signal.SIGSTOP)
+        for i in range(4):
+            handle = await eng.prepare_store(keys(2, start=2 * i), [2 * i, 2 * i + 1])
+            assert handle is not None
+            await asyncio.wait_for(handle, WAIT_S)  # the CPU copy; write-through goes on
+        out["flush_s"] = await _timed(eng.flush())
+        st = eng.stats()
+        out["failures"] = st.tiers[0].failures
+        out["cpu_pinned"] = st.manager.pinned
+        out["helper_gone"] = _gone(pid)
+        out["aclose_s"] = await _timed(eng.aclose())
+    finally:
+        await asyncio.wait_for(eng.aclose(), WAIT_S)
+    # The helper stopped with nothing pending: aclose waits timeout_s for its exit.
+    eng = ao.AsyncOffloadEngine(kv_caches(), config(port, tier=tier))
+    try:
+        await store(eng, keys(2, start=200), [0, 1])
+        pid = the_tier(eng).describe()["helper_pid"]
+        assert isinstance(pid, int)
+        os.kill(pid, signal.SIGSTOP)
+        out["aclose_idle_s"] = await _timed(eng.aclose())
+        out["helper_gone_idle"] = _gone(pid)
+    finally:
+        await asyncio.wait_for(eng.aclose(), WAIT_S)
+    # A storage node stopped: the engine gives the pool nothing, so its blocks go there.
+    node = _start_node(port)
+    try:
+        assert node.stdout is not None
+        out["node"] = node.stdout.readline().strip()
+        client_only = {**tier, "segment_bytes": 0}
+        async with ao.AsyncOffloadEngine(
+            kv_caches(), config(port, cpu_blocks=8, tier=client_only)
+        ) as eng:
+            # Written to the node once it has mounted its segment (ENOSPC before).
+            out["node_written"] = await _written_again(eng, 300)
+            before = dict(eng.stats().tiers[0].failures)  # while the node was mounting
+            os.kill(node.pid, signal.SIGSTOP)
+            handle = await eng.prepare_store(keys(4, start=400), [0, 1, 2, 3])
+            assert handle is not None
+            await asyncio.wait_for(handle, WAIT_S)
+            out["node_flush_s"] = await _timed(eng.flush())
+            st = eng.stats()
+            after = st.tiers[0].failures
+            out["node_failures"] = {
+                k: v - before.get(k, 0) for k, v in after.items() if v > before.get(k, 0)
+            }
+            out["node_cpu_pinned"] = st.manager.pinned
+            out["node_aclose_s"] = await _timed(eng.aclose())
+    finally:
+        os.kill(node.pid, signal.SIGCONT)
+        with contextlib.suppress(Exception):
+            assert node.stdin is not None
+            node.stdin.close()
+        try:
+            node.wait(15)
+        except subprocess.TimeoutExpired:
+            node.kill()
+            node.wait(10)
+    return out
+
+
+async def secrets_(port: int) -> dict[str, Any]:
+    """Tiers from ASYNCOFFLOAD_TIERS (a MAC key in them): the helper's environment and
+    arguments hold neither that variable nor the key (issue 37, D10)."""
+    mac_key = "mac-key-never-in-proc-0123456789"
+    os.environ["ASYNCOFFLOAD_TIERS"] = json.dumps(
+        [{"kind": "mooncake", "master": f"127.0.0.1:{port}", "segment_bytes": 64 << 20,
+          "mac_key": mac_key, "metadata_server": "P2PHANDSHAKE"}]
+    )  # fmt: skip
+    os.environ["ASYNCOFFLOAD_CPU_BLOCKS"] = "8"
+    out: dict[str, Any] = {}
+    cfg = ao.EngineConfig.from_env(model="m", policy="lru")
+    async with ao.AsyncOffloadEngine(kv_caches(), cfg) as eng:
+        await store(eng, keys(2), [0, 1])
+        out["written"] = eng.stats().tiers[0].blocks_written
+        pid = the_tier(eng).describe()["helper_pid"]
+        assert isinstance(pid, int)
+        environ, cmdline = _proc_file(pid, "environ"), _proc_file(pid, "cmdline")
+    out["env_has_tiers"] = b"ASYNCOFFLOAD_TIERS" in environ
+    out["env_has_any_ours"] = b"ASYNCOFFLOAD_" in environ
+    out["env_has_key"] = mac_key.encode() in environ
+    out["cmdline_has_key"] = mac_key.encode() in cmdline
+    out["cmdline_has_master"] = f"127.0.0.1:{port}".encode() in cmdline
+    out["cmdline_args"] = len(cmdline.rstrip(b"\0").split(b"\0"))
+    return out
+
+
 SCENARIOS = {
     "share": share,
     "reader": reader,
@@ -534,11 +698,15 @@ SCENARIOS = {
     "restart": restart,
     "demo": demo,
     "slices": slices,
+    "stopped": stopped,
+    "secrets": secrets_,
 }
 
 
 def main() -> int:
     port, scenario = int(sys.argv[1]), sys.argv[2]
+    if scenario == "storage":
+        return storage_node(port)
     own_master = scenario not in ("reader", "restart")
     master = None
     if own_master:

@@ -60,6 +60,15 @@ def test_two_engines_in_two_processes_share_blocks_byte_exact(share: dict[str, A
     assert len(reader["events"]["stored"]) == 8 and not reader["events"]["removed"]
 
 
+def test_a_put_of_a_block_the_store_holds_is_present_not_written(share: dict[str, Any]) -> None:
+    """Mooncake's put answers 0 for an object it holds already, as for one it wrote: that
+    counted in ``blocks_written`` and ``blocks_present`` stayed 0 (issue 37, D7)."""
+    again = share["again"]
+    assert (again["written"], again["present"], again["failures"]) == (2, 6, 0)
+    assert again["bytes_written"] == 2 * 8192
+    assert again["ready"] == 8  # present blocks are in the index all the same
+
+
 def test_host_slots_outside_shared_memory_are_refused_by_name(share: dict[str, Any]) -> None:
     assert "needs the host slots in shared memory" in share["reader"]["no_shared_host"]
 
@@ -80,21 +89,21 @@ def test_damaged_objects_are_misses_that_never_reach_the_kv(damaged: dict[str, A
     """A flipped payload byte, a flipped header byte, a cut-short value and another
     namespace's value, planted with Mooncake's own client: each load fails, the KV
     blocks stay as they were, and the failures are counted by cause."""
-    assert damaged["raw_get"] == [4096 + 8192] * 4
+    assert damaged["raw_get"] == [4096 + 8192] * 5
     assert all(codes[-1] == 0 for codes in damaged["planted"])
-    assert damaged["alookup"] == 5  # the store holds all five names
+    assert damaged["alookup"] == 6  # the store holds all six names
     assert all("could not be read" in r for r in damaged["loads"])
     assert damaged["kv_untouched"]
-    assert damaged["failures"] == {"corrupt": 2, "short": 1, "stale": 1}
-    assert damaged["dropped"] == 4
-    assert damaged["lookup_after"] == [0, 0, 0, 0, 1]
+    assert damaged["failures"] == {"corrupt": 2, "short": 1, "stale": 1, "oversize": 1}
+    assert damaged["dropped"] == 5
+    assert damaged["lookup_after"] == [0, 0, 0, 0, 0, 1]
     assert damaged["good_load"] == "ok" and damaged["good_equal"]
 
 
 def test_a_damaged_block_leaves_with_a_removed_event(damaged: dict[str, Any]) -> None:
     events = damaged["events"]
-    assert len(events["stored"]) == 5
-    assert sorted(events["removed"]) == sorted(events["stored"])[:4]
+    assert len(events["stored"]) == 6
+    assert sorted(events["removed"]) == sorted(events["stored"])[:5]
 
 
 def test_damaged_objects_are_removed_so_a_new_store_replaces_them(
@@ -102,12 +111,13 @@ def test_damaged_objects_are_removed_so_a_new_store_replaces_them(
 ) -> None:
     """Blocks are put if absent: a damaged object left in the store would keep every
     later store of the block out. The helper removes it once the lease of the get that
-    found it lets go."""
-    assert damaged["left_in_store"] == [0, 0, 0, 0]
-    assert damaged["restored_written"] == 4
-    assert damaged["restored_in_store"] == [1, 1, 1, 1]
-    assert damaged["again_alookup"] == 4 and damaged["again_load"] == "ok"
-    assert damaged["again_equal"] == [True] * 4
+    found it lets go: one longer than a block too, which Mooncake answers INVALID_PARAMS
+    (-600) and which was never removed (issue 37, D5)."""
+    assert damaged["left_in_store"] == [0] * 5
+    assert damaged["restored_written"] == 5
+    assert damaged["restored_in_store"] == [1] * 5
+    assert damaged["again_alookup"] == 5 and damaged["again_load"] == "ok"
+    assert damaged["again_equal"] == [True] * 5
 
 
 def test_objects_the_store_evicts_are_misses_never_wrong_bytes() -> None:
@@ -151,6 +161,50 @@ def test_the_tier_rejoins_a_restarted_master_and_restarts_a_killed_helper(
     assert restart["starts_after_master"] == 1  # the same helper reconnected
     assert restart["rejoined_helper"], restart
     assert restart["starts"] >= 2
+
+
+@pytest.fixture(scope="module")
+def stopped() -> dict[str, Any]:
+    return _scenario("stopped")
+
+
+def test_a_stopped_helper_bounds_flush_and_aclose_by_timeout_s(stopped: dict[str, Any]) -> None:
+    """SIGSTOP (as a helper stuck in a Mooncake call): requests to the helper had no
+    deadline, so flush() and aclose() waited forever (issue 37, D2). Now the late
+    requests fail, the helper is killed (a transfer may still write the slots: only its
+    exit stops it), and the CPU slots the writes pinned come back."""
+    t = stopped["timeout_s"]
+    assert stopped["flush_s"] < t + 2.0
+    assert stopped["failures"] == {"timeout": 8}
+    assert stopped["cpu_pinned"] == 0 and stopped["helper_gone"]
+    assert stopped["aclose_s"] < 2.0  # nothing left to wait for
+    # Nothing pending: aclose waits timeout_s for the helper's exit, then kills it.
+    assert stopped["aclose_idle_s"] < t + 2.0 and stopped["helper_gone_idle"]
+
+
+def test_a_stopped_storage_node_fails_writes_by_their_deadline(stopped: dict[str, Any]) -> None:
+    """Writes to a storage node that stopped answering waited Mooncake's own ~60 s with
+    their CPU slots pinned (issue 37, D6): now timeout_s."""
+    t = stopped["timeout_s"]
+    assert stopped["node"] == "ready" and stopped["node_written"]
+    assert stopped["node_flush_s"] < t + 2.0
+    # By the deadline (timeout), or sooner where Mooncake itself gave up on the transfer
+    # (TRANSFER_FAIL: EIO): either way within timeout_s, not 60 s.
+    failures = stopped["node_failures"]
+    assert sum(failures.values()) == 4 and set(failures) <= {"timeout", "EIO"}, failures
+    assert stopped["node_cpu_pinned"] == 0
+    assert stopped["node_aclose_s"] < t + 2.0
+
+
+def test_no_secret_reaches_the_helpers_environment_or_arguments() -> None:
+    """Tiers from ASYNCOFFLOAD_TIERS: the helper inherited that variable, so the MAC key
+    was in /proc/<helper>/environ, and its settings were in its arguments (D10)."""
+    seen = _scenario("secrets")
+    assert seen["written"] == 2
+    assert not seen["env_has_tiers"] and not seen["env_has_any_ours"]
+    assert not seen["env_has_key"] and not seen["cmdline_has_key"]
+    assert not seen["cmdline_has_master"]
+    assert seen["cmdline_args"] == 3  # python, the helper, the socket's fd
 
 
 @pytest.mark.long  # two demo runs and the command line: about 27 s on the 2-vCPU VM

@@ -47,11 +47,37 @@ def test_settings_take_the_master_positionally_and_sizes_as_strings() -> None:
         ({"mac_key": b"short"}, "mac_key"),
         ({"policy": "nope"}, "unknown cache policy"),
         ({"colour": "blue"}, "colour"),
+        # Settings that validated and could never work (issue 37, D11): sizes of 2**64
+        # or more killed the helper at every start ("connection reset by peer"); a port
+        # in other scripts' digits was taken, then "no Mooncake client after 30 s".
+        ({"segment_bytes": 1 << 64}, "segment_bytes"),
+        ({"segment_bytes": "16EiB"}, "segment_bytes"),
+        ({"local_buffer_bytes": 1 << 64}, "local_buffer_bytes"),
+        ({"master": "127.0.0.1:\u0665\u0660\u0660\u0665\u0661"}, "ASCII digits"),
+        ({"master": "h\u00f4st:50051"}, "ASCII host"),
+        ({"master": "a b:50051"}, "ASCII host"),
+        ({"local_hostname": "h\u00f4st"}, "local_hostname"),
+        ({"local_hostname": "127.0.0.1:\u0665"}, "local_hostname"),
     ],
 )
 def test_bad_settings_are_named(settings: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         MooncakeTier(**settings)
+
+
+def test_sizes_no_machine_holds_are_refused_when_the_tier_opens() -> None:
+    """Valid settings (a tier list may be written on another machine), and more memory
+    than this machine has: refused before any helper starts, naming the field."""
+    from asyncoffload.tiers.format import Namespace
+    from asyncoffload.tiers.mooncake import _physical_memory
+
+    memory = _physical_memory()
+    assert memory > 0
+    ns = Namespace("m", "uint8", "x", 8192)
+    for field in ("segment_bytes", "local_buffer_bytes"):
+        tier = MooncakeTier(**{field: 2 * memory})
+        with pytest.raises(ValueError, match=rf"{field}=.* more than this machine's memory"):
+            tier.open(ns)
 
 
 def test_a_tier_list_takes_a_mooncake_tier_by_kind_or_by_its_master() -> None:

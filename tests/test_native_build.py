@@ -171,6 +171,22 @@ def test_cc_is_split_like_a_shell_command_line(
     assert args.read_text().startswith("-O0 -DAO_FROM_CC=1 ")
 
 
+def test_the_compiler_inherits_none_of_our_settings(
+    fresh_loader: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ASYNCOFFLOAD_TIERS may hold a MAC key or a password; a child's environment is
+    readable in /proc (issue 37, D10)."""
+    seen = tmp_path / "env"
+    fake = _script(tmp_path / "fake-cc", f'env > {seen}\nexec {CC} "$@"\n')
+    monkeypatch.setenv("CC", str(fake))
+    monkeypatch.setenv("ASYNCOFFLOAD_TIERS", '[{"kind": "remote", "password": "s3cret-pw"}]')
+    monkeypatch.setenv("KEEP_THIS", "1")
+    assert _native.load_copy_engine() is not None
+    env = seen.read_text()
+    assert "s3cret-pw" not in env and "ASYNCOFFLOAD_" not in env
+    assert "KEEP_THIS=1" in env
+
+
 def test_a_failing_compiler_falls_back_and_logs_what_it_said(
     fresh_loader: Path,
     tmp_path: Path,

@@ -269,12 +269,17 @@ def _run_compiler(cmd: list[str], timeout: float) -> None:
     """Run ``cmd`` in its own process group; kill the whole group if it outlives
     ``timeout`` (a compiler's driver waits for its children, which would keep the pipes
     open)."""
+    # Without this package's settings: ASYNCOFFLOAD_TIERS may hold a MAC key or a
+    # password, and a child's environment is readable in /proc (asyncoffload._children;
+    # this module imports nothing of the package, setup.py loads it alone).
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ASYNCOFFLOAD_")}
     proc = subprocess.Popen(
         cmd,
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         start_new_session=True,
+        env=env,
     )
     try:
         out, err = proc.communicate(timeout=timeout)

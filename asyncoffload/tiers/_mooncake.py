@@ -37,6 +37,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from asyncoffload._children import child_env
 from asyncoffload.tiers._mooncake_helper import (
     CONFIG,
     EXIT_UNSETTLED,
@@ -50,8 +51,10 @@ from asyncoffload.tiers._mooncake_helper import (
     OP_MAP,
     OP_PUT,
     OP_REMOVE,
+    OP_SETUP,
     OP_WAKE,
     PIECE,
+    PRESENT,
     REPLY,
     SETTLED,
 )
@@ -64,6 +67,7 @@ __all__ = [
     "OP_GET",
     "OP_PUT",
     "OP_REMOVE",
+    "PRESENT",
     "SETTLED_CODES",
     "Block",
     "MooncakeJob",
@@ -106,14 +110,19 @@ class Block:
 
 class MooncakeJob(CopyJob):
     """A request the helper runs; ``results`` per block: payload bytes (a get), 0 (a
-    put), 1 / 0 (exists), or a negative code (``-errno`` where :data:`MOONCAKE_ERRNO`
-    knows it, else Mooncake's own). ``on_end``: called once it ended, on the loop."""
+    put), :data:`PRESENT` (a put of a block the store held), 1 / 0 (exists), or a
+    negative code (``-errno`` where :data:`MOONCAKE_ERRNO` knows it, else Mooncake's
+    own). ``on_end``: called once it ended, on the loop. ``deadline``: the monotonic
+    time by which it must be answered (None: no limit)."""
 
-    __slots__ = ("_lane", "on_end", "results")
+    __slots__ = ("_lane", "deadline", "on_end", "results")
 
-    def __init__(self, lane: MooncakeLane, n: int, nbytes: int) -> None:
+    def __init__(
+        self, lane: MooncakeLane, n: int, nbytes: int, deadline: float | None = None
+    ) -> None:
         super().__init__(n, nbytes)
         self._lane = lane
+        self.deadline = deadline
         self.results: list[int] = []
         self.on_end: Callable[[MooncakeJob], None] | None = None
 
@@ -147,6 +156,13 @@ class MooncakeLane:
     ``mac_key``, if given). The helper starts in the background: requests queue behind its
     setup, and fail (``EHOSTDOWN``) if it fails; :meth:`wait_started` waits for it. Loop
     thread only.
+
+    The settings and the MAC key go to the helper over its socket; it inherits neither
+    this package's ``ASYNCOFFLOAD_*`` variables (they may hold secrets) nor any
+    argument but the socket's fd. A request not answered by its deadline
+    (``timeout_s`` of :meth:`submit`) kills the helper: only its exit ends a transfer
+    that may still write the slots, and a helper stuck in a Mooncake call (or stopped)
+    would hold every later request.
     """
 
     def __init__(
@@ -167,9 +183,10 @@ class MooncakeLane:
         self._sock = ours
         try:
             self._proc = subprocess.Popen(
-                [sys.executable, HELPER, str(theirs.fileno()), json.dumps(settings)],
+                [sys.executable, HELPER, str(theirs.fileno())],
                 pass_fds=(theirs.fileno(),),
                 stdin=subprocess.DEVNULL,
+                env=child_env(),
             )
         except BaseException:
             ours.close()  # no helper: nothing else holds the socket
@@ -188,6 +205,7 @@ class MooncakeLane:
         mac = mac_key or b""
         prefix_bytes = prefix.encode("ascii")
         config = CONFIG.pack(identity, payload_len, len(prefix_bytes), len(mac))
+        self._send(OP_SETUP, 0, json.dumps(settings).encode())
         self._send(OP_CONFIG, 0, config + prefix_bytes + mac)
 
     @property
@@ -232,10 +250,19 @@ class MooncakeLane:
         self.region_sizes.extend(size for _, size in regions)
         return self._submit(job, OP_MAP, payload[HEAD.size :], [fd for fd, _ in regions])
 
-    def submit(self, op: int, blocks: Sequence[Block] | Sequence[bytes]) -> MooncakeJob:
+    def submit(
+        self,
+        op: int,
+        blocks: Sequence[Block] | Sequence[bytes],
+        timeout_s: float | None = None,
+    ) -> MooncakeJob:
         """Queue a request: :data:`OP_GET`, :data:`OP_PUT` of blocks; :data:`OP_EXISTS`,
-        :data:`OP_REMOVE` of keys. ``ValueError`` (nothing sent) for a piece outside the
-        regions mapped, or more than :data:`MAX_ITEMS` blocks."""
+        :data:`OP_REMOVE` of keys. ``timeout_s``: not answered this long after now, it
+        fails (``ETIMEDOUT``), and so does everything else pending, for the helper is
+        killed (see the class docstring); found by :meth:`poll` with ``check_alive``
+        (the completion bridge's watchdog calls it) or :meth:`expire`. ``ValueError``
+        (nothing sent) for a piece outside the regions mapped, or more than
+        :data:`MAX_ITEMS` blocks."""
         if self.closed:
             raise RuntimeError("the Mooncake lane is closed")
         n = len(blocks)
@@ -269,7 +296,9 @@ class MooncakeLane:
             if not 0 < len(key) <= 256:
                 raise ValueError(f"a key is 1 to 256 bytes, got {len(key)}")
             keys.append(key)
-        return self._submit(MooncakeJob(self, n, nbytes), op, b"".join(items) + b"".join(keys))
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        job = MooncakeJob(self, n, nbytes, deadline)
+        return self._submit(job, op, b"".join(items) + b"".join(keys))
 
     def _submit(
         self, job: MooncakeJob, op: int, body: bytes, fds: Sequence[int] = ()
@@ -334,8 +363,35 @@ class MooncakeLane:
             if job is not None:
                 job.finished_ns = end_ns  # the helper's stamp: when the request ended
                 job.end([-MOONCAKE_ERRNO[r] if r in MOONCAKE_ERRNO else r for r in raw])
-        if check_alive and self._dead is None and self._proc.poll() is not None:
-            self._fail_all(self._exit_reason())
+        if check_alive and self._dead is None:
+            if self._proc.poll() is not None:
+                self._fail_all(self._exit_reason())
+            else:
+                self.expire()
+
+    def expire(self) -> bool:
+        """If a pending request is past its deadline: kill the helper and fail every
+        pending request (those past it ``ETIMEDOUT``, the others ``EHOSTDOWN``); True
+        if it did."""
+        if self.closed or self._dead is not None:
+            return False
+        now = time.monotonic()
+        late = [
+            job_id
+            for job_id, job in self._jobs.items()
+            if job.deadline is not None and job.deadline < now
+        ]
+        if not late:
+            return False
+        self._proc.kill()  # SIGKILL: a stopped helper goes too
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self._proc.wait(1.0)
+        for job_id in late:
+            job = self._jobs.pop(job_id)
+            job.stamped = False  # noticed now, not when anything ended
+            job.end([-errno.ETIMEDOUT] * job.num_blocks)
+        self._fail_all(f"the helper did not answer {len(late)} requests by their deadline: killed")
+        return True
 
     def _exit_reason(self) -> str:
         try:

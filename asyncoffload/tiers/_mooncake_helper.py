@@ -15,8 +15,10 @@ unchanged. A damaged object is removed (when its lease allows), so a later put r
 
 Messages (``SOCK_SEQPACKET``, one per request), each starting ``(job id, op, n)``:
 
+- ``OP_SETUP``: the client's settings, as JSON. Sent first, once: nothing secret or
+  private goes through this process's arguments or environment.
 - ``OP_CONFIG``: identity (16 bytes), payload length, prefix length, MAC key length,
-  then the prefix and the MAC key. Sent first, once.
+  then the prefix and the MAC key. Sent second, once.
 - ``OP_MAP``: ``n`` region sizes, the regions' fds attached (``SCM_RIGHTS``): mapped in
   order, region ``k`` being the ``k``-th mapped.
 - ``OP_WAKE``: the completion eventfd to write after each reply (none attached: none).
@@ -26,9 +28,11 @@ Messages (``SOCK_SEQPACKET``, one per request), each starting ``(job id, op, n)`
   engine keeps before its slot; otherwise the header is in this process's buffer.
 - ``OP_EXISTS`` / ``OP_REMOVE``: ``n`` items ``(key length, 0)``, then the keys.
 
-Every request but ``OP_WAKE`` is answered ``(job id, n, end ns)`` and ``n`` int64 results:
-per block the payload bytes (a get), 0 (a put), 1 / 0 (exists), or a negative code
-(Mooncake's, or ``-errno`` of a failed check). The first reply, job 0, is the setup's code.
+Every request but ``OP_WAKE`` and ``OP_SETUP`` is answered ``(job id, n, end ns)`` and
+``n`` int64 results: per block the payload bytes (a get), 0 (a put that wrote the block),
+``PRESENT`` (a put that found the block there already and wrote nothing), 1 / 0
+(exists), or a negative code (Mooncake's, or ``-errno`` of a failed check). The first
+reply, job 0, is the setup's code.
 
 After a get returns a code that may leave its transfer running (anything outside
 ``SETTLED``), this process exits before replying: the engine must not reuse those slots
@@ -74,7 +78,10 @@ CONFIG = struct.Struct("<16sqHH")
 #: ``time.perf_counter_ns`` in every process), then that many int64 results.
 REPLY = struct.Struct("<QIQ")
 
-OP_GET, OP_PUT, OP_EXISTS, OP_REMOVE, OP_WAKE, OP_CONFIG, OP_MAP = range(7)
+OP_GET, OP_PUT, OP_EXISTS, OP_REMOVE, OP_WAKE, OP_CONFIG, OP_MAP, OP_SETUP = range(8)
+#: A put's result for a block the store held already: nothing written (Mooncake's own
+#: put answers 0 for it, as for a block it wrote).
+PRESENT = 1
 #: Items in one request.
 MAX_ITEMS = 512
 #: Header size of the block format (asyncoffload.tiers.format.HEADER_BYTES).
@@ -84,12 +91,23 @@ HEADER = 4096
 #: other failures (TRANSFER_FAIL, RPC_TIMEOUT among them) can leave I/O in flight into
 #: registered memory after the call returned.
 SETTLED = frozenset({0, -200, -600, -703, -704, -705, -706, -707, -900})
-#: Mooncake's TRANSFER_FAIL and RPC_FAIL (the master did not answer).
+#: Mooncake's INVALID_PARAMS (a get: a buffer shorter than the object), TRANSFER_FAIL
+#: and RPC_FAIL (the master did not answer).
+INVALID_PARAMS = -600
 TRANSFER_FAIL = -800
 RPC_FAIL = -900
-#: Checks whose block is damaged or not this one: the object is removed.
+#: Checks whose block is damaged or not this one, and objects of another size than a
+#: block: the object is removed.
 DAMAGED = frozenset(
-    -e for e in (errno.ENODATA, errno.EBADMSG, errno.ESTALE, errno.EKEYREJECTED, errno.ENOKEY)
+    -e
+    for e in (
+        errno.ENODATA,
+        errno.EBADMSG,
+        errno.ESTALE,
+        errno.EKEYREJECTED,
+        errno.ENOKEY,
+        errno.EMSGSIZE,
+    )
 )
 #: Damaged objects waiting for their lease to end before removal: at most this many,
 #: tried this often, for this long.
@@ -287,6 +305,8 @@ class Helper:
                 continue
             for fd in fds:  # none is expected
                 os.close(fd)
+            if op == OP_SETUP:  # only before the client was set up (see main)
+                continue
             if op == OP_CONFIG:
                 self.blocks = _Blocks(data, self.lib, self.threads)
                 self.reply(job, [0])
@@ -414,33 +434,69 @@ class Helper:
         pieces_todo = [payloads[i] for i in todo]
         store = self.store
         if op == OP_PUT:
-            blocks.run(False, heads_todo, keys_todo, pieces_todo, None)
-            got = [int(r) for r in store.batch_put_from_multi_buffers(names_todo, ptrs, lens)]
-        else:
-            got = [int(r) for r in store.batch_get_into_multi_buffers(names_todo, ptrs, lens)]
-        if op == OP_GET:
-            whole = HEADER + size
-            for k, r in enumerate(got):
-                # An object of another size than a block fails as TRANSFER_FAIL (Mooncake
-                # 0.3.13 logs that the transfer was not submitted; measured in
-                # tests/test_mooncake_store.py): a short, damaged block, not a transfer
-                # that may still run.
-                if r == TRANSFER_FAIL:
-                    found = int(store.get_size(names_todo[k]))
-                    if found >= 0 and found != whole:
-                        got[k] = found  # checked as short below
-        if op == OP_GET and any(r < 0 and r not in SETTLED for r in got):
+            return self.put(
+                todo, names_todo, heads_todo, keys_todo, pieces_todo, ptrs, lens, results
+            )
+        got = [int(r) for r in store.batch_get_into_multi_buffers(names_todo, ptrs, lens)]
+        whole = HEADER + size
+        for k, r in enumerate(got):
+            # An object of another size than a block: shorter, it fails as TRANSFER_FAIL
+            # (Mooncake 0.3.13 logs that the transfer was not submitted), longer, as
+            # INVALID_PARAMS (the buffer is too short); measured in
+            # tests/test_mooncake_store.py. A damaged block, not a transfer that may
+            # still run: removed like one.
+            if r in (TRANSFER_FAIL, INVALID_PARAMS):
+                found = int(store.get_size(names_todo[k]))
+                if found > whole:
+                    got[k] = -errno.EMSGSIZE
+                elif 0 <= found < whole:
+                    got[k] = found  # checked as short below
+        if any(r < 0 and r not in SETTLED and r != -errno.EMSGSIZE for r in got):
             # A transfer may still write these slots: only this process's exit stops it.
             # (A put only reads its slots, and a failed put is revoked, never committed:
             # it fails its blocks and the helper goes on.)
             os._exit(EXIT_UNSETTLED)
-        if op == OP_GET:
-            got = blocks.run(True, heads_todo, keys_todo, pieces_todo, got)
-            damaged = [name for name, r in zip(names_todo, got) if r in DAMAGED]
-            if damaged:
-                self.remove_later(damaged)
+        got = blocks.run(True, heads_todo, keys_todo, pieces_todo, got)
+        damaged = [name for name, r in zip(names_todo, got) if r in DAMAGED]
+        if damaged:
+            self.remove_later(damaged)
         for i, r in zip(todo, got):
             results[i] = r
+        return results
+
+    def put(
+        self,
+        todo: list[int],
+        names: list[str],
+        heads: list[int],
+        keys: list[bytes],
+        pieces: list[list[tuple[int, int]]],
+        ptrs: list[list[int]],
+        lens: list[list[int]],
+        results: list[int],
+    ) -> list[int]:
+        """Puts the blocks the store does not hold yet; those it holds are ``PRESENT``
+        (Mooncake's put answers 0 for them, as if it had written them). Where the check
+        itself failed (the master down), so does the block, without a put that would
+        wait for the master again."""
+        store = self.store
+        held = [int(r) for r in store.batch_is_exist(names)]
+        put = [k for k, r in enumerate(held) if r == 0]
+        for k, r in enumerate(held):
+            if r != 0:
+                results[todo[k]] = PRESENT if r == 1 else r
+        if not put:
+            return results
+        blocks = self.blocks
+        assert blocks is not None
+        blocks.run(
+            False, [heads[k] for k in put], [keys[k] for k in put], [pieces[k] for k in put], None
+        )
+        got = store.batch_put_from_multi_buffers(
+            [names[k] for k in put], [ptrs[k] for k in put], [lens[k] for k in put]
+        )
+        for k, r in zip(put, got):
+            results[todo[k]] = int(r)
         return results
 
 
@@ -463,7 +519,15 @@ def main(argv: list[str]) -> int:
     here = os.path.dirname(os.path.abspath(__file__))
     sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]
     sock = socket.socket(fileno=int(argv[0]))
-    settings = json.loads(argv[1])
+    # The settings come first on the socket (never in the arguments or environment, which
+    # other users may read in /proc).
+    first = sock.recv(1 << 20)
+    if not first:
+        return 0
+    _, op, _ = HEAD.unpack_from(first)
+    if op != OP_SETUP:
+        return EXIT_DEFECT
+    settings = json.loads(first[HEAD.size :])
     from mooncake.store import MooncakeDistributedStore
 
     store = MooncakeDistributedStore()

@@ -29,6 +29,7 @@ import contextlib
 import errno
 import logging
 import os
+import re
 import time
 from collections.abc import Sequence
 from typing import Any, ClassVar, Literal
@@ -37,6 +38,7 @@ from pydantic import Field, SecretBytes, field_validator
 
 from asyncoffload.keys import OffloadKey
 from asyncoffload.manager.base import Medium
+from asyncoffload.tiers._mooncake_helper import PRESENT
 from asyncoffload.tiers.base import LowerTier, shared_index
 from asyncoffload.tiers.format import HEADER_BYTES, Namespace
 from asyncoffload.tiers.settings import TierSettings
@@ -49,6 +51,18 @@ log = logging.getLogger("asyncoffload.tiers")
 
 #: Failures after which the store counts as down for ``retry_s``.
 _DOWN = frozenset({errno.EHOSTDOWN, errno.ETIMEDOUT})
+#: A host name or address as Mooncake takes it: ASCII letters, digits, dots, dashes and
+#: underscores, or a bracketed IPv6 address. (str.isdigit takes other scripts' digits.)
+_HOST = re.compile(r"[A-Za-z0-9._-]{1,253}|\[[0-9A-Fa-f:.]{2,45}\]", re.ASCII)
+_PORT = re.compile(r"[0-9]{1,5}", re.ASCII)
+
+
+def _physical_memory() -> int:
+    """This machine's memory in bytes (0 where it cannot be told)."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 0
 
 
 class MooncakeTier(TierSettings):
@@ -78,9 +92,18 @@ class MooncakeTier(TierSettings):
     device_name: str = Field("", description="RDMA devices (protocol 'rdma').")
     local_hostname: str = Field("127.0.0.1", description="This client's address in the cluster.")
     segment_bytes: int = Field(
-        512 << 20, ge=0, description="Memory this client gives to the pool (0: none)."
+        512 << 20,
+        ge=0,
+        lt=1 << 63,
+        description="Memory this client gives to the pool (0: none; at most the machine's "
+        "memory, checked when the tier opens).",
     )
-    local_buffer_bytes: ByteSize = Field(16 << 20, ge=1 << 20)
+    local_buffer_bytes: ByteSize = Field(
+        16 << 20,
+        ge=1 << 20,
+        lt=1 << 63,
+        description="The client's transfer buffer (at most the machine's memory).",
+    )
     mac_key: SecretBytes | None = Field(
         None,
         description="Authenticate blocks with a keyed BLAKE2b MAC: 16 to 64 bytes (a str: "
@@ -108,7 +131,14 @@ class MooncakeTier(TierSettings):
         "the machine's CPUs): CRC32C runs at about 10 GB/s a core, slower than a fast store.",
     )
     timeout_s: float = Field(
-        5.0, gt=0, le=3600, allow_inf_nan=False, description="Per request; a late one is a miss."
+        5.0,
+        gt=0,
+        le=3600,
+        allow_inf_nan=False,
+        description="Every request to the helper (a get, a put, an existence check) ends "
+        "within this long after it was submitted: a late one fails (a miss, a skipped "
+        "write) and the helper, stuck in a Mooncake call, is killed and later restarted; "
+        "flush() and aclose() wait no longer than this.",
     )
     retry_s: float = Field(
         1.0,
@@ -141,8 +171,28 @@ class MooncakeTier(TierSettings):
     @classmethod
     def _master(cls, value: str) -> str:
         host, sep, port = value.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(f"master must be host:port, got {value!r}")
+        if (
+            not sep
+            or not _HOST.fullmatch(host)
+            or not _PORT.fullmatch(port)
+            or not 0 < int(port) < 65536
+        ):
+            raise ValueError(
+                f"master must be host:port (an ASCII host name or address, a port of "
+                f"ASCII digits 1-65535), got {value!r}"
+            )
+        return value
+
+    @field_validator("local_hostname")
+    @classmethod
+    def _local_hostname(cls, value: str) -> str:
+        host, sep, port = value.rpartition(":")
+        bare = host if sep and _PORT.fullmatch(port) and 0 < int(port) < 65536 else value
+        if not _HOST.fullmatch(bare):
+            raise ValueError(
+                f"local_hostname must be an ASCII host name or address (with an optional "
+                f":port), got {value!r}"
+            )
         return value
 
     def open(self, namespace: Namespace, name: str = "mooncake") -> MooncakeStore:
@@ -180,8 +230,10 @@ class MooncakeBatch(CopyJob):
         """Ends the job with the helper's results ``raw``; ``observed``: they come from
         the helper (not failed at once by the tier), so they say whether it is down."""
         size = self._store.block_bytes
-        if self._write:
-            self.results = [size if r == 0 else (r if r < 0 else -errno.EIO) for r in raw]
+        if self._write:  # a block the store held already: present, 0 bytes written
+            self.results = [
+                size if r == 0 else 0 if r == PRESENT else (r if r < 0 else -errno.EIO) for r in raw
+            ]
         else:
             self.results = [size if r == size else (r if r < 0 else -errno.EIO) for r in raw]
         if observed:
@@ -208,6 +260,14 @@ class MooncakeStore(LowerTier):
     medium = Medium.REMOTE
 
     def __init__(self, config: MooncakeTier, namespace: Namespace, name: str = "mooncake") -> None:
+        memory = _physical_memory()
+        for field in ("segment_bytes", "local_buffer_bytes"):
+            size = int(getattr(config, field))
+            if memory and size > memory:
+                raise ValueError(
+                    f"Mooncake tier {name}: {field}={size} is more than this machine's "
+                    f"memory ({memory} bytes): its client could never be set up"
+                )
         from asyncoffload.tiers._io import require
 
         require("the Mooncake tier")  # the helper checks blocks with the native library
@@ -410,9 +470,10 @@ class MooncakeStore(LowerTier):
         if lane is None:  # down: failed at once, which says nothing new about the store
             job.end([-errno.EHOSTDOWN] * len(blocks), observed=False)
             return job
-        step = self.config.batch_blocks
+        step, timeout_s = self.config.batch_blocks, self.config.timeout_s
         for start in range(0, len(blocks), step):
-            job.add(lane.submit(OP_PUT if write else OP_GET, blocks[start : start + step]))
+            part = blocks[start : start + step]
+            job.add(lane.submit(OP_PUT if write else OP_GET, part, timeout_s))
         if not blocks:
             job.end([])
         return job
@@ -430,7 +491,8 @@ class MooncakeStore(LowerTier):
         futures = []
         for start in range(0, len(keys), MAX_ITEMS):
             future: asyncio.Future[list[int]] = loop.create_future()
-            job = lane.submit(OP_EXISTS, [bytes(k) for k in keys[start : start + MAX_ITEMS]])
+            names = [bytes(k) for k in keys[start : start + MAX_ITEMS]]
+            job = lane.submit(OP_EXISTS, names, self.config.timeout_s)
             if job._done:
                 future.set_result(list(job.results))
             else:
@@ -446,6 +508,7 @@ class MooncakeStore(LowerTier):
         try:
             parts = await asyncio.wait_for(asyncio.gather(*futures), self.config.timeout_s)
         except asyncio.TimeoutError:
+            lane.expire()  # the helper is stuck: killed, restarted after retry_s
             self._seen([-errno.ETIMEDOUT])
             raise OSError(
                 errno.ETIMEDOUT, f"tier {self.name}: no answer within {self.config.timeout_s:g} s"
@@ -530,15 +593,16 @@ class MooncakeStore(LowerTier):
         }
 
     async def aclose(self) -> None:
-        """:meth:`close`, waiting for the helper's exit on the loop."""
+        """:meth:`close`, waiting for the helper's exit on the loop: at most
+        ``timeout_s``, then it is killed."""
         lane = self._shut()
         if lane is not None:
-            await lane.aclose()
+            await lane.aclose(self.config.timeout_s)
 
     def close(self) -> None:
         lane = self._shut()
         if lane is not None:
-            lane.close()
+            lane.close(self.config.timeout_s)
 
     def _shut(self) -> Any:
         """Mark the tier closed and let go of its fds; the lane to close, or None."""
