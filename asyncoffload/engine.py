@@ -122,9 +122,24 @@ class AsyncOffloadEngine:
         self._copies = copies = Copies(manager, backend, publish)
         self._tiers: LoopTiers | None = None
         if stores:
-            forked = lambda: self._forked  # noqa: E731
+            # Through a weak reference: the tiers must not keep the engine (and its host
+            # memory) alive in a cycle that only the cyclic GC would break.
+            engine = weakref.ref(self)
+
+            def forked() -> bool:
+                alive = engine()
+                return alive is None or alive._forked
+
             self._tiers = LoopTiers(manager, stores, copies, backend, publish, forked)
-            copies.stored = self._tiers.write_through  # a completed store goes on down
+            # A completed store goes on down; weakly, as the tiers hold the copies.
+            write_through = weakref.WeakMethod(self._tiers.write_through)
+
+            def stored(keys: list[OffloadKey], ctx: ReqContext) -> None:
+                method = write_through()
+                if method is not None:
+                    method(keys, ctx)
+
+            copies.stored = stored
         self._bridge: CompletionBridge | None = None
         self._loop_thread: int | None = None
         self._pid = os.getpid()
