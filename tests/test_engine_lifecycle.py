@@ -394,7 +394,7 @@ async def test_a_closed_engine_with_a_lower_tier_is_freed_without_the_cyclic_gc(
             await store_to_disk_only(eng, ks, [0, 1])
             await asyncio.wait_for(await eng.prepare_load(ks, [10, 11]), 10)
             await asyncio.wait_for(eng.aclose(), 10)
-            refs = {
+            refs: dict[str, weakref.ref[Any]] = {
                 "engine": weakref.ref(eng),
                 "backend": weakref.ref(eng.backend),
                 "tier": weakref.ref(eng.tiers[0]),
@@ -422,7 +422,11 @@ async def test_a_closed_engine_with_a_shared_tier_is_freed_without_the_cyclic_gc
             await store(eng, keys(2), [0, 1])
             assert eng.stats().tiers[0].blocks_written == 2
             await asyncio.wait_for(eng.aclose(), 10)
-            refs = [weakref.ref(eng), weakref.ref(eng.backend), weakref.ref(eng.tiers[0])]
+            refs: list[weakref.ref[Any]] = [
+                weakref.ref(eng),
+                weakref.ref(eng.backend),
+                weakref.ref(eng.tiers[0]),
+            ]
             del eng
             assert [ref() is None for ref in refs] == [True] * 3
         finally:
