@@ -145,6 +145,30 @@ async def test_flush_and_aclose_end_within_timeout_s_when_the_server_stops_answe
     assert closed < timeout_s + 2.0, f"aclose() took {closed:.1f} s"
 
 
+async def test_a_lookup_the_server_does_not_answer_is_a_miss_within_timeout_s() -> None:
+    """alookup's EXISTS has the same deadline as a job: a server that stopped answering
+    costs a lookup ``timeout_s`` once (a miss), and then nothing for ``retry_s``."""
+    async with hostile_server() as server:
+        timeout_s = 1.0
+        tier = {"timeout_s": timeout_s, "retry_s": 30.0}
+        eng = ao.AsyncOffloadEngine(kv_caches(), config(server.url, cpu_blocks=16, tier=tier))
+        try:
+            await store(eng, keys(1, start=100), [9])  # connected
+            server.mode = "stall_all"
+            started = time.monotonic()
+            found = await asyncio.wait_for(eng.alookup(keys(4)), 20)
+            asked = time.monotonic() - started
+            assert found == 0
+            assert server.commands("EXISTS"), "the lookup never reached the server"
+            started = time.monotonic()
+            assert await asyncio.wait_for(eng.alookup(keys(4)), 20) == 0
+            again = time.monotonic() - started
+        finally:
+            await asyncio.wait_for(eng.aclose(), 20)
+    assert asked < timeout_s + 1.0, f"alookup() took {asked:.1f} s"
+    assert again < 0.5, f"alookup() with the server counted down took {again:.1f} s"
+
+
 async def test_a_read_answered_with_an_array_is_damaged_never_loaded() -> None:
     async with hostile_server() as server:
         ks = keys(2)
