@@ -48,6 +48,8 @@ log = logging.getLogger("asyncoffload.tiers")
 _TEN_YEARS_S = 10 * 365 * 86_400.0
 #: What aclose() waits beyond timeout_s for jobs, removals and the client to end.
 _CLOSE_GRACE_S = 1.0
+#: What each of aclose()'s last steps may take once its deadline passed.
+_CLOSE_FLOOR_S = 0.05
 #: Batches of at most this many payload bytes are packed or checked on the loop: a
 #: native job's wake-up is one more loop pass, which costs more under a busy loop.
 INLINE_BYTES = 1 << 20
@@ -814,18 +816,25 @@ class RemoteStore(LowerTier):
 
     async def aclose(self) -> None:
         """Wait for the jobs and removals running (each ends within ``timeout_s`` of its
-        submission; any left after that much more are cancelled), then close the
-        client's connections and the native threads."""
+        submission; any left then are cancelled), then close the client's connections
+        and the native threads: all of it within ``timeout_s`` + 1 s (+ 0.1 s at worst
+        for the cancelled ones and the connections)."""
         self._closed = True
+        loop = asyncio.get_running_loop()
+        end = loop.time() + self.config.timeout_s + _CLOSE_GRACE_S
+
+        def left_s() -> float:
+            return max(_CLOSE_FLOOR_S, end - loop.time())
+
         tasks = self._tasks | self._cleanups
         if tasks:
-            _, left = await asyncio.wait(tasks, timeout=self.config.timeout_s + _CLOSE_GRACE_S)
+            _, left = await asyncio.wait(tasks, timeout=left_s())
             for task in left:
                 task.cancel()
             if left:
-                await asyncio.wait(left, timeout=_CLOSE_GRACE_S)
+                await asyncio.wait(left, timeout=left_s())
         with contextlib.suppress(Exception):
-            async with _deadline(_CLOSE_GRACE_S):
+            async with _deadline(left_s()):
                 await self._client.aclose()
         self._stop_native()
 
