@@ -112,6 +112,11 @@ class Copies:
     def close(self) -> None:
         """Join the copy lanes, then close the bridge they signal."""
         self._backend.close()  # nothing signals the bridge after this
+        self.close_bridge()
+
+    def close_bridge(self) -> None:
+        """Close the bridge only, the backend left open (kept for an op that still uses
+        its host memory): its lanes signal their own duplicate of the wake-up fd."""
         if self.bridge is not None:
             self.bridge.close()
 

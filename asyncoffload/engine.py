@@ -230,8 +230,12 @@ class AsyncOffloadEngine:
         self._closed = True
         self._publish_events()
         self._hub.close()
-        if self._tiers is not None:  # joins I/O lanes (they read and write host memory)
-            await self._tiers.aclose()
+        # Joins the I/O lanes (they read and write host memory); where an op stuck in a
+        # system call still runs, the tiers keep its lanes and the backend (whose host
+        # memory it uses) until it ends: then only the bridge closes here.
+        if self._tiers is not None and await self._tiers.aclose():
+            self._copies.close_bridge()
+            return
         self._copies.close()  # joins copy threads, then closes the bridge they signal
 
     async def flush(self) -> None:
@@ -254,9 +258,10 @@ class AsyncOffloadEngine:
         # Nothing is in flight (a pending job's callback would keep the engine alive):
         # release the copy threads, then the wake-up fd they signal.
         try:
-            if self._tiers is not None:
-                self._tiers.close()
-            self._copies.close()
+            if self._tiers is not None and self._tiers.close():
+                self._copies.close_bridge()  # the backend is kept (see aclose)
+            else:
+                self._copies.close()
         except Exception:  # interpreter shutdown, a closed loop: nothing more to do
             pass
 

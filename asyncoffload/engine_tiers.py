@@ -30,6 +30,7 @@ from asyncoffload.handles import Transfer
 from asyncoffload.keys import OffloadKey
 from asyncoffload.layout import KVLayout
 from asyncoffload.manager import CPUOffloadingManager, ReqContext
+from asyncoffload.tiers._io import keep_until_ended
 from asyncoffload.tiers.base import LowerTier
 from asyncoffload.tiers.format import Namespace
 from asyncoffload.tiers.hierarchy import (
@@ -49,6 +50,8 @@ log = logging.getLogger("asyncoffload")
 
 #: A promotion's handle fails this long after its tier's deadline if a read still runs.
 STALL_GRACE_S = 1.0
+#: How often the slots held by jobs given up on are looked at (see ``_reap``).
+_REAP_S = 0.25
 
 
 @dataclass(eq=False)
@@ -85,6 +88,7 @@ class LoopTiers:
         self._forked = forked
         self._lanes: dict[TierState, tuple[CopyLane, CopyLane]] = {}
         self._bridge: CompletionBridge | None = None
+        self._reaper: asyncio.TimerHandle | None = None
 
     @property
     def stores(self) -> tuple[LowerTier, ...]:
@@ -180,6 +184,20 @@ class LoopTiers:
             self._publish()
             for promotion in finished:
                 self._finish(promotion)
+        self._watch_late()
+
+    def _watch_late(self) -> None:
+        """While a job given up on holds slots, look now and then whether it ended."""
+        bridge = self._bridge
+        if self._reaper is None and self.core.late and bridge is not None:
+            self._reaper = bridge.loop.call_later(_REAP_S, self._reap)
+
+    def _reap(self) -> None:
+        self._reaper = None
+        with InterruptsHeld():
+            if self.core.reap():
+                self._publish()
+        self._watch_late()
 
     def _stalled(self, promotion: Promotion, deadline: float) -> None:
         """A read is still running past its deadline (a stalled disk or mount: a system
@@ -249,27 +267,47 @@ class LoopTiers:
                 self.core.write_done(io, job)
             finally:
                 self._publish()
+        self._watch_late()
 
     # --- events, stats, closing ------------------------------------------------------
 
     def stats(self) -> tuple[TierStats, ...]:
         return self.core.stats()
 
-    async def aclose(self) -> None:
-        """Close every tier on the loop (its I/O lanes joined: they use host memory)."""
+    async def aclose(self) -> bool:
+        """Close every tier on the loop (its I/O lanes joined: they use host memory).
+        True if the backend's host memory is kept (see :meth:`close`)."""
         for store in self.stores:
             try:
                 await store.aclose()
             except Exception:
                 log.exception("closing tier %s failed", store.name)
-        self.close()
+        return self.close()
 
-    def close(self) -> None:
+    def close(self) -> bool:
+        """Close every tier. Where an op of a job given up on still runs (stuck in a
+        system call), its tier keeps its lanes, and the backend (the host memory the op
+        reads or writes) is kept too, until it ends (``tiers._io.keep_until_ended``):
+        then True, and the caller must not close the backend."""
+        if self._reaper is not None:
+            self._reaper.cancel()
+            self._reaper = None
         for store in self.stores:
             try:
                 store.close()
             except Exception:
                 log.exception("closing tier %s failed", store.name)
+        core = self.core
+        core.reap()
+        if not core.running:
+            return False
+        backend = self._backend
+
+        def ended() -> bool:
+            return not core.running
+
+        keep_until_ended(f"the host memory of {backend.name}", ended, backend.close)
+        return True
 
 
 def _slot_of(manager: CPUOffloadingManager, key: OffloadKey) -> int:

@@ -558,6 +558,48 @@ def test_ops_not_started_by_the_deadline_time_out_without_io(
     assert wait(behind).results == [-errno.ETIMEDOUT]
 
 
+def test_a_job_stuck_in_a_system_call_is_given_up_on_and_its_pool_detached(
+    tmp_path: Path, pools: list[IoPool]
+) -> None:
+    """No deadline interrupts an op stuck in a system call (the test gate: a hung mount):
+    ``give_up_s`` after its deadline the job ends on the caller's side, every op timed
+    out and ``late``, while the op goes on; the pool closes without joining it
+    (``detach``), and the op, let go, still reads into memory that stayed valid."""
+    pool = make_pool(pools, 100, threads=1)
+    host = Host(100, aligned=False)
+    host.write(os.urandom(100))
+    path = str(tmp_path / "r")
+    wait(pool.submit(True, [IoOp(host.address, 0, path, b"r", -1)]))
+    with pytest.raises(ValueError, match="give_up_s needs a deadline"):
+        pool.submit(False, [IoOp(host.address, 0, path, b"r", -1)], None, 1.0)
+    gate, opener = os.pipe()
+    try:
+        pool.set_gate(gate)
+    finally:
+        os.close(gate)
+    out = Host(100, aligned=False)
+    try:
+        started = time.monotonic()
+        job = pool.submit(False, [IoOp(out.address, 0, path, b"r", -1)], 0.2, 0.3)
+        wait(job, timeout=10.0)
+        assert time.monotonic() - started >= 0.45  # the deadline and the give-up passed
+        assert job.late and job.results == [-errno.ETIMEDOUT] and job.error is None
+        assert not job.ended and pool.running == 1
+        finish = pool.detach()
+        assert pool.closed and pool.running == 1
+        with pytest.raises(RuntimeError, match="closed"):
+            pool.submit(False, [IoOp(out.address, 0, path, b"r", -1)], 1.0, 1.0)
+    finally:
+        os.close(opener)  # the stuck op goes on
+    deadline = time.monotonic() + 10.0
+    while not job.ended:
+        assert time.monotonic() < deadline, "the op let through did not end within 10 s"
+        time.sleep(0.001)
+    assert pool.running == 0 and job.results == [-errno.ETIMEDOUT]  # settled as given up
+    assert out.read() == host.read()  # read on into memory that stayed valid
+    finish()  # joins the idle threads
+
+
 @contextlib.contextmanager
 def fifo_writer_after(fifo: Path, seconds: float) -> Iterator[None]:
     """Bounds a test in which a FIFO's ``open()`` could hang: after ``seconds``, or when

@@ -11,7 +11,8 @@ import math
 import os
 import stat
 import subprocess
-from collections.abc import AsyncIterator, Iterator
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -448,8 +449,9 @@ async def test_an_operation_past_its_deadline_fails(tmp_path: Path) -> None:
 
 async def test_a_stalled_read_fails_its_load_without_waiting_for_the_disk(tmp_path: Path) -> None:
     """A read stuck in the kernel (a hung mount) cannot be interrupted: the load fails
-    once the deadline and a grace second have passed; its slots stay reserved until the
-    read really ends, and then everything is released."""
+    and its blocks are misses once the deadline and a grace second have passed, and
+    ``flush`` waits no longer; its CPU slots stay reserved until the read really ends
+    (it still writes into them), and then they are released."""
     cfg = config(tmp_path, tier={"io_threads": 1})
     kv = kv_caches()
     async with engine(cfg, kv) as eng:
@@ -458,15 +460,141 @@ async def test_a_stalled_read_fails_its_load_without_waiting_for_the_disk(tmp_pa
         tier = short_deadline(eng.tiers[0])
         tier.pool.set_delay(3.0)  # the first read starts at once, then takes 3 s
         before = [t[5:7].clone() for t in kv]
+        started = time.monotonic()
         handle = await eng.prepare_load(ks, [5, 6])
-        with pytest.raises(ao.TransferError, match="stalled"):
-            await handle
-        assert tier.manager.stats().pinned == 2  # the read still runs: slots held
-        assert eng.stats().manager.write_pending == 2
+        with pytest.raises(ao.TransferError, match=r"stalled|timeout"):
+            await asyncio.wait_for(handle, 10.0)
+        await asyncio.wait_for(eng.flush(), 10.0)
+        assert time.monotonic() - started < 2.5  # not the 3 s the read takes
+        assert eng.lookup(ks) == 0  # misses, dropped from the tier
+        assert eng.stats().tiers[0].failures == {"timeout": 2}
+        assert tier.manager.stats().pinned == 0
+        assert eng.stats().manager.write_pending == 2  # the read still runs: slots held
         tier.pool.set_delay(0)
-        await eng.flush()
-        assert tier.manager.stats().pinned == 0 and eng.stats().manager.write_pending == 0
+        limit = time.monotonic() + 10.0
+        while eng.stats().manager.write_pending:
+            assert time.monotonic() < limit, "the read's CPU slots were not released in 10 s"
+            await asyncio.sleep(0.05)
         assert all(torch.equal(t[5:7], b) for t, b in zip(kv, before))
+
+
+@contextlib.contextmanager
+def gated(tier: DiskStore) -> Iterator[Callable[[], None]]:
+    """Every op of ``tier`` that starts from now on hangs, as in a stuck system call,
+    until the returned function (or the context's exit) lets them all go."""
+    gate, opener = os.pipe()
+    try:
+        tier.pool.set_gate(gate)
+    finally:
+        os.close(gate)
+    fds = [opener]
+
+    def release() -> None:
+        while fds:
+            os.close(fds.pop())
+
+    try:
+        yield release
+    finally:
+        release()
+
+
+async def released(what: str, timeout: float = 10.0) -> None:
+    """Wait (at most ``timeout`` s) until nothing kept for a stuck op names ``what``."""
+    limit = time.monotonic() + timeout
+    while any(what in entry for entry in _io.kept()):
+        _io.release_ended()
+        assert time.monotonic() < limit, f"{what} still kept {timeout}s after the op ended"
+        await asyncio.sleep(0.05)
+
+
+async def stuck_io(eng: ao.AsyncOffloadEngine, ks: list[ao.OffloadKey]) -> tuple[Any, Any]:
+    """With ``eng``'s disk tier stuck (:func:`gated`) and ``deadline_s`` 1: a load of
+    ``ks`` (on disk only) into KV blocks 5 and 6, and a store of one block written
+    through (its write hangs). Returns the load's handle and the key stored."""
+    short_deadline(eng.tiers[0], 1.0)
+    load = await eng.prepare_load(ks, [5, 6])
+    new = keys(1, start=500)
+    handle = await eng.prepare_store(new, [8])
+    assert handle is not None
+    await asyncio.wait_for(handle, 10.0)  # the CPU copy; its write-through hangs
+    return load, new[0]
+
+
+def pins(eng: ao.AsyncOffloadEngine, key: ao.OffloadKey) -> int:
+    block = eng.manager.block_of(key)
+    assert block is not None, "the block left the CPU tier"
+    return block.ref_cnt
+
+
+async def test_flush_is_bounded_while_a_disk_op_hangs(tmp_path: Path) -> None:
+    """Ops stuck in the kernel past their deadline: flush returns within the deadline
+    plus about a second; the read is a miss and nothing it reads reaches the KV; the
+    write is a failure, not indexed; their CPU slots stay held while the ops run, and
+    go once they end."""
+    kv = kv_caches()
+    async with engine(config(tmp_path), kv) as eng:
+        tier = eng.tiers[0]
+        assert isinstance(tier, DiskStore)
+        before = [t[5:7].clone() for t in kv]
+        await store_to_disk_only(eng, keys(2), [0, 1])
+        with gated(tier) as release:
+            started = time.monotonic()
+            load, new = await stuck_io(eng, keys(2))
+            await asyncio.wait_for(eng.flush(), 10.0)
+            assert time.monotonic() - started < 1.0 + 2.5  # deadline_s 1
+            with pytest.raises(ao.TransferError, match=r"stalled|timeout"):
+                await load
+            stats = eng.stats().tiers[0]
+            assert stats.failures == {"timeout": 3}
+            assert stats.read_failures == 2 and stats.write_failures == 1
+            assert eng.lookup(keys(2)) == 0 and not tier.manager.ready(new)
+            assert eng.stats().manager.write_pending == 2  # the read's CPU slots: held
+            assert pins(eng, new) == 1  # pinned by the stuck write
+            release()
+            limit = time.monotonic() + 10.0
+            while eng.stats().manager.write_pending or pins(eng, new):
+                assert time.monotonic() < limit, "the slots were not released in 10 s"
+                await asyncio.sleep(0.05)
+        assert all(torch.equal(t[5:7], b) for t, b in zip(kv, before))
+        assert not tier.manager.ready(new)  # the write ended late: still not indexed
+        await (await eng.prepare_load([new], [9]))  # its CPU copy is intact
+        assert block(kv, 9) == block(kv, 8)
+
+
+async def test_aclose_is_bounded_while_a_disk_op_hangs(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Closing with ops stuck in the kernel: aclose returns within the deadline plus
+    about a second, joins no stuck thread, and keeps (with a warning naming the tier
+    and its path) the lanes, files and host memory the ops use; once they end, all of
+    it is released, and nothing they did reached the KV."""
+    kv = kv_caches()
+    eng = ao.AsyncOffloadEngine(kv, config(tmp_path))
+    tier = eng.tiers[0]
+    assert isinstance(tier, DiskStore)
+    before = [t[5:7].clone() for t in kv]
+    what = f"disk tier {tier.name} ({tier.dir})"
+    try:
+        await store_to_disk_only(eng, keys(2), [0, 1])
+        with gated(tier) as release:
+            load, _ = await stuck_io(eng, keys(2))
+            started = time.monotonic()
+            with caplog.at_level(logging.WARNING, logger="asyncoffload.tiers"):
+                await asyncio.wait_for(eng.aclose(), 10.0)
+            assert time.monotonic() - started < 1.0 + 2.5  # deadline_s 1
+            assert load.done() and isinstance(load.exception(), ao.TransferError)
+            assert what in _io.kept()
+            assert f"the host memory of {eng.backend.name}" in _io.kept()
+            assert any(what in r.getMessage() and "stuck" in r.getMessage() for r in caplog.records)
+            assert tier.pool.running == 2  # not joined: the stuck read and write run on
+            release()
+            await released(what)
+            await released("the host memory of")
+        assert all(torch.equal(t[5:7], b) for t, b in zip(kv, before))
+    finally:
+        if not eng.closed:
+            await eng.aclose()
 
 
 # --- admission, eviction, events -----------------------------------------------------

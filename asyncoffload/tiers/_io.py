@@ -17,6 +17,14 @@ without its MAC, or another key's; a pool without: a block with a MAC), ``-ENODA
 (truncated) or ``-ENOENT`` (no file); an op that had not started by the job's deadline
 ends with ``-ETIMEDOUT``.
 
+**Stuck ops.** No deadline can interrupt an op inside a system call (a hung NFS or FUSE
+mount, a dying disk). A job submitted with ``give_up_s`` stops waiting for such an op:
+``give_up_s`` after its deadline, ``query()`` says it ended, every op ``-ETIMEDOUT``, and
+``late`` is True, while its ops may still run: the host memory, fds and status words
+they touch must stay valid until ``ended``. Closing a pool with such a job
+(:meth:`IoPool.detach`) joins nothing; :func:`keep_until_ended` keeps what the ops
+touch, with a warning, and :func:`release_ended` releases it once they ended.
+
 Reads go before writes: a worker always takes the next op of the oldest read job with
 ops left before any write. A finished job writes 1 to the bound wake fd.
 
@@ -30,11 +38,12 @@ import contextlib
 import ctypes
 import errno
 import functools
+import logging
 import os
 import time
 import weakref
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from asyncoffload._native import load_disk_io, native_disabled
@@ -47,8 +56,13 @@ __all__ = [
     "IoPool",
     "available",
     "crc32c",
+    "keep_until_ended",
+    "kept",
+    "release_ended",
     "slot_bytes",
 ]
+
+log = logging.getLogger("asyncoffload.tiers")
 
 #: The header that precedes every block's payload on disk.
 HEADER_BYTES = 4096
@@ -101,16 +115,21 @@ class IoJob(CopyJob):
     """A submitted disk job; ``query()`` is True once every op has ended. Then
     ``results`` holds each op's outcome (``payload_len`` or ``-errno``) and ``error`` is
     ``None``, unless the whole job was discarded unrun (the pool closed under it:
-    ``error`` is an ``OSError(ECANCELED)``)."""
+    ``error`` is an ``OSError(ECANCELED)``). ``give_up_ns`` (``time.monotonic_ns``, 0:
+    never): an op still running then ends the job on the caller's side, every op
+    ``-ETIMEDOUT`` and ``late`` True, while its ops may go on until ``ended``."""
 
-    __slots__ = ("_lib", "_results", "_status", "results")
+    __slots__ = ("_give_up_ns", "_lib", "_results", "_status", "late", "results")
 
-    def __init__(self, n: int, payload_len: int, lib: ctypes.CDLL) -> None:
+    def __init__(self, n: int, payload_len: int, lib: ctypes.CDLL, give_up_ns: int = 0) -> None:
         super().__init__(n, n * payload_len)
         self._lib = lib
         self._status = _Status()
         self._results = (ctypes.c_int64 * n)()
+        self._give_up_ns = give_up_ns
         self.results: list[int] = []
+        #: Given up on (see above): its ops may still run until ``ended``.
+        self.late = False
 
     @property
     def status_address(self) -> int:
@@ -125,7 +144,23 @@ class IoJob(CopyJob):
                 # time.perf_counter_ns is CLOCK_MONOTONIC, the clock the pool stamped.
                 self.finished_ns = self._status[1]
                 self._done = True
+            elif self._give_up_ns and time.monotonic_ns() >= self._give_up_ns:
+                # An op stuck in a system call: stop waiting for it (see the module
+                # docstring); what it touches stays valid until ``ended``.
+                self.results = [-errno.ETIMEDOUT] * self.num_blocks
+                self.error = None
+                self.late = True
+                self.stamped = False  # not when the ops ended
+                self.finished_ns = time.perf_counter_ns()
+                self._done = True
         return self._done
+
+    @property
+    def ended(self) -> bool:
+        """Whether every op really ended (or was discarded): none touches the host memory,
+        the fds or this job's status words any more. For a job that is not ``late``,
+        the same as ``query()``."""
+        return bool(self._lib.ao_io_status_load(self.status_address))
 
     @property
     def first_op_ns(self) -> int:
@@ -141,6 +176,8 @@ class IoJob(CopyJob):
         state = "running"
         if self._done:
             state = "discarded" if self.error is not None else f"done, {len(self.failed)} failed"
+            if self.late:
+                state = "given up on, still running" if not self.ended else "given up on, ended"
         return f"<IoJob {self.num_blocks} ops {self.nbytes} B {state}>"
 
 
@@ -379,10 +416,22 @@ class IoPool:
             if rc != 0:  # checked above: a defect if it happens
                 raise RuntimeError(f"ao_io_set_segments refused the slices (code {rc})")
 
-    def submit(self, write: bool, ops: Sequence[IoOp], deadline_s: float | None = None) -> IoJob:
+    def submit(
+        self,
+        write: bool,
+        ops: Sequence[IoOp],
+        deadline_s: float | None = None,
+        give_up_s: float | None = None,
+    ) -> IoJob:
         """Queue ``ops`` (all writes or all reads); ``deadline_s``: seconds from now
-        after which ops not yet started end with ``-ETIMEDOUT``. The host memory, the
-        slab fds and the directory fds must stay valid until the job has ended."""
+        after which ops not yet started end with ``-ETIMEDOUT``; ``give_up_s`` (with a
+        deadline): seconds after the deadline when the job ends on the caller's side
+        even if an op still runs (``late``, see the module docstring). The host memory,
+        the slab fds and the directory fds must stay valid until the job has ``ended``."""
+        if give_up_s is not None and not (deadline_s is not None and give_up_s >= 0):
+            raise ValueError(
+                f"give_up_s needs a deadline and must not be negative, got {give_up_s}"
+            )
         check_process(self.pid, "IoPool")
         if self._closed:
             raise RuntimeError("IoPool is closed")
@@ -403,10 +452,12 @@ class IoPool:
             c.key = key
             c.key_len = len(key)
             c.fd = op.fd  # files mode: the directory the path is relative to (-1: cwd)
-        deadline_ns = 0
+        deadline_ns = give_up_ns = 0
         if deadline_s is not None:
             deadline_ns = max(1, time.monotonic_ns() + int(deadline_s * 1e9))
-        return self._submit(KIND_WRITE if write else KIND_READ, array, deadline_ns)
+            if give_up_s is not None:
+                give_up_ns = deadline_ns + int(give_up_s * 1e9)
+        return self._submit(KIND_WRITE if write else KIND_READ, array, deadline_ns, give_up_ns)
 
     def submit_values(self, pack: bool, ops: Sequence[tuple[int, int, bytes]]) -> IoJob:
         """Queue ``(host, value, key)`` ops on values of a key-value store in memory, at
@@ -434,7 +485,9 @@ class IoPool:
             c.fd = -1
         return self._submit(KIND_PACK if pack else KIND_UNPACK, array, 0)
 
-    def _submit(self, kind: int, array: ctypes.Array[_Op], deadline_ns: int) -> IoJob:
+    def _submit(
+        self, kind: int, array: ctypes.Array[_Op], deadline_ns: int, give_up_ns: int = 0
+    ) -> IoJob:
         n = len(array)
         handle = self._handle
         if handle is None:
@@ -446,7 +499,7 @@ class IoPool:
             kept = [p for p in pending if not p[0][0]]
             pending.clear()
             pending.extend(kept)
-        job = IoJob(n, self.payload_len, self._lib)
+        job = IoJob(n, self.payload_len, self._lib, give_up_ns)
         # Filed before the C call: the threads may write these as soon as it returns, and
         # an interrupt right after it must not let them go.
         entry = (job._status, job._results)
@@ -496,9 +549,31 @@ class IoPool:
         if self._lib.ao_io_set_gate(handle, -1 if fd is None else fd) != 0:
             raise OSError(errno.EBADF, f"cannot duplicate the test gate fd {fd}")
 
+    @property
+    def running(self) -> int:
+        """How many submitted jobs have not ended (their ops may still run)."""
+        if forked_since(self.pid):
+            return 0
+        return sum(1 for status, _ in self._pending if not status[0])
+
+    def detach(self) -> Callable[[], None]:
+        """Close without joining the threads, for a pool whose ops may be stuck in a
+        system call (``running``): no submission is taken any more, and neither dropping
+        the pool nor the interpreter's exit joins its threads (that could wait forever).
+        Returns what finishes the close (joins the threads, frees the pool): call it
+        once ``running`` is 0. Idempotent (a closed pool's is a no-op)."""
+        self._closed = True
+        self._handle = None
+        detached = self._finalizer.detach()
+        if detached is None:
+            return _nothing
+        _, release, args, _ = detached
+        return functools.partial(release, *args, discard=False)
+
     def close(self) -> None:
         """Finish the queued jobs, join the threads, free the pool. Idempotent. In a
-        fork's child: only marks the pool closed (its threads are the parent's)."""
+        fork's child: only marks the pool closed (its threads are the parent's). A job
+        stuck in a system call keeps this waiting: see :meth:`detach`."""
         if self._closed:
             return
         self._closed = True
@@ -517,6 +592,54 @@ class IoPool:
     def __repr__(self) -> str:
         state = "closed" if self._closed else ("running" if self._owned else "idle")
         return f"<IoPool {self.threads} threads, {self.payload_len} B blocks, {state}>"
+
+
+def _nothing() -> None:
+    return None
+
+
+class _Kept(NamedTuple):
+    what: str
+    ended: Callable[[], bool]
+    release: Callable[[], None]
+
+
+#: What ops that outlived their owner still touch (host memory, a pool's threads and
+#: status words, fds), kept alive on purpose until they end: freed, it would take wrong
+#: bytes into another block, or be a use after free.
+_KEPT: list[_Kept] = []
+
+
+def keep_until_ended(what: str, ended: Callable[[], bool], release: Callable[[], None]) -> None:
+    """Keep ``what`` (whatever ``release`` refers to) alive until ``ended()``, then call
+    ``release`` (from :func:`release_ended`); logs a warning naming ``what``."""
+    release_ended()
+    _KEPT.append(_Kept(what, ended, release))
+    log.warning(
+        "%s: an I/O operation is still stuck in a system call after its deadline (a hung "
+        "mount or a failing disk?): leaking its memory, threads and files on purpose until "
+        "it ends, rather than letting it write into memory reused or freed",
+        what,
+    )
+
+
+def release_ended() -> int:
+    """Release what :func:`keep_until_ended` kept whose ops ended; how many."""
+    done = [entry for entry in _KEPT if entry.ended()]
+    for entry in done:
+        _KEPT.remove(entry)
+        try:
+            entry.release()
+        except Exception:
+            log.exception("releasing %s failed", entry.what)
+        else:
+            log.info("%s: its stuck operation ended, released", entry.what)
+    return len(done)
+
+
+def kept() -> list[str]:
+    """What is kept alive now for ops that outlived their owner (see above)."""
+    return [entry.what for entry in _KEPT]
 
 
 #: errno values a read's result may carry, by what they mean (documentation and tests).

@@ -14,6 +14,11 @@ Two layouts:
 Every block carries the header of :mod:`asyncoffload.tiers.format`. The lanes check it
 and the payload's CRC32C on every read; a block that fails, or a short read, is a miss:
 its index entry goes in the same step and a removed event says so.
+
+An operation stuck in a system call (a hung mount, a dying disk) is given up on
+:data:`GIVE_UP_S` after its deadline: its job ends as timed out (``late``: the tier
+hierarchy holds its host slots until it really ends), and a tier closed while one runs
+keeps its lanes and files open (``_io.keep_until_ended``) instead of waiting for it.
 """
 
 from __future__ import annotations
@@ -63,6 +68,9 @@ _TEMP_STALE_S = 3600.0
 _MAX_FILE_BYTES = 2**63 - 1
 #: Linux's largest pid_max (2**22): no process has a larger pid.
 _PID_MAX = 1 << 22
+#: Seconds after its deadline when a job whose op is still running (stuck in a system
+#: call) ends as timed out, its ops left to run on.
+GIVE_UP_S = 1.0
 
 
 class DiskTier(TierSettings):
@@ -101,7 +109,8 @@ class DiskTier(TierSettings):
         gt=0,
         le=86_400,
         allow_inf_nan=False,
-        description="An operation not started this long after submission fails (at most a day).",
+        description="An operation not started this long after submission fails; one still "
+        "running a second later (stuck in a system call) is given up on (at most a day).",
     )
     mac_key: SecretBytes | None = Field(
         None,
@@ -496,7 +505,8 @@ class DiskStore(LowerTier):
     def submit_read(
         self, keys: Sequence[OffloadKey], slots: Sequence[int], host: Sequence[int]
     ) -> CopyJob:
-        return self._pool.submit(False, self._ops(keys, slots, host), self.config.deadline_s)
+        ops = self._ops(keys, slots, host)
+        return self._pool.submit(False, ops, self.config.deadline_s, GIVE_UP_S)
 
     def set_segments(self, deltas: Sequence[int]) -> None:
         self._pool.set_segments(deltas)
@@ -504,7 +514,8 @@ class DiskStore(LowerTier):
     def submit_write(
         self, keys: Sequence[OffloadKey], slots: Sequence[int], host: Sequence[int]
     ) -> CopyJob:
-        return self._pool.submit(True, self._ops(keys, slots, host), self.config.deadline_s)
+        ops = self._ops(keys, slots, host)
+        return self._pool.submit(True, ops, self.config.deadline_s, GIVE_UP_S)
 
     def forget(self, keys: Sequence[OffloadKey]) -> None:
         if self.config.mode != "files":
@@ -530,11 +541,31 @@ class DiskStore(LowerTier):
         }
 
     def close(self) -> None:
+        """Finish queued I/O, join the lanes, close the files. Where an op given up on
+        still runs (stuck in a system call), joining could wait forever: the lanes and
+        the files they use are kept open, with a warning, until it ends."""
+        from asyncoffload.tiers._io import keep_until_ended, release_ended
+
         if self._closed:
             return
         self._closed = True
-        self._pool.close()  # joins the lanes: no op uses the fds after this
-        self._release_fds()
+        pool = self._pool
+        if not pool.running:
+            pool.close()  # joins the lanes: no op uses the fds after this
+            self._release_fds()
+            release_ended()
+            return
+        fds = [fd for fd in (self._fd, self._dir_fd) if fd >= 0]
+        self._fd = self._dir_fd = -1
+        finish = pool.detach()
+
+        def release() -> None:
+            finish()
+            for fd in fds:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+
+        keep_until_ended(f"disk tier {self.name} ({self.dir})", lambda: not pool.running, release)
 
     def _release_fds(self) -> None:
         for attr in ("_fd", "_dir_fd"):

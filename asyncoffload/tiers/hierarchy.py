@@ -26,10 +26,18 @@ A promotion is a :class:`Promotion`: the keys of one request that must come up f
 lower tiers. It ends (``done``) when every read that carries one of its keys has ended;
 ``failed`` then says whether any key could not be read, which makes the blocks misses
 (dropped from their tier's index, their CPU slots freed) and nothing reaches the KV.
+
+A job a tier gave up on while its ops may still run (``late``: an op stuck in a system
+call past its deadline, see ``tiers._io``) settles at once, every block failed (a read's
+are misses, a write's are not indexed), but the host slots its ops read or write are
+held: a read's CPU slots stay reserved, a write's stay pinned and its tier slots
+reserved, until the job really ``ended`` and :meth:`~TierHierarchy.reap` lets them go.
+Reused sooner, they would take another block's bytes, or give this one's to it.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -185,6 +193,8 @@ class TierHierarchy:
         self.deadline_s = max((s.deadline_s for s in stores), default=0.0)
         #: Promotions reserved and not yet handed out by :meth:`take_reads`.
         self.batched = 0
+        #: Jobs given up on whose ops may still run, each with what lets its slots go.
+        self._late: list[tuple[CopyJob, Callable[[], None]]] = []
 
     # --- which tier holds a key ------------------------------------------------------
 
@@ -322,13 +332,19 @@ class TierHierarchy:
                 tier.counters.read_failures += len(bad)
                 manager.drop(bad)
                 tier.store.forget(bad)
-                self.cpu.complete_store(bad, None, success=False)
+                late = _late(job)
+                if late:  # its ops may still write into these CPU slots: held until they end
+                    free = functools.partial(self.cpu.complete_store, bad, None, success=False)
+                    self._late.append((job, free))
+                else:
+                    self.cpu.complete_store(bad, None, success=False)
                 log.warning(
-                    "%d of %d blocks read from %s failed (%s): misses, dropped from its index",
+                    "%d of %d blocks read from %s failed (%s): misses, dropped from its index%s",
                     len(bad),
                     len(keys),
                     tier.name,
                     ", ".join(f"{k} {v}" for k, v in causes.items()),
+                    _STILL_RUNNING if late else "",
                 )
                 failed = set(bad)
                 hit: dict[Promotion, None] = {}
@@ -422,6 +438,7 @@ class TierHierarchy:
             return
         io.settled = True
         tier, keys = io.tier, io.keys
+        late = _late(job)
         try:
             results = outcomes(job, len(keys))
             good = [key for key, r in zip(keys, results) if r >= 0]
@@ -436,21 +453,59 @@ class TierHierarchy:
                 counters.bytes_written += written * tier.store.block_bytes
                 counters.blocks_present += len(good) - written
             if bad:
-                manager.complete_store(bad, io.ctx, success=False)
+                if not late:
+                    manager.complete_store(bad, io.ctx, success=False)
                 counters.write_failures += len(bad)
                 causes = count_failures(counters, results)
                 now = time.monotonic()
-                if now - tier.warned_at >= _WARN_EVERY_S:
+                if late or now - tier.warned_at >= _WARN_EVERY_S:
                     tier.warned_at = now
                     log.warning(
-                        "%d of %d blocks could not be written to %s (%s): skipped",
+                        "%d of %d blocks could not be written to %s (%s): skipped%s",
                         len(bad),
                         len(keys),
                         tier.name,
                         ", ".join(f"{k} {v}" for k, v in causes.items()),
+                        _STILL_RUNNING if late else "",
                     )
         finally:
-            self.cpu.complete_load(keys)  # unpin
+            if late:  # its ops may still read these CPU slots and write these tier slots
+                self._late.append((job, functools.partial(self._write_ended, io)))
+            else:
+                self.cpu.complete_load(keys)  # unpin
+
+    def _write_ended(self, io: TierIo) -> None:
+        """A write given up on really ended: its tier slots are freed (nothing indexed)
+        and its CPU slots unpinned."""
+        try:
+            io.tier.store.manager.complete_store(io.keys, io.ctx, success=False)
+        finally:
+            self.cpu.complete_load(io.keys)
+
+    # --- jobs given up on ------------------------------------------------------------
+
+    @property
+    def late(self) -> int:
+        """Jobs given up on whose slots are still held (see the module docstring)."""
+        return len(self._late)
+
+    @property
+    def running(self) -> bool:
+        """Whether an op of a job given up on may still run (touch host memory)."""
+        return any(not _ended(job) for job, _ in self._late)
+
+    def reap(self) -> int:
+        """Let go of the slots of the jobs given up on that really ended; how many."""
+        if not self._late:
+            return 0
+        ended = [entry for entry in self._late if _ended(entry[0])]
+        for entry in ended:
+            self._late.remove(entry)
+            try:
+                entry[1]()
+            except Exception:  # a defect: the other jobs' slots still go
+                log.exception("releasing the slots of a late tier job failed")
+        return len(ended)
 
     # --- shared tiers ----------------------------------------------------------------
 
@@ -532,6 +587,22 @@ class TierHierarchy:
                 )
             )
         return tuple(out)
+
+
+_STILL_RUNNING = (
+    "; the job was given up on while an operation still runs (stuck in a system call): "
+    "its host slots are held until it ends"
+)
+
+
+def _late(job: CopyJob) -> bool:
+    """Whether ``job`` was given up on while its ops may still run (``tiers._io``)."""
+    return getattr(job, "late", False) is True
+
+
+def _ended(job: CopyJob) -> bool:
+    """Whether every op of a job given up on really ended."""
+    return bool(getattr(job, "ended", True))
 
 
 def _shared(store: LowerTier) -> SharedTier | None:

@@ -55,6 +55,7 @@ from asyncoffload.integrations.vllm.host_pools import HostPools, host_pool_path
 from asyncoffload.integrations.vllm.private_loop import PrivateLoop
 from asyncoffload.keys import OffloadKey
 from asyncoffload.manager import CPUOffloadingManager
+from asyncoffload.tiers._io import keep_until_ended
 from asyncoffload.tiers.base import LowerTier
 from asyncoffload.tiers.format import MAX_KEY_BYTES
 from asyncoffload.tiers.hierarchy import TierHierarchy, TierIo, TierState, TierStats, submit
@@ -216,6 +217,8 @@ class SchedulerTiers:
             writes = jobs.writes
             while writes and writes[0][1].query():
                 core.write_done(*writes.popleft())
+        if core.late:  # jobs given up on (stuck disk ops) that ended: their slots go
+            core.reap()
         if self._queries:
             self._answers()
 
@@ -487,7 +490,16 @@ class SchedulerTiers:
             self._jobs[tier].writes.clear()
         if self._loop is not None:
             self._loop.close()
-        self.pools.close()
+        self.core.reap()
+        if self.core.running:  # an op stuck in a system call still uses the mapped pools
+            core = self.core
+
+            def ended() -> bool:
+                return not core.running
+
+            keep_until_ended(f"the host pools {self.pool_paths}", ended, self.pools.close)
+        else:
+            self.pools.close()
 
 
 async def _aclose_shared(store: LowerTier) -> None:
