@@ -226,6 +226,12 @@ def _add_demo(parser: argparse.ArgumentParser) -> None:
         help="requests served at once (%(default)s)",
     )
     srv.add_argument(
+        "--settle",
+        action="store_true",
+        help="each request first waits for the copies and tier writes in flight: with "
+        "--concurrency 1, hit rates that do not depend on the machine's speed",
+    )
+    srv.add_argument(
         "--layers", type=positive_int, default=d.layers, help="KV layers (%(default)s)"
     )
     srv.add_argument(
@@ -318,6 +324,7 @@ def _run_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             completion=args.completion,
             gpu_blocks=args.gpu_blocks,
             concurrency=args.concurrency,
+            settle=args.settle,
             layers=args.layers,
             time_scale=args.time_scale,
             publish=args.publish,

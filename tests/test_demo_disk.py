@@ -35,9 +35,14 @@ def small(**overrides: Any) -> DemoConfig:
 
 
 async def test_disk_tier_raises_the_hit_rate(tmp_path: Path) -> None:
-    without = await run_demo(small(), progress=False)
+    # One request at a time, each after the writes before it ended (--settle): what is
+    # on disk, and so the hit rate, is the workload's alone. Flooded with requests, a
+    # busy machine's disk writes lag and pin CPU slots, which refuses stores; issue 37
+    # saw 41 % with the disk against 64 % without (the next issues' product work).
+    without = await run_demo(small(concurrency=1, settle=True), progress=False)
     with_disk = await run_demo(
-        small(disk_path=tmp_path / "tier", disk_bytes="4MiB"), progress=False
+        small(disk_path=tmp_path / "tier", disk_bytes="4MiB", concurrency=1, settle=True),
+        progress=False,
     )
     for report in (without, with_disk):
         assert report.ok, (report.failed_requests, report.mismatches, report.stats.tiers)
@@ -50,6 +55,8 @@ async def test_disk_tier_raises_the_hit_rate(tmp_path: Path) -> None:
     assert with_disk.disk_hit_blocks > 0
     assert with_disk.cpu_hit_blocks + with_disk.disk_hit_blocks == with_disk.stats.lookup_hits
     assert with_disk.hit_rate > without.hit_rate
+    # Nothing was held back: no store or promotion refused for want of a CPU slot.
+    assert with_disk.stores_rejected == 0 and with_disk.promotions_refused == 0
     # Every promoted block was checked bit for bit like the CPU hits.
     assert with_disk.verified_blocks == with_disk.hit_blocks
     rows = dict(with_disk.rows())

@@ -69,8 +69,13 @@ async def test_blocks_a_full_cpu_tier_held_back_are_counted_and_the_rest_shared(
 
 
 async def test_two_demo_runs_share_the_remote_tier(server: Any) -> None:
-    first = await run_demo(small(remote_url=server.url), progress=False)
-    second = await run_demo(small(remote_url=server.url), progress=False)
+    # One request at a time, each after the writes before it ended (--settle): what
+    # reaches the server is the workload's alone, not the machine's speed (flooded, a
+    # busy machine's writes lag and pin CPU slots, and stores are refused: the test
+    # above).
+    settled = {"remote_url": server.url, "concurrency": 1, "settle": True}
+    first = await run_demo(small(**settled), progress=False)
+    second = await run_demo(small(**settled), progress=False)
     for report in (first, second):
         assert report.ok, (report.failed_requests, report.mismatches, report.stats.tiers)
     (r1,) = first.stats.tiers
@@ -81,15 +86,10 @@ async def test_two_demo_runs_share_the_remote_tier(server: Any) -> None:
     assert second.remote_prelookup is not None
     asked, found, _ = second.remote_prelookup
     assert asked == first.unique_blocks
-    # Each block the first wrote is there once (a put-if-absent counts only real writes).
-    assert found == r1.blocks_written, (found, r1)
-    # A block it did not write was held back by counted backpressure: a store that its
-    # full CPU tier refused (80 slots, some pinned by writes still going to the server),
-    # or a write that the remote index had no room for. On a quiet machine there is none.
-    missing = first.unique_blocks - r1.blocks_written
-    if missing:
-        assert first.stores_rejected or r1.failures.get("full"), (missing, first.stats, r1)
-    assert r1.blocks_written >= first.unique_blocks // 2, (first.stats, r1)
+    # Each block the first computed was written there, once (a put-if-absent counts
+    # only real writes), with no store refused.
+    assert found == r1.blocks_written == first.unique_blocks, (found, r1)
+    assert first.stores_rejected == 0 and r1.failures == {}, (first.stats, r1)
     # The first has remote hits too: its own blocks, evicted from its CPU tier (80 slots
     # for 186 blocks). The second finds every block on the server from the start.
     assert second.remote_hit_blocks > first.remote_hit_blocks

@@ -98,6 +98,8 @@ class _Server:
         engine, p = self.engine, self.p
         keys = req.keys
         async with self.sem:
+            if self.cfg.settle:
+                await engine.flush()
             blocks = await self.alloc.allocate(len(keys))
             try:
                 ctx = ReqContext(req.req_id)

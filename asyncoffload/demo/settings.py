@@ -86,6 +86,13 @@ class DemoConfig(BaseModel):
         "for `concurrency` of the largest request).",
     )
     concurrency: int = Field(16, ge=1, description="Requests served at once.")
+    settle: bool = Field(
+        False,
+        description="Each request first waits until the copies and the tiers' writes in "
+        "flight end (engine.flush()): with concurrency 1, hit rates then depend on the "
+        "workload alone, not on how fast the machine is. For tests and comparisons: a "
+        "server does not wait so.",
+    )
     time_scale: float = Field(
         1.0,
         ge=0,
