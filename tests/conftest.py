@@ -61,6 +61,49 @@ any_server = _servers.any_server
 valkey_cluster = _servers.valkey_cluster
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--shard",
+        default=None,
+        metavar="K/N",
+        help="run the K-th of N shares of the collected tests (0 <= K < N): the tests in "
+        "node-id order, every N-th from the K-th. CI runs one share of `make test-long` "
+        "per submission (.ci/run); `make test-long` alone runs them all.",
+    )
+
+
+def _shard(value: str) -> tuple[int, int]:
+    try:
+        k, n = (int(part) for part in value.split("/"))
+    except ValueError:
+        raise pytest.UsageError(f"--shard {value!r}: expected K/N, two integers") from None
+    if not (n >= 1 and 0 <= k < n):
+        raise pytest.UsageError(f"--shard {value!r}: needs N >= 1 and 0 <= K < N")
+    return k, n
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    value = config.getoption("--shard")
+    if value is None:
+        return
+    k, n = _shard(value)
+    ordered = sorted(range(len(items)), key=lambda i: items[i].nodeid)
+    chosen = {i for rank, i in enumerate(ordered) if rank % n == k}
+    kept = [item for i, item in enumerate(items) if i in chosen]
+    left = [item for i, item in enumerate(items) if i not in chosen]
+    config.hook.pytest_deselected(items=left)
+    items[:] = kept
+    config.stash[_SHARD_KEY] = f"shard {k}/{n}: {len(kept)} of {len(kept) + len(left)} tests"
+
+
+_SHARD_KEY = pytest.StashKey[str]()
+
+
+def pytest_report_collectionfinish(config: pytest.Config) -> str | None:
+    return config.stash.get(_SHARD_KEY, None)
+
+
 def pytest_configure(config: pytest.Config) -> None:
     # A run started in the background by a non-interactive shell (`make test &`, nohup)
     # inherits SIGINT ignored, and so would every process it starts: the tests of what a
