@@ -72,6 +72,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+def shard_of(nodeids: list[str], k: int, n: int) -> set[str]:
+    """The K-th of N shares of ``nodeids``: every N-th in sorted order from the K-th."""
+    return {nodeid for rank, nodeid in enumerate(sorted(nodeids)) if rank % n == k}
+
+
 def _shard(value: str) -> tuple[int, int]:
     try:
         k, n = (int(part) for part in value.split("/"))
@@ -88,10 +93,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if value is None:
         return
     k, n = _shard(value)
-    ordered = sorted(range(len(items)), key=lambda i: items[i].nodeid)
-    chosen = {i for rank, i in enumerate(ordered) if rank % n == k}
-    kept = [item for i, item in enumerate(items) if i in chosen]
-    left = [item for i, item in enumerate(items) if i not in chosen]
+    chosen = shard_of([item.nodeid for item in items], k, n)
+    kept = [item for item in items if item.nodeid in chosen]
+    left = [item for item in items if item.nodeid not in chosen]
     config.hook.pytest_deselected(items=left)
     items[:] = kept
     config.stash[_SHARD_KEY] = f"shard {k}/{n}: {len(kept)} of {len(kept) + len(left)} tests"

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.conftest import _shard, shard_of
 from tests.helpers import trace_path
 from tests.processes import REPO
 
@@ -65,3 +66,19 @@ def test_the_skip_summary_fits_100_columns() -> None:
     skipped = [line for line in proc.stdout.splitlines() if line.startswith("SKIPPED")]
     assert skipped, proc.stdout[-2000:]
     assert max(len(line) for line in proc.stdout.splitlines()) <= 100, proc.stdout[-3000:]
+
+
+def test_the_shards_of_the_long_profiles_take_each_test_once() -> None:
+    """CI runs one of four shares of `make test-long` per submission (.ci/run): over the
+    four, each test runs exactly once, and the shares are even."""
+    nodeids = [f"tests/test_{i % 7}.py::test_{i}" for i in range(30)]
+    shares = [shard_of(nodeids, k, 4) for k in range(4)]
+    assert sorted(x for share in shares for x in share) == sorted(nodeids)
+    assert sorted(len(share) for share in shares) == [7, 7, 8, 8]
+    assert shard_of(nodeids, 0, 1) == set(nodeids)
+
+
+@pytest.mark.parametrize("value", ["4/4", "-1/4", "0/0", "1", "a/b"])
+def test_a_bad_shard_is_refused_by_name(value: str) -> None:
+    with pytest.raises(pytest.UsageError, match=f"--shard '{value}'"):
+        _shard(value)
