@@ -75,8 +75,8 @@ from tests.test_faults import (
 
 REPO = Path(__file__).resolve().parents[1]
 SOAK = os.environ.get("ASYNCOFFLOAD_SOAK") == "1"
-RUNS = 80
-#: ``make test-long``: five times CI's runs per copy engine and loop.
+RUNS = 40
+#: ``make test-long``: ten times CI's runs per copy engine and loop.
 LONG_RUNS = 400
 SOAK_RUNS = 2000
 ACLOSE_TIMEOUT_S = 5.0
