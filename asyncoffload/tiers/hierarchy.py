@@ -258,17 +258,21 @@ class TierHierarchy:
         protect: Sequence[OffloadKey] = (),
         *,
         lookup: bool = False,
+        count_no_slot: bool = True,
     ) -> Promotion | None:
         """Reserve CPU slots for the keys of ``sources`` (each absent from the CPU tier
         and ready in its tier), never evicting one of ``protect``, and pin each in its
         tier; their reads wait for :meth:`take_reads`. ``None``, changing nothing but a
         ``no_slot`` count, when the CPU tier has too few idle slots. ``lookup``: each
-        key counts as a lookup hit of its tier (a driver whose lookups promote)."""
+        key counts as a lookup hit of its tier (a driver whose lookups promote);
+        ``count_no_slot=False``: a driver that may try again later counts the skip
+        itself, once it gives up (:meth:`skip`)."""
         keys = list(sources)
         out = self.cpu.reserve(keys, protect)
         if out is None:
-            for tier in dict.fromkeys(sources.values()):
-                self.skip(tier, "no_slot", 1)
+            if count_no_slot:
+                for tier in dict.fromkeys(sources.values()):
+                    self.skip(tier, "no_slot", 1)
             return None
         promotion = Promotion(keys, ctx, len(keys))
         by_tier: dict[TierState, list[tuple[OffloadKey, int]]] = {}

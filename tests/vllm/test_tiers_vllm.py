@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +74,18 @@ def _store(
     gpu_ids: list[int],
     ctx: ReqContext,
 ) -> None:
+    _store_once(manager, worker, keys, gpu_ids, ctx)
+    _settle(manager)  # the write-through ended: the CPU slots are idle again
+
+
+def _store_once(
+    manager: AsyncOffloadManager,
+    worker: AsyncOffloadWorker,
+    keys: list[OffloadKey],
+    gpu_ids: list[int],
+    ctx: ReqContext,
+) -> None:
+    """Store ``keys`` from GPU blocks ``gpu_ids``; their write-through is submitted."""
     out = manager.prepare_store(keys, ctx)
     assert out is not None and list(out.keys_to_store) == keys
     job = next(_job)
@@ -80,7 +93,6 @@ def _store(
     (result,) = _finish(worker, {job})
     assert result.success
     manager.complete_store(keys, ctx)
-    _settle(manager)  # the write-through ended: the CPU slots are idle again
 
 
 def _lookup_until_settled(
@@ -292,6 +304,155 @@ def test_no_cpu_slot_for_a_promotion_is_a_miss(tmp_path: Path) -> None:
     assert tier.failures == {"no_slot": 1}
     manager.complete_load(resident, ctx)
     assert manager.lookup(keys[0], ctx) is LookupResult.HIT_PENDING
+    assert _lookup_until_settled(manager, keys[0], ctx)[-1] is LookupResult.HIT
+    worker.shutdown()
+    manager.shutdown()
+
+
+_STEP_END = ScheduleEndContext(new_req_ids=set(), preempted_req_ids=set())
+
+
+class _HeldJob:
+    """A tier job that does not end, as the scheduler sees it, until the test lets it
+    (a write to a slow disk or server); then it ends as it did."""
+
+    def __init__(self, job: Any) -> None:
+        self.job = job
+        self.released = False
+
+    def query(self) -> bool:
+        return self.released and bool(self.job.query())
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.job, name)
+
+
+def _hold_writes(monkeypatch: pytest.MonkeyPatch) -> list[_HeldJob]:
+    """From now on every write to a disk tier is held until released; the held jobs."""
+    held: list[_HeldJob] = []
+    submit_write = DiskStore.submit_write
+
+    def hold(self: DiskStore, keys: Any, slots: Any, host: Any) -> Any:
+        held.append(_HeldJob(submit_write(self, keys, slots, host)))
+        return held[-1]
+
+    monkeypatch.setattr(DiskStore, "submit_write", hold)
+    return held
+
+
+def _walk(manager: AsyncOffloadManager, keys: list[OffloadKey], ctx: ReqContext) -> int | None:
+    """vLLM's lookup walk of a request's keys (``_maximal_prefix_lookup``): ``HIT``
+    counts, ``HIT_PENDING`` counts and defers the request (None: looked up again next
+    step), the first ``MISS`` ends it. The blocks the request then loads."""
+    hits, deferred = 0, False
+    for key in keys:
+        result = manager.lookup(key, ctx)
+        if result is LookupResult.MISS:
+            break
+        hits += 1
+        deferred |= result is LookupResult.HIT_PENDING
+    return None if deferred else hits
+
+
+def _step_until(
+    manager: AsyncOffloadManager, done: Callable[[], bool], what: str, timeout: float = 20.0
+) -> None:
+    """Step the manager as vLLM does (a call per step) until ``done()``."""
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, f"{what} within {timeout}s"
+        manager.on_schedule_end(_STEP_END)
+        time.sleep(0.001)
+
+
+def _store_held(
+    manager: AsyncOffloadManager, worker: AsyncOffloadWorker, held: list[_HeldJob]
+) -> list[OffloadKey]:
+    """Store two new blocks (GPU blocks 8, 9) while writes are held: they take two CPU
+    slots, evicting two idle blocks, and their write-through pins both."""
+    ctx = ReqContext(req_id="new")
+    manager.on_new_request(ctx)
+    new = _keys("x", "y")
+    _store_once(manager, worker, new, [8, 9], ctx)
+    manager.on_request_finished(ctx)
+    assert len(held) == 1 and manager.manager.stats().pinned == 2  # written through, held
+    return new
+
+
+def test_a_promotion_waits_for_the_cpu_slots_our_write_through_holds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 37: a request looked up while the write-through of blocks just stored
+    still runs (their CPU slots pinned until it ends) found slots for only part of its
+    prefix on disk. vLLM loads a prefix up to its first MISS, so it loaded that part
+    and recomputed the rest (96 cached tokens of 288 in real vLLM at TP 2). The keys
+    without a slot wait (HIT_PENDING) for the write-through to end, then come up: the
+    whole prefix is loaded, byte-exact, and nothing is counted as skipped."""
+    spec = _tier_spec(tmp_path)
+    caches, worker, manager = _parts(spec)
+    keys, expected = _fill(manager, worker, caches)  # CPU: keys 4-7; disk: keys 0-7
+    held = _hold_writes(monkeypatch)
+    _store_held(manager, worker, held)  # CPU: two of keys 4-7 idle; x, y pinned by writes
+    ctx = _positioned(keys[:4], "again")  # keys 0-3, all on disk only
+    manager.on_new_request(ctx)
+    # Keys 0 and 1 take the two idle slots; 2 and 3 have none while the writes run.
+    assert _walk(manager, keys[:4], ctx) is None
+    cpu = manager.manager
+    _step_until(manager, lambda: cpu.stats().write_pending == 0, "keys 0 and 1 read")
+    assert [manager.lookup(k, ctx) for k in keys[:2]] == [LookupResult.HIT] * 2
+    for _ in range(3):  # steps go by while the writes run: the request stays deferred
+        assert _walk(manager, keys[:4], ctx) is None
+        manager.on_schedule_end(_STEP_END)
+    (tier,) = manager.tier_stats()
+    assert tier.failures == {}  # waiting is not skipping
+    for write in held:
+        write.released = True
+    _step_until(manager, lambda: cpu.stats().pinned == 0, "the held writes ended")
+    assert _walk(manager, keys[:4], ctx) is None  # keys 2 and 3 take the slots now
+    _step_until(manager, lambda: not manager.has_pending_work(), "keys 2 and 3 read")
+    assert _walk(manager, keys[:4], ctx) == 4
+    (tier,) = manager.tier_stats()
+    assert tier.blocks_read == 4 and tier.failures == {}
+    load = manager.prepare_load(keys[:4], ctx)
+    job = next(_job)
+    worker.submit_load(job, load, GPULoadStoreSpec([10, 11, 12, 13], [4], [0]))
+    assert all(r.success for r in _finish(worker, {job}))
+    assert [_block(caches, 0, b) for b in (10, 11, 12, 13)] == expected[:4]
+    manager.complete_load(keys[:4], ctx)
+    worker.shutdown()
+    manager.shutdown()
+
+
+def test_a_wait_for_a_cpu_slot_ends_with_the_io_it_waited_for(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The wait is bounded: once the tier I/O in flight when a key found no slot has
+    ended, a key that still finds none (every slot pinned by vLLM's loads) is a MISS,
+    counted as no_slot once."""
+    spec = _tier_spec(tmp_path)
+    caches, worker, manager = _parts(spec)
+    keys, _ = _fill(manager, worker, caches)
+    held = _hold_writes(monkeypatch)
+    _store_held(manager, worker, held)
+    cpu = manager.manager
+    resident = [k for k in [*keys, *_keys("x", "y")] if cpu.block_of(k) is not None]
+    assert len(resident) == CPU_CHUNKS
+    loading = ReqContext(req_id="loading")
+    manager.on_new_request(loading)
+    manager.prepare_load(resident, loading)  # every CPU slot pinned by loads
+    ctx = _positioned(keys[:4], "again")
+    manager.on_new_request(ctx)
+    assert manager.lookup(keys[0], ctx) is LookupResult.HIT_PENDING  # the writes run
+    manager.on_schedule_end(_STEP_END)
+    assert manager.lookup(keys[0], ctx) is LookupResult.HIT_PENDING
+    for write in held:
+        write.released = True
+    _step_until(manager, lambda: not manager.has_pending_work(), "the held writes ended")
+    assert cpu.stats().pinned == 4  # by the loads alone
+    assert manager.lookup(keys[0], ctx) is LookupResult.MISS
+    (tier,) = manager.tier_stats()
+    assert tier.failures == {"no_slot": 1}
+    manager.complete_load(resident, loading)
     assert _lookup_until_settled(manager, keys[0], ctx)[-1] is LookupResult.HIT
     worker.shutdown()
     manager.shutdown()

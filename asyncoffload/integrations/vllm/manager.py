@@ -442,7 +442,8 @@ class AsyncOffloadManager(OffloadingManager):
             protect = list(walk[1])
             if tiers.promote(ours, protect, allow):
                 result = LookupResult.HIT_PENDING
-                self._promote_ahead(ours, req_context, protect, allow)
+                if not tiers.waits_for_slot(ours):  # no slot for it, none for later keys
+                    self._promote_ahead(ours, req_context, protect, allow)
         walk[1][ours] = None
         return result
 

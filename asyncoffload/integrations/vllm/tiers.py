@@ -18,7 +18,14 @@ but ``lookup``) steps while something of ours is in flight on it. It does not im
   step's scheduling ends. When the read has ended and passed its checks, the CPU tier's
   ``complete_store`` makes the key ready (``HIT`` from then on); a failed read drops the
   key from the tier and frees the slot (``MISS`` from then on: it is never offered
-  again). No free or idle CPU slot: ``MISS`` (counted as ``no_slot``).
+  again). No free or idle CPU slot: ``MISS`` (counted as ``no_slot``), unless tier I/O
+  of ours holds CPU slots (a write-through pins its slots until it ends, a read holds
+  those it fills): then the key answers ``HIT_PENDING`` with no slot, and its next
+  lookups try again until the I/O that was in flight then has ended (each job ends
+  within its tier's deadline); a key still without a slot then is a ``MISS``. vLLM
+  loads a request's prefix up to its first ``MISS``: without the wait, a request
+  looked up while the write-through of the blocks just stored still ran loaded only
+  the blocks that found a slot (3 of 9 in real vLLM at TP 2, issue 37).
 - Stores the CPU tier completed are written through to each tier its admission lets in,
   from their CPU slots, pinned until the write ends, as the engine does.
 - Every rule of the tiers (which tier holds a key, how a promotion reserves, reads,
@@ -74,6 +81,8 @@ _MAX_BATCH = 256
 #: such keys at most.
 _MISS_TTL_S = 2.0
 _MISS_KEYS = 65_536
+#: Keys at most that wait for a CPU slot held by tier I/O of ours (see ``promote``).
+_SLOT_WAIT_KEYS = 65_536
 #: A failed query is logged at most once this often (the others are counted).
 _LOG_EVERY_S = 60.0
 #: Seconds the shutdown waits for a shared tier's client to close.
@@ -82,11 +91,12 @@ _CLOSE_TIMEOUT_S = 5.0
 
 @dataclass
 class _Jobs:
-    """A tier's I/O jobs in flight, in submission order (they end about in order), and
-    when a shared tier whose last query failed may be asked again."""
+    """A tier's I/O jobs in flight, in submission order (they end about in order), each
+    with its number (``SchedulerTiers._submitted``), and when a shared tier whose last
+    query failed may be asked again."""
 
-    reads: deque[tuple[TierIo, CopyJob]] = field(default_factory=deque)
-    writes: deque[tuple[TierIo, CopyJob]] = field(default_factory=deque)
+    reads: deque[tuple[TierIo, CopyJob, int]] = field(default_factory=deque)
+    writes: deque[tuple[TierIo, CopyJob, int]] = field(default_factory=deque)
     down_until: float = 0.0
 
 
@@ -148,6 +158,12 @@ class SchedulerTiers:
         #: Keys no shared tier holds, until when (monotonic), oldest first.
         self._misses: OrderedDict[OffloadKey, float] = OrderedDict()
         self.miss_ttl_s = _MISS_TTL_S
+        #: Tier I/O jobs submitted (reads and writes): the number of the last one.
+        self._submitted = 0
+        #: Keys whose promotion found no idle CPU slot while tier I/O of ours held some,
+        #: each with the number of the last job submitted then: the key waits until
+        #: every job up to that one has ended.
+        self._slot_waits: OrderedDict[OffloadKey, int] = OrderedDict()
         self._logged_at = -_LOG_EVERY_S
         self._unlogged = 0
         self.deadline_s = self.core.deadline_s
@@ -200,6 +216,17 @@ class SchedulerTiers:
     def _io_in_flight(self) -> bool:
         return any(jobs.reads or jobs.writes for jobs in self._jobs.values())
 
+    def _oldest_in_flight(self) -> int | None:
+        """The number of the oldest tier I/O job still in flight (each tier's jobs are
+        taken back in order), or None."""
+        heads = [
+            queue[0][2]
+            for jobs in self._jobs.values()
+            for queue in (jobs.reads, jobs.writes)
+            if queue
+        ]
+        return min(heads, default=None)
+
     def poll(self) -> None:
         """Finish the I/O jobs that ended (only each tier's heads: a tier's jobs end
         about in order) and take the shared tiers' answers that arrived. It does not
@@ -208,7 +235,7 @@ class SchedulerTiers:
         for jobs in self._jobs.values():
             reads = jobs.reads
             while reads and reads[0][1].query():
-                io, job = reads.popleft()
+                io, job, _ = reads.popleft()
                 core.read_done(io, job)
                 if io.bad and self._shared:  # gone from every index: not asked at once
                     now = time.monotonic()
@@ -216,7 +243,8 @@ class SchedulerTiers:
                         self._remember_miss(key, now)
             writes = jobs.writes
             while writes and writes[0][1].query():
-                core.write_done(*writes.popleft())
+                io, job, _ = writes.popleft()
+                core.write_done(io, job)
         if core.late:  # jobs given up on (stuck disk ops) that ended: their slots go
             core.reap()
         if self._queries:
@@ -226,7 +254,8 @@ class SchedulerTiers:
         """Submit the promotions found since the last flush, one read job per tier, and
         the shared tiers' queries; then step the private loop and take what ended."""
         for io in self.core.take_reads():
-            self._jobs[io.tier].reads.append((io, self._submit(io)))
+            self._submitted += 1
+            self._jobs[io.tier].reads.append((io, self._submit(io), self._submitted))
         if self._ask:
             self._send_queries()
         loop = self._loop
@@ -266,7 +295,9 @@ class SchedulerTiers:
         found before it) and queue its read (True: the caller answers ``HIT_PENDING``).
         ``allow``: the tiers the request may load from (vLLM's per-request
         ``kv_load_tiers``); ``ask``: whether a key no tier knows is asked of the
-        shared tiers (a lookahead promotion does not ask)."""
+        shared tiers, and whether a key that finds no CPU slot waits for one that tier
+        I/O of ours holds (True as well, nothing read yet: :meth:`waits_for_slot`); a
+        lookahead promotion does neither."""
         core = self.core
         tier = core.source(key, allow)
         if tier is None:
@@ -278,11 +309,50 @@ class SchedulerTiers:
         if self._pool_base() is None:
             core.skip(tier, "no_pool", 1)
             return False
-        if core.promote({key: tier}, None, protect, lookup=True) is None:
+        # No slot: a lookahead gives up (the lookup walk reaches the key in this step,
+        # and waits or counts the skip then).
+        if core.promote({key: tier}, None, protect, lookup=True, count_no_slot=False) is None:
+            if not ask:
+                return False
+            if self._wait_for_slot(key):
+                return True
+            core.skip(tier, "no_slot", 1)
             return False
+        if self._slot_waits:
+            self._slot_waits.pop(key, None)
         if core.batched >= _MAX_BATCH:
             self.flush()
         return True
+
+    def _wait_for_slot(self, key: OffloadKey) -> bool:
+        """``key``'s promotion found no idle CPU slot: whether it waits for one
+        (``HIT_PENDING``, nothing reserved). Tier I/O of ours holds CPU slots until it
+        ends (a write-through pins the blocks it writes, a read fills the slots it
+        reserved), and every store vLLM completes is written through at once: a
+        request looked up then finds no slot for the rest of its prefix and would load
+        only the part that found one. So the key waits until every tier job submitted
+        when it first found none has ended (each within its tier's deadline), and no
+        longer: still no slot then, it is a miss."""
+        waits = self._slot_waits
+        oldest = self._oldest_in_flight()
+        if oldest is None or self._closed:
+            waits.clear()  # every wait is over: the next lookups take a slot or miss
+            return False
+        mark = waits.get(key)
+        if mark is None:
+            waits[key] = self._submitted
+            if len(waits) > _SLOT_WAIT_KEYS:
+                waits.popitem(last=False)
+            return True
+        if oldest <= mark:
+            return True
+        del waits[key]
+        return False
+
+    def waits_for_slot(self, key: OffloadKey) -> bool:
+        """Whether ``key`` waits for a CPU slot that tier I/O of ours holds (see
+        :meth:`promote`): it answers ``HIT_PENDING`` and nothing is read yet."""
+        return key in self._slot_waits
 
     # --- asking the shared tiers ------------------------------------------------------
 
@@ -420,7 +490,8 @@ class SchedulerTiers:
             return
         blocked = "" if self._pool_base() is not None else "no_pool"
         for io in self.core.write_through(keys, None, blocked=blocked):
-            self._jobs[io.tier].writes.append((io, self._submit(io)))
+            self._submitted += 1
+            self._jobs[io.tier].writes.append((io, self._submit(io), self._submitted))
 
     # --- events, stats --------------------------------------------------------------
 
@@ -471,6 +542,7 @@ class SchedulerTiers:
         self._ask.clear()
         self._asking.clear()
         self._found.clear()
+        self._slot_waits.clear()
         for query in self._queries:
             query.task.cancel()
         self._queries.clear()
