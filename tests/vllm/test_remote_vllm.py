@@ -256,10 +256,13 @@ def test_absent_keys_miss_after_one_query_and_are_not_asked_every_step(
         assert tier.manager.ready == 0
 
 
-def _wait_deleted(server: Any, name: bytes, within_s: float) -> None:
+def _wait_deleted(server: Any, manager: AsyncOffloadManager, name: bytes, within_s: float) -> None:
+    """Step the scheduler as vLLM does (its client runs on a loop stepped by vLLM's calls)
+    until ``name`` is gone from the server, for at most ``within_s``."""
     deadline = time.monotonic() + within_s
     while server.command("EXISTS", name) != 0:
         assert time.monotonic() < deadline, f"{name!r} still on the server after {within_s} s"
+        _end_step(manager)
         time.sleep(0.02)
 
 
@@ -281,7 +284,7 @@ def test_a_corrupt_value_is_a_miss_for_good_never_wrong_bytes(
         assert [HIT] not in steps
         # The damaged value is deleted beside the load (which ends at once, a miss),
         # within the tier's timeout_s.
-        _wait_deleted(valkey_server, name, within_s=3.0)
+        _wait_deleted(valkey_server, manager, name, within_s=3.0)
         (tier,) = manager.tier_stats()
         assert tier.failures.get("corrupt") == 1 and tier.read_failures == 1
         assert tier.dropped == 1
