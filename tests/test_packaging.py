@@ -209,6 +209,7 @@ print("fallback ok,", backend.name)
 """
 
 
+@pytest.mark.long  # `make test-long` (issue 37: `make test` within its budget)
 def test_without_a_compiler_the_sdist_still_builds_and_installs(dist: Path, tmp_path: Path) -> None:
     """``pip wheel`` of the sdist where ``CC`` names no program: the optional extensions
     are left out, the wheel installs, and at run time one warning line says that no

@@ -630,10 +630,33 @@ def _machine(loop_kind: str, mode: str, admission: str | None) -> type[TiersMach
     return type(name, (TiersMachine,), attrs)
 
 
+#: `make test` runs four of the eight (loop, mode, admission) combinations, every pair
+#: of values among them; `make test-long` the other four too (issue 37: `make test`
+#: within its budget).
+_LONG_COMBINATIONS = {
+    ("asyncio", "files", None),
+    ("uvloop", "files", "frequency"),
+    ("asyncio", "slab", "frequency"),
+    ("uvloop", "slab", None),
+}
+
+
+@pytest.mark.parametrize(
+    ("loop_kind", "mode", "admission"),
+    [
+        pytest.param(
+            loop_kind,
+            mode,
+            admission,
+            id=f"{loop_kind}-{mode}-{admission}",
+            marks=[pytest.mark.long] if (loop_kind, mode, admission) in _LONG_COMBINATIONS else [],
+        )
+        for loop_kind in ("asyncio", "uvloop")
+        for mode in ("slab", "files")
+        for admission in (None, "frequency")
+    ],
+)
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("admission", [None, "frequency"])
-@pytest.mark.parametrize("mode", ["slab", "files"])
-@pytest.mark.parametrize("loop_kind", ["asyncio", "uvloop"])
 def test_tiers_against_the_model(
     loop_kind: str, mode: str, admission: str | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
