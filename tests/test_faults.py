@@ -294,6 +294,9 @@ class Workload:
             return False
         if how < 0.9:  # a waiter cancelled mid-wait
             waiter = asyncio.ensure_future(_await(handle))
+            # The handle may fail (an injected fault) before the cancel lands: the
+            # waiter's exception is then this run's to take, not asyncio's to log.
+            waiter.add_done_callback(_taken)
             await asyncio.sleep(0)
             waiter.cancel()
         return False  # or never awaited here
@@ -303,6 +306,11 @@ class Workload:
         for i, block in zip(idx, dst):
             if block_bytes(self.kv, block) != self.expected[i % SRC_BLOCKS]:
                 self.out.bad_loads.append(f"key {i} loaded into block {block}: wrong bytes")
+
+
+def _taken(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 async def _await(handle: ao.Transfer) -> ao.TransferResult:
