@@ -18,6 +18,7 @@ ARGS.json (only ``model`` and ``rounds`` are required)::
       "kv_transfer_config": null,              # dict for vllm KVTransferConfig, or null
       "kv_events": true,                       # subscribe to vLLM's ZMQ KV events
       "warmup_prompt_len": 40,                 # untimed warm-up request first; 0: none
+      "settle_s": 0,                           # > 0: after each round, settle (below)
       "dtype": "float32", "enforce_eager": true,
       "llm_kwargs": {},                        # any other vllm.LLM keyword arguments
       "env": {}                                # env vars set before vllm is imported
@@ -30,7 +31,8 @@ OUT.json::
       "startup_s": 19.0,                       # vllm.LLM(...) construction
       "warmup_s": 2.7,
       "shutdown_s": 1.2,
-      "rounds": [{"index": 0, "wall_s": 0.8, "num_requests": 2}, ...],
+      "rounds": [{"index": 0, "wall_s": 0.8, "num_requests": 2,
+                  "settled": true, "settle_s": 0.3}, ...],  # settle keys with settle_s
       "requests": [{
           "round": 0, "index": 0, "request_id": "0",
           "prompt_len": 192, "token_ids": [...],
@@ -49,6 +51,14 @@ OUT.json::
       "kv_events_missing_seqs": [],            # gaps in the publisher's sequence numbers
       "metrics": {"vllm:prompt_tokens_total": 384.0, ...}   # counters and gauges
     }
+
+Settling: with ``settle_s`` > 0, each round is followed by requests shorter than a block
+(they store and look up nothing) until vLLM's gauge of the offloading CPU tier's slots
+held by transfers in flight (``vllm:kv_offload_cpu_cache_usage_perc``: stores being
+written, loads and lower-tier write-through pinning slots, promotions) reads 0, for at
+most ``settle_s`` seconds. Each request steps the scheduler, which takes the transfers
+that ended, and refreshes the gauge. A round's ``settled`` says whether it was reached;
+a test whose next round needs the tiers at rest asserts it.
 
 On failure it writes ``{"ok": false, "error": ..., "traceback": ...}`` where it can, prints
 the error to stderr and exits 1. Block hashes (bytes) are written as hex.
@@ -260,6 +270,26 @@ def _shutdown(llm: Any) -> None:
         engine_core.shutdown()
 
 
+#: The gauge a settle waits on: the offloading CPU tier's slots held by transfers.
+SETTLE_GAUGE = "vllm:kv_offload_cpu_cache_usage_perc"
+
+
+def _settle(llm: Any, params: Any, max_s: float) -> tuple[bool, float]:
+    """Step the engine with sub-block requests until nothing of the offloading CPU tier
+    is in flight (:data:`SETTLE_GAUGE` is 0), at most ``max_s`` seconds: (settled, s)."""
+    t = time.perf_counter()
+    deadline = t + max_s
+    while True:
+        llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}], params, use_tqdm=False)
+        gauge = _metric_snapshot(llm).get(SETTLE_GAUGE)
+        if gauge is None:
+            raise RuntimeError(f"settle_s needs the gauge {SETTLE_GAUGE}, which vLLM lacks")
+        now = time.perf_counter()
+        if gauge == 0 or now >= deadline:
+            return gauge == 0, now - t
+        time.sleep(0.05)
+
+
 def run(args: dict[str, Any]) -> dict[str, Any]:
     import vllm
     from vllm import SamplingParams
@@ -291,6 +321,8 @@ def run(args: dict[str, Any]) -> dict[str, Any]:
             result["warmup_s"] = time.perf_counter() - t
             if sub is not None:
                 sub.drain()
+        settle_s = float(args.get("settle_s", 0))
+        tick = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
         rounds: list[dict[str, Any]] = []
         requests: list[dict[str, Any]] = []
         for r, prompts in enumerate(args["rounds"]):
@@ -321,6 +353,8 @@ def run(args: dict[str, Any]) -> dict[str, Any]:
                         "metrics": _request_metrics(out.metrics),
                     }
                 )
+            if settle_s > 0:
+                rounds[-1]["settled"], rounds[-1]["settle_s"] = _settle(llm, tick, settle_s)
             if sub is not None:
                 sub.drain()
         result["rounds"] = rounds

@@ -102,7 +102,13 @@ def _first_run(
     # A comes back from a lower tier after the fillers pushed it out of the CPU tier.
     disk = tmp_path / "disk"
     tiers = _config(tmp_path / "one", [_disk(disk), *remote])
-    first = run_vllm(rounds, name="tp2-disk", kv_transfer_config=tiers, **TP2)
+    # Each round waits for the tiers at rest: a write-through pins its CPU slots until it
+    # ends, and fillers stored while A's still ran would find A's slots pinned and keep
+    # some of A in the CPU tier (seen on a busy machine: 6 of 9 blocks promoted).
+    first = run_vllm(rounds, name="tp2-disk", kv_transfer_config=tiers, settle_s=30, **TP2)
+    assert [r["settled"] for r in first["rounds"]] == [True] * 3, (
+        f"the tiers' transfers still in flight 30 s after a round: {first['rounds']}"
+    )
     (computed,) = requests_of(first, 0)
     (again,) = requests_of(first, 2)
     want = computed
