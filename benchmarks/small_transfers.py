@@ -139,10 +139,12 @@ def raw_copy(samples: int) -> dict[str, dict[str, float]]:
 
 
 async def engine_part(
-    args: argparse.Namespace, prof: Profiler, wait_us: float | None = None
+    args: argparse.Namespace, prof: Profiler, wait_us: float | None = None, full: bool = False
 ) -> dict[str, Any]:
     """``wait_us``: the engine's ``inline_wait_us`` (``None``: the default, or a checkout
-    from before the setting)."""
+    from before the setting). ``full``: the CPU tier is filled before the timed calls, so
+    that each timed store evicts a block (else the tier never fills: fewer stores than
+    ``--cpu-blocks``)."""
     num_blocks = 64
     kv = make_kv(num_blocks)
     settings: dict[str, Any] = {"cpu_blocks": args.cpu_blocks, "copy_method": args.method}
@@ -204,8 +206,27 @@ async def engine_part(
             split["store"].append(((t1 - t0) / 1e3, result.duration_s * 1e6))
             return dt
 
+        async def fill() -> None:
+            """Store ``--cpu-blocks`` keys, 32 a call: the tier is full afterwards."""
+            for lo in range(0, args.cpu_blocks, 32):
+                m = min(32, args.cpu_blocks - lo)
+                keys = [key() for _ in range(m)]
+                handle = await engine.prepare_store(keys, list(range(m)), ctx)
+                assert handle is not None, "store refused while filling the tier"
+                await handle
+
+        def stored_key() -> tuple[ao.OffloadKey, int]:
+            """A recently stored key still in the tier (with a full tier, the policy may
+            have evicted any of them; the lookup is outside the timed region)."""
+            lo = max(0, len(stored) - args.cpu_blocks // 2)
+            for _ in range(1000):
+                k, src = stored[rng.randrange(lo, len(stored))]
+                if engine.lookup([k], ctx):
+                    return k, src
+            raise RuntimeError("no stored key found in the tier in 1000 tries")
+
         async def load_one() -> float:
-            k, src = stored[rng.randrange(max(0, len(stored) - args.cpu_blocks // 2), len(stored))]
+            k, src = stored_key()
             dst = (src + 1 + rng.randrange(num_blocks - 1)) % num_blocks
             t0 = time.perf_counter_ns()
             handle = await engine.prepare_load([k], [dst], ctx)
@@ -216,6 +237,8 @@ async def engine_part(
             split["load"].append(((t1 - t0) / 1e3, result.duration_s * 1e6))
             return (t_end - t0) / 1e3
 
+        if full:
+            await fill()
         for _ in range(args.warmup):
             await store_one()
             await load_one()
@@ -254,7 +277,10 @@ async def engine_part(
             exact &= bool(torch.equal(block_bytes_of(kv, dst).cpu(), want))
         conc = await concurrent_part(engine, args, key, ctx)
         info = engine.stats().backend_info
+        evictions = engine.stats().blocks_evicted
     return {
+        "tier": "full" if full else "fresh",
+        "evictions": evictions,
         "concurrent": conc,
         "inline_wait_us": info.get("inline_wait_us", "-"),
         "inline_waits_missed": info.get("inline_waits_missed", "-"),
@@ -525,6 +551,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="engine: inline_wait_us values, run in turn --rounds times ('' : the default)",
     )
     ap.add_argument("--rounds", type=int, default=2, help="engine: rounds of those values")
+    ap.add_argument(
+        "--tier",
+        default="fresh,full",
+        help="engine: the CPU tier's state, in turn: 'fresh' (never fills), 'full' (filled "
+        "first: each timed store evicts)",
+    )
     ap.add_argument("--conc-tasks", type=int, default=16, help="engine: concurrent tasks")
     ap.add_argument("--conc-calls", type=int, default=60, help="engine: stores per task")
     ap.add_argument("--profile", action="store_true")
@@ -547,9 +579,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "engine" in parts:
         waits: list[float | None] = [float(w) for w in args.inline_wait_us.split(",") if w]
         runs = report["engine_runs"] = []
+        tiers = args.tier.split(",")
+        if not set(tiers) <= {"fresh", "full"}:
+            ap.error(f"--tier takes 'fresh' and 'full', got {args.tier!r}")
         for _ in range(args.rounds):
-            for wait in waits or [None]:
-                runs.append(loops.run(engine_part(args, prof, wait), use_uvloop=use_uv))
+            for tier in tiers:
+                for wait in waits or [None]:
+                    part = engine_part(args, prof, wait, full=tier == "full")
+                    runs.append(loops.run(part, use_uvloop=use_uv))
     if "worker" in parts or "ttft" in parts:
         if "worker" not in parts:
             args.worker_methods = ""
@@ -570,8 +607,8 @@ def print_report(r: dict[str, Any]) -> None:
     print(f"[{r['label']}] {r['device']}, loop {r['loop']}, torch {r['torch']}")
     for e in r.get("engine_runs", []):
         print(
-            f"  engine inline_wait_us {e['inline_wait_us']} (waits missed "
-            f"{e['inline_waits_missed']})"
+            f"  engine, {e.get('tier', 'fresh')} tier (evictions {e.get('evictions')}), "
+            f"inline_wait_us {e['inline_wait_us']} (waits missed {e['inline_waits_missed']})"
         )
         for d in ("store", "load"):
             s, raw = e[d], e["raw_copy"][d]
