@@ -29,6 +29,7 @@ from pydantic_settings import (
 from asyncoffload.tiers.disk import DiskTier
 from asyncoffload.tiers.settings import known_admission, known_policy
 from asyncoffload.tiers.specs import TierSpec, tier_specs
+from asyncoffload.transfer.settings import ENV_PREFIX, TransferSettings
 from asyncoffload.validators import byte_setting, not_bool, parse_bytes
 
 # known_admission, known_policy, byte_setting and parse_bytes were defined here first:
@@ -281,10 +282,8 @@ OTHER_ENV_SUFFIXES = (
     "CACHE_DIR",
     "COMPILE_TIMEOUT",
     "INSTALL_DIR",  # the native helpers' build
-    "KERNEL_TILE_WORDS",
-    "KERNEL_WARPS",
-    "PAGED_TILE",
-    "PAGED_WARPS",  # the Triton kernels
+    # the copy paths: native copy, Triton kernels (checked by TransferSettings)
+    *(name.upper() for name in TransferSettings.model_fields),
     "TRACE_DIR",
     "SOAK",
     "SIGINT_RUNS",  # the test suite
@@ -446,6 +445,8 @@ def _from_sources(
     fields = model.model_fields
     settings = _source_model(model)
     env_names = _check_env_names(prefix, fields)
+    if prefix.upper() == ENV_PREFIX:
+        TransferSettings.from_env()  # the copy paths' variables: a bad one raises here
     values: dict[str, Any] = {}
     origin: dict[str, str] = {}
     if config_file is None and prefix:

@@ -70,8 +70,11 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Generic, TypeVar
 
+from asyncoffload._native.cuda_abi import CudaFeature
+
 __all__ = [
     "DEFAULT_COMPILE_TIMEOUT_S",
+    "CudaFeature",
     "NativeLoader",
     "NoCompilerError",
     "build_all",
@@ -795,7 +798,7 @@ def _configure_disk_io(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
-def _configure_cuda_helpers(lib: ctypes.CDLL) -> tuple[ctypes.CDLL, int] | None:
+def _configure_cuda_helpers(lib: ctypes.CDLL) -> tuple[ctypes.CDLL, CudaFeature] | None:
     lib.ao_cuda_init.argtypes = []
     lib.ao_cuda_init.restype = ctypes.c_int
     lib.ao_cuda_launch_wake.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
@@ -840,11 +843,12 @@ def _configure_cuda_helpers(lib: ctypes.CDLL) -> tuple[ctypes.CDLL, int] | None:
         ctypes.c_int64,
     ]
     lib.ao_cuda_spin_watch.restype = ctypes.c_int
-    features = lib.ao_cuda_init()
-    if features < 0:
+    found = lib.ao_cuda_init()
+    if found < 0:
         return None
+    features = CudaFeature(found)
     if lib.ao_cuda_spinner_init() == 0:
-        features |= 8
+        features |= CudaFeature.SPINNER
     return lib, features
 
 
@@ -872,7 +876,7 @@ load_disk_io: NativeLoader[ctypes.CDLL] = NativeLoader(
 #: memcpy, 4: driver-API host registration, 8: the completion spinner, 16: one
 #: ``cuMemcpyAsync`` per descriptor), or ``None`` where it can't be built or libcuda is
 #: missing.
-load_cuda_helpers: NativeLoader[tuple[ctypes.CDLL, int]] = NativeLoader(
+load_cuda_helpers: NativeLoader[tuple[ctypes.CDLL, CudaFeature]] = NativeLoader(
     _Library("cuda_helpers", extension=False, libs=("-ldl",)),
     "native CUDA helpers",
     _configure_cuda_helpers,

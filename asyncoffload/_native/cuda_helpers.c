@@ -603,7 +603,7 @@ static pthread_mutex_t copy_mutex = PTHREAD_MUTEX_INITIALIZER;
 
 /* Resolve the entry points and load the copy kernel into the current context (that of
  * `device`, made current by the caller). 0 on success, else a CUresult or -1. */
-int ao_cuda_copy_init(int device) {
+int ao_cuda_copy_init(int device, int variant) {
     if (device < 0 || device >= AO_MAX_DEVICES) return -1;
     pthread_mutex_lock(&copy_mutex);
     int rc = 0;
@@ -630,9 +630,8 @@ int ao_cuda_copy_init(int device) {
     rc = p_module_load_data(&module, ao_copy_ptx);
     if (rc != 0) goto out;
     void *fn = NULL;
-    const char *variant = getenv("ASYNCOFFLOAD_NATIVE_KERNEL");
-    rc = p_module_get_function(&fn, module,
-                               variant && variant[0] == 'l' ? "ao_copy_pages_l2" : "ao_copy_pages");
+    /* variant 1: the kernel with an L2 prefetch hint (settings' native_kernel "l2"). */
+    rc = p_module_get_function(&fn, module, variant == 1 ? "ao_copy_pages_l2" : "ao_copy_pages");
     if (rc != 0) goto out;
     copy_fn[device] = fn;
 out:
@@ -704,7 +703,7 @@ int ao_cuda_event_elapsed(void *start, void *end, float *ms) {
  * launch uses. Returns 0 or the first failing CUresult (what was queued before it stays
  * queued).
  */
-int ao_cuda_copy_launch(int device, void *caller, void *stream, void *fence, void *start,
+static int copy_launch(int device, void *caller, void *stream, void *fence, void *start,
                         void *end, uint64_t refs, uint64_t rows, int nref, int n,
                         const int64_t *gpu_ids, const int64_t *slot_ids, int skip, int bpc,
                         int store, int programs, int64_t page_bytes, void *slot,
@@ -782,14 +781,14 @@ fail:
  * everything was queued (0: the launch failed, and the result is its CUresult). Returns
  * 0 (ended), CUDA_ERROR_NOT_READY (600: queued, still running) or a failing CUresult.
  */
-int ao_cuda_copy_wait(int device, void *stream, void *end, uint64_t refs, uint64_t rows,
+static int copy_wait(int device, void *stream, void *end, uint64_t refs, uint64_t rows,
                       int nref, int n, const int64_t *gpu_ids, const int64_t *slot_ids,
                       int store, int programs, int64_t page_bytes, int64_t budget_ns,
                       int64_t *times) {
     times[0] = ao_now_ns();
     times[1] = 0;
     times[2] = 0;
-    int rc = ao_cuda_copy_launch(device, stream, stream, NULL, NULL, end, refs, rows, nref, n,
+    int rc = copy_launch(device, stream, stream, NULL, NULL, end, refs, rows, nref, n,
                                  gpu_ids, slot_ids, 0, 1, store, programs, page_bytes, NULL, 0,
                                  0);
     if (rc != 0) return rc;
@@ -812,7 +811,7 @@ int ao_cuda_copy_wait(int device, void *stream, void *end, uint64_t refs, uint64
  * blocks, bpc to a slot, so n / bpc slots. `state`:
  * [next buffer, used 0, used 1], updated. Returns 0 or the first failing CUresult.
  */
-int ao_cuda_staged_launch(int device, void *caller, void *stream, void *kstream, void *fence,
+static int staged_launch(int device, void *caller, void *stream, void *kstream, void *fence,
                           void *join, void *start, void *end, uint64_t refs, int nref, int n,
                           const int64_t *gpu_ids, const int64_t *slot_ids, int store,
                           int bpc, int programs, int64_t page_bytes, const int64_t *host_rows,
@@ -861,7 +860,7 @@ int ao_cuda_staged_launch(int device, void *caller, void *stream, void *kstream,
         if (store) {
             if (state[1 + buf] && (rc = p_stream_wait_event((CUstream)kstream, done[buf], 0)) != 0)
                 goto fail;
-            rc = ao_cuda_copy_launch(device, kstream, kstream, NULL, NULL, NULL, refs,
+            rc = copy_launch(device, kstream, kstream, NULL, NULL, NULL, refs,
                                      stage_rows[buf], nref, m * bpc, gpu_ids + (int64_t)lo * bpc, pos, 0,
                                      bpc, 1,
                                      programs, page_bytes, NULL, 0, 0);
@@ -880,7 +879,7 @@ int ao_cuda_staged_launch(int device, void *caller, void *stream, void *kstream,
             if (rc != 0) goto fail;
             if ((rc = p_event_record(ready[buf], (CUstream)stream)) != 0) goto fail;
             if ((rc = p_stream_wait_event((CUstream)kstream, ready[buf], 0)) != 0) goto fail;
-            rc = ao_cuda_copy_launch(device, kstream, kstream, NULL, NULL, NULL, refs,
+            rc = copy_launch(device, kstream, kstream, NULL, NULL, NULL, refs,
                                      stage_rows[buf], nref, m * bpc, gpu_ids + (int64_t)lo * bpc, pos, 0,
                                      bpc, 0,
                                      programs, page_bytes, NULL, 0, 0);
@@ -913,6 +912,90 @@ fail:
     free(pos);
     if (slot != NULL) __atomic_store_n(&((int64_t *)slot)[3], 1, __ATOMIC_RELEASE);
     return rc;
+}
+
+/*
+ * The entry points Python calls: named structures (asyncoffload/_native/cuda_calls.py
+ * mirrors them field by field; every field is 8 bytes wide, so no padding) instead of
+ * long positional argument lists.
+ */
+typedef struct {
+    uint64_t refs;          /* device address of the group's int64 [5, nref] ref table */
+    int64_t nref;           /* refs in the table */
+    int64_t n;              /* blocks */
+    const int64_t *gpu_ids; /* n KV block ids (int64, read during the call) */
+    const int64_t *slot_ids; /* their slot ids */
+    int64_t skip;           /* sub-blocks the first slot skips */
+    int64_t page;           /* the group's largest page, bytes */
+} ao_copy_span;
+
+typedef struct {
+    int64_t device;
+    void *caller;    /* the caller's current stream */
+    void *stream;    /* the direction's copy stream */
+    void *fence;     /* event: the copy stream waits for the caller through it */
+    void *start;     /* timing events, or NULL */
+    void *end;
+    uint64_t rows;   /* device address of the table of host slot addresses */
+    int64_t bpc;     /* blocks per slot */
+    int64_t store;   /* 1: KV to host; 0: host to KV */
+    int64_t programs; /* most thread blocks a launch uses */
+    void *slot;      /* wake-up slot, or NULL */
+    int64_t spin_start, spin_stop; /* the spinner's window (stop 0: no spinner) */
+} ao_copy_call;
+
+typedef struct {
+    int64_t rows;                /* staging rows per buffer */
+    const uint64_t *base;        /* [2] buffer base addresses */
+    const uint64_t *row_tables;  /* [2] device tables of row addresses */
+    int64_t row_stride;          /* bytes between rows */
+    int *state;                  /* [next buffer, used 0, used 1], updated */
+    void **ready;                /* [2] events */
+    void **done;                 /* [2] events */
+    void *join;                  /* event: the kernel stream's last work */
+    void *kstream;               /* the direction's kernel stream */
+    const int64_t *host_rows;    /* host slot addresses (CPU) */
+    int64_t rows_per_chunk;      /* slots per pinned chunk */
+    int64_t slot_bytes;
+    int64_t use_batch;           /* 1: cuMemcpyBatchAsync, 0: cuMemcpyAsync each */
+} ao_staging;
+
+/* One transfer: copy_launch over `nspans` groups, the first after the caller's stream
+ * (with the start event), the last with the end event and the wake-up. */
+int ao_cuda_copy_run(const ao_copy_call *c, const ao_copy_span *spans, int64_t nspans) {
+    for (int64_t i = 0; i < nspans; i++) {
+        const ao_copy_span *s = &spans[i];
+        int last = i == nspans - 1;
+        int rc = copy_launch((int)c->device, i == 0 ? c->caller : c->stream, c->stream, c->fence,
+                             i == 0 ? c->start : NULL, last ? c->end : NULL, s->refs, c->rows,
+                             (int)s->nref, (int)s->n, s->gpu_ids, s->slot_ids, (int)s->skip,
+                             (int)c->bpc, (int)c->store, (int)c->programs, s->page,
+                             last ? c->slot : NULL, c->spin_start, c->spin_stop);
+        if (rc != 0) {
+            /* No host function was queued with the slot: nothing native holds it. */
+            if (c->slot != NULL && !last) __atomic_store_n(&((int64_t *)c->slot)[3], 1, __ATOMIC_RELEASE);
+            return rc;
+        }
+    }
+    return 0;
+}
+
+/* copy_wait of one group on the caller's stream, `c->end` after it. */
+int ao_cuda_copy_wait(const ao_copy_call *c, const ao_copy_span *s, int64_t budget_ns,
+                      int64_t *times) {
+    return copy_wait((int)c->device, c->caller, c->end, s->refs, c->rows, (int)s->nref,
+                     (int)s->n, s->gpu_ids, s->slot_ids, (int)c->store, (int)c->programs,
+                     s->page, budget_ns, times);
+}
+
+/* staged_launch of one group through `g`'s buffers. */
+int ao_cuda_staged_run(const ao_copy_call *c, const ao_copy_span *s, const ao_staging *g) {
+    return staged_launch((int)c->device, c->caller, c->stream, g->kstream, c->fence, g->join,
+                         c->start, c->end, s->refs, (int)s->nref, (int)s->n, s->gpu_ids,
+                         s->slot_ids, (int)c->store, (int)c->bpc, (int)c->programs, s->page,
+                         g->host_rows, g->rows_per_chunk, g->slot_bytes, (int)g->rows, g->base,
+                         g->row_tables, g->row_stride, g->state, g->ready, g->done,
+                         (int)g->use_batch, c->slot, c->spin_start, c->spin_stop);
 }
 
 /*

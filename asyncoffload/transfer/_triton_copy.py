@@ -12,18 +12,19 @@ that small fragments still keep many PCIe transactions in flight per program.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from asyncoffload.transfer.settings import TransferSettings
+
 __all__ = ["launch_copy_blocks"]
 
 # Words moved per program per step (DESC * WORDS), and warps per program; the
-# environment overrides are for tuning runs.
-_TILE_WORDS = int(os.environ.get("ASYNCOFFLOAD_KERNEL_TILE_WORDS", "4096"))
-_NUM_WARPS = int(os.environ.get("ASYNCOFFLOAD_KERNEL_WARPS", "8"))
+# environment overrides (``TransferSettings``) are for tuning runs.
+_SETTINGS = TransferSettings.from_env()
+_TILE_WORDS = _SETTINGS.kernel_tile_words
+_NUM_WARPS: int = _SETTINGS.kernel_warps
 
 
 @triton.jit

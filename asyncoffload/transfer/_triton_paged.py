@@ -21,16 +21,17 @@ launch's ``n_blocks * nref`` descriptors (block-major).
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from asyncoffload.transfer.settings import TransferSettings
+
 __all__ = ["launch_copy_pages", "tile_shape"]
 
-_TILE = int(os.environ.get("ASYNCOFFLOAD_PAGED_TILE", "4096"))
-_NUM_WARPS = int(os.environ.get("ASYNCOFFLOAD_PAGED_WARPS", "8"))
+_SETTINGS = TransferSettings.from_env()  # the environment's overrides, for tuning runs
+_TILE = _SETTINGS.paged_tile
+_NUM_WARPS: int = _SETTINGS.paged_warps
 
 _INTS = [
     "n_blocks",

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import asyncoffload as ao
-from asyncoffload.transfer.cuda import CopyMethod, CudaCopyBackend
+from asyncoffload.transfer.cuda import CopyMethod, CudaCopyBackend, CudaJob
 
 HAS_CUDA = torch.cuda.is_available()
 _NO_CUDA_REASON = "needs a CUDA device (torch.cuda.is_available())"
@@ -240,6 +240,13 @@ class FailingCudaBackend(CudaCopyBackend):
         if direction in self.fail:
             raise RuntimeError("injected CUDA error")
         return super()._enqueue(method, direction, gpu_ids, host_ids)
+
+    def _queue_native(
+        self, job: CudaJob, direction: int, gpu_ids: Sequence[int], host_ids: Sequence[int]
+    ) -> None:
+        if direction in self.fail:
+            raise RuntimeError("injected CUDA error")
+        super()._queue_native(job, direction, gpu_ids, host_ids)
 
 
 # --- GPU timing ---------------------------------------------------------------------------
