@@ -148,6 +148,11 @@ async def engine_part(
     num_blocks = 64
     kv = make_kv(num_blocks)
     settings: dict[str, Any] = {"cpu_blocks": args.cpu_blocks, "copy_method": args.method}
+    if full:
+        # Each store evicts the least recently used key: the policy ``auto`` may switch to
+        # one that evicts the newest keys of a stream never read back, which the loads
+        # below want.
+        settings["policy"] = "lru"
     if wait_us is not None:
         settings["inline_wait_us"] = wait_us
     cfg = ao.EngineConfig.model_validate(settings)
@@ -219,11 +224,14 @@ async def engine_part(
             """A recently stored key still in the tier (with a full tier, the policy may
             have evicted any of them; the lookup is outside the timed region)."""
             lo = max(0, len(stored) - args.cpu_blocks // 2)
-            for _ in range(1000):
-                k, src = stored[rng.randrange(lo, len(stored))]
+            for i in rng.sample(range(lo, len(stored)), len(stored) - lo):
+                k, src = stored[i]
                 if engine.lookup([k], ctx):
                     return k, src
-            raise RuntimeError("no stored key found in the tier in 1000 tries")
+            tier = "full" if full else "fresh"
+            raise RuntimeError(
+                f"none of the last {len(stored) - lo} stored keys is in the {tier} tier"
+            )
 
         async def load_one() -> float:
             k, src = stored_key()
