@@ -183,9 +183,12 @@ class CudaPagedEngine:
                 len(self.pool.chunks),
             )
         self.pid = _pid()
-        # Dropped unclosed, the engine is released by this: its streams are waited for
-        # before the memory they touch goes. It must not refer to the engine.
-        self._finalizer = weakref.finalize(
+        self._finalizer = self._release_when_dropped()
+
+    def _release_when_dropped(self) -> weakref.finalize:  # type: ignore[type-arg]
+        """Dropped unclosed, the engine is released by this: its streams are waited for
+        before the memory they touch goes. It must not refer to the engine."""
+        return weakref.finalize(
             self,
             release_streams,
             self.pid,
@@ -194,7 +197,7 @@ class CudaPagedEngine:
             [],
             (
                 self.copies.memory(),
-                list(layout.tensors),
+                list(self.layout.tensors),
                 self._native_tables,
                 self._native_staging,
             ),
