@@ -21,9 +21,12 @@ import sys
 import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from pydantic import ValidationError
+
+if TYPE_CHECKING:
+    from asyncoffload.demo import DemoConfig
 
 __all__ = ["COMMANDS", "Command", "build_parser", "main"]
 
@@ -123,9 +126,18 @@ def _check_loop(args: argparse.Namespace, parser: argparse.ArgumentParser) -> bo
 
 def _add_demo(parser: argparse.ArgumentParser) -> None:
     from asyncoffload.demo import DemoConfig
-    from asyncoffload.manager import available_policies
 
     d = DemoConfig()
+    _add_demo_workload(parser, d)
+    _add_demo_engine(parser, d)
+    _add_demo_server(parser, d)
+    _add_demo_integrations(parser)
+    grp = parser.add_argument_group("run")
+    _add_loop_option(grp)
+    _add_progress_options(grp)
+
+
+def _add_demo_workload(parser: argparse.ArgumentParser, d: DemoConfig) -> None:
     work = parser.add_argument_group("workload (a synthetic multi-turn chat)")
     work.add_argument(
         "--requests", type=positive_int, default=d.requests, help="requests (%(default)s)"
@@ -164,6 +176,10 @@ def _add_demo(parser: argparse.ArgumentParser) -> None:
         help="mean seconds between the turns of a session (%(default)s)",
     )
     work.add_argument("--seed", type=int, default=d.seed, help="random seed (%(default)s)")
+
+
+def _add_demo_engine(parser: argparse.ArgumentParser, d: DemoConfig) -> None:
+    from asyncoffload.manager import available_policies
 
     eng = parser.add_argument_group("engine")
     eng.add_argument(
@@ -212,6 +228,8 @@ def _add_demo(parser: argparse.ArgumentParser) -> None:
         "on every interface: see docs/tiers.md",
     )
 
+
+def _add_demo_server(parser: argparse.ArgumentParser, d: DemoConfig) -> None:
     srv = parser.add_argument_group("simulated server")
     srv.add_argument(
         "--gpu-blocks",
@@ -241,6 +259,8 @@ def _add_demo(parser: argparse.ArgumentParser) -> None:
         help="wall seconds per workload second; 0 runs as fast as possible (%(default)s)",
     )
 
+
+def _add_demo_integrations(parser: argparse.ArgumentParser) -> None:
     out = parser.add_argument_group("integrations")
     out.add_argument(
         "--publish",
@@ -261,10 +281,6 @@ def _add_demo(parser: argparse.ArgumentParser) -> None:
         help="serve Prometheus metrics on 127.0.0.1:PORT (0: any free port; needs "
         "asyncoffload[prometheus])",
     )
-
-    grp = parser.add_argument_group("run")
-    _add_loop_option(grp)
-    _add_progress_options(grp)
 
 
 def _options_message(

@@ -8,7 +8,7 @@ python=$(cd "$(dirname "$1")" && pwd)/$(basename "$1"); overlay=$(realpath "$2")
 here=$(cd "$(dirname "$0")/.." && pwd)
 cd "$overlay"
 export HF_HOME="$overlay/hf" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-export PYTHONPATH="$overlay/site:$overlay:$here/tests/vllm_upstream"
+export PYTHONPATH="$overlay/site:$overlay:$here/tests/vllm_upstream:$here"
 exec "$python" -m pytest -p no:cacheprovider -p upstream_plugin --confcutdir=tests/v1 \
     tests/v1/kv_offload/cpu/test_manager.py tests/v1/kv_connector/unit/offloading_connector \
     "$@"

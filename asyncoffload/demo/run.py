@@ -68,48 +68,13 @@ async def _run(cfg: DemoConfig, progress_stream: TextIO | None) -> DemoReport:
     _check_workload_size(cfg)
     requests = cfg.workload()
     summary = summarize(requests)
-    largest = summary.max_request_blocks
-    gpu_blocks = cfg.gpu_blocks if cfg.gpu_blocks is not None else cfg.concurrency * largest
-    if gpu_blocks < largest:
-        raise DemoConfigError(
-            f"gpu_blocks={gpu_blocks} cannot hold the largest request of the workload "
-            f"({largest} blocks)"
-        )
-    block_bytes = cfg.block_bytes
-    try:
-        check_host_bytes(
-            (max(gpu_blocks, 1) + cfg.cpu_blocks) * block_bytes,
-            f"the demo ({max(gpu_blocks, 1)} simulated GPU blocks and {cfg.cpu_blocks} CPU "
-            f"blocks of {format_bytes(block_bytes)} each: --layers {cfg.layers})",
-        )
-    except HostMemoryError as exc:
-        raise DemoConfigError(f"{exc}; lower --layers, --cpu-blocks or --concurrency") from None
+    gpu_blocks = _gpu_blocks(cfg, summary.max_request_blocks)
     if cfg.remote_url is not None:
         await _check_server(cfg.remote_url)
     kv = SimulatedKVCache(
         cfg.layers, max(gpu_blocks, 1), cfg.block_size, cfg.kv_heads, cfg.head_dim, cfg.seed
     )
-    engine_cfg = EngineConfig(
-        cpu_blocks=cfg.cpu_blocks,
-        policy=cfg.policy,
-        completion=cfg.completion,
-        event_buffer=cfg.event_buffer,
-        tiers=[*_disk_tiers(cfg), *_remote_tiers(cfg), *_mooncake_tiers(cfg)],
-        model="asyncoffload-demo",
-    )
-    try:
-        engine = AsyncOffloadEngine(kv.kv_caches, engine_cfg)
-    except (OSError, RuntimeError, ValueError) as exc:
-        if not engine_cfg.tiers:
-            raise
-        where = (
-            f"the disk tier in {cfg.disk_path}"
-            if cfg.disk_path
-            else "the remote tier"
-            if cfg.remote_url
-            else f"the Mooncake tier at {cfg.mooncake_master}"
-        )
-        raise DemoConfigError(f"{where}: {exc}") from None
+    engine = _open_engine(cfg, kv)
     if cfg.mooncake_master is not None:
         await _check_mooncake(engine, cfg.mooncake_master)
     state = _Progress()
@@ -175,6 +140,53 @@ async def _run(cfg: DemoConfig, progress_stream: TextIO | None) -> DemoReport:
         remote_prelookup=prelookup,
         prelookup_hits=prelookup_hits,
     )
+
+
+def _gpu_blocks(cfg: DemoConfig, largest: int) -> int:
+    """The simulated GPU KV cache's blocks; raises :class:`DemoConfigError` when it cannot
+    hold the workload's ``largest`` request, or the host cannot hold it and the CPU tier."""
+    gpu_blocks = cfg.gpu_blocks if cfg.gpu_blocks is not None else cfg.concurrency * largest
+    if gpu_blocks < largest:
+        raise DemoConfigError(
+            f"gpu_blocks={gpu_blocks} cannot hold the largest request of the workload "
+            f"({largest} blocks)"
+        )
+    block_bytes = cfg.block_bytes
+    try:
+        check_host_bytes(
+            (max(gpu_blocks, 1) + cfg.cpu_blocks) * block_bytes,
+            f"the demo ({max(gpu_blocks, 1)} simulated GPU blocks and {cfg.cpu_blocks} CPU "
+            f"blocks of {format_bytes(block_bytes)} each: --layers {cfg.layers})",
+        )
+    except HostMemoryError as exc:
+        raise DemoConfigError(f"{exc}; lower --layers, --cpu-blocks or --concurrency") from None
+    return gpu_blocks
+
+
+def _open_engine(cfg: DemoConfig, kv: SimulatedKVCache) -> AsyncOffloadEngine:
+    """The demo's engine over ``kv``; a tier that cannot open is a :class:`DemoConfigError`
+    naming it."""
+    engine_cfg = EngineConfig(
+        cpu_blocks=cfg.cpu_blocks,
+        policy=cfg.policy,
+        completion=cfg.completion,
+        event_buffer=cfg.event_buffer,
+        tiers=[*_disk_tiers(cfg), *_remote_tiers(cfg), *_mooncake_tiers(cfg)],
+        model="asyncoffload-demo",
+    )
+    try:
+        return AsyncOffloadEngine(kv.kv_caches, engine_cfg)
+    except (OSError, RuntimeError, ValueError) as exc:
+        if not engine_cfg.tiers:
+            raise
+        where = (
+            f"the disk tier in {cfg.disk_path}"
+            if cfg.disk_path
+            else "the remote tier"
+            if cfg.remote_url
+            else f"the Mooncake tier at {cfg.mooncake_master}"
+        )
+        raise DemoConfigError(f"{where}: {exc}") from None
 
 
 def _percentile(sorted_values: Sequence[float], q: float) -> float:

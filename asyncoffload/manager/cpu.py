@@ -16,7 +16,6 @@ comes, as vLLM's own manager does (see :mod:`asyncoffload.manager.policies.base`
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from itertools import compress, repeat
 from operator import attrgetter, is_, itemgetter
@@ -35,6 +34,7 @@ from asyncoffload.manager.base import (
     PrepareStoreOutput,
     ReqContext,
 )
+from asyncoffload.manager.offers import OfferCounts
 from asyncoffload.manager.policies import CachePolicy, RequestScope, get_policy_cls
 
 __all__ = ["CPUOffloadingManager", "ManagerStats"]
@@ -155,6 +155,23 @@ def reject_duplicates(keys: Sequence[OffloadKey], what: str) -> None:
             seen.add(key)
 
 
+def _partition(
+    get: Callable[[OffloadKey], BlockStatus | None], keys: Sequence[OffloadKey]
+) -> tuple[list[OffloadKey], list[OffloadKey], bool]:
+    """The absent keys, the ready ones, and whether any is being stored (``get``: the
+    policy's block of a key)."""
+    blocks = list(map(get, keys))
+    absent = blocks.count(None)
+    if absent == len(blocks):
+        return list(keys), [], False
+    offered = list(compress(keys, map(is_, blocks, repeat(None))))
+    ready: list[OffloadKey] = []
+    for key, block in zip(keys, blocks):
+        if block is not None and block.ref_cnt >= 0:
+            ready.append(key)
+    return offered, ready, absent + len(ready) != len(keys)
+
+
 class CPUOffloadingManager(OffloadingManager):
     """vLLM-compatible manager of ``num_blocks`` CPU slots.
 
@@ -210,9 +227,9 @@ class CPUOffloadingManager(OffloadingManager):
         self.admission_name = admission.name if admission is not None else None
         self.store_threshold = store_threshold
         self.max_tracker_size = max_tracker_size
-        self._offers: OrderedDict[OffloadKey, int] | None = (
-            OrderedDict() if store_threshold >= 2 else None
-        )
+        self._offers: OfferCounts | None = None
+        if store_threshold >= 2:
+            self._offers = OfferCounts(store_threshold, max_tracker_size)
         self._events: list[OffloadingEvent] | None = [] if enable_events else None
         self._event_sink = event_sink if enable_events else None
         self._seq = 0
@@ -458,25 +475,27 @@ class CPUOffloadingManager(OffloadingManager):
             pending = False
         else:
             log = self._request(ctx)
-            offered, ready, pending = self._partition(keys)
+            offered, ready, pending = _partition(self._policy.get, keys)
         counted = None
-        if self._count_once and log is not None and self._offers is not None:
+        offers = self._offers
+        if self._count_once and log is not None and offers is not None:
             # vLLM 0.34's tracker: every key of the offer counts, once per request,
             # before anything is decided (a refused call has counted too).
             counted = log.counted
             if counted is None:
                 counted = log.counted = set()
-            self._count_offer(keys, counted)
+            offers.count(keys, counted)
         to_store = offered
         admission = self._admission
         if offered:
             full = len(offered) > self.num_free
             to_store = self._policy.admissible(offered, full)
-            if counted is not None:
+            if counted is not None and offers is not None:
                 self._store_skipped += len(offered) - len(to_store)  # the policy's own
-                to_store = self._counted_admissible(to_store, counted)
-            elif self._offers is not None:
-                to_store = self._admissible(to_store)
+                to_store, skipped = offers.counted_admissible(to_store, counted)
+                self._store_skipped += skipped
+            elif offers is not None:
+                to_store = offers.admissible(to_store)
             elif admission is not None:
                 to_store = admission.admissible(to_store, full)
         if counted is not None:
@@ -559,21 +578,6 @@ class CPUOffloadingManager(OffloadingManager):
             self._emit(evicted, removed=True)
         return evicted
 
-    def _partition(
-        self, keys: Sequence[OffloadKey]
-    ) -> tuple[list[OffloadKey], list[OffloadKey], bool]:
-        """The absent keys, the ready ones, and whether any is being stored."""
-        blocks = list(map(self._policy.get, keys))
-        absent = blocks.count(None)
-        if absent == len(blocks):
-            return list(keys), [], False
-        offered = list(compress(keys, map(is_, blocks, repeat(None))))
-        ready: list[OffloadKey] = []
-        for key, block in zip(keys, blocks):
-            if block is not None and block.ref_cnt >= 0:
-                ready.append(key)
-        return offered, ready, absent + len(ready) != len(keys)
-
     def _log_store(
         self,
         log: _RequestLog,
@@ -611,71 +615,14 @@ class CPUOffloadingManager(OffloadingManager):
         if self._ranked:
             self._accessed(log, seen)
 
-    def _admissible(self, keys: list[OffloadKey]) -> list[OffloadKey]:
-        """The ``keys`` whose offer in this call reaches ``store_threshold``; changes nothing."""
-        offers = self._offers
-        assert offers is not None
-        threshold = self.store_threshold
-        return [key for key in keys if offers.get(key, 0) + 1 >= threshold]
-
-    def _count_offer(self, keys: Sequence[OffloadKey], counted: set[OffloadKey]) -> None:
-        """vLLM 0.34's offer count (``count_once_per_request``): every key of the offer,
-        present or not, goes up by one unless this request counted it already
-        (``counted``); keys new to the tracker enter at one, the least recently offered
-        keys not in this offer leaving it when it is full (a key of this offer never
-        does: with no other room it stays out)."""
-        offers = self._offers
-        assert offers is not None
-        offered = set()
-        for key in keys:
-            if key in offers:
-                offers.move_to_end(key)
-                if key not in counted:
-                    offers[key] += 1
-                offered.add(key)
-        room = len(offers) - len(offered)  # entries that may leave for a new key
-        for key in keys:
-            if key in offers:
-                continue
-            if len(offers) >= self.max_tracker_size:
-                if not room:
-                    continue
-                offers.popitem(last=False)
-                room -= 1
-            offers[key] = 1
-
-    def _counted_admissible(
-        self, keys: list[OffloadKey], counted: set[OffloadKey]
-    ) -> list[OffloadKey]:
-        """The ``keys`` (absent, counted already by :meth:`_count_offer`) that reached
-        ``store_threshold``; the others are skipped, each counted as skipped once per
-        request."""
-        offers = self._offers
-        assert offers is not None
-        threshold = self.store_threshold
-        admitted = [key for key in keys if offers.get(key, 0) >= threshold]
-        if len(admitted) != len(keys):
-            held = set(keys).difference(admitted)
-            self._store_skipped += sum(1 for key in held if key not in counted)
-        return admitted
-
     def _record_offers(self, offered: list[OffloadKey], admitted: list[OffloadKey]) -> None:
         """Count this call's offers (held back: by the policy, the threshold or the
-        filter): admitted keys leave the tracker, the others go up by one; or tell the
-        admission filter."""
+        filter) in the tracker, or tell the admission filter."""
         self._store_skipped += len(offered) - len(admitted)
-        offers = self._offers
-        if offers is None:
-            if self._admission is not None and offered:
-                self._admission.record(offered, admitted)
-            return
-        admitted_set = set(admitted)
-        for key in offered:
-            count = offers.pop(key, 0) + 1
-            if key not in admitted_set:
-                if len(offers) >= self.max_tracker_size:
-                    offers.popitem(last=False)
-                offers[key] = count
+        if self._offers is not None:
+            self._offers.record(offered, admitted)
+        elif self._admission is not None and offered:
+            self._admission.record(offered, admitted)
 
     def complete_store(
         self, keys: Sequence[OffloadKey], ctx: ReqContext | None = None, success: bool = True

@@ -187,63 +187,10 @@ def _replay_tiers(
         disk_capacity, disk_policy, threshold, enable_events=False, admission=disk_filter
     )
     tally = _Tally(len(requests), progress)
-    cpu_get, disk_get = cpu.policy.get, disk.policy.get
     clock = time.perf_counter
     for req in requests:
-        keys = req.keys
         t0 = clock()
-        # The prefix walk: on while each key is ready in one tier, the CPU tier first.
-        n = cpu.lookup_prefix(keys)
-        from_disk: list[int] = []
-        for key in keys[n:]:
-            block = cpu_get(key)
-            if block is None or block.ref_cnt < 0:
-                block = disk_get(key)
-                if block is None or block.ref_cnt < 0:
-                    break
-                from_disk.append(n)
-            n += 1
-        # The engine's touch goes to every tier.
-        cpu.touch(keys)
-        disk.touch(keys)
-        if from_disk:
-            on_disk = [keys[i] for i in from_disk]
-            in_cpu = [key for key in keys[:n] if cpu_get(key) is not None]
-            # As the engine's promotion: the CPU hits pinned, CPU slots reserved for the
-            # disk hits (past the CPU tier's admission, evicting idle blocks), read in.
-            cpu.prepare_load(in_cpu)
-            promote = cpu.reserve(on_disk)
-            if promote is None:
-                # No idle CPU slot to bring them into: the engine fails the load, and
-                # the request recomputes (and stores) its whole prompt.
-                cpu.complete_load(in_cpu)
-                tally.promote_failed += 1
-                n, from_disk = 0, []
-            else:
-                disk.prepare_load(on_disk)
-                cpu.complete_store(promote.keys_to_store)
-                tally.promoted += len(promote.keys_to_store)
-                disk.complete_load(on_disk)
-                cpu.complete_load(in_cpu)
-        elif n:
-            hits = keys[:n]
-            cpu.prepare_load(hits)
-            cpu.complete_load(hits)
-        rest = keys[n:]
-        out = cpu.prepare_store(rest)
-        written: list[OffloadKey] = []
-        if out is not None:
-            fresh = out.keys_to_store
-            # Write-through, as the engine's: blocks of the store already in the CPU tier
-            # are offered to disk at once, the ones it writes when they are written.
-            if len(fresh) < len(rest):
-                new = set(fresh)
-                ready = [key for key in rest if key not in new and cpu_get(key) is not None]
-                written += _write_through(disk, ready, tally)
-            if fresh:
-                cpu.complete_store(fresh)
-                written += _write_through(disk, fresh, tally)
-        stored = None if out is None else out.keys_to_store
+        n, from_disk, stored, written = _serve_tiered(cpu, disk, req.keys, tally)
         tally.add(req, n, stored, clock() - t0, from_disk, written)
     cpu_stats, disk_stats = cpu.stats(), disk.stats()
     unique = unique_blocks
@@ -276,3 +223,67 @@ def _replay_tiers(
         promoted=tally.promoted,
         promote_failed=tally.promote_failed,
     )
+
+
+def _serve_tiered(
+    cpu: CPUOffloadingManager,
+    disk: CPUOffloadingManager,
+    keys: Sequence[OffloadKey],
+    tally: _Tally,
+) -> tuple[int, list[int], list[OffloadKey] | None, list[OffloadKey]]:
+    """One request's ``keys`` against a CPU tier over a disk tier, as the engine serves
+    it: the blocks of its prefix found (and the indices of those from disk), the keys
+    its store took (None: refused), and those written through to disk."""
+    cpu_get, disk_get = cpu.policy.get, disk.policy.get
+    # The prefix walk: on while each key is ready in one tier, the CPU tier first.
+    n = cpu.lookup_prefix(keys)
+    from_disk: list[int] = []
+    for key in keys[n:]:
+        block = cpu_get(key)
+        if block is None or block.ref_cnt < 0:
+            block = disk_get(key)
+            if block is None or block.ref_cnt < 0:
+                break
+            from_disk.append(n)
+        n += 1
+    # The engine's touch goes to every tier.
+    cpu.touch(keys)
+    disk.touch(keys)
+    if from_disk:
+        on_disk = [keys[i] for i in from_disk]
+        in_cpu = [key for key in keys[:n] if cpu_get(key) is not None]
+        # As the engine's promotion: the CPU hits pinned, CPU slots reserved for the
+        # disk hits (past the CPU tier's admission, evicting idle blocks), read in.
+        cpu.prepare_load(in_cpu)
+        promote = cpu.reserve(on_disk)
+        if promote is None:
+            # No idle CPU slot to bring them into: the engine fails the load, and
+            # the request recomputes (and stores) its whole prompt.
+            cpu.complete_load(in_cpu)
+            tally.promote_failed += 1
+            n, from_disk = 0, []
+        else:
+            disk.prepare_load(on_disk)
+            cpu.complete_store(promote.keys_to_store)
+            tally.promoted += len(promote.keys_to_store)
+            disk.complete_load(on_disk)
+            cpu.complete_load(in_cpu)
+    elif n:
+        hits = keys[:n]
+        cpu.prepare_load(hits)
+        cpu.complete_load(hits)
+    rest = keys[n:]
+    out = cpu.prepare_store(rest)
+    written: list[OffloadKey] = []
+    if out is not None:
+        fresh = out.keys_to_store
+        # Write-through, as the engine's: blocks of the store already in the CPU tier
+        # are offered to disk at once, the ones it writes when they are written.
+        if len(fresh) < len(rest):
+            new = set(fresh)
+            ready = [key for key in rest if key not in new and cpu_get(key) is not None]
+            written += _write_through(disk, ready, tally)
+        if fresh:
+            cpu.complete_store(fresh)
+            written += _write_through(disk, fresh, tally)
+    return n, from_disk, None if out is None else out.keys_to_store, written

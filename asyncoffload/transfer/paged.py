@@ -141,6 +141,87 @@ _EMPTY = torch.empty(0, dtype=torch.int64)
 _LIST_CHECKS = 8192
 
 
+def _check_tensors(tensors: Sequence[torch.Tensor]) -> torch.device:
+    """The device of ``tensors``, a PageLayout's byte views; raises naming the bad one."""
+    if isinstance(tensors, torch.Tensor) or not isinstance(tensors, Sequence):
+        raise TypeError("tensors must be a list of (num_blocks, page_bytes) tensors")
+    if not tensors:
+        raise ValueError("tensors is empty: at least one KV tensor is needed")
+    device: torch.device | None = None
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"tensors[{i}] is a {type(t).__name__}, not a torch.Tensor")
+        if t.dim() != 2:
+            raise ValueError(
+                f"tensors[{i}] has shape {tuple(t.shape)}: want (num_blocks, page_bytes)"
+            )
+        if t.element_size() != 1 or t.is_floating_point() or t.dtype == torch.bool:
+            raise TypeError(f"tensors[{i}] is {t.dtype}: want a byte view (int8 or uint8)")
+        if t.shape[0] <= 0:
+            raise ValueError(f"tensors[{i}] holds no blocks (shape {tuple(t.shape)})")
+        if t.stride(1) != 1:
+            raise ValueError(f"tensors[{i}] rows are not contiguous (strides {t.stride()})")
+        if device is None:
+            device = t.device
+        elif t.device != device:
+            raise ValueError(
+                f"tensors[{i}] is on {t.device}, tensors[0] on {device}: all KV tensors "
+                "must be on one device"
+            )
+    assert device is not None
+    return device
+
+
+def _check_pages(tensors: Sequence[torch.Tensor], page_bytes: Sequence[int]) -> list[int]:
+    """``page_bytes`` as ints, each within its tensor's rows; raises naming the bad one."""
+    pages = _int_list(page_bytes, "page_bytes")
+    if len(pages) != len(tensors):
+        raise ValueError(f"page_bytes has {len(pages)} entries for {len(tensors)} tensors")
+    for i, (t, p) in enumerate(zip(tensors, pages)):
+        if not 0 < p <= t.shape[1]:
+            raise ValueError(
+                f"page_bytes[{i}] = {p}: want 0 < page_bytes <= {t.shape[1]} (the row "
+                f"length of tensors[{i}])"
+            )
+        if t.shape[0] > 1 and t.stride(0) < p:
+            raise ValueError(
+                f"tensors[{i}] rows are {t.stride(0)} bytes apart, less than its "
+                f"page_bytes {p}: pages would overlap"
+            )
+    return pages
+
+
+def _check_group_refs(
+    group_refs: Sequence[Sequence[tuple[int, int]]], pages: Sequence[int]
+) -> list[list[tuple[int, int]]]:
+    """``group_refs`` as lists of ``(tensor_idx, nbytes)``, each within its tensor's page;
+    raises naming the bad one."""
+    if isinstance(group_refs, (str, bytes)) or not isinstance(group_refs, Sequence):
+        raise TypeError("group_refs must be a list (per group) of (tensor_idx, nbytes) lists")
+    if not group_refs:
+        raise ValueError("group_refs is empty: at least one KV-cache group is needed")
+    refs: list[list[tuple[int, int]]] = []
+    for g, group in enumerate(group_refs):
+        if isinstance(group, (str, bytes)) or not isinstance(group, Sequence):
+            raise TypeError(f"group_refs[{g}] must be a list of (tensor_idx, nbytes) pairs")
+        out: list[tuple[int, int]] = []
+        for r, ref in enumerate(group):
+            where = f"group_refs[{g}][{r}]"
+            if isinstance(ref, (str, bytes)) or not isinstance(ref, Sequence) or len(ref) != 2:
+                raise TypeError(f"{where} = {ref!r}: want a (tensor_idx, nbytes) pair")
+            t_idx, nbytes = _int(ref[0], f"{where}[0]"), _int(ref[1], f"{where}[1]")
+            if not 0 <= t_idx < len(pages):
+                raise IndexError(f"{where} names tensor {t_idx}: there are {len(pages)} tensors")
+            if not 0 < nbytes <= pages[t_idx]:
+                raise ValueError(
+                    f"{where} moves {nbytes} bytes per block: want 0 < nbytes <= "
+                    f"page_bytes[{t_idx}] = {pages[t_idx]}"
+                )
+            out.append((t_idx, nbytes))
+        refs.append(out)
+    return refs
+
+
 class PageLayout:
     """The KV tensors, their groups, and the host slot layout (see the module docstring).
 
@@ -160,75 +241,13 @@ class PageLayout:
         group_refs: Sequence[Sequence[tuple[int, int]]],
         blocks_per_chunk: int,
     ) -> None:
-        if isinstance(tensors, torch.Tensor) or not isinstance(tensors, Sequence):
-            raise TypeError("tensors must be a list of (num_blocks, page_bytes) tensors")
-        if not tensors:
-            raise ValueError("tensors is empty: at least one KV tensor is needed")
-        device: torch.device | None = None
-        for i, t in enumerate(tensors):
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"tensors[{i}] is a {type(t).__name__}, not a torch.Tensor")
-            if t.dim() != 2:
-                raise ValueError(
-                    f"tensors[{i}] has shape {tuple(t.shape)}: want (num_blocks, page_bytes)"
-                )
-            if t.element_size() != 1 or t.is_floating_point() or t.dtype == torch.bool:
-                raise TypeError(f"tensors[{i}] is {t.dtype}: want a byte view (int8 or uint8)")
-            if t.shape[0] <= 0:
-                raise ValueError(f"tensors[{i}] holds no blocks (shape {tuple(t.shape)})")
-            if t.stride(1) != 1:
-                raise ValueError(f"tensors[{i}] rows are not contiguous (strides {t.stride()})")
-            if device is None:
-                device = t.device
-            elif t.device != device:
-                raise ValueError(
-                    f"tensors[{i}] is on {t.device}, tensors[0] on {device}: all KV tensors "
-                    "must be on one device"
-                )
-        assert device is not None
-        pages = _int_list(page_bytes, "page_bytes")
-        if len(pages) != len(tensors):
-            raise ValueError(f"page_bytes has {len(pages)} entries for {len(tensors)} tensors")
-        for i, (t, p) in enumerate(zip(tensors, pages)):
-            if not 0 < p <= t.shape[1]:
-                raise ValueError(
-                    f"page_bytes[{i}] = {p}: want 0 < page_bytes <= {t.shape[1]} (the row "
-                    f"length of tensors[{i}])"
-                )
-            if t.shape[0] > 1 and t.stride(0) < p:
-                raise ValueError(
-                    f"tensors[{i}] rows are {t.stride(0)} bytes apart, less than its "
-                    f"page_bytes {p}: pages would overlap"
-                )
+        device = _check_tensors(tensors)
+        pages = _check_pages(tensors, page_bytes)
         if isinstance(blocks_per_chunk, bool) or not isinstance(blocks_per_chunk, int):
             raise TypeError(f"blocks_per_chunk must be an int, got {blocks_per_chunk!r}")
         if blocks_per_chunk < 1:
             raise ValueError(f"blocks_per_chunk must be >= 1, got {blocks_per_chunk}")
-        if isinstance(group_refs, (str, bytes)) or not isinstance(group_refs, Sequence):
-            raise TypeError("group_refs must be a list (per group) of (tensor_idx, nbytes) lists")
-        if not group_refs:
-            raise ValueError("group_refs is empty: at least one KV-cache group is needed")
-        refs: list[list[tuple[int, int]]] = []
-        for g, group in enumerate(group_refs):
-            if isinstance(group, (str, bytes)) or not isinstance(group, Sequence):
-                raise TypeError(f"group_refs[{g}] must be a list of (tensor_idx, nbytes) pairs")
-            out: list[tuple[int, int]] = []
-            for r, ref in enumerate(group):
-                where = f"group_refs[{g}][{r}]"
-                if isinstance(ref, (str, bytes)) or not isinstance(ref, Sequence) or len(ref) != 2:
-                    raise TypeError(f"{where} = {ref!r}: want a (tensor_idx, nbytes) pair")
-                t_idx, nbytes = _int(ref[0], f"{where}[0]"), _int(ref[1], f"{where}[1]")
-                if not 0 <= t_idx < len(tensors):
-                    raise IndexError(
-                        f"{where} names tensor {t_idx}: there are {len(tensors)} tensors"
-                    )
-                if not 0 < nbytes <= pages[t_idx]:
-                    raise ValueError(
-                        f"{where} moves {nbytes} bytes per block: want 0 < nbytes <= "
-                        f"page_bytes[{t_idx}] = {pages[t_idx]}"
-                    )
-                out.append((t_idx, nbytes))
-            refs.append(out)
+        refs = _check_group_refs(group_refs, pages)
 
         bpc = blocks_per_chunk
         self.tensors: list[torch.Tensor] = list(tensors)

@@ -102,7 +102,8 @@ def _manager_class() -> type:
         @property
         def counts(self) -> Any:
             """vLLM's offer counts of keys not stored yet (store_threshold >= 2)."""
-            return getattr(self.manager, "_offers", None)
+            offers = getattr(self.manager, "_offers", None)
+            return None if offers is None else offers.counts
 
         @property
         def stores_skipped_in_current_batch(self) -> int:

@@ -182,36 +182,64 @@ def replay_like_connector(
         if value < 1:
             raise ValueError(f"{name} must be at least 1, got {value}")
     run = _Lockstep(managers, check, recorders)
-    stats = ReplayStats()
+    replay = _Replay(run, tokens_per_chunk, load_steps, store_steps, decode_steps)
     incoming = iter(requests)
-    waiting: list[_Request] = []  # arrived, lookup not yet resolved
-    storing: list[_Request] = []  # to prepare_store (now or on retry)
-    loads: dict[int, list[tuple[_Request, list[OffloadKey]]]] = defaultdict(list)
-    stores: dict[int, list[tuple[_Request, list[OffloadKey]]]] = defaultdict(list)
-    finishing: dict[int, list[_Request]] = defaultdict(list)
-    active = 0
     exhausted = False
-    index = 0
     while True:
-        step = run.step
         if not exhausted:
             keys = next(incoming, None)
             if keys is None:
                 exhausted = True
             else:
-                req = _new_request(index, list(keys), len(run.managers), tokens_per_chunk)
-                index += 1
-                active += 1
-                stats.requests += 1
-                stats.blocks += len(req.keys)
-                run.call("on_new_request", ctxs=req.contexts)
-                waiting.append(req)
-        if exhausted and not active:
+                replay.arrive(list(keys))
+        if exhausted and not replay.active:
             break
+        replay.schedule()
+        replay.build_connector_meta()
+        replay.update_connector_output()
+    replay.stats.steps = replay.run.step
+    return replay.stats
 
-        # Scheduling: lookups and loads.
+
+@dataclass
+class _Replay:
+    """The scheduler's side of vLLM's offloading connector, one step at a time: which
+    request waits for its lookups, which stores and loads are in flight until when."""
+
+    run: _Lockstep
+    tokens_per_chunk: int
+    load_steps: int
+    store_steps: int
+    decode_steps: int
+    stats: ReplayStats = field(default_factory=ReplayStats)
+    #: Arrived, lookup not yet resolved; to prepare_store (now or on retry).
+    waiting: list[_Request] = field(default_factory=list)
+    storing: list[_Request] = field(default_factory=list)
+    #: Transfers and request ends, by the step they complete at.
+    loads: dict[int, list[tuple[_Request, list[OffloadKey]]]] = field(
+        default_factory=lambda: defaultdict(list)
+    )
+    stores: dict[int, list[tuple[_Request, list[OffloadKey]]]] = field(
+        default_factory=lambda: defaultdict(list)
+    )
+    finishing: dict[int, list[_Request]] = field(default_factory=lambda: defaultdict(list))
+    active: int = 0
+    arrived: int = 0
+
+    def arrive(self, keys: list[OffloadKey]) -> None:
+        req = _new_request(self.arrived, keys, len(self.run.managers), self.tokens_per_chunk)
+        self.arrived += 1
+        self.active += 1
+        self.stats.requests += 1
+        self.stats.blocks += len(req.keys)
+        self.run.call("on_new_request", ctxs=req.contexts)
+        self.waiting.append(req)
+
+    def schedule(self) -> None:
+        """Scheduling: each waiting request's lookups, and its load if it has hits."""
+        run, stats, step = self.run, self.stats, self.run.step
         still_waiting = []
-        for req in waiting:
+        for req in self.waiting:
             hits = 0
             deferred = False
             for key in req.keys:
@@ -231,24 +259,27 @@ def replay_like_connector(
             if hits:
                 loaded = req.keys[:hits]
                 run.call("prepare_load", loaded, ctxs=req.contexts)
-                loads[step + load_steps].append((req, loaded))
+                self.loads[step + self.load_steps].append((req, loaded))
                 req.jobs += 1
-                req.store_at = step + load_steps + 1
+                req.store_at = step + self.load_steps + 1
             else:
                 req.store_at = step
-            storing.append(req)
-        waiting = still_waiting
+            self.storing.append(req)
+        self.waiting = still_waiting
 
-        # build_connector_meta: stores, then requests that ended.
+    def build_connector_meta(self) -> None:
+        """Stores (a refused one is retried while its request runs), then requests that
+        ended."""
+        run, stats, step = self.run, self.stats, self.run.step
         retry = []
-        for req in storing:
+        for req in self.storing:
             assert req.store_at is not None
             if req.store_at > step:
                 retry.append(req)
                 continue
             if req.finish_at is None:
-                req.finish_at = step + decode_steps
-                finishing[req.finish_at].append(req)
+                req.finish_at = step + self.decode_steps
+                self.finishing[req.finish_at].append(req)
             rest = req.keys[req.hits :]
             if not rest:
                 continue
@@ -260,29 +291,27 @@ def replay_like_connector(
                 continue
             stats.evicted_blocks += len(out.evicted_keys)
             if out.keys_to_store:
-                stores[step + store_steps].append((req, list(out.keys_to_store)))
+                self.stores[step + self.store_steps].append((req, list(out.keys_to_store)))
                 req.jobs += 1
-        storing = retry
-        for req in finishing.pop(step, []):
+        self.storing = retry
+        for req in self.finishing.pop(step, []):
             run.call("on_request_finished", ctxs=req.contexts)
             req.finish_at = -1
             if not req.jobs:
-                active -= 1
+                self.active -= 1
 
-        # update_connector_output: transfers that completed this step.
-        for req, keys in loads.pop(step, []):
+    def update_connector_output(self) -> None:
+        """The transfers that completed this step, then the step's events."""
+        run, step = self.run, self.run.step
+        for req, keys in self.loads.pop(step, []):
             run.call("complete_load", keys, ctxs=req.contexts)
-            active -= _job_done(req)
-        for req, keys in stores.pop(step, []):
+            self.active -= _job_done(req)
+        for req, keys in self.stores.pop(step, []):
             run.call("complete_store", keys, ctxs=req.contexts)
-            stats.stored_blocks += len(keys)
-            active -= _job_done(req)
-
-        events = run.call("take_events")
-        stats.events += len(events)
+            self.stats.stored_blocks += len(keys)
+            self.active -= _job_done(req)
+        self.stats.events += len(run.call("take_events"))
         run.step += 1
-    stats.steps = run.step
-    return stats
 
 
 def _job_done(req: _Request) -> int:
