@@ -84,8 +84,9 @@ def test_an_exception_needs_a_reason_and_goes_once_it_is_not_needed(tmp_path: Pa
 
 
 def test_the_command_exits_1_naming_each_breach(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(sizes, "EXCEPTIONS", {})
     root = _package(tmp_path, {"a.py": _function("f", 120)})
     assert sizes.main([str(root)]) == 1
     err = capsys.readouterr().err

@@ -224,6 +224,9 @@ class Outcomes:
     loop_interrupts: int = 0
     loads_checked: int = 0
     bad_loads: list[str] = field(default_factory=list)
+    #: Waiters cancelled mid-wait: one whose handle failed first ends with its error,
+    #: which the run takes at its end (a done callback could be dropped by an interrupt).
+    waiters: list[asyncio.Future[Any]] = field(default_factory=list)
 
 
 class Workload:
@@ -296,7 +299,7 @@ class Workload:
             waiter = asyncio.ensure_future(_await(handle))
             # The handle may fail (an injected fault) before the cancel lands: the
             # waiter's exception is then this run's to take, not asyncio's to log.
-            waiter.add_done_callback(_taken)
+            self.out.waiters.append(waiter)
             await asyncio.sleep(0)
             waiter.cancel()
         return False  # or never awaited here
@@ -309,7 +312,7 @@ class Workload:
 
 
 def _taken(task: asyncio.Future[Any]) -> None:
-    if not task.cancelled():
+    if task.done() and not task.cancelled():
         task.exception()
 
 
@@ -395,6 +398,8 @@ def run_workload(
         for pending in asyncio.all_tasks(loop):
             pending.cancel()
         loop.run_until_complete(asyncio.sleep(0.01))
+        for waiter in workload.out.waiters:
+            _taken(waiter)
     finally:
         logging.getLogger("asyncoffload").removeHandler(lost)
         loop.close()
