@@ -445,6 +445,13 @@ class RemoteStore(LowerTier):
         self._down_until = 0.0
         self.errors = 0
 
+    @property
+    def background(self) -> frozenset[asyncio.Task[None]]:
+        """Tasks of its own still running beside the jobs (removals of damaged values): a
+        driver that steps the loop itself steps it until they end (each within
+        ``timeout_s``)."""
+        return frozenset(self._cleanups)
+
     # --- the client -----------------------------------------------------------------
 
     def redis_key(self, key: OffloadKey) -> bytes:

@@ -9,6 +9,8 @@ promotes them (``HIT_PENDING``), then loads them (``HIT``)."""
 
 from __future__ import annotations
 
+import asyncio
+
 import json
 import time
 from collections.abc import Iterator, Sequence
@@ -264,6 +266,41 @@ def _wait_deleted(server: Any, manager: AsyncOffloadManager, name: bytes, within
         assert time.monotonic() < deadline, f"{name!r} still on the server after {within_s} s"
         _end_step(manager)
         time.sleep(0.02)
+
+
+def test_a_damaged_values_removal_keeps_vllm_stepping_until_it_ends(
+    tmp_path: Path, valkey_server: Any
+) -> None:
+    """The removal of a damaged value runs on the private loop, which only vLLM's calls
+    step: until it ends, ``has_pending_work`` keeps vLLM stepping (a removal left to the
+    next traffic stayed on the server for good in an idle engine; CI, under load)."""
+    with _storing_engine(tmp_path, valkey_server, n=2) as stored:
+        keys = stored.keys
+        name = _redis_key(stored.manager, keys[0])
+    value = bytearray(valkey_server.command("GET", name))
+    value[HEADER_BYTES + 100] ^= 0xFF
+    valkey_server.command("SET", name, bytes(value))
+
+    with _engine(tmp_path, valkey_server.url, "two", seed=2) as (caches, worker, manager):
+        assert manager.tiers is not None
+        store = manager.tiers.tiers[0].store
+        client = store._client  # type: ignore[attr-defined]
+        delete = client.delete
+
+        async def slow_delete(names: Any) -> Any:  # a slow server, for the DEL only
+            await asyncio.sleep(1.0)
+            return await delete(names)
+
+        client.delete = slow_delete
+        ctx = ReqContext(req_id="r")
+        manager.on_new_request(ctx)
+        assert _walk_until_settled(manager, keys[:1], ctx)[-1] == [MISS]
+        assert manager.has_pending_work(), "the removal runs: vLLM must keep stepping"
+        deadline = time.monotonic() + 3.0 + WAIT_S  # the tier's timeout_s, and a margin
+        while manager.has_pending_work():  # what vLLM does: a step while it says so
+            assert time.monotonic() < deadline, "pending work past the removal's deadline"
+            time.sleep(0.02)
+        assert valkey_server.command("EXISTS", name) == 0, "vLLM stopped, the value stayed"
 
 
 def test_a_corrupt_value_is_a_miss_for_good_never_wrong_bytes(

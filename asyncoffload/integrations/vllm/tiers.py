@@ -209,9 +209,11 @@ class SchedulerTiers:
     # --- polling --------------------------------------------------------------------
 
     def pending(self) -> bool:
-        """Whether I/O or a shared tier's query is in flight, or promotions or queries
-        wait to be submitted."""
-        return bool(self.core.batched or self._asking or self._io_in_flight())
+        """Whether I/O or a shared tier's query is in flight, promotions or queries wait
+        to be submitted, or a task of ours runs on the private loop (a shared tier's
+        removal of a damaged value: vLLM steps the loop only while this says so)."""
+        on_loop = self._loop is not None and bool(self._loop.on_loop)
+        return bool(self.core.batched or self._asking or self._io_in_flight() or on_loop)
 
     def _io_in_flight(self) -> bool:
         return any(jobs.reads or jobs.writes for jobs in self._jobs.values())
@@ -237,6 +239,8 @@ class SchedulerTiers:
             while reads and reads[0][1].query():
                 io, job, _ = reads.popleft()
                 core.read_done(io, job)
+                if io.tier.shared is not None:
+                    self._track_background(io.tier)
                 if io.bad and self._shared:  # gone from every index: not asked at once
                     now = time.monotonic()
                     for key in io.bad:
@@ -249,6 +253,13 @@ class SchedulerTiers:
             core.reap()
         if self._queries:
             self._answers()
+
+    def _track_background(self, tier: TierState) -> None:
+        """Step the private loop while ``tier``'s own tasks run (see ``pending``)."""
+        loop = self._loop
+        for task in getattr(tier.store, "background", ()):
+            if loop is not None:
+                loop.track(task)
 
     def flush(self) -> None:
         """Submit the promotions found since the last flush, one read job per tier, and
