@@ -10,7 +10,6 @@ promotes them (``HIT_PENDING``), then loads them (``HIT``)."""
 from __future__ import annotations
 
 import asyncio
-
 import json
 import time
 from collections.abc import Iterator, Sequence
