@@ -280,7 +280,7 @@ def test_a_damaged_values_removal_keeps_vllm_stepping_until_it_ends(
     value[HEADER_BYTES + 100] ^= 0xFF
     valkey_server.command("SET", name, bytes(value))
 
-    with _engine(tmp_path, valkey_server.url, "two", seed=2) as (caches, worker, manager):
+    with _engine(tmp_path, valkey_server.url, "two", seed=2) as (_caches, _worker, manager):
         assert manager.tiers is not None
         store = manager.tiers.tiers[0].store
         client = store._client  # type: ignore[attr-defined]
