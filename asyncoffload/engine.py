@@ -3,7 +3,7 @@
 The engine keeps the public API, input validation, handles and lifecycle. The rest lives
 in rooms named for what they are: :mod:`asyncoffload.copies` (the CPU tier's copies and
 their completions), :mod:`asyncoffload.engine_tiers` (the engine's driver of the tier
-hierarchy of :mod:`asyncoffload.tiers.hierarchy`), :mod:`asyncoffload.events` (the event
+hierarchy of :mod:`asyncoffload.tiers.core`), :mod:`asyncoffload.events` (the event
 stream), :mod:`asyncoffload.stats` (stats and the periodic summary),
 :mod:`asyncoffload._checks` (input checks) and :mod:`asyncoffload._sigint` (the interrupt
 hold). All bookkeeping runs on the event-loop thread; copy threads (or the device) only
@@ -47,6 +47,7 @@ from asyncoffload.manager import CPUOffloadingManager, ReqContext
 from asyncoffload.stats import EngineStats, Summary, TierStats, engine_stats
 from asyncoffload.tiers.base import LowerTier
 from asyncoffload.tiers.format import Namespace
+from asyncoffload.tiers.ports import tier_states
 from asyncoffload.transfer import CompletionBridge, TransferBackend
 
 __all__ = ["AsyncOffloadEngine", "BlockIds", "EngineStats", "TierStats"]
@@ -116,7 +117,8 @@ class AsyncOffloadEngine:
             )
         self._backend = backend
         stores = open_tiers(cfg, self.namespace, backend) if cfg.tiers else []
-        self._events = EventStream([manager, *(store.manager for store in stores)])
+        states = tier_states(stores)  # the tier core's view of them, with their indices
+        self._events = EventStream([manager, *(state.index for state in states)])
         self._hub = self._events.hub
         publish = self._publish_events = self._events.publish
         self._copies = copies = Copies(manager, backend, publish)
@@ -130,7 +132,7 @@ class AsyncOffloadEngine:
                 alive = engine()
                 return alive is None or alive._forked
 
-            self._tiers = LoopTiers(manager, stores, copies, backend, publish, forked)
+            self._tiers = LoopTiers(manager, stores, states, copies, backend, publish, forked)
             # A completed store goes on down; weakly, as the tiers hold the copies.
             write_through = weakref.WeakMethod(self._tiers.write_through)
 
@@ -454,11 +456,8 @@ class AsyncOffloadEngine:
             self._stores_rejected += 1
             return None
         to_store = out.keys_to_store
-        if self._tiers is not None and len(to_store) < len(keys):
-            # Keys already in the CPU tier are offered to the lower tiers again (their
-            # admission counts offers): written from their slots now.
-            fresh = set(to_store)
-            self._tiers.write_through([k for k in keys if k not in fresh], ctx)
+        if self._tiers is not None:
+            self._tiers.reoffer(keys, to_store, ctx)  # the keys the CPU tier holds already
         # From here the slots are being written: every way out frees them or hands them
         # to a job whose completion does (an interrupt included; see Copies.abandon).
         handle = self._copies.handle("store", keys, to_store, out.evicted_keys)

@@ -135,7 +135,7 @@ def _load(
 def _redis_key(manager: AsyncOffloadManager, key: OffloadKey) -> bytes:
     """The server key of block ``key`` in ``manager``'s shared tier."""
     assert manager.tiers is not None
-    store = manager.tiers.tiers[0].store
+    store = manager.tiers.stores[0]
     assert isinstance(store, RemoteStore)
     return store.redis_key(cast(AoKey, key))
 
