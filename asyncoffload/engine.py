@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import threading
 import warnings
 import weakref
 from collections.abc import Sequence
@@ -36,8 +35,9 @@ from asyncoffload._checks import (
 from asyncoffload._sigint import InterruptsHeld
 from asyncoffload.config import EngineConfig
 from asyncoffload.copies import Copies, make_backend
+from asyncoffload.engine_binding import LoopBinding
 from asyncoffload.engine_tiers import LoopTiers, namespace_of, open_tiers
-from asyncoffload.errors import CapacityError, EngineClosedError
+from asyncoffload.errors import CapacityError
 from asyncoffload.events import EventStream, EventSubscription
 from asyncoffload.handles import Transfer
 from asyncoffload.hostmem import format_bytes
@@ -68,7 +68,7 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-class AsyncOffloadEngine:
+class AsyncOffloadEngine(LoopBinding):
     """Offloads KV blocks to a CPU tier and loads them back, asynchronously.
 
     ``kv_caches`` is the list of per-layer KV tensors (see :class:`KVLayout`); the
@@ -267,51 +267,6 @@ class AsyncOffloadEngine:
         except Exception:  # interpreter shutdown, a closed loop: nothing more to do
             pass
 
-    def _check_usable(self) -> None:
-        if self._closing:
-            raise EngineClosedError("the engine is closed")
-        if self._forked:
-            raise RuntimeError(
-                f"this engine was created in process {self._pid} and is used in process "
-                f"{os.getpid()} after os.fork(); its copy threads live in the parent: "
-                "create a new engine in the child"
-            )
-        if self._loop_thread is not None and threading.get_ident() != self._loop_thread:
-            raise _wrong_thread()
-
-    def _bound(self) -> bool:
-        """Whether the engine is usable and bound to the running loop (a few checks, on
-        the path of every call); else :meth:`_check_usable`, and False: the caller then
-        binds with :meth:`_ensure_bridge` once its input is checked."""
-        bridge = self._bridge
-        if (
-            bridge is not None
-            and not self._closing
-            and not self._forked
-            and threading.get_ident() == self._loop_thread
-            and asyncio._get_running_loop() is bridge.loop
-        ):
-            return True
-        self._check_usable()
-        return False
-
-    def _ensure_bridge(self) -> CompletionBridge:
-        loop = asyncio.get_running_loop()
-        bridge = self._bridge
-        if bridge is None:
-            if self._hub.loop is not None and self._hub.loop is not loop:
-                raise RuntimeError("the engine's events are read on another event loop")
-            self._bridge = bridge = self._copies.open(loop, self.config, self.layout.block_bytes)
-            if self._tiers is not None:
-                self._tiers.bind(bridge)
-            self._loop_thread = threading.get_ident()
-            self._hub.loop = loop
-            if self._summary is not None:
-                self._summary.start(loop)
-        elif bridge.loop is not loop:
-            raise RuntimeError("the engine is bound to another event loop")
-        return bridge
-
     # --- the API ---------------------------------------------------------------------
 
     def lookup(self, keys: Sequence[OffloadKey], ctx: ReqContext | None = None) -> int:
@@ -339,15 +294,9 @@ class AsyncOffloadEngine:
         self._check_usable()
         checked = check_keys(keys, "alookup")
         keys = filed(checked, ctx := check_ctx(ctx, "alookup"))
-        tiers = self._tiers
-        if tiers is not None and tiers.core.shared_tiers:
-            # Asked about what the first pass does not find; counted once, as one lookup.
-            hits = [tier.counters.lookup_hits for tier in tiers.core.tiers]
-            n = self._lookup(keys, ctx, observe=False)  # the policy hears of it once, below
-            for tier, before in zip(tiers.core.tiers, hits):
-                tier.counters.lookup_hits = before
-            if n < len(keys):
-                await tiers.ask(keys[n:], self._check_usable)
+        if self._tiers is not None:  # the policy hears of the lookup once, below
+            n = self._manager.lookup_prefix(keys, ctx, observe=False)
+            await self._tiers.ask(keys, n, self._check_usable)
         return self.lookup(checked, ctx)
 
     def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext | None = None) -> None:
@@ -529,19 +478,6 @@ def _resolved(config: EngineConfig, block_bytes: int) -> EngineConfig:
             block_bytes,
         )
     return cfg
-
-
-def _wrong_thread() -> RuntimeError:
-    where = (
-        "from another event loop"
-        if asyncio._get_running_loop() is not None
-        else "from a thread other than its event loop's"
-    )
-    return RuntimeError(
-        f"the engine was called {where}; it is bound to the event loop of the thread "
-        "that first used it, where its bookkeeping runs (hand calls to it with "
-        "loop.call_soon_threadsafe)"
-    )
 
 
 def _check_capacity(manager: CPUOffloadingManager, keys: list[OffloadKey]) -> None:

@@ -180,12 +180,20 @@ class LoopTiers:
     def lookup(self, keys: list[OffloadKey], n: int) -> int:
         return self.core.lookup(keys, n)
 
-    async def ask(self, keys: list[OffloadKey], check: Callable[[], None]) -> None:
-        """Ask each shared tier about ``keys`` its index does not know (and that no
-        recent answer said were not there); those it holds join its index. A server that
-        does not answer counts as a miss, and is not asked again for a while. ``check``
-        runs after each answer (raises if the engine closed meanwhile)."""
-        for q in self.core.ask(keys, self._now()):
+    async def ask(self, keys: list[OffloadKey], n: int, check: Callable[[], None]) -> None:
+        """``alookup``'s questions: ask each shared tier about the keys after the first
+        ``n`` (the CPU tier's prefix) that no tier has ready, which its index does not
+        know (and that no recent answer said were not there); those it holds join its
+        index. A server that does not answer counts as a miss, and is not asked again
+        for a while. ``check`` runs after each answer (raises if the engine closed
+        meanwhile)."""
+        core = self.core
+        if not core.shared_tiers:
+            return
+        n = core.lookup(keys, n, count=False)  # counted once, by the lookup that follows
+        if n >= len(keys):
+            return
+        for q in core.ask(keys[n:], self._now()):
             await self._answer(q, check)
         self._arm()
 

@@ -130,10 +130,11 @@ class TierHierarchy:
         """Whether a tier's index holds ``key`` (ready, or being written there)."""
         return any(tier.index.block_of(key) is not None for tier in self.tiers)
 
-    def lookup(self, keys: Sequence[OffloadKey], n: int) -> int:
+    def lookup(self, keys: Sequence[OffloadKey], n: int, *, count: bool = True) -> int:
         """Extend a CPU prefix of ``n`` keys through the tiers: a key counts if it is
         ready in the CPU tier, or absent there and ready in a lower tier (counted as
-        that tier's lookup hit)."""
+        that tier's lookup hit, unless ``count`` is False: a first pass that asks the
+        shared tiers before the lookup that counts)."""
         get = self.cpu.block_of
         for key in keys[n:]:
             block = get(key)
@@ -144,7 +145,7 @@ class TierHierarchy:
                 tier = self.source(key)
                 if tier is None:
                     break
-                tier.counters.lookup_hits += 1
+                tier.counters.lookup_hits += count
             n += 1
         return n
 
@@ -664,30 +665,29 @@ class TierHierarchy:
     ) -> tuple[TierStats, ...]:
         """Each tier's contents and counters, highest first; ``info`` gives a driver's
         details of a tier (its port's description, ...)."""
-        out = []
-        for tier in self.tiers:
-            c = tier.counters
-            details: dict[str, object] = dict(info(tier)) if info is not None else {}
-            if tier.shared:
-                details["keys_asked"] = tier.asked
-                details["keys_found"] = tier.found
-            m = tier.index
-            out.append(
-                TierStats(
-                    name=tier.name,
-                    medium=tier.medium.value,
-                    info=details,
-                    manager=m.stats(),
-                    lookup_hits=c.lookup_hits,
-                    blocks_written=c.blocks_written,
-                    bytes_written=c.bytes_written,
-                    write_failures=c.write_failures,
-                    blocks_read=c.blocks_read,
-                    bytes_read=c.bytes_read,
-                    read_failures=c.read_failures,
-                    dropped=m.dropped,
-                    failures=dict(c.failures),
-                    blocks_present=c.blocks_present,
-                )
-            )
-        return tuple(out)
+        return tuple(_stats(tier, info) for tier in self.tiers)
+
+
+def _stats(tier: TierState, info: Callable[[TierState], dict[str, object]] | None) -> TierStats:
+    c = tier.counters
+    details: dict[str, object] = dict(info(tier)) if info is not None else {}
+    if tier.shared:
+        details["keys_asked"] = tier.asked
+        details["keys_found"] = tier.found
+    m = tier.index
+    return TierStats(
+        name=tier.name,
+        medium=tier.medium.value,
+        info=details,
+        manager=m.stats(),
+        lookup_hits=c.lookup_hits,
+        blocks_written=c.blocks_written,
+        bytes_written=c.bytes_written,
+        write_failures=c.write_failures,
+        blocks_read=c.blocks_read,
+        bytes_read=c.bytes_read,
+        read_failures=c.read_failures,
+        dropped=m.dropped,
+        failures=dict(c.failures),
+        blocks_present=c.blocks_present,
+    )
