@@ -35,7 +35,6 @@ from asyncoffload.tiers import ports
 from asyncoffload.tiers._io import keep_until_ended
 from asyncoffload.tiers.base import LowerTier
 from asyncoffload.tiers.core import (
-    STALL_GRACE_S,
     Delete,
     Exists,
     Promotion,
@@ -63,8 +62,8 @@ class _Load:
     ctx: ReqContext
     #: The load's keys already in the CPU tier (pinned until the load ends).
     cpu_keys: list[OffloadKey]
-    #: Seconds from submission after which its read counts as stalled.
-    stall_s: float
+    #: When its reads were handed out (the loop's time).
+    submitted: float
 
 
 class LoopTiers:
@@ -231,12 +230,12 @@ class LoopTiers:
                 "CPU tier has no idle slot to bring them into (every slot is pinned or being "
                 "written); retry later, or recompute"
             )
-        stall_s = max(tier.deadline_s for tier in set(sources.values())) + STALL_GRACE_S
-        promotion.owner = _Load(handle, ids, ctx, cpu_keys, stall_s)
+        now = self._now()
+        promotion.owner = _Load(handle, ids, ctx, cpu_keys, now)
         self._copies.loads += 1
         self._copies.track(handle._future)
         self._publish()  # the reservation's evictions
-        self._carry(self.core.take_io(self._now()))
+        self._carry(self.core.take_io(now))
         self._arm()
 
     def _read(self, job: CopyJob, io: TierIo) -> None:
@@ -260,8 +259,8 @@ class LoopTiers:
             load.handle,
             TransferError(
                 f"load of {len(load.handle.keys)} blocks: a lower tier read is still running "
-                f"{load.stall_s:.1f}s after submission (the disk or its mount "
-                "is stalled); treat the blocks as misses and recompute"
+                f"{promotion.deadline - load.submitted:.1f}s after submission (the disk or "
+                "its mount is stalled); treat the blocks as misses and recompute"
             ),
         )
 
