@@ -3,7 +3,7 @@
 The engine keeps the public API, input validation, handles and lifecycle. The rest lives
 in rooms named for what they are: :mod:`asyncoffload.copies` (the CPU tier's copies and
 their completions), :mod:`asyncoffload.engine_tiers` (the engine's driver of the tier
-hierarchy of :mod:`asyncoffload.tiers.hierarchy`), :mod:`asyncoffload.events` (the event
+hierarchy of :mod:`asyncoffload.tiers.core`), :mod:`asyncoffload.events` (the event
 stream), :mod:`asyncoffload.stats` (stats and the periodic summary),
 :mod:`asyncoffload._checks` (input checks) and :mod:`asyncoffload._sigint` (the interrupt
 hold). All bookkeeping runs on the event-loop thread; copy threads (or the device) only
@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import threading
 import warnings
 import weakref
 from collections.abc import Sequence
@@ -36,8 +35,9 @@ from asyncoffload._checks import (
 from asyncoffload._sigint import InterruptsHeld
 from asyncoffload.config import EngineConfig
 from asyncoffload.copies import Copies, make_backend
+from asyncoffload.engine_binding import LoopBinding
 from asyncoffload.engine_tiers import LoopTiers, namespace_of, open_tiers
-from asyncoffload.errors import CapacityError, EngineClosedError
+from asyncoffload.errors import CapacityError
 from asyncoffload.events import EventStream, EventSubscription
 from asyncoffload.handles import Transfer
 from asyncoffload.hostmem import format_bytes
@@ -47,6 +47,7 @@ from asyncoffload.manager import CPUOffloadingManager, ReqContext
 from asyncoffload.stats import EngineStats, Summary, TierStats, engine_stats
 from asyncoffload.tiers.base import LowerTier
 from asyncoffload.tiers.format import Namespace
+from asyncoffload.tiers.ports import tier_states
 from asyncoffload.transfer import CompletionBridge, TransferBackend
 
 __all__ = ["AsyncOffloadEngine", "BlockIds", "EngineStats", "TierStats"]
@@ -67,7 +68,7 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-class AsyncOffloadEngine:
+class AsyncOffloadEngine(LoopBinding):
     """Offloads KV blocks to a CPU tier and loads them back, asynchronously.
 
     ``kv_caches`` is the list of per-layer KV tensors (see :class:`KVLayout`); the
@@ -116,7 +117,8 @@ class AsyncOffloadEngine:
             )
         self._backend = backend
         stores = open_tiers(cfg, self.namespace, backend) if cfg.tiers else []
-        self._events = EventStream([manager, *(store.manager for store in stores)])
+        states = tier_states(stores)  # the tier core's view of them, with their indices
+        self._events = EventStream([manager, *(state.index for state in states)])
         self._hub = self._events.hub
         publish = self._publish_events = self._events.publish
         self._copies = copies = Copies(manager, backend, publish)
@@ -130,7 +132,7 @@ class AsyncOffloadEngine:
                 alive = engine()
                 return alive is None or alive._forked
 
-            self._tiers = LoopTiers(manager, stores, copies, backend, publish, forked)
+            self._tiers = LoopTiers(manager, stores, states, copies, backend, publish, forked)
             # A completed store goes on down; weakly, as the tiers hold the copies.
             write_through = weakref.WeakMethod(self._tiers.write_through)
 
@@ -265,51 +267,6 @@ class AsyncOffloadEngine:
         except Exception:  # interpreter shutdown, a closed loop: nothing more to do
             pass
 
-    def _check_usable(self) -> None:
-        if self._closing:
-            raise EngineClosedError("the engine is closed")
-        if self._forked:
-            raise RuntimeError(
-                f"this engine was created in process {self._pid} and is used in process "
-                f"{os.getpid()} after os.fork(); its copy threads live in the parent: "
-                "create a new engine in the child"
-            )
-        if self._loop_thread is not None and threading.get_ident() != self._loop_thread:
-            raise _wrong_thread()
-
-    def _bound(self) -> bool:
-        """Whether the engine is usable and bound to the running loop (a few checks, on
-        the path of every call); else :meth:`_check_usable`, and False: the caller then
-        binds with :meth:`_ensure_bridge` once its input is checked."""
-        bridge = self._bridge
-        if (
-            bridge is not None
-            and not self._closing
-            and not self._forked
-            and threading.get_ident() == self._loop_thread
-            and asyncio._get_running_loop() is bridge.loop
-        ):
-            return True
-        self._check_usable()
-        return False
-
-    def _ensure_bridge(self) -> CompletionBridge:
-        loop = asyncio.get_running_loop()
-        bridge = self._bridge
-        if bridge is None:
-            if self._hub.loop is not None and self._hub.loop is not loop:
-                raise RuntimeError("the engine's events are read on another event loop")
-            self._bridge = bridge = self._copies.open(loop, self.config, self.layout.block_bytes)
-            if self._tiers is not None:
-                self._tiers.bind(bridge)
-            self._loop_thread = threading.get_ident()
-            self._hub.loop = loop
-            if self._summary is not None:
-                self._summary.start(loop)
-        elif bridge.loop is not loop:
-            raise RuntimeError("the engine is bound to another event loop")
-        return bridge
-
     # --- the API ---------------------------------------------------------------------
 
     def lookup(self, keys: Sequence[OffloadKey], ctx: ReqContext | None = None) -> int:
@@ -337,15 +294,9 @@ class AsyncOffloadEngine:
         self._check_usable()
         checked = check_keys(keys, "alookup")
         keys = filed(checked, ctx := check_ctx(ctx, "alookup"))
-        tiers = self._tiers
-        if tiers is not None and tiers.core.shared_tiers:
-            # Asked about what the first pass does not find; counted once, as one lookup.
-            hits = [tier.counters.lookup_hits for tier in tiers.core.tiers]
-            n = self._lookup(keys, ctx, observe=False)  # the policy hears of it once, below
-            for tier, before in zip(tiers.core.tiers, hits):
-                tier.counters.lookup_hits = before
-            if n < len(keys):
-                await tiers.ask(keys[n:], self._check_usable)
+        if self._tiers is not None:  # the policy hears of the lookup once, below
+            n = self._manager.lookup_prefix(keys, ctx, observe=False)
+            await self._tiers.ask(keys, n, self._check_usable)
         return self.lookup(checked, ctx)
 
     def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext | None = None) -> None:
@@ -454,11 +405,8 @@ class AsyncOffloadEngine:
             self._stores_rejected += 1
             return None
         to_store = out.keys_to_store
-        if self._tiers is not None and len(to_store) < len(keys):
-            # Keys already in the CPU tier are offered to the lower tiers again (their
-            # admission counts offers): written from their slots now.
-            fresh = set(to_store)
-            self._tiers.write_through([k for k in keys if k not in fresh], ctx)
+        if self._tiers is not None:
+            self._tiers.reoffer(keys, to_store, ctx)  # the keys the CPU tier holds already
         # From here the slots are being written: every way out frees them or hands them
         # to a job whose completion does (an interrupt included; see Copies.abandon).
         handle = self._copies.handle("store", keys, to_store, out.evicted_keys)
@@ -530,19 +478,6 @@ def _resolved(config: EngineConfig, block_bytes: int) -> EngineConfig:
             block_bytes,
         )
     return cfg
-
-
-def _wrong_thread() -> RuntimeError:
-    where = (
-        "from another event loop"
-        if asyncio._get_running_loop() is not None
-        else "from a thread other than its event loop's"
-    )
-    return RuntimeError(
-        f"the engine was called {where}; it is bound to the event loop of the thread "
-        "that first used it, where its bookkeeping runs (hand calls to it with "
-        "loop.call_soon_threadsafe)"
-    )
 
 
 def _check_capacity(manager: CPUOffloadingManager, keys: list[OffloadKey]) -> None:

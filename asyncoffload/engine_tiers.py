@@ -1,17 +1,18 @@
-"""The engine's driver of the tier hierarchy, on its event loop.
+"""The engine's driver of the tier core, on its event loop.
 
-:class:`~asyncoffload.tiers.hierarchy.TierHierarchy` decides; this driver carries its
-I/O requests to the tiers' lanes, learns that they ended through the completion bridge
-(one read lane and one write lane per tier), feeds the results back, and keeps what an
-awaitable world needs: the load handle of each promotion, the timer that fails a handle
-whose read stalls, the questions to a shared tier's server (``alookup``). It holds no
-rule of its own.
+:class:`~asyncoffload.tiers.core.TierHierarchy` decides; this driver carries its
+requests to the tiers' ports (reads and writes to their lanes, one read lane and one
+write lane per tier, whose ends the completion bridge reports; deletes to the port;
+questions awaited by ``alookup``), feeds each result back with the loop's time, arms
+one timer at the core's next deadline, and keeps what an awaitable world needs: the
+load handle of each promotion. It holds no rule of its own.
 
-Life of a promotion (a load with keys that live only lower down): the load's CPU keys
-are pinned, :meth:`~asyncoffload.tiers.hierarchy.TierHierarchy.promote` reserves CPU
-slots for the others, each read goes to its tier's lane, and when the last one ended and
-every block passed its checks, the whole load is copied into the KV blocks as one
-:class:`~asyncoffload.Transfer`; otherwise the handle fails and nothing is copied.
+Life of a promotion (a load with keys that live only lower down), in core calls:
+``sources`` (in ``prepare_load``), ``promote``, ``take_io`` (the reads go to the
+lanes), ``read_done`` for each read as the bridge reports it, and ``check`` when the
+timer fires: when the last read ended and every block passed its checks, the whole
+load is copied into the KV blocks as one :class:`~asyncoffload.Transfer`; otherwise
+(a failed block, or a read that stalled) the handle fails and nothing is copied.
 """
 
 from __future__ import annotations
@@ -30,28 +31,26 @@ from asyncoffload.handles import Transfer
 from asyncoffload.keys import OffloadKey
 from asyncoffload.layout import KVLayout
 from asyncoffload.manager import CPUOffloadingManager, ReqContext
+from asyncoffload.tiers import ports
 from asyncoffload.tiers._io import keep_until_ended
 from asyncoffload.tiers.base import LowerTier
-from asyncoffload.tiers.format import Namespace
-from asyncoffload.tiers.hierarchy import (
+from asyncoffload.tiers.core import (
+    Delete,
+    Exists,
     Promotion,
+    Request,
     TierHierarchy,
     TierIo,
     TierState,
     TierStats,
-    submit,
 )
+from asyncoffload.tiers.format import Namespace
 from asyncoffload.transfer import CompletionBridge, CopyJob, TransferBackend
 from asyncoffload.transfer.completion import CopyLane
 
 __all__ = ["LoopTiers", "namespace_of", "open_tiers"]
 
 log = logging.getLogger("asyncoffload")
-
-#: A promotion's handle fails this long after its tier's deadline if a read still runs.
-STALL_GRACE_S = 1.0
-#: How often the slots held by jobs given up on are looked at (see ``_reap``).
-_REAP_S = 0.25
 
 
 @dataclass(eq=False)
@@ -63,24 +62,29 @@ class _Load:
     ctx: ReqContext
     #: The load's keys already in the CPU tier (pinned until the load ends).
     cpu_keys: list[OffloadKey]
-    timer: asyncio.TimerHandle | None = None
+    #: When its reads were handed out (the loop's time).
+    submitted: float
 
 
 class LoopTiers:
-    """Drives ``core`` (the tiers below ``cpu``) for an engine: copies into the KV blocks
-    go through ``copies``, host slot addresses come from ``backend``, and ``publish``
-    sends pending events. ``forked``: whether this process is a fork of the engine's."""
+    """Drives the tier core for an engine: ``stores`` are the tiers' ports and
+    ``states`` the core's view of them (:func:`~asyncoffload.tiers.ports.tier_states`),
+    below the CPU tier ``cpu``; copies into the KV blocks go through ``copies``, host
+    slot addresses come from ``backend``, and ``publish`` sends pending events.
+    ``forked``: whether this process is a fork of the engine's."""
 
     def __init__(
         self,
         cpu: CPUOffloadingManager,
         stores: Sequence[LowerTier],
+        states: Sequence[TierState],
         copies: Copies,
         backend: TransferBackend,
         publish: Callable[[], None],
         forked: Callable[[], bool],
     ) -> None:
-        self.core = TierHierarchy(cpu, stores)
+        self.core = TierHierarchy(cpu, states)
+        self._ports = dict(zip(self.core.tiers, stores))
         self._cpu = cpu
         self._copies = copies
         self._backend = backend
@@ -88,46 +92,109 @@ class LoopTiers:
         self._forked = forked
         self._lanes: dict[TierState, tuple[CopyLane, CopyLane]] = {}
         self._bridge: CompletionBridge | None = None
-        self._reaper: asyncio.TimerHandle | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0.0
 
     @property
     def stores(self) -> tuple[LowerTier, ...]:
-        return tuple(tier.store for tier in self.core.tiers)
+        return tuple(self._ports.values())
 
     def bind(self, bridge: CompletionBridge) -> None:
         self._bridge = bridge
-        for tier in self.core.tiers:
-            name = tier.store.name
-            self._lanes[tier] = (bridge.lane(f"{name}-read"), bridge.lane(f"{name}-write"))
-            tier.store.bind(bridge.wake_fd)
+        for tier, store in self._ports.items():
+            self._lanes[tier] = (
+                bridge.lane(f"{tier.name}-read"),
+                bridge.lane(f"{tier.name}-write"),
+            )
+            store.bind(bridge.wake_fd)
+
+    def _now(self) -> float:
+        bridge = self._bridge
+        return bridge.loop.time() if bridge is not None else 0.0
+
+    # --- carrying the core's requests ------------------------------------------------
+
+    def _carry(self, requests: Sequence[Request]) -> None:
+        """Hand each request to its port: reads and writes to the tier's lanes (their
+        ends come back through the bridge), deletes to the port, questions to a task."""
+        bridge = self._bridge
+        for req in requests:
+            port = self._ports[req.tier]
+            if isinstance(req, TierIo):
+                assert bridge is not None
+                job = ports.submit(
+                    port, req, [self._backend.host_address(s) for s in req.cpu_slots]
+                )
+                done = self._written if req.write else self._read
+                lane = self._lanes[req.tier][1 if req.write else 0]
+                bridge.watch(lane, job, functools.partial(done, io=req))
+            elif isinstance(req, Delete):
+                ports.delete(port, req.keys)
+            else:
+                assert bridge is not None
+                req.job = bridge.loop.create_task(self._answer(req))
+
+    async def _answer(self, q: Exists, check: Callable[[], None] | None = None) -> None:
+        """Ask ``q`` of its port and hand the answer (or the failure) to the core;
+        ``check`` runs once it came (raises if the engine closed meanwhile)."""
+        found: list[bool] | None = None
+        error: BaseException | None = None
+        try:
+            found = await ports.shared(self._ports[q.tier]).exists(q.keys)
+        except Exception as exc:
+            error = exc
+        if check is not None:
+            check()
+        with InterruptsHeld():
+            self.core.answered(q, found, error, self._now())
+            self._carry(self.core.take_io(self._now()))  # the deletes of evictions
+        self._publish()
+        self._arm()
+
+    def _arm(self) -> None:
+        """One timer, at the core's next deadline."""
+        bridge = self._bridge
+        at = self.core.next_deadline()
+        if bridge is None or at is None:
+            return
+        if self._timer is not None:
+            if self._timer_at <= at:
+                return  # it fires sooner, and arms again then
+            self._timer.cancel()
+        self._timer_at = at
+        self._timer = bridge.loop.call_at(at, self._due)
+
+    def _due(self) -> None:
+        self._timer = None
+        now = self._now()
+        with InterruptsHeld():
+            for promotion in self.core.check(now):
+                self._stalled(promotion)
+            if ports.reap(self.core, now):
+                self._publish()
+        self._arm()
 
     # --- lookups ---------------------------------------------------------------------
 
     def lookup(self, keys: list[OffloadKey], n: int) -> int:
         return self.core.lookup(keys, n)
 
-    async def ask(self, keys: list[OffloadKey], check: Callable[[], None]) -> None:
-        """Ask each shared tier about ``keys`` its index does not know; those it holds
-        join its index. A server that does not answer counts as a miss. ``check`` runs
-        after each answer (raises if the engine closed meanwhile)."""
+    async def ask(self, keys: list[OffloadKey], n: int, check: Callable[[], None]) -> None:
+        """``alookup``'s questions: ask each shared tier about the keys after the first
+        ``n`` (the CPU tier's prefix) that no tier has ready, which its index does not
+        know (and that no recent answer said were not there); those it holds join its
+        index. A server that does not answer counts as a miss, and is not asked again
+        for a while. ``check`` runs after each answer (raises if the engine closed
+        meanwhile)."""
         core = self.core
-        for tier in core.shared_tiers:
-            unknown = core.ask(tier, keys)
-            if not unknown:
-                continue
-            assert tier.shared is not None
-            try:
-                found = await tier.shared.exists(unknown)
-            except Exception as exc:
-                log.warning("alookup: tier %s did not answer: %r", tier.name, exc)
-                continue
-            check()
-            if len(found) != len(unknown):
-                log.warning("alookup: tier %s gave a malformed answer", tier.name)
-                continue
-            with InterruptsHeld():
-                core.join(tier, unknown, found)
-            self._publish()
+        if not core.shared_tiers:
+            return
+        n = core.lookup(keys, n, count=False)  # counted once, by the lookup that follows
+        if n >= len(keys):
+            return
+        for q in core.ask(keys[n:], self._now()):
+            await self._answer(q, check)
+        self._arm()
 
     def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
         self.core.touch(keys, ctx)
@@ -163,56 +230,37 @@ class LoopTiers:
                 "CPU tier has no idle slot to bring them into (every slot is pinned or being "
                 "written); retry later, or recompute"
             )
-        load = _Load(handle, ids, ctx, cpu_keys)
-        promotion.owner = load
+        now = self._now()
+        promotion.owner = _Load(handle, ids, ctx, cpu_keys, now)
         self._copies.loads += 1
         self._copies.track(handle._future)
         self._publish()  # the reservation's evictions
-        bridge = self._bridge
-        assert bridge is not None
-        deadline = max(tier.store.deadline_s for tier in set(sources.values()))
-        load.timer = bridge.loop.call_later(
-            deadline + STALL_GRACE_S, self._stalled, promotion, deadline
-        )
-        for io in self.core.take_reads():
-            job = submit(io, [self._backend.host_address(s) for s in io.cpu_slots])
-            bridge.watch(self._lanes[io.tier][0], job, functools.partial(self._read, io=io))
+        self._carry(self.core.take_io(now))
+        self._arm()
 
     def _read(self, job: CopyJob, io: TierIo) -> None:
         with InterruptsHeld():
-            finished = self.core.read_done(io, job)
+            finished = self.core.read_done(io, ports.outcome(job, len(io.keys)), self._now())
+            self._carry(self.core.take_io(self._now()))  # the deletes of dropped blocks
             self._publish()
             for promotion in finished:
                 self._finish(promotion)
-        self._watch_late()
+        self._arm()
 
-    def _watch_late(self) -> None:
-        """While a job given up on holds slots, look now and then whether it ended."""
-        bridge = self._bridge
-        if self._reaper is None and self.core.late and bridge is not None:
-            self._reaper = bridge.loop.call_later(_REAP_S, self._reap)
-
-    def _reap(self) -> None:
-        self._reaper = None
-        with InterruptsHeld():
-            if self.core.reap():
-                self._publish()
-        self._watch_late()
-
-    def _stalled(self, promotion: Promotion, deadline: float) -> None:
+    def _stalled(self, promotion: Promotion) -> None:
         """A read is still running past its deadline (a stalled disk or mount: a system
-        call no deadline can interrupt): fail the handle now. The reserved CPU slots stay
-        reserved until the read really ends; then its completion frees them."""
+        call no deadline can interrupt): the core failed the promotion; fail the handle
+        now. The reserved CPU slots stay reserved until the read really ends; then its
+        completion frees them."""
         load: _Load = promotion.owner
-        load.timer = None
-        if load.handle.done() or promotion.done:
+        if load.handle.done():
             return
         self._copies.fail(
             load.handle,
             TransferError(
                 f"load of {len(load.handle.keys)} blocks: a lower tier read is still running "
-                f"{deadline + STALL_GRACE_S:.1f}s after submission (the disk or its mount "
-                "is stalled); treat the blocks as misses and recompute"
+                f"{promotion.deadline - load.submitted:.1f}s after submission (the disk or "
+                "its mount is stalled); treat the blocks as misses and recompute"
             ),
         )
 
@@ -222,9 +270,6 @@ class LoopTiers:
         load: _Load = promotion.owner
         cpu = self._cpu
         handle = load.handle
-        if load.timer is not None:
-            load.timer.cancel()
-            load.timer = None
         if promotion.failed or self._forked() or handle.done():
             cpu.complete_load(load.cpu_keys)
             if handle.done():
@@ -252,27 +297,27 @@ class LoopTiers:
     def write_through(self, keys: list[OffloadKey], ctx: ReqContext) -> None:
         """Offer CPU-ready ``keys`` to each tier; those its admission takes are written
         from their CPU slots, which stay pinned until the write ends."""
-        writes = self.core.write_through(keys, ctx)
-        if writes:
-            bridge = self._bridge
-            assert bridge is not None
-            for io in writes:
-                job = submit(io, [self._backend.host_address(s) for s in io.cpu_slots])
-                bridge.watch(self._lanes[io.tier][1], job, functools.partial(self._written, io=io))
+        self.core.write_through(keys, ctx)
+        self._carry(self.core.take_io(self._now()))
         self._publish()
+
+    def reoffer(self, keys: list[OffloadKey], stored: list[OffloadKey], ctx: ReqContext) -> None:
+        """A CPU store took only ``stored`` of ``keys``: the others go down again."""
+        self.core.reoffer(keys, stored, ctx)
+        self._carry(self.core.take_io(self._now()))
 
     def _written(self, job: CopyJob, io: TierIo) -> None:
         with InterruptsHeld():
             try:
-                self.core.write_done(io, job)
+                self.core.write_done(io, ports.outcome(job, len(io.keys)), self._now())
             finally:
                 self._publish()
-        self._watch_late()
+        self._arm()
 
     # --- events, stats, closing ------------------------------------------------------
 
     def stats(self) -> tuple[TierStats, ...]:
-        return self.core.stats()
+        return self.core.stats(lambda tier: self._ports[tier].describe())
 
     async def aclose(self) -> bool:
         """Close every tier on the loop (its I/O lanes joined: they use host memory).
@@ -289,22 +334,21 @@ class LoopTiers:
         system call), its tier keeps its lanes, and the backend (the host memory the op
         reads or writes) is kept too, until it ends (``tiers._io.keep_until_ended``):
         then True, and the caller must not close the backend."""
-        if self._reaper is not None:
-            self._reaper.cancel()
-            self._reaper = None
-        for store in self.stores:
-            try:
-                store.close()
-            except Exception:
-                log.exception("closing tier %s failed", store.name)
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        for q in self.core.close():
+            if isinstance(q.job, asyncio.Task):
+                q.job.cancel()
+        ports.close_tiers(self.stores)
         core = self.core
-        core.reap()
-        if not core.running:
+        ports.reap(core, self._now())
+        if not ports.running(core):
             return False
         backend = self._backend
 
         def ended() -> bool:
-            return not core.running
+            return not ports.running(core)
 
         keep_until_ended(f"the host memory of {backend.name}", ended, backend.close)
         return True
@@ -325,30 +369,7 @@ def open_tiers(
         backend.host_address(0)
     except NotImplementedError as exc:
         raise ValueError(f"lower tiers need host slot addresses: {exc}") from None
-    stores: list[LowerTier] = []
-    try:
-        for i, tier_cfg in enumerate(cfg.tiers):
-            store = tier_cfg.open(namespace, f"{tier_cfg.kind}{i}")
-            stores.append(store)
-            store.attach_host(backend.host_regions())
-            above = stores[-2].manager.num_blocks if i else cfg.cpu_blocks
-            if store.manager.num_blocks <= above:
-                log.warning(
-                    "tier %s holds %d blocks, no more than the %d of the tier above: "
-                    "tiers are inclusive (every block below is also above until "
-                    "evicted there), so it adds few hits; give it more capacity",
-                    store.name,
-                    store.manager.num_blocks,
-                    above,
-                )
-    except BaseException:
-        for opened in stores:
-            try:
-                opened.close()
-            except Exception:
-                log.exception("closing tier %s failed", opened.name)
-        raise
-    return stores
+    return ports.open_tiers(cfg.tiers, namespace, backend.host_regions(), cfg.cpu_blocks)
 
 
 def namespace_of(cfg: EngineConfig, layout: KVLayout) -> Namespace:

@@ -260,7 +260,8 @@ class EventHub:
 class EventSource(Protocol):
     """A manager whose events a stream publishes: the CPU tier's or a lower tier's."""
 
-    medium: Medium
+    @property
+    def medium(self) -> Medium: ...
 
     @property
     def last_seq(self) -> int: ...

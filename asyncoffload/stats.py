@@ -15,7 +15,7 @@ from asyncoffload.copies import Copies
 from asyncoffload.events import EventHub, SubscriptionStats
 from asyncoffload.histogram import LATENCY_BUCKETS_S, Histogram, HistogramSnapshot
 from asyncoffload.manager import ManagerStats
-from asyncoffload.tiers.hierarchy import TierStats
+from asyncoffload.tiers.core import TierStats
 from asyncoffload.transfer import CompletionBridge, TransferBackend
 
 __all__ = ["EngineStats", "Summary", "TierStats", "engine_stats"]

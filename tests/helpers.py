@@ -6,11 +6,12 @@ import os
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 import asyncoffload as ao
+from asyncoffload.tiers.base import TierManager
 from asyncoffload.transfer.base import host_bytes
 
 
@@ -166,3 +167,10 @@ class InterruptOnce:
         if self.calls == 1:
             raise KeyboardInterrupt
         return self.real(*args, **kwargs)
+
+
+def tier_index(engine: ao.AsyncOffloadEngine, i: int = 0) -> TierManager:
+    """The index of ``engine``'s ``i``-th lower tier (the tier core's: a port holds none)."""
+    tiers = engine._tiers
+    assert tiers is not None, "the engine has no lower tiers"
+    return cast(TierManager, tiers.core.tiers[i].index)

@@ -26,6 +26,7 @@ import asyncoffload as ao
 from asyncoffload.keys import make_offload_key
 from asyncoffload.manager.base import Medium
 from asyncoffload.tiers import _io
+from asyncoffload.tiers.base import TierManager
 from asyncoffload.tiers.disk import DiskStore, DiskTier
 from asyncoffload.tiers.format import (
     HEADER_BYTES,
@@ -39,6 +40,7 @@ from asyncoffload.tiers.format import (
     unpack_block,
 )
 from asyncoffload.tiers.remote import RemoteTier
+from tests.helpers import tier_index
 
 pytestmark = pytest.mark.skipif(not _io.available(), reason="native I/O lanes not built")
 
@@ -346,11 +348,11 @@ def reopened(fd: int) -> Iterator[int]:
         os.close(fd2)
 
 
-def plant(tier: DiskStore, key: bytes, raw: bytes) -> None:
+def plant(tier: DiskStore, index: TierManager, key: bytes, raw: bytes) -> None:
     """Put ``raw`` where the tier keeps block ``key``, as someone who can write there."""
     raw = raw.ljust(tier.slot_bytes, b"\0")
     if tier.config.mode == "slab":
-        slot = tier.manager.block_of(ao.OffloadKey(key))
+        slot = index.block_of(ao.OffloadKey(key))
         assert slot is not None
         with reopened(tier._fd) as fd:
             os.pwrite(fd, raw, slot.block_id * tier.slot_bytes)
@@ -415,7 +417,7 @@ async def test_a_block_without_the_tiers_mac_is_a_miss(
             good[HEADER_BYTES:] = evil
             good[40:44] = crc32c(evil).to_bytes(4, "little")
             raw = reseal(good)
-        plant(tier, ks[0], raw)
+        plant(tier, tier_index(eng), ks[0], raw)
         sub = eng.events()
         before = [t[20:22].clone() for t in kv]
         with pytest.raises(ao.TransferError, match="could not be read"):
@@ -467,7 +469,7 @@ async def test_keyed_and_unkeyed_tiers_never_read_each_others_blocks(tmp_path: P
         tier = eng.tiers[0]
         assert isinstance(tier, DiskStore) and tier.recovered == 2
         await push_out_of_cpu(eng, ks)
-        plant(tier, ks[0], pack_block(tier.identity, ks[0], block(kv, 0)))
+        plant(tier, tier_index(eng), ks[0], pack_block(tier.identity, ks[0], block(kv, 0)))
         with pytest.raises(ao.TransferError):
             await (await eng.prepare_load(ks[:1], [20]))
         assert eng.stats().tiers[0].failures == {"unauthenticated": 1}

@@ -25,6 +25,7 @@ from pydantic import ValidationError
 
 import asyncoffload as ao
 from asyncoffload.tiers import _io
+from asyncoffload.tiers.base import new_index
 from asyncoffload.tiers.disk import DiskStore, DiskTier
 from asyncoffload.tiers.format import Namespace, pack_header
 from asyncoffload.transfer.paged_engines import SharedHostFile
@@ -110,7 +111,7 @@ def test_a_symlink_named_like_a_block_is_removed_never_followed(
     outside.write_bytes(forged_block(key))
     link.symlink_to(outside)
     again = open_store(opened, tmp_path / "tier")
-    assert again.recovered == 0 and not again.manager.ready(key)
+    assert again.recovered == 0 and not new_index(again.index_spec).ready(key)
     assert not os.path.lexists(link) and outside.exists()
 
 

@@ -23,8 +23,10 @@ import asyncoffload as ao
 from asyncoffload.keys import make_offload_key
 from asyncoffload.manager.base import Medium
 from asyncoffload.tiers import _io
+from asyncoffload.tiers.base import TierManager
 from asyncoffload.tiers.disk import DiskStore, DiskTier
 from asyncoffload.tiers.format import HEADER_BYTES, Namespace, block_file_bytes, parse_header
+from tests.helpers import tier_index
 
 pytestmark = pytest.mark.skipif(not _io.available(), reason="native I/O lanes not built")
 
@@ -92,7 +94,7 @@ async def store_to_disk_only(
         await store(eng, filler[i : i + 2], [NUM_KV - 1, NUM_KV - 2][: len(filler[i : i + 2])])
     for key in ks:
         assert eng.manager.block_of(key) is None
-        assert eng.tiers[0].manager.ready(key)
+        assert tier_index(eng).ready(key)
 
 
 def removed(events: list[Any], medium: Medium) -> set[bytes]:
@@ -134,7 +136,7 @@ async def test_promotion_round_trip_is_byte_exact(tmp_path: Path, mode: str) -> 
         assert stats.lookup_hits == 4
         # Promoted blocks are in the CPU tier again, and still on disk (inclusive).
         assert all(eng.manager.block_of(k) is not None for k in ks[:4])
-        assert all(eng.tiers[0].manager.ready(k) for k in ks[:4])
+        assert all(tier_index(eng).ready(k) for k in ks[:4])
 
 
 async def test_a_load_mixing_cpu_and_disk_blocks_keeps_their_order(tmp_path: Path) -> None:
@@ -151,7 +153,7 @@ async def test_a_load_mixing_cpu_and_disk_blocks_keeps_their_order(tmp_path: Pat
         await (await eng.prepare_load(ks, dst))
         assert [block(kv, d) for d in dst] == want
         assert eng.stats().manager.pinned == 0
-        assert eng.tiers[0].manager.stats().pinned == 0
+        assert tier_index(eng).stats().pinned == 0
 
 
 async def test_files_mode_blocks_are_private_and_published_atomically(tmp_path: Path) -> None:
@@ -263,9 +265,9 @@ def _flip(path: Path | int, offset: int) -> None:
             f.write(bytes([b[0] ^ 0x5A]))
 
 
-def _corrupt(tier: DiskStore, key: bytes, how: str, other: bytes) -> None:
+def _corrupt(tier: DiskStore, index: TierManager, key: bytes, how: str, other: bytes) -> None:
     if tier.config.mode == "slab":
-        slot = tier.manager.block_of(ao.OffloadKey(key))
+        slot = index.block_of(ao.OffloadKey(key))
         assert slot is not None
         base = slot.block_id * tier.slot_bytes
         if how == "payload":
@@ -275,7 +277,7 @@ def _corrupt(tier: DiskStore, key: bytes, how: str, other: bytes) -> None:
         elif how == "truncate":
             os.ftruncate(tier._fd, base + HEADER_BYTES + 10)
         elif how == "rename":  # another key's block copied into this slot
-            other_slot = tier.manager.block_of(ao.OffloadKey(other))
+            other_slot = index.block_of(ao.OffloadKey(other))
             assert other_slot is not None
             with buffered(tier._fd) as fd:
                 data = os.pread(fd, tier.slot_bytes, other_slot.block_id * tier.slot_bytes)
@@ -318,23 +320,23 @@ async def test_a_corrupt_block_is_a_miss_with_a_removed_event(
         assert isinstance(tier, DiskStore)
         # The victim is the block in the last slot (truncating a slab cuts what follows).
         if mode == "slab":
-            ks.sort(key=lambda k: tier.manager.block_of(k).block_id, reverse=True)  # type: ignore[union-attr]
+            ks.sort(key=lambda k: tier_index(eng).block_of(k).block_id, reverse=True)  # type: ignore[union-attr]
         if how == "identity":
-            _write_foreign_block(tier, ks[0])
+            _write_foreign_block(tier, tier_index(eng), ks[0])
         else:
-            _corrupt(tier, ks[0], how, ks[1])
+            _corrupt(tier, tier_index(eng), ks[0], how, ks[1])
         sub = eng.events()
         before = [t[10:12].clone() for t in kv]
         with pytest.raises(ao.TransferError, match="could not be read"):
             await (await eng.prepare_load(ks, [10, 11]))
         assert all(torch.equal(t[10:12], b) for t, b in zip(kv, before))  # untouched
-        assert not tier.manager.ready(ks[0])
+        assert not tier_index(eng).ready(ks[0])
         assert eng.lookup(ks) == 0  # the bad block is a miss from now on: no livelock
         stats = eng.stats()
         assert stats.tiers[0].dropped == 1 and stats.tiers[0].read_failures == 1
         expect = {"delete": "missing", "identity": "stale"}.get(how) or ATTACKS[how]
         assert stats.tiers[0].failures == {expect: 1}
-        assert stats.manager.pinned == 0 and tier.manager.stats().pinned == 0
+        assert stats.manager.pinned == 0 and tier_index(eng).stats().pinned == 0
         # The good block came up to the CPU tier and loads.
         await (await eng.prepare_load([ks[1]], [12]))
         assert block(kv, 12) == block(kv, keys(2).index(ks[1]))
@@ -343,7 +345,7 @@ async def test_a_corrupt_block_is_a_miss_with_a_removed_event(
     assert ks[0] not in stored(events, Medium.CPU)
 
 
-def _write_foreign_block(tier: DiskStore, key: bytes) -> None:
+def _write_foreign_block(tier: DiskStore, index: TierManager, key: bytes) -> None:
     """A block of this key and size written by an engine of another model."""
     other = Namespace("another-model", "uint8", "x", BLOCK)
     payload = os.urandom(BLOCK)
@@ -352,7 +354,7 @@ def _write_foreign_block(tier: DiskStore, key: bytes) -> None:
     raw = pack_header(other.identity(), key, payload) + payload
     raw = raw.ljust(tier.slot_bytes, b"\0")
     if tier.config.mode == "slab":
-        slot = tier.manager.block_of(ao.OffloadKey(key))
+        slot = index.block_of(ao.OffloadKey(key))
         assert slot is not None
         with buffered(tier._fd) as fd:
             os.pwrite(fd, raw, slot.block_id * tier.slot_bytes)
@@ -401,10 +403,10 @@ async def test_a_full_disk_skips_stores_and_the_engine_serves_on(tmp_path: Path)
             assert stats.failures.get("ENOSPC", 0) > 0
             assert stats.write_failures == stats.failures["ENOSPC"]
             assert stats.blocks_written + stats.write_failures == 16
-            assert tier.manager.stats().ready == stats.blocks_written
+            assert tier_index(eng).stats().ready == stats.blocks_written
             assert not [p for p in tier.dir.rglob("*") if ".tmp." in p.name]
             # What the disk holds still loads, byte-exact; what it refused is a miss.
-            on_disk = [k for k in ks if tier.manager.ready(k)]
+            on_disk = [k for k in ks if tier_index(eng).ready(k)]
             assert on_disk
             await (await eng.prepare_load(on_disk[:2], [20, 21]))
             assert block(kv, 20) == block(kv, ks.index(on_disk[0]))
@@ -468,7 +470,7 @@ async def test_a_stalled_read_fails_its_load_without_waiting_for_the_disk(tmp_pa
         assert time.monotonic() - started < 2.5  # not the 3 s the read takes
         assert eng.lookup(ks) == 0  # misses, dropped from the tier
         assert eng.stats().tiers[0].failures == {"timeout": 2}
-        assert tier.manager.stats().pinned == 0
+        assert tier_index(eng).stats().pinned == 0
         assert eng.stats().manager.write_pending == 2  # the read still runs: slots held
         tier.pool.set_delay(0)
         limit = time.monotonic() + 10.0
@@ -548,7 +550,7 @@ async def test_flush_is_bounded_while_a_disk_op_hangs(tmp_path: Path) -> None:
             stats = eng.stats().tiers[0]
             assert stats.failures == {"timeout": 3}
             assert stats.read_failures == 2 and stats.write_failures == 1
-            assert eng.lookup(keys(2)) == 0 and not tier.manager.ready(new)
+            assert eng.lookup(keys(2)) == 0 and not tier_index(eng).ready(new)
             assert eng.stats().manager.write_pending == 2  # the read's CPU slots: held
             assert pins(eng, new) == 1  # pinned by the stuck write
             release()
@@ -557,7 +559,7 @@ async def test_flush_is_bounded_while_a_disk_op_hangs(tmp_path: Path) -> None:
                 assert time.monotonic() < limit, "the slots were not released in 10 s"
                 await asyncio.sleep(0.05)
         assert all(torch.equal(t[5:7], b) for t, b in zip(kv, before))
-        assert not tier.manager.ready(new)  # the write ended late: still not indexed
+        assert not tier_index(eng).ready(new)  # the write ended late: still not indexed
         await (await eng.prepare_load([new], [9]))  # its CPU copy is intact
         assert block(kv, 9) == block(kv, 8)
 
@@ -618,7 +620,7 @@ async def test_each_tier_evicts_with_its_own_events(tmp_path: Path) -> None:
             await store(eng, ks[i : i + 2], [i, i + 1])
         tier = eng.tiers[0]
         assert isinstance(tier, DiskStore)
-        assert tier.manager.stats().ready == 4
+        assert tier_index(eng).stats().ready == 4
         assert not tier.path_of(ks[0]).exists()  # evicted from disk: its file is gone
         events = await collect(eng, sub)
     assert removed(events, Medium.DISK) == set(ks[:2])
@@ -760,7 +762,7 @@ async def test_promotion_without_cpu_room_raises_and_changes_nothing(tmp_path: P
         with pytest.raises(ao.PromotionError):
             await eng.prepare_load(ks, [3, 4])
         await hold
-        assert eng.tiers[0].manager.stats().pinned == 0
+        assert tier_index(eng).stats().pinned == 0
         await (await eng.prepare_load(ks, [3, 4]))
 
 

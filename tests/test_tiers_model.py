@@ -54,9 +54,10 @@ from hypothesis.stateful import (
 )
 
 import asyncoffload as ao
+from asyncoffload.tiers.base import TierManager
 from asyncoffload.tiers.disk import DiskStore, DiskTier
 from asyncoffload.tiers.format import HEADER_BYTES, block_file_bytes
-from tests.helpers import make_keys
+from tests.helpers import make_keys, tier_index
 
 #: CI: 8 cases (mode x admission x loop), about 3 s each on a 2-CPU VM.
 EXAMPLES = 15
@@ -238,6 +239,10 @@ class TiersMachine(RuleBasedStateMachine):
     def disk(self) -> DiskStore:
         return cast(DiskStore, self.eng.tiers[0])
 
+    @property
+    def disk_index(self) -> TierManager:
+        return tier_index(self.eng)
+
     def _cpu_ready(self, key: ao.OffloadKey) -> bool:
         block = self.eng.manager.block_of(key)
         return block is not None and block.ref_cnt >= 0
@@ -397,12 +402,12 @@ class TiersMachine(RuleBasedStateMachine):
         doomed = [k for k in lower if k in self.corrupted]
         idle = sum(1 for k, b in m.policy.items() if b.ref_cnt == 0 and k not in keys)
         no_room = len(lower) > m.num_free + idle
-        before = (sorted(m.resident_keys()), sorted(self.disk.manager.resident_keys()))
+        before = (sorted(m.resident_keys()), sorted(self.disk_index.resident_keys()))
         try:
             handle = await self.eng.prepare_load(keys, blocks)
         except ao.PromotionError:
             assert no_room, "PromotionError although the CPU tier had idle slots"
-            after = (sorted(m.resident_keys()), sorted(self.disk.manager.resident_keys()))
+            after = (sorted(m.resident_keys()), sorted(self.disk_index.resident_keys()))
             assert after == before, "a refused promotion changed a tier"
             assert m.stats().pinned == sum(1 for _, b in m.policy.items() if b.ref_cnt > 0)
             return
@@ -418,8 +423,8 @@ class TiersMachine(RuleBasedStateMachine):
             removed = {k for e in new if e.medium is Medium.DISK and e.removed for k in e.keys}
             for key in doomed:
                 assert key in removed, "a block that failed its checks has no removed event"
-                assert not self.disk.manager.ready(key), "a dropped block is still ready"
-                assert key not in set(self.disk.manager.resident_keys())
+                assert not self.disk_index.ready(key), "a dropped block is still ready"
+                assert key not in set(self.disk_index.resident_keys())
                 self.on_disk.discard(key)
                 self.drops += 1
             for key in keys:
@@ -452,7 +457,7 @@ class TiersMachine(RuleBasedStateMachine):
             await self._flush()
             self._drain()
             # Not one damaged already: a second flip of the same byte would mend it.
-            resident = sorted(set(self.disk.manager.resident_keys()) - self.corrupted)
+            resident = sorted(set(self.disk_index.resident_keys()) - self.corrupted)
             if not resident:
                 return
             # Mostly a key the CPU tier lacks (its load fails now), else any.
@@ -473,7 +478,7 @@ class TiersMachine(RuleBasedStateMachine):
     def _corrupt(self, key: ao.OffloadKey, byte: int) -> None:
         disk = self.disk
         if self.mode == "slab":
-            block = disk.manager.block_of(key)
+            block = self.disk_index.block_of(key)
             assert block is not None
             offset = block.block_id * disk.slot_bytes + HEADER_BYTES
             page = mmap.mmap(-1, 4096)  # aligned, for a slab opened with O_DIRECT
@@ -540,7 +545,7 @@ class TiersMachine(RuleBasedStateMachine):
         self._settle()
         self._drain()
         cpu = set(self.eng.manager.resident_keys())
-        disk = set(self.disk.manager.resident_keys())
+        disk = set(self.disk_index.resident_keys())
         for replay in self.replays:
             assert replay.sets[Medium.CPU] == cpu, "CPU events disagree with the CPU tier"
             assert replay.sets[Medium.DISK] == disk, "DISK events disagree with the disk tier"
@@ -554,7 +559,7 @@ class TiersMachine(RuleBasedStateMachine):
     def slots_add_up(self) -> None:
         if self.engine is None:
             return
-        for m in (self.eng.manager, self.disk.manager):
+        for m in (self.eng.manager, self.disk_index):
             s = m.stats()
             assert s.ready + s.write_pending + s.free == s.num_blocks, s
         stats = self.eng.stats().tiers[0]
@@ -572,14 +577,14 @@ class TiersMachine(RuleBasedStateMachine):
         self._settle()
         self._drain()
         assert not self.stores
-        cpu, disk = self.eng.manager.stats(), self.disk.manager.stats()
+        cpu, disk = self.eng.manager.stats(), self.disk_index.stats()
         assert cpu.pinned == cpu.write_pending == 0, cpu
         assert disk.pinned == disk.write_pending == 0, disk
-        assert not self.disk.manager._bad
+        assert not self.disk_index._bad
         tier = self.eng.stats().tiers[0]
         assert tier.blocks_written == disk.stored, tier
         assert tier.write_failures == disk.store_failed == tier.failures.get("ENOSPC", 0)
-        resident = set(self.disk.manager.resident_keys())
+        resident = set(self.disk_index.resident_keys())
         assert resident <= self.ever_stored
         failed = tier.write_failures - self.write_failures
         if not self.faulted:

@@ -23,19 +23,22 @@ import enum
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
+from asyncoffload.errors import DuplicateKeyError
 from asyncoffload.keys import BlockTokens, OffloadKey
 
 __all__ = [
     "BlockStatus",
     "CPULoadStoreSpec",
     "LookupResult",
+    "ManagerStats",
     "Medium",
     "OffloadingEvent",
     "OffloadingManager",
     "PrepareStoreOutput",
     "ReqContext",
+    "reject_duplicates",
 ]
 
 
@@ -129,6 +132,45 @@ class OffloadingEvent:
     ts: float
     snapshot: bool = False
     tokens: BlockTokens | None = None
+
+
+class ManagerStats(NamedTuple):
+    """State and counters of a manager; the counters run from its creation."""
+
+    #: Slots in the tier.
+    num_blocks: int
+    #: Ready blocks (loadable).
+    ready: int
+    #: Blocks whose store is in flight.
+    write_pending: int
+    #: Ready blocks pinned by at least one load.
+    pinned: int
+    #: Free slots.
+    free: int
+    #: Blocks made ready by successful stores.
+    stored: int
+    #: Blocks dropped by failed stores.
+    store_failed: int
+    #: Blocks handed to loads.
+    loaded: int
+    #: Blocks evicted.
+    evicted: int
+    #: Keys offered and held back: by ``store_threshold``, the admission filter or the
+    #: policy's own admission.
+    store_skipped: int
+    #: ``lookup`` calls, and those that found the key (ready or pending).
+    lookups: int
+    hits: int
+
+
+def reject_duplicates(keys: Sequence[OffloadKey], what: str) -> None:
+    """``DuplicateKeyError`` (naming the call ``what``) for a key listed twice."""
+    if len(set(keys)) != len(keys):
+        seen: set[OffloadKey] = set()
+        for key in keys:
+            if key in seen:
+                raise DuplicateKeyError(f"{what}: key {key.hex()} appears more than once")
+            seen.add(key)
 
 
 class OffloadingManager(ABC):

@@ -19,25 +19,27 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from itertools import compress, repeat
 from operator import attrgetter, is_, itemgetter
-from typing import NamedTuple, cast
+from typing import cast
 
-from asyncoffload.errors import DuplicateKeyError, KeyNotReadyError, UnknownKeyError
+from asyncoffload.errors import KeyNotReadyError, UnknownKeyError
 from asyncoffload.keys import GROUP_IDX_BYTES, BlockTokens, OffloadKey
 from asyncoffload.manager.admission import AdmissionFilter, get_admission_cls
 from asyncoffload.manager.base import (
     BlockStatus,
     CPULoadStoreSpec,
     LookupResult,
+    ManagerStats,
     Medium,
     OffloadingEvent,
     OffloadingManager,
     PrepareStoreOutput,
     ReqContext,
+    reject_duplicates,
 )
 from asyncoffload.manager.offers import OfferCounts
 from asyncoffload.manager.policies import CachePolicy, RequestScope, get_policy_cls
 
-__all__ = ["CPUOffloadingManager", "ManagerStats"]
+__all__ = ["CPUOffloadingManager", "ManagerStats", "reject_duplicates"]
 
 _EMPTY_SPEC = CPULoadStoreSpec(())
 _ref_cnt = attrgetter("ref_cnt")
@@ -45,35 +47,6 @@ _block_id = attrgetter("block_id")
 
 #: Called with (keys, removed) for each event, instead of keeping OffloadingEvents.
 EventSink = Callable[[list[OffloadKey], bool], None]
-
-
-class ManagerStats(NamedTuple):
-    """State and counters of a manager; the counters run from its creation."""
-
-    #: Slots in the tier.
-    num_blocks: int
-    #: Ready blocks (loadable).
-    ready: int
-    #: Blocks whose store is in flight.
-    write_pending: int
-    #: Ready blocks pinned by at least one load.
-    pinned: int
-    #: Free slots.
-    free: int
-    #: Blocks made ready by successful stores.
-    stored: int
-    #: Blocks dropped by failed stores.
-    store_failed: int
-    #: Blocks handed to loads.
-    loaded: int
-    #: Blocks evicted.
-    evicted: int
-    #: Keys offered and held back: by ``store_threshold``, the admission filter or the
-    #: policy's own admission.
-    store_skipped: int
-    #: ``lookup`` calls, and those that found the key (ready or pending).
-    lookups: int
-    hits: int
 
 
 class _RequestLog:
@@ -143,16 +116,6 @@ def _group_keys(
                     group = [group[i] for i in sorted(range(len(group)), key=known.__getitem__)]
         out.append(group)
     return out
-
-
-def reject_duplicates(keys: Sequence[OffloadKey], what: str) -> None:
-    """``DuplicateKeyError`` (naming the call ``what``) for a key listed twice."""
-    if len(set(keys)) != len(keys):
-        seen: set[OffloadKey] = set()
-        for key in keys:
-            if key in seen:
-                raise DuplicateKeyError(f"{what}: key {key.hex()} appears more than once")
-            seen.add(key)
 
 
 def _partition(

@@ -10,11 +10,9 @@ move bytes and signal the completion bridge.
 
 from __future__ import annotations
 
-import errno
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
 from typing import Protocol
 
 from asyncoffload.keys import OffloadKey
@@ -22,19 +20,28 @@ from asyncoffload.manager.admission import AdmissionFilter
 from asyncoffload.manager.base import Medium
 from asyncoffload.manager.cpu import CPUOffloadingManager
 from asyncoffload.manager.policies import CachePolicy
+from asyncoffload.tiers.core.types import (
+    IndexSpec,
+    TierCounters,
+    count_failures,
+    failure_cause,
+    results_of,
+)
 from asyncoffload.transfer.base import CopyJob, HostRegion
 
 log = logging.getLogger("asyncoffload.tiers")
 
 __all__ = [
+    "IndexSpec",
     "LowerTier",
     "SharedSettings",
     "TierCounters",
     "TierManager",
     "count_failures",
     "failure_cause",
+    "new_index",
     "outcomes",
-    "shared_index",
+    "shared_index_spec",
 ]
 
 
@@ -155,36 +162,28 @@ class SharedSettings(Protocol):
     def min_offers(self) -> int: ...
 
 
-def shared_index(config: SharedSettings) -> TierManager:
+def shared_index_spec(config: SharedSettings) -> IndexSpec:
     """A shared tier's index: ``index_blocks`` of blocks it knows the store holds, its
     policy, and its admission (``"frequency"``: the ``min_offers``-th offer; another
     name: that filter; None: every block)."""
     threshold = config.min_offers if config.admission == "frequency" else 0
     admission = config.admission if config.admission not in (None, "frequency") else None
-    return TierManager(
-        config.index_blocks, Medium.REMOTE, config.policy, threshold, admission=admission
+    return IndexSpec(config.index_blocks, Medium.REMOTE, config.policy, threshold, admission)
+
+
+def new_index(spec: IndexSpec) -> TierManager:
+    """The index a tier's ``spec`` describes, holding the blocks it found at open (ready,
+    oldest first; no event: a subscriber's snapshot shows them)."""
+    index = TierManager(
+        spec.num_blocks, spec.medium, spec.policy, spec.store_threshold, admission=spec.admission
     )
-
-
-@dataclass
-class TierCounters:
-    """What a tier did, for stats: offers written and refused, reads and their failures
-    by cause."""
-
-    writes: int = 0
-    blocks_written: int = 0
-    #: Offered blocks the tier found there already (a shared tier's put-if-absent that
-    #: wrote nothing): ready in the index, not counted written.
-    blocks_present: int = 0
-    bytes_written: int = 0
-    write_failures: int = 0
-    reads: int = 0
-    blocks_read: int = 0
-    bytes_read: int = 0
-    read_failures: int = 0
-    lookup_hits: int = 0
-    #: Failures by cause ("corrupt", "stale", "missing", "short", "timeout", "ENOSPC", ...).
-    failures: dict[str, int] = field(default_factory=dict)
+    if spec.recovered:
+        keys = list(spec.recovered)
+        out = index.reserve(keys)
+        assert out is not None
+        index.complete_store(keys)
+        index.take_events()
+    return index
 
 
 class LowerTier(ABC):
@@ -192,7 +191,8 @@ class LowerTier(ABC):
 
     name: str
     medium: Medium
-    manager: TierManager
+    #: How the tier's index is built (the index itself is the tier core's).
+    index_spec: IndexSpec
     block_bytes: int
     #: Seconds an operation may wait to start; a read still running well past it fails
     #: its load (the engine does not wait on a stalled disk).
@@ -248,50 +248,7 @@ class LowerTier(ABC):
         """Finish queued I/O, stop the lanes, close files. Idempotent."""
 
 
-_CAUSES = {
-    errno.EBADMSG: "corrupt",
-    errno.ESTALE: "stale",
-    errno.EKEYREJECTED: "wrong_key",
-    errno.ENOKEY: "unauthenticated",
-    errno.ENODATA: "short",
-    errno.EMSGSIZE: "oversize",
-    errno.EPROTO: "protocol",
-    errno.ENOENT: "missing",
-    errno.ETIMEDOUT: "timeout",
-    errno.EHOSTDOWN: "unavailable",
-}
-
-
-def failure_cause(code: int) -> str:
-    """The name of a failed block's ``-errno``: a cause of tiers' stats."""
-    code = -code
-    return _CAUSES.get(code) or errno.errorcode.get(code, f"errno {code}")
-
-
 def outcomes(job: CopyJob, n: int) -> list[int]:
-    """Per block of an I/O job: bytes moved, or ``-errno``. A job that ended with
-    another number of results than its ``n`` blocks (a defect) fails them all with
-    ``-EPROTO``: pairing results with the wrong blocks, or leaving some unsettled,
-    would be worse."""
-    results = getattr(job, "results", None)
-    if results is None or job.error is not None:
-        err = job.error
-        code = err.errno if isinstance(err, OSError) and err.errno else errno.EIO
-        return [-code] * n
-    out = list(results)
-    if len(out) != n:
-        log.error("an I/O job of %d blocks ended with %d results: all fail", n, len(out))
-        return [-errno.EPROTO] * n
-    return out
-
-
-def count_failures(counters: TierCounters, results: Sequence[int]) -> dict[str, int]:
-    """Count the failed blocks of ``results`` by cause, into ``counters.failures`` too;
-    the causes of this job."""
-    causes: dict[str, int] = {}
-    for r in results:
-        if r < 0:
-            cause = failure_cause(r)
-            causes[cause] = causes.get(cause, 0) + 1
-            counters.failures[cause] = counters.failures.get(cause, 0) + 1
-    return causes
+    """Per block of an ended I/O job of ``n`` blocks: bytes moved, or ``-errno`` (see
+    :func:`~asyncoffload.tiers.core.types.results_of`)."""
+    return results_of(getattr(job, "results", None), job.error, n)

@@ -42,7 +42,7 @@ from pydantic import Field, SecretBytes, field_validator, model_validator
 from asyncoffload._ownership import open_private_dir, open_root_dir
 from asyncoffload.keys import OffloadKey
 from asyncoffload.manager.base import Medium
-from asyncoffload.tiers.base import LowerTier, TierManager
+from asyncoffload.tiers.base import IndexSpec, LowerTier
 from asyncoffload.tiers.format import (
     HEADER_BYTES,
     Namespace,
@@ -238,7 +238,7 @@ class DiskStore(LowerTier):
         self.num_blocks = num_blocks
         threshold = config.min_offers if config.admission == "frequency" else 0
         admission = config.admission if config.admission not in (None, "frequency") else None
-        self.manager = TierManager(
+        self.index_spec = IndexSpec(
             num_blocks, Medium.DISK, config.policy, threshold, admission=admission
         )
         self._closed = False
@@ -398,13 +398,16 @@ class DiskStore(LowerTier):
                 os.close(sub)
         found.sort()
         keep = found[-self.num_blocks :]
-        manager = self.manager
-        if keep:
-            keys = [key for _, key in keep]
-            out = manager.reserve(keys)
-            assert out is not None
-            manager.complete_store(keys)
-            manager.take_events()  # not news: the snapshot of a subscriber shows them
+        if keep:  # the index holds them, ready, with no event (see tiers.base.new_index)
+            spec = self.index_spec
+            self.index_spec = IndexSpec(
+                spec.num_blocks,
+                spec.medium,
+                spec.policy,
+                spec.store_threshold,
+                spec.admission,
+                recovered=tuple(key for _, key in keep),
+            )
         if removed:
             log.warning(
                 "disk tier %s: removed %d entries of %s named like blocks that are no "
@@ -576,8 +579,4 @@ class DiskStore(LowerTier):
                 setattr(self, attr, -1)
 
     def __repr__(self) -> str:
-        m = self.manager.stats()
-        return (
-            f"<DiskStore {self.name} {self.config.mode} {self.dir} "
-            f"[{m.ready} ready, {m.write_pending} writing of {self.num_blocks}]>"
-        )
+        return f"<DiskStore {self.name} {self.config.mode} {self.dir} [{self.num_blocks} slots]>"

@@ -39,7 +39,7 @@ from pydantic import Field, SecretBytes, field_validator
 from asyncoffload.keys import OffloadKey
 from asyncoffload.manager.base import Medium
 from asyncoffload.tiers._mooncake_helper import PRESENT
-from asyncoffload.tiers.base import LowerTier, shared_index
+from asyncoffload.tiers.base import LowerTier, shared_index_spec
 from asyncoffload.tiers.format import HEADER_BYTES, Namespace
 from asyncoffload.tiers.settings import TierSettings
 from asyncoffload.transfer.base import CopyJob, HostRegion
@@ -286,7 +286,7 @@ class MooncakeStore(LowerTier):
         self.identity = namespace.identity()
         self.block_bytes = namespace.block_bytes
         self.deadline_s = config.timeout_s
-        self.manager = shared_index(config)
+        self.index_spec = shared_index_spec(config)
         self._name_prefix = f"{config.prefix}:{self.identity.hex()}:"
         #: The host memory the helper maps: (our fd (a duplicate), address, size).
         self._regions: list[tuple[int, int, int]] = []

@@ -33,7 +33,7 @@ from pydantic import Field, SecretBytes, SecretStr, field_validator, model_valid
 from asyncoffload.keys import OffloadKey
 from asyncoffload.manager.base import Medium
 from asyncoffload.tiers._clients import make_client
-from asyncoffload.tiers.base import LowerTier, shared_index
+from asyncoffload.tiers.base import LowerTier, shared_index_spec
 from asyncoffload.tiers.format import HEADER_BYTES, Namespace
 from asyncoffload.tiers.settings import TierSettings
 from asyncoffload.transfer.base import CopyJob
@@ -407,7 +407,7 @@ class RemoteStore(LowerTier):
         self.identity = namespace.identity()
         self.block_bytes = namespace.block_bytes
         self.deadline_s = config.timeout_s
-        self.manager = shared_index(config)
+        self.index_spec = shared_index_spec(config)
         self._key_prefix = f"{config.prefix}:{self.identity.hex()}:".encode()
         from asyncoffload.tiers._io import IoPool, _library, require
 

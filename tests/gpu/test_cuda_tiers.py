@@ -14,6 +14,7 @@ from asyncoffload.tiers import _io
 from asyncoffload.tiers.disk import DiskStore
 from asyncoffload.tiers.format import HEADER_BYTES, block_file_bytes
 from tests.gpu.conftest import GPU
+from tests.helpers import tier_index
 
 pytestmark = [*GPU, pytest.mark.skipif(not _io.available(), reason="no native I/O lanes")]
 
@@ -85,7 +86,7 @@ async def test_cuda_blocks_round_trip_through_disk(tmp_path: Path, mode: str) ->
             raw[HEADER_BYTES + 7] ^= 1
             path.write_bytes(bytes(raw))
         else:
-            block = tier.manager.block_of(ks2[0])
+            block = tier_index(engine).block_of(ks2[0])
             assert block is not None
             fd = os.open(f"/proc/self/fd/{tier._fd}", os.O_RDWR)
             off = block.block_id * tier.slot_bytes + HEADER_BYTES + 7

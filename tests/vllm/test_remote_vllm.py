@@ -136,7 +136,7 @@ def _load(
 def _redis_key(manager: AsyncOffloadManager, key: OffloadKey) -> bytes:
     """The server key of block ``key`` in ``manager``'s shared tier."""
     assert manager.tiers is not None
-    store = manager.tiers.tiers[0].store
+    store = manager.tiers.stores[0]
     assert isinstance(store, RemoteStore)
     return store.redis_key(cast(AoKey, key))
 
@@ -282,7 +282,7 @@ def test_a_damaged_values_removal_keeps_vllm_stepping_until_it_ends(
 
     with _engine(tmp_path, valkey_server.url, "two", seed=2) as (_caches, _worker, manager):
         assert manager.tiers is not None
-        store = manager.tiers.tiers[0].store
+        store = manager.tiers.stores[0]
         client = store._client  # type: ignore[attr-defined]
         delete = client.delete
 

@@ -256,7 +256,7 @@ def test_a_corrupt_disk_block_is_a_miss_dropped_and_never_a_hit(tmp_path: Path) 
     caches, worker, manager = _parts(spec)
     keys, expected = _fill(manager, worker, caches)
     assert manager.tiers is not None
-    store = manager.tiers.tiers[0].store
+    store = manager.tiers.stores[0]
     assert isinstance(store, DiskStore)
     victim = store.path_of(keys[0])  # type: ignore[arg-type]
     with open(victim, "r+b") as f:  # flip one payload byte

@@ -163,7 +163,7 @@ def test_tp2_one_rank_slice_damaged_is_a_miss_for_every_rank(tmp_path: Path, ran
     engine = _Engine(tmp_path, 2, [_tier(tmp_path / "disk", mode="files")], seed=2)
     keys, expected = engine.fill()
     assert engine.manager.tiers is not None
-    store = engine.manager.tiers.tiers[0].store
+    store = engine.manager.tiers.stores[0]
     assert isinstance(store, DiskStore)
     victim = store.path_of(keys[0])  # type: ignore[arg-type]
     offset = 4096 + rank * CHUNK + 777  # a byte of that rank's slice
@@ -287,7 +287,7 @@ def test_a_replicated_layout_is_held_once_and_every_rank_loads_it(tmp_path: Path
     assert tier.blocks_written == 8 and tier.bytes_written == 8 * CHUNK  # one slice each
     assert tier.info.get("host_pools") is None  # the scheduler maps rank 0's pool only
     assert engine.manager.tiers is not None
-    store = engine.manager.tiers.tiers[0].store
+    store = engine.manager.tiers.stores[0]
     assert isinstance(store, DiskStore)
     assert store.path_of(keys[0]).stat().st_size == 4096 + CHUNK  # type: ignore[arg-type]
     # Rank 1's KV is elsewhere now: a load must bring rank 0's copy to both ranks.

@@ -67,7 +67,7 @@ from asyncoffload.manager.policies.lru_ranked import RankedLRUPolicy
 if TYPE_CHECKING:
     from asyncoffload.integrations.vllm.tiers import SchedulerTiers
     from asyncoffload.tiers.base import LowerTier
-    from asyncoffload.tiers.hierarchy import TierState, TierStats
+    from asyncoffload.tiers.core import TierState, TierStats
 
 __all__ = ["AsyncOffloadManager", "metric_definitions"]
 
@@ -430,9 +430,11 @@ class AsyncOffloadManager(OffloadingManager):
         # or at the next other call.
         tiers.poll()
         result = self._calls.lookup(key, req_context)
+        ours = cast(OurOffloadKey, key)
+        if result is _PENDING and tiers.stalled(ours):
+            return _MISS  # its read outlived its deadline: the core failed the promotion
         # The keys this request's lookup walk found so far: a promotion must not evict
         # them (vLLM looks a request's keys up one by one, in order).
-        ours = cast(OurOffloadKey, key)
         req_id = getattr(req_context, "req_id", None)
         walk = self._walk
         if walk[0] != req_id or ours in walk[1]:  # another request, or a new pass
@@ -509,13 +511,8 @@ class AsyncOffloadManager(OffloadingManager):
         if out is None:
             return None
         to_store, slots, evicted = out
-        tiers = self._tiers
-        if tiers is not None and len(to_store) < len(keys):
-            # Keys the CPU tier already holds are offered to the lower tiers again (their
-            # admission counts offers), as the engine does.
-            fresh = set(to_store)
-            offered = cast(list[OurOffloadKey], list(dict.fromkeys(keys)))
-            tiers.write_through([k for k in offered if k not in fresh])
+        if self._tiers is not None:  # the keys the CPU tier holds already go down again
+            self._tiers.reoffer(cast(list[OurOffloadKey], _seq(keys)), to_store)
         return PrepareStoreOutput(
             keys_to_store=cast(list[OffloadKey], to_store),
             store_spec=CPULoadStoreSpec(slots),
@@ -688,7 +685,7 @@ def _tier_filter(req_context: ReqContext) -> Callable[[TierState], bool] | None:
     remote = _LOCALITY.REMOTE if _LOCALITY is not None else None
 
     def allow(tier: TierState) -> bool:
-        where = local if tier.store.medium is OurMedium.DISK else remote
+        where = local if tier.medium is OurMedium.DISK else remote
         return bool(allows(Medium.STORAGE, where))
 
     return allow

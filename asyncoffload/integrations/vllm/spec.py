@@ -32,6 +32,7 @@ from asyncoffload.integrations.vllm.settings import VllmOffloadSettings
 from asyncoffload.integrations.vllm.worker import AsyncOffloadWorker
 from asyncoffload.tiers.base import LowerTier
 from asyncoffload.tiers.format import Namespace
+from asyncoffload.tiers.ports import open_tiers
 
 __all__ = ["AsyncOffloadSpec"]
 
@@ -138,16 +139,8 @@ class AsyncOffloadSpec(OffloadingSpec):
         )
 
     def _open_tiers(self) -> list[LowerTier]:
-        namespace = self.namespace()
-        stores: list[LowerTier] = []
-        try:
-            for i, tier in enumerate(self.settings.tiers):
-                stores.append(tier.open(namespace, f"{tier.kind}{i}"))
-        except BaseException:
-            for store in stores:
-                store.close()
-            raise
-        return stores
+        # The host pools are mapped later, by the scheduler's tiers (HostPools).
+        return open_tiers(self.settings.tiers, self.namespace(), cpu_blocks=self.num_chunks)
 
     def get_manager(self) -> OffloadingManager:
         if self._manager is None:

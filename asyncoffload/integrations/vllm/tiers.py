@@ -30,10 +30,12 @@ but ``lookup``) steps while something of ours is in flight on it. It does not im
   from their CPU slots, pinned until the write ends, as the engine does.
 - Every rule of the tiers (which tier holds a key, how a promotion reserves, reads,
   settles or fails, write-through, drops, counters, events) is the sans-I/O core's,
-  :class:`~asyncoffload.tiers.hierarchy.TierHierarchy`, which the engine drives too;
-  this module only carries its I/O requests to the lanes and the private loop and
-  polls for their ends, and keeps the scheduler's world: ``HIT_PENDING``, the shared
-  tiers' questions and their negative answers, the host pool file.
+  :class:`~asyncoffload.tiers.core.TierHierarchy`, which the engine drives too;
+  this module only carries its requests to the lanes and the private loop, polls for
+  their ends and hands them back with the time, and keeps the scheduler's world: the
+  host pool file and the private loop. The core also bounds every ``HIT_PENDING``: a
+  promotion whose read outlives its tier's deadline plus a second fails (its key is a
+  ``MISS`` while the read still runs; its slot is freed when it ends), as in the engine.
 - A shared tier knows only the blocks this engine wrote or found there. A key absent
   from the CPU tier and unknown to every lower tier is asked about (``EXISTS``, once per
   key, the step's keys in one pipelined query per shared tier, sent at the step's end)
@@ -53,60 +55,34 @@ import contextlib
 import logging
 import os
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from asyncoffload.integrations.vllm.host_pools import HostPools, host_pool_path
 from asyncoffload.integrations.vllm.private_loop import PrivateLoop
 from asyncoffload.keys import OffloadKey
 from asyncoffload.manager import CPUOffloadingManager
+from asyncoffload.tiers import ports
 from asyncoffload.tiers._io import keep_until_ended
 from asyncoffload.tiers.base import LowerTier
-from asyncoffload.tiers.format import MAX_KEY_BYTES
-from asyncoffload.tiers.hierarchy import TierHierarchy, TierIo, TierState, TierStats, submit
+from asyncoffload.tiers.core import (
+    Delete,
+    Exists,
+    Request,
+    TierHierarchy,
+    TierIo,
+    TierState,
+    TierStats,
+)
 from asyncoffload.transfer.base import CopyJob, FailedJob
 
 __all__ = ["SchedulerTiers", "host_pool_path"]
 
 log = logging.getLogger("asyncoffload.vllm")
 
-#: A drain waits for I/O at most the tiers' deadline plus this.
-_DRAIN_GRACE_S = 1.0
-#: Promotions found in one step are read as one job per tier; a batch this large is
-#: submitted at once (and so is a shared tier's query of this many keys).
-_MAX_BATCH = 256
-#: Seconds a shared tier's "not there" (or a failed query) is remembered, and how many
-#: such keys at most.
-_MISS_TTL_S = 2.0
-_MISS_KEYS = 65_536
-#: Keys at most that wait for a CPU slot held by tier I/O of ours (see ``promote``).
-_SLOT_WAIT_KEYS = 65_536
-#: A failed query is logged at most once this often (the others are counted).
-_LOG_EVERY_S = 60.0
 #: Seconds the shutdown waits for a shared tier's client to close.
 _CLOSE_TIMEOUT_S = 5.0
-
-
-@dataclass
-class _Jobs:
-    """A tier's I/O jobs in flight, in submission order (they end about in order), each
-    with its number (``SchedulerTiers._submitted``), and when a shared tier whose last
-    query failed may be asked again."""
-
-    reads: deque[tuple[TierIo, CopyJob, int]] = field(default_factory=deque)
-    writes: deque[tuple[TierIo, CopyJob, int]] = field(default_factory=deque)
-    down_until: float = 0.0
-
-
-@dataclass
-class _Query:
-    """An ``exists`` query of one shared tier, a task on the private loop."""
-
-    tier: TierState
-    keys: list[OffloadKey]
-    task: asyncio.Task[list[bool]]
 
 
 class SchedulerTiers:
@@ -115,8 +91,7 @@ class SchedulerTiers:
     ``cpu``: the CPU tier's manager (its slots are the worker's host slots, ``num_slots``
     of ``slot_bytes`` in the file at ``pool_path``); ``stores``: the running tiers,
     highest first. The caller polls (:meth:`poll`) at the start of each call and flushes
-    (:meth:`flush`) once its step's lookups are done. ``miss_ttl_s``: how long a shared
-    tier's "not there" is remembered.
+    (:meth:`flush`) once its step's lookups are done.
     """
 
     def __init__(
@@ -130,11 +105,15 @@ class SchedulerTiers:
         unlink_pools: bool = True,
     ) -> None:
         self.cpu = cpu
-        self.core = TierHierarchy(cpu, stores)
+        self.core = TierHierarchy(cpu, ports.tier_states(stores))
         self.tiers = self.core.tiers
+        self._ports = dict(zip(self.tiers, stores))
         self._stores = list(stores)
         self._shared = self.core.shared_tiers
-        self._jobs = {tier: _Jobs() for tier in self.tiers}
+        #: Each tier's reads and writes in flight, in submission order (they end about
+        #: in order); each request's job is in its ``job``.
+        self._reads: dict[TierState, deque[TierIo]] = {t: deque() for t in self.tiers}
+        self._writes: dict[TierState, deque[TierIo]] = {t: deque() for t in self.tiers}
         self.pools = HostPools(pool_paths, num_slots, slot_bytes, unlink=unlink_pools)
         self.pool_paths = self.pools.pool_paths
         for store in stores:
@@ -148,29 +127,27 @@ class SchedulerTiers:
         self._closed = False
         # The shared tiers' private loop, stepped from here (see the module docstring).
         self._loop = PrivateLoop() if self._shared else None
-        #: Keys to ask the shared tiers about at the next flush.
-        self._ask: dict[OffloadKey, None] = {}
-        #: Keys asked about (or to be): how many queries of them are still out.
-        self._asking: dict[OffloadKey, int] = {}
-        #: Keys of ``_asking`` that some shared tier holds.
-        self._found: set[OffloadKey] = set()
-        self._queries: list[_Query] = []
-        #: Keys no shared tier holds, until when (monotonic), oldest first.
-        self._misses: OrderedDict[OffloadKey, float] = OrderedDict()
-        self.miss_ttl_s = _MISS_TTL_S
-        #: Tier I/O jobs submitted (reads and writes): the number of the last one.
-        self._submitted = 0
-        #: Keys whose promotion found no idle CPU slot while tier I/O of ours held some,
-        #: each with the number of the last job submitted then: the key waits until
-        #: every job up to that one has ended.
-        self._slot_waits: OrderedDict[OffloadKey, int] = OrderedDict()
-        self._logged_at = -_LOG_EVERY_S
-        self._unlogged = 0
+        #: Questions out on the private loop (each one's task in its ``job``).
+        self._queries: list[Exists] = []
         self.deadline_s = self.core.deadline_s
         for store in stores:
             store.bind(None)  # vLLM polls: no wake-up fd
         for tier in self._shared:
             self._connect(tier)
+
+    @property
+    def stores(self) -> tuple[LowerTier, ...]:
+        """The running tiers' ports, highest first."""
+        return tuple(self._ports.values())
+
+    @property
+    def miss_ttl_s(self) -> float:
+        """How long a shared tier's "not there" is remembered (the core's rule)."""
+        return self.core.questions.miss_ttl_s
+
+    @miss_ttl_s.setter
+    def miss_ttl_s(self, seconds: float) -> None:
+        self.core.questions.miss_ttl_s = seconds
 
     # --- the shared host pool -------------------------------------------------------
 
@@ -187,13 +164,17 @@ class SchedulerTiers:
         """Rank 0's slot 0 here, once every rank's pool is mapped (see HostPools.base)."""
         return None if self._closed else self.pools.base(self._stores)
 
+    def _blocked(self) -> str:
+        """Why no tier I/O can run now ("no_pool": the host pools are not mapped), or ""."""
+        return "" if self._pool_base() is not None else "no_pool"
+
     def _connect(self, tier: TierState) -> None:
         """Open a shared tier's connections now, once, at start-up: the private loop
         runs only while vLLM calls the manager, and under load a step can take a
         second, so a handshake of several round trips made in the middle of a request
         would outlive the request's deadline. A server down now is not an error: the
         tier then connects when first used, as it would anyway."""
-        connect = getattr(tier.store, "connect", None)
+        connect = getattr(self._ports[tier], "connect", None)
         if connect is None:
             return
         try:
@@ -202,94 +183,118 @@ class SchedulerTiers:
         except Exception as exc:
             log.warning(
                 "shared tier %s: no connection at start-up (%r): it connects when first used",
-                tier.store.name,
+                tier.name,
                 exc,
             )
 
-    # --- polling --------------------------------------------------------------------
+    # --- carrying the core's requests -------------------------------------------------
 
-    def pending(self) -> bool:
-        """Whether I/O or a shared tier's query is in flight, promotions or queries wait
-        to be submitted, or a task of ours runs on the private loop (a shared tier's
-        removal of a damaged value: vLLM steps the loop only while this says so)."""
-        on_loop = self._loop is not None and bool(self._loop.on_loop)
-        return bool(self.core.batched or self._asking or self._io_in_flight() or on_loop)
-
-    def _io_in_flight(self) -> bool:
-        return any(jobs.reads or jobs.writes for jobs in self._jobs.values())
-
-    def _oldest_in_flight(self) -> int | None:
-        """The number of the oldest tier I/O job still in flight (each tier's jobs are
-        taken back in order), or None."""
-        heads = [
-            queue[0][2]
-            for jobs in self._jobs.values()
-            for queue in (jobs.reads, jobs.writes)
-            if queue
-        ]
-        return min(heads, default=None)
-
-    def poll(self) -> None:
-        """Finish the I/O jobs that ended (only each tier's heads: a tier's jobs end
-        about in order) and take the shared tiers' answers that arrived. It does not
-        step the private loop (cheap enough for every lookup)."""
-        core = self.core
-        for jobs in self._jobs.values():
-            reads = jobs.reads
-            while reads and reads[0][1].query():
-                io, job, _ = reads.popleft()
-                core.read_done(io, job)
-                if io.tier.shared is not None:
-                    self._track_background(io.tier)
-                if io.bad and self._shared:  # gone from every index: not asked at once
-                    now = time.monotonic()
-                    for key in io.bad:
-                        self._remember_miss(key, now)
-            writes = jobs.writes
-            while writes and writes[0][1].query():
-                io, job, _ = writes.popleft()
-                core.write_done(io, job)
-        if core.late:  # jobs given up on (stuck disk ops) that ended: their slots go
-            core.reap()
-        if self._queries:
-            self._answers()
-
-    def _track_background(self, tier: TierState) -> None:
-        """Step the private loop while ``tier``'s own tasks run (see ``pending``)."""
-        loop = self._loop
-        for task in getattr(tier.store, "background", ()):
-            if loop is not None:
+    def _carry(self, requests: Sequence[Request]) -> None:
+        """Hand each request to its port: reads and writes to the lanes (polled), deletes
+        to the port, questions to a task on the private loop."""
+        for req in requests:
+            if isinstance(req, TierIo):
+                self._submit(req)
+                (self._writes if req.write else self._reads)[req.tier].append(req)
+            elif isinstance(req, Delete):
+                ports.delete(self._ports[req.tier], req.keys)
+            else:
+                loop = self._loop
+                assert loop is not None and loop.loop is not None
+                task = loop.loop.create_task(ports.shared(self._ports[req.tier]).exists(req.keys))
                 loop.track(task)
-
-    def flush(self) -> None:
-        """Submit the promotions found since the last flush, one read job per tier, and
-        the shared tiers' queries; then step the private loop and take what ended."""
-        for io in self.core.take_reads():
-            self._submitted += 1
-            self._jobs[io.tier].reads.append((io, self._submit(io), self._submitted))
-        if self._ask:
-            self._send_queries()
-        loop = self._loop
-        if loop is not None and loop.on_loop:
-            loop.step()
-            self.poll()
+                req.job = task
+                self._queries.append(req)
 
     def _submit(self, io: TierIo) -> CopyJob:
         """Hand ``io`` to its tier: a shared tier's job is a task on the private loop,
         submitted from inside it."""
         host = [self.pools.address(slot) for slot in io.cpu_slots]
+        store = self._ports[io.tier]
         loop = self._loop
-        if io.tier.shared is None or loop is None:
-            return submit(io, host)
+        if not io.tier.shared or loop is None:
+            return ports.submit(store, io, host)
         try:
-            job = loop.call(submit, io, host)
+            job = loop.call(ports.submit, store, io, host)
         except Exception as exc:
             log.warning("a tier I/O submission failed: %r", exc)
-            return FailedJob(len(io.keys), exc.with_traceback(None))
+            job = io.job = FailedJob(len(io.keys), exc.with_traceback(None))
+            return job
         task = getattr(job, "task", None)
         if isinstance(task, asyncio.Future):
             loop.track(task)
         return job
+
+    # --- polling --------------------------------------------------------------------
+
+    def pending(self) -> bool:
+        """Whether I/O or a shared tier's question is in flight, promotions or questions
+        wait to be submitted, or a task of ours runs on the private loop (a shared tier's
+        removal of a damaged value: vLLM steps the loop only while this says so)."""
+        core = self.core
+        on_loop = self._loop is not None and bool(self._loop.on_loop)
+        return bool(core.batched or core.questions.asking or self._io_in_flight() or on_loop)
+
+    def _io_in_flight(self) -> bool:
+        return any(self._reads.values()) or any(self._writes.values())
+
+    def poll(self) -> None:
+        """Finish the I/O jobs that ended (only each tier's heads: a tier's jobs end
+        about in order), take the shared tiers' answers that arrived, and let the core
+        decide what is due. It does not step the private loop (cheap enough for every
+        lookup)."""
+        core = self.core
+        now = time.monotonic()
+        for reads in self._reads.values():
+            while reads and reads[0].job.query():
+                io = reads.popleft()
+                core.read_done(io, ports.outcome(io.job, len(io.keys)), now)
+                if io.tier.shared:
+                    self._track_background(self._ports[io.tier])
+        for writes in self._writes.values():
+            while writes and writes[0].job.query():
+                io = writes.popleft()
+                core.write_done(io, ports.outcome(io.job, len(io.keys)), now)
+        ports.reap(core, now)  # jobs given up on (stuck disk ops) that ended: their slots go
+        due = core.next_deadline()
+        if due is not None and due <= now:
+            core.check(now)  # stalled promotions (their keys are misses), silent servers
+        if self._queries:
+            self._answers(now)
+        self._carry(core.take_io(now, batched=False))  # the deletes of dropped blocks
+
+    def _track_background(self, port: object) -> None:
+        """Step the private loop while ``port``'s own tasks run (see ``pending``)."""
+        loop = self._loop
+        for task in getattr(port, "background", ()):
+            if loop is not None:
+                loop.track(task)
+
+    def flush(self) -> None:
+        """Submit the promotions found since the last flush, one read job per tier, and
+        the shared tiers' questions; then step the private loop and take what ended."""
+        self._carry(self.core.take_io(time.monotonic()))
+        loop = self._loop
+        if loop is not None and loop.on_loop:
+            loop.step()
+            self.poll()
+
+    def _answers(self, now: float) -> None:
+        """Take the answers of the questions that ended; drop those the core gave up on."""
+        left: list[Exists] = []
+        for q in self._queries:
+            task: asyncio.Task[list[bool]] = q.job
+            if q.settled:  # unanswered by its deadline: failed already
+                task.cancel()
+            elif not task.done():
+                left.append(q)
+            elif task.cancelled():
+                self.core.answered(q, None, asyncio.CancelledError(), now)
+            elif (error := task.exception()) is not None:
+                self.core.answered(q, None, error, now)
+            else:
+                self.core.answered(q, task.result(), None, now)
+        self._queries = left
 
     # --- promotions -----------------------------------------------------------------
 
@@ -301,196 +306,27 @@ class SchedulerTiers:
         *,
         ask: bool = True,
     ) -> bool:
-        """``key`` is absent from the CPU tier: if a lower tier has it ready, reserve a
-        CPU slot (never evicting one of ``protect``: the keys of the same lookup walk
-        found before it) and queue its read (True: the caller answers ``HIT_PENDING``).
-        ``allow``: the tiers the request may load from (vLLM's per-request
-        ``kv_load_tiers``); ``ask``: whether a key no tier knows is asked of the
-        shared tiers, and whether a key that finds no CPU slot waits for one that tier
-        I/O of ours holds (True as well, nothing read yet: :meth:`waits_for_slot`); a
-        lookahead promotion does neither."""
+        """``key`` is absent from the CPU tier: True if it answers ``HIT_PENDING`` (see
+        :meth:`TierHierarchy.promote_key`: its read is queued, it waits for a CPU slot
+        or the shared tiers are asked about it). ``allow``: the tiers the request may
+        load from (vLLM's per-request ``kv_load_tiers``); ``ask=False``: a lookahead
+        promotion, which neither asks nor waits."""
         core = self.core
-        tier = core.source(key, allow)
-        if tier is None:
-            if not (ask and self._shared):
-                return False
-            if allow is not None and not any(allow(shared) for shared in self._shared):
-                return False
-            return self._ask_shared(key)
-        if self._pool_base() is None:
-            core.skip(tier, "no_pool", 1)
-            return False
-        # No slot: a lookahead gives up (the lookup walk reaches the key in this step,
-        # and waits or counts the skip then).
-        if core.promote({key: tier}, None, protect, lookup=True, count_no_slot=False) is None:
-            if not ask:
-                return False
-            if self._wait_for_slot(key):
-                return True
-            core.skip(tier, "no_slot", 1)
-            return False
-        if self._slot_waits:
-            self._slot_waits.pop(key, None)
-        if core.batched >= _MAX_BATCH:
+        pending = core.promote_key(
+            key, time.monotonic(), protect, allow, ask=ask, blocked=self._blocked()
+        )
+        if core.io_due:
             self.flush()
-        return True
-
-    def _wait_for_slot(self, key: OffloadKey) -> bool:
-        """``key``'s promotion found no idle CPU slot: whether it waits for one
-        (``HIT_PENDING``, nothing reserved). Tier I/O of ours holds CPU slots until it
-        ends (a write-through pins the blocks it writes, a read fills the slots it
-        reserved), and every store vLLM completes is written through at once: a
-        request looked up then finds no slot for the rest of its prefix and would load
-        only the part that found one. So the key waits until every tier job submitted
-        when it first found none has ended (each within its tier's deadline), and no
-        longer: still no slot then, it is a miss."""
-        waits = self._slot_waits
-        oldest = self._oldest_in_flight()
-        if oldest is None or self._closed:
-            waits.clear()  # every wait is over: the next lookups take a slot or miss
-            return False
-        mark = waits.get(key)
-        if mark is None:
-            waits[key] = self._submitted
-            if len(waits) > _SLOT_WAIT_KEYS:
-                waits.popitem(last=False)
-            return True
-        if oldest <= mark:
-            return True
-        del waits[key]
-        return False
+        return pending
 
     def waits_for_slot(self, key: OffloadKey) -> bool:
         """Whether ``key`` waits for a CPU slot that tier I/O of ours holds (see
         :meth:`promote`): it answers ``HIT_PENDING`` and nothing is read yet."""
-        return key in self._slot_waits
+        return self.core.waits_for_slot(key)
 
-    # --- asking the shared tiers ------------------------------------------------------
-
-    def _ask_shared(self, key: OffloadKey) -> bool:
-        """``key`` is in no tier's index: True (``HIT_PENDING``) while the shared tiers
-        are asked about it; False (``MISS``) if a tier knows it but cannot read it yet,
-        if the answer "not there" (or a failure) is recent, or if no tier can be asked."""
-        if key in self._asking:
-            return True
-        for tier in self.tiers:
-            if tier.store.manager.block_of(key) is not None:
-                return False  # being written there: as for disk
-        now = time.monotonic()
-        misses = self._misses
-        if misses:
-            until = misses.get(key)
-            if until is not None:
-                if until > now:
-                    return False
-                del misses[key]
-        if len(key) > MAX_KEY_BYTES or self._closed:
-            return False
-        if all(self._jobs[tier].down_until > now for tier in self._shared):
-            return False
-        if self._pool_base() is None:  # nothing could be read: do not ask
-            self.core.skip(self._shared[0], "no_pool", 1)
-            return False
-        self._ask[key] = None
-        self._asking[key] = 0
-        if len(self._ask) >= _MAX_BATCH:
-            self._send_queries()
-        return True
-
-    def _send_queries(self) -> None:
-        """One ``exists`` query per shared tier of the keys asked for since the last
-        send that it does not know of, each a task on the private loop."""
-        keys = list(self._ask)
-        self._ask.clear()
-        loop = self._loop
-        assert loop is not None and loop.loop is not None
-        asking = self._asking
-        now = time.monotonic()
-        for tier in self._shared:
-            if self._jobs[tier].down_until > now:
-                continue
-            unknown = self.core.ask(tier, keys)
-            if not unknown:
-                continue
-            assert tier.shared is not None
-            task = loop.loop.create_task(tier.shared.exists(unknown))
-            loop.track(task)
-            self._queries.append(_Query(tier, unknown, task))
-            for key in unknown:
-                asking[key] += 1
-        for key in keys:
-            if asking.get(key) == 0:  # no tier was asked
-                del asking[key]
-                self._settle_asked(key, now)
-
-    def _answers(self) -> None:
-        """Take the answers of the queries that ended."""
-        done = [q for q in self._queries if q.task.done()]
-        if not done:
-            return
-        self._queries = [q for q in self._queries if not q.task.done()]
-        now = time.monotonic()
-        for query in done:
-            self._answered(query, now)
-
-    def _answered(self, query: _Query, now: float) -> None:
-        tier, keys, task = query.tier, query.keys, query.task
-        found: list[bool] | None = None
-        error: BaseException | None = None
-        if task.cancelled():
-            error = asyncio.CancelledError()
-        else:
-            error = task.exception()
-            if error is None:
-                found = task.result()
-        if found is None or len(found) != len(keys):
-            # The server is down or late: misses, and no more queries for a while.
-            self._jobs[tier].down_until = now + self.miss_ttl_s
-            self.core.skip(tier, "lookup_failed", len(keys))
-            self._log_failure(tier, error)
-        else:
-            # Those found join the tier's index (a stored event), as alookup's do; the
-            # next lookup promotes them as from disk.
-            self._found.update(self.core.join(tier, keys, found))
-        asking = self._asking
-        for key in keys:
-            left = asking.get(key, 0) - 1
-            if left > 0:
-                asking[key] = left
-                continue
-            asking.pop(key, None)
-            self._settle_asked(key, now)
-
-    def _settle_asked(self, key: OffloadKey, now: float) -> None:
-        """Every query of ``key`` ended: a miss to remember unless a tier had it."""
-        if key in self._found:
-            self._found.discard(key)
-        else:
-            self._remember_miss(key, now)
-
-    def _remember_miss(self, key: OffloadKey, now: float) -> None:
-        misses = self._misses
-        misses[key] = now + self.miss_ttl_s
-        misses.move_to_end(key)
-        if len(misses) > _MISS_KEYS:
-            misses.popitem(last=False)
-
-    def _log_failure(self, tier: TierState, error: BaseException | None) -> None:
-        now = time.monotonic()
-        if now - self._logged_at < _LOG_EVERY_S:
-            self._unlogged += 1
-            return
-        more = f"; {self._unlogged} more failed since the last report" if self._unlogged else ""
-        self._logged_at = now
-        self._unlogged = 0
-        log.warning(
-            "shared tier %s did not answer a lookup (%s): its keys are misses, and it is "
-            "not asked again for %.1fs%s",
-            tier.store.name,
-            repr(error) if error is not None else "a malformed answer",
-            self.miss_ttl_s,
-            more,
-        )
+    def stalled(self, key: OffloadKey) -> bool:
+        """Whether ``key``'s promotion failed while its read still runs: a ``MISS``."""
+        return self.core.stalled(key)
 
     # --- write-through --------------------------------------------------------------
 
@@ -499,10 +335,15 @@ class SchedulerTiers:
         from their CPU slots, which stay pinned until the write ends."""
         if self._closed or not keys:
             return
-        blocked = "" if self._pool_base() is not None else "no_pool"
-        for io in self.core.write_through(keys, None, blocked=blocked):
-            self._submitted += 1
-            self._jobs[io.tier].writes.append((io, self._submit(io), self._submitted))
+        self.core.write_through(keys, None, blocked=self._blocked())
+        self._carry(self.core.take_io(time.monotonic(), batched=False))
+
+    def reoffer(self, keys: Sequence[OffloadKey], stored: Sequence[OffloadKey]) -> None:
+        """A CPU store took only ``stored`` of ``keys``: the others go down again."""
+        if self._closed or len(stored) >= len(keys):
+            return
+        self.core.reoffer(keys, stored, None, blocked=self._blocked())
+        self._carry(self.core.take_io(time.monotonic(), batched=False))
 
     # --- events, stats --------------------------------------------------------------
 
@@ -515,17 +356,19 @@ class SchedulerTiers:
         return self.core.stats(self._info)
 
     def _info(self, tier: TierState) -> dict[str, object]:
-        return self.pools.describe()
+        return {**self._ports[tier].describe(), **self.pools.describe()}
 
     # --- lifecycle ------------------------------------------------------------------
 
     def drain(self) -> bool:
-        """Finish every I/O job (promotions not submitted are released; queries of the
-        shared tiers go on, they touch no slot): wait at most the tiers' deadline plus a
-        second. False if a job still runs then (a stalled disk or server: its slots may
-        still be read or written)."""
-        self.core.cancel_reads()
-        limit = time.monotonic() + self.deadline_s + _DRAIN_GRACE_S
+        """Finish every I/O job (promotions not submitted are released; questions to the
+        shared tiers go on, they touch no slot): wait at most the tiers' deadline plus
+        the core's grace. False if a job still runs then (a stalled disk or server: its
+        slots may still be read or written)."""
+        core = self.core
+        core.cancel_reads()
+        start = time.monotonic()
+        limit = core.drain_deadline(start)
         while True:
             if self._loop is not None:
                 self._loop.step()
@@ -536,8 +379,8 @@ class SchedulerTiers:
                 log.error(
                     "%d tier I/O jobs still run %.1fs after the drain began (a stalled "
                     "disk or server?): going on without them",
-                    sum(len(j.reads) + len(j.writes) for j in self._jobs.values()),
-                    self.deadline_s + _DRAIN_GRACE_S,
+                    sum(len(q) for q in (*self._reads.values(), *self._writes.values())),
+                    limit - start,
                 )
                 return False
             time.sleep(0.001)
@@ -550,35 +393,32 @@ class SchedulerTiers:
             return
         self.drain()
         self._closed = True
-        self._ask.clear()
-        self._asking.clear()
-        self._found.clear()
-        self._slot_waits.clear()
-        for query in self._queries:
-            query.task.cancel()
+        for q in self.core.close():
+            if isinstance(q.job, asyncio.Future):
+                q.job.cancel()
         self._queries.clear()
-        for tier in self.tiers:
+        for tier, store in self._ports.items():
             try:
-                if tier.shared is not None and self._loop is not None:
-                    closing = asyncio.wait_for(_aclose_shared(tier.store), _CLOSE_TIMEOUT_S)
+                if tier.shared and self._loop is not None:
+                    closing = asyncio.wait_for(_aclose_shared(store), _CLOSE_TIMEOUT_S)
                     self._loop.run(closing)
                 else:
-                    tier.store.close()
+                    store.close()
             except Exception:
-                log.exception("closing tier %s failed", tier.store.name)
-                if tier.shared is not None:
+                log.exception("closing tier %s failed", tier.name)
+                if tier.shared:
                     with contextlib.suppress(Exception):
-                        tier.store.close()
-            self._jobs[tier].reads.clear()
-            self._jobs[tier].writes.clear()
+                        store.close()
+            self._reads[tier].clear()
+            self._writes[tier].clear()
         if self._loop is not None:
             self._loop.close()
-        self.core.reap()
-        if self.core.running:  # an op stuck in a system call still uses the mapped pools
-            core = self.core
+        core = self.core
+        ports.reap(core, time.monotonic())
+        if ports.running(core):  # an op stuck in a system call still uses the mapped pools
 
             def ended() -> bool:
-                return not core.running
+                return not ports.running(core)
 
             keep_until_ended(f"the host pools {self.pool_paths}", ended, self.pools.close)
         else:
