@@ -520,12 +520,17 @@ class DiskStore(LowerTier):
         ops = self._ops(keys, slots, host)
         return self._pool.submit(True, ops, self.config.deadline_s, GIVE_UP_S)
 
-    def forget(self, keys: Sequence[OffloadKey]) -> None:
-        if self.config.mode != "files":
-            return  # slab slots are simply reused
-        for key in keys:
-            with contextlib.suppress(OSError):
-                os.unlink(self.name_of(key), dir_fd=self._dir_fd)
+    def forget(self, keys: Sequence[OffloadKey]) -> CopyJob | None:
+        """Files mode: remove the keys' files on the lanes (queued with the writes, after
+        any write of the same file submitted before; a file already gone counts as
+        removed), and return that job. Slab mode: nothing (the slots are reused)."""
+        from asyncoffload.tiers._io import IoOp
+
+        if self.config.mode != "files" or not keys:
+            return None
+        fd, name_of = self._dir_fd, self.name_of
+        ops = [IoOp(0, 0, name_of(key), key, fd) for key in keys]
+        return self._pool.submit_unlink(ops, self.config.deadline_s, GIVE_UP_S)
 
     @property
     def pool(self) -> Any:
