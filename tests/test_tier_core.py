@@ -377,7 +377,7 @@ def test_failed_deletes_are_counted_and_warned_of_at_most_every_ten_seconds(
     """A release that failed leaves a block file behind: the core counts it per key in
     the tier's stats and warns at most every ten seconds (a given-up one always); a
     release that worked changes nothing."""
-    cpu, core = setup(shared=False)
+    _, core = setup(shared=False)
     disk = core.tiers[0]
     caplog.set_level(logging.WARNING, "asyncoffload")
     core.delete_done(Delete(disk, [key(1), key(2)]), Outcome([0, 0]), 0.0)
