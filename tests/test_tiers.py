@@ -656,7 +656,9 @@ async def test_evicted_files_are_removed_on_the_lanes_not_on_the_loop(
         assert all(p.exists() for p in paths)
         monkeypatch.setattr(os, "unlink", spy)
         with gated(tier) as release:
-            await (await eng.prepare_store(ks[2:], [2, 3]))  # written through: evicts ks[:2]
+            handle = await eng.prepare_store(ks[2:], [2, 3])
+            assert handle is not None
+            await handle  # written through: evicts ks[:2] from the disk tier
             limit = time.monotonic() + 10.0
             while tier_index(eng).block_of(ks[0]) is not None:
                 assert time.monotonic() < limit, "the disk tier did not evict within 10 s"
@@ -699,7 +701,8 @@ def test_forget_is_a_lane_job_in_files_mode_and_nothing_in_slab_mode(tmp_path: P
             files.path_of(k).write_bytes(b"block")
         files.pool.set_delay(0.01)  # still queued when the tier closes
         job = files.forget(ks)
-        assert job is not None and slab.forget(ks) is None and files.forget([]) is None
+        assert isinstance(job, _io.IoJob)
+        assert slab.forget(ks) is None and files.forget([]) is None
     finally:
         files.close()
         slab.close()
