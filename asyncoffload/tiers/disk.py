@@ -9,7 +9,9 @@ Two layouts:
 - ``files``: one file per block, ``<path>/<namespace dir>/<xx>/<key hex>.kv``, published
   by writing a temporary file and renaming it over the name. A restarted engine finds
   the blocks of the previous run (each header is checked first); engines of one
-  namespace may share the directory.
+  namespace may share the directory. A block the index lets go (evicted, dropped) has
+  its file removed by the lanes too (:meth:`DiskStore.forget`), after any write of it
+  submitted before and before any submitted after.
 
 Every block carries the header of :mod:`asyncoffload.tiers.format`. The lanes check it
 and the payload's CRC32C on every read; a block that fails, or a short read, is a miss:
