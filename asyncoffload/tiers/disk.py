@@ -542,6 +542,10 @@ class DiskStore(LowerTier):
         removals = self._removals
         while removals and removals[0].ended:
             removals.popleft()
+        if len(removals) > 256:  # a stuck head: keep only those that run
+            running = [r for r in removals if not r.ended]
+            removals.clear()
+            removals.extend(running)
         removals.append(job)
         return job
 
