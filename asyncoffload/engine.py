@@ -242,8 +242,9 @@ class AsyncOffloadEngine(LoopBinding):
 
     async def flush(self) -> None:
         """Wait until nothing is in flight: every transfer resolved and every write to a
-        lower tier ended (stores resolve when the CPU copy is done; their write-through
-        goes on after). Must be awaited on the engine's event loop."""
+        lower tier ended, and every removal of a block file it evicted (stores resolve
+        when the CPU copy is done; their write-through goes on after). Must be awaited on
+        the engine's event loop."""
         self._check_usable()
         self._ensure_bridge()
         await self._copies.wait_idle(fail_orphans=False)

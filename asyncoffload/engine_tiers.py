@@ -1,9 +1,9 @@
 """The engine's driver of the tier core, on its event loop.
 
 :class:`~asyncoffload.tiers.core.TierHierarchy` decides; this driver carries its
-requests to the tiers' ports (reads and writes to their lanes, one read lane and one
-write lane per tier, whose ends the completion bridge reports; deletes to the port;
-questions awaited by ``alookup``), feeds each result back with the loop's time, arms
+requests to the tiers' ports (reads, writes and deletes to their lanes, one read lane
+and one write lane per tier, whose ends the completion bridge reports; questions
+awaited by ``alookup``), feeds each result back with the loop's time, arms
 one timer at the core's next deadline, and keeps what an awaitable world needs: the
 load handle of each promotion. It holds no rule of its own.
 
@@ -115,8 +115,9 @@ class LoopTiers:
     # --- carrying the core's requests ------------------------------------------------
 
     def _carry(self, requests: Sequence[Request]) -> None:
-        """Hand each request to its port: reads and writes to the tier's lanes (their
-        ends come back through the bridge), deletes to the port, questions to a task."""
+        """Hand each request to its port: reads, writes and deletes to the tier's lanes
+        (their ends come back through the bridge; a delete with no job is done), questions
+        to a task."""
         bridge = self._bridge
         for req in requests:
             port = self._ports[req.tier]
@@ -129,7 +130,10 @@ class LoopTiers:
                 lane = self._lanes[req.tier][1 if req.write else 0]
                 bridge.watch(lane, job, functools.partial(done, io=req))
             elif isinstance(req, Delete):
-                ports.delete(port, req.keys)
+                if (removal := ports.delete(port, req)) is not None:
+                    assert bridge is not None
+                    deleted = functools.partial(self._deleted, req=req)
+                    bridge.watch(self._lanes[req.tier][1], removal, deleted)
             else:
                 assert bridge is not None
                 req.job = bridge.loop.create_task(self._answer(req))
@@ -305,6 +309,10 @@ class LoopTiers:
         """A CPU store took only ``stored`` of ``keys``: the others go down again."""
         self.core.reoffer(keys, stored, ctx)
         self._carry(self.core.take_io(self._now()))
+
+    def _deleted(self, job: CopyJob, req: Delete) -> None:
+        with InterruptsHeld():
+            self.core.delete_done(req, ports.outcome(job, len(req.keys)), self._now())
 
     def _written(self, job: CopyJob, io: TierIo) -> None:
         with InterruptsHeld():

@@ -427,6 +427,7 @@ async def test_a_block_without_the_tiers_mac_is_a_miss(
         st = eng.stats().tiers[0]
         assert st.failures == {"unauthenticated": 1} and st.dropped == 1
         if mode == "files":
+            await eng.flush()  # the removal runs on the lanes
             assert not tier.path_of(ks[0]).exists()  # deleted
         events = [e async for e in _drain(eng, sub)]
     assert ks[0] in {k for e in events if e.removed and e.medium is Medium.DISK for k in e.keys}

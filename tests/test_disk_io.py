@@ -339,6 +339,121 @@ def test_a_failed_files_write_leaves_no_temporary_file(tmp_path: Path, pools: li
     assert sorted(os.listdir(tmp_path)) == ["dir"] and os.listdir(target_dir) == []
 
 
+# --- removals (files mode) --------------------------------------------------------------------
+
+
+def test_unlinks_remove_files_by_the_directory_fd_and_a_missing_file_counts_as_removed(
+    tmp_path: Path, pools: list[IoPool]
+) -> None:
+    """A removal works by the directory fd it is given, never by path: the directory
+    renamed, and another planted at its old path, changes nothing. A file gone already
+    is removed (0); a directory named like a block is not (``-EISDIR``)."""
+    pool = make_pool(pools, 100)
+    folder = tmp_path / "ns"
+    folder.mkdir()
+    for name in ("a", "b"):
+        (folder / name).write_bytes(b"block")
+    (folder / "d").mkdir()
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        moved = tmp_path / "moved"
+        folder.rename(moved)
+        folder.mkdir()
+        (folder / "a").write_bytes(b"planted")
+        names = ["a", "b", "gone", "d"]
+        job = wait(pool.submit_unlink([IoOp(0, 0, name, b"k", fd) for name in names]))
+    finally:
+        os.close(fd)
+    assert job.results == [0, 0, 0, -errno.EISDIR] and job.failed == [3]
+    assert job.nbytes == 0  # nothing moved
+    assert os.listdir(moved) == ["d"]
+    assert (folder / "a").read_bytes() == b"planted"
+    with pytest.raises(ValueError, match="path"):
+        pool.submit_unlink([IoOp(0, 0, None, b"k", -1)])
+    with pytest.raises(ValueError, match="key"):
+        pool.submit_unlink([IoOp(0, 0, "a", b"", -1)])
+    with pytest.raises(ValueError, match="give_up_s needs a deadline"):
+        pool.submit_unlink([IoOp(0, 0, "a", b"k", -1)], None, 1.0)
+
+
+def _shut_gate(pool: IoPool) -> int:
+    """Holds every op that starts from now on (the pool's test gate); returns the pipe's
+    write end: closing it lets them go for good."""
+    gate, opener = os.pipe()
+    try:
+        pool.set_gate(gate)
+    finally:
+        os.close(gate)
+    return opener
+
+
+def _taken(job: IoJob, what: str) -> None:
+    deadline = time.monotonic() + 10.0
+    while not job.first_op_ns:
+        assert time.monotonic() < deadline, f"{what} was not taken by a lane within 10 s"
+        time.sleep(0.001)
+
+
+def test_an_unlink_waits_for_a_running_write_of_its_file(
+    tmp_path: Path, pools: list[IoPool]
+) -> None:
+    """The writes and removals of one file run in the order they were submitted, on any
+    number of lanes: a removal taken while a write of its file still runs (held at the
+    gate, then writing 8 MiB) waits for it, so it removes what the write published
+    instead of finding nothing and leaving the write's file behind."""
+    size = 8 << 20
+    pool = make_pool(pools, size, threads=2)
+    host = Host(size, aligned=True)
+    host.write(os.urandom(size))
+    path = str(tmp_path / "blk")
+    opener = _shut_gate(pool)
+    try:
+        write = pool.submit(True, [IoOp(host.address, 0, path, b"k", -1)])
+        _taken(write, "the write")
+        unlink = pool.submit_unlink([IoOp(0, 0, path, b"k", -1)])
+    finally:
+        os.close(opener)
+    assert wait(write).results == [size]
+    assert wait(unlink).results == [0]
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_write_after_an_unlink_of_its_file_is_never_removed(
+    tmp_path: Path, pools: list[IoPool]
+) -> None:
+    """A block evicted and written again at once: the removal of its old file, then the
+    write of the new one, on four lanes, released together; every round, the new block
+    is the file that stays."""
+    pool = make_pool(pools, 4096, threads=4)
+    host = Host(4096, aligned=True)
+    path = tmp_path / "blk"
+    for _ in range(20):
+        payload = os.urandom(4096)
+        host.write(payload)
+        opener = _shut_gate(pool)
+        try:
+            unlink = pool.submit_unlink([IoOp(0, 0, str(path), b"k", -1)])
+            _taken(unlink, "the removal")
+            write = pool.submit(True, [IoOp(host.address, 0, str(path), b"k", -1)])
+        finally:
+            os.close(opener)
+        assert wait(unlink).results == [0] and wait(write).results == [4096]
+        check_block(path.read_bytes(), payload, b"k")
+    pool.set_gate(None)
+
+
+def test_close_finishes_queued_unlinks(tmp_path: Path, pools: list[IoPool]) -> None:
+    pool = make_pool(pools, 100, threads=2)
+    pool.set_delay(0.005)
+    names = [f"f{i}" for i in range(16)]
+    for name in names:
+        (tmp_path / name).write_bytes(b"block")
+    jobs = [pool.submit_unlink([IoOp(0, 0, str(tmp_path / name), b"k", -1)]) for name in names]
+    pool.close()
+    assert all(job.query() and job.results == [0] for job in jobs)
+    assert os.listdir(tmp_path) == []
+
+
 # --- integrity ---------------------------------------------------------------------------------
 
 

@@ -371,6 +371,27 @@ def test_write_failures_are_warned_of_at_most_every_ten_seconds(
     assert len(warned) == 2 and core.tiers[0].counters.failures == {"ENOSPC": 3}
 
 
+def test_failed_deletes_are_counted_and_warned_of_at_most_every_ten_seconds(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A release that failed leaves a block file behind: the core counts it per key in
+    the tier's stats and warns at most every ten seconds (a given-up one always); a
+    release that worked changes nothing."""
+    _, core = setup(shared=False)
+    disk = core.tiers[0]
+    caplog.set_level(logging.WARNING, "asyncoffload")
+    core.delete_done(Delete(disk, [key(1), key(2)]), Outcome([0, 0]), 0.0)
+    assert disk.counters.delete_failures == 0 and not caplog.records
+    for now in (0.0, 5.0, 10.0):
+        core.delete_done(Delete(disk, [key(1), key(2)]), Outcome([0, -errno.EACCES]), now)
+    core.delete_done(Delete(disk, [key(3)]), Outcome([-errno.ETIMEDOUT], late=True), 11.0)
+    warned = [r.getMessage() for r in caplog.records if "could not be removed" in r.message]
+    assert len(warned) == 3 and "EACCES 1" in warned[0] and "given up on" in warned[2]
+    assert disk.counters.delete_failures == 4
+    (stats,) = core.stats()
+    assert stats.delete_failures == 4 and stats.failures == {}  # not a read or write failure
+
+
 def test_a_closed_core_writes_asks_and_waits_for_nothing() -> None:
     cpu, core = setup()
     cpu_stored(cpu, [key(1)])

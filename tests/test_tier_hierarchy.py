@@ -311,3 +311,21 @@ def test_requests_carry_what_a_driver_needs_to_submit() -> None:
     job = ports.submit(port, io, [4096])
     assert port.submitted == [(False, [key(1)], [4096])]
     assert core.read_done(io, ports.outcome(job, 1), NOW)[0].done
+
+
+def test_a_delete_goes_to_its_port_and_a_failed_one_back_to_the_core() -> None:
+    """``ports.delete`` hands keys the index let go to their port: ``None`` when nothing
+    runs; a port that raises becomes a failed job (kept in the request), which the core
+    counts per key like one that failed on the lanes."""
+    _, disk, _, core = setup()
+    req = Delete(disk, [key(1), key(2)])
+    assert ports.delete(Port(), req) is None and req.job is None
+
+    class Broken(Port):
+        def forget(self, keys: Sequence[OffloadKey]) -> None:
+            raise OSError(errno.EROFS, "read-only file system")
+
+    job = ports.delete(Broken(), req)
+    assert isinstance(job, FailedJob) and req.job is job and job.query()
+    core.delete_done(req, ports.outcome(job, len(req.keys)), NOW)
+    assert disk.counters.delete_failures == 2 and core.stats()[0].delete_failures == 2

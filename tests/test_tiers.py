@@ -11,6 +11,7 @@ import math
 import os
 import stat
 import subprocess
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -628,6 +629,86 @@ async def test_each_tier_evicts_with_its_own_events(tmp_path: Path) -> None:
     assert stored(events, Medium.DISK) == set(ks)
     seqs = [e.seq for e in events]
     assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)  # one stream
+
+
+async def test_evicted_files_are_removed_on_the_lanes_not_on_the_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Evicting blocks from a files-mode tier removes their files on the tier's native
+    lanes, not on the event loop's thread (where a hung mount would hang the loop): with
+    the lanes held, the evicted blocks have left the index while their files are still
+    there, and nothing was unlinked on the loop; once the lanes go on, ``flush`` returns
+    after the files are gone."""
+    loop_thread = threading.get_ident()
+    unlinked: list[tuple[str, int]] = []
+    unlink = os.unlink
+
+    def spy(path: Any, *args: Any, **kw: Any) -> None:
+        unlinked.append((os.fsdecode(path), threading.get_ident()))
+        unlink(path, *args, **kw)
+
+    async with engine(config(tmp_path, "files", cpu_blocks=2, blocks=2)) as eng:
+        ks = keys(4)
+        tier = eng.tiers[0]
+        assert isinstance(tier, DiskStore)
+        await store(eng, ks[:2], [0, 1])
+        paths = [tier.path_of(k) for k in ks[:2]]
+        assert all(p.exists() for p in paths)
+        monkeypatch.setattr(os, "unlink", spy)
+        with gated(tier) as release:
+            handle = await eng.prepare_store(ks[2:], [2, 3])
+            assert handle is not None
+            await handle  # written through: evicts ks[:2] from the disk tier
+            limit = time.monotonic() + 10.0
+            while tier_index(eng).block_of(ks[0]) is not None:
+                assert time.monotonic() < limit, "the disk tier did not evict within 10 s"
+                await asyncio.sleep(0.01)
+            assert all(p.exists() for p in paths)  # the removal waits at the gate
+            release()
+            await asyncio.wait_for(eng.flush(), 10.0)
+        assert not any(p.exists() for p in paths)
+        assert [p for p, thread in unlinked if thread == loop_thread] == []
+        assert eng.stats().tiers[0].delete_failures == 0
+
+
+async def test_a_block_file_that_cannot_be_removed_is_counted_and_warned_of(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with engine(config(tmp_path, "files", cpu_blocks=2, blocks=2)) as eng:
+        ks = keys(4)
+        tier = eng.tiers[0]
+        assert isinstance(tier, DiskStore)
+        await store(eng, ks[:2], [0, 1])
+        tier.path_of(ks[0]).unlink()
+        tier.path_of(ks[0]).mkdir()  # a directory in its place: unlinkat fails, EISDIR
+        with caplog.at_level(logging.WARNING, logger="asyncoffload"):
+            await store(eng, ks[2:], [2, 3])  # evicts ks[:2]
+        assert eng.stats().tiers[0].delete_failures == 1
+        assert tier.path_of(ks[0]).is_dir() and not tier.path_of(ks[1]).exists()
+        assert any("could not be removed (EISDIR 1)" in r.getMessage() for r in caplog.records)
+
+
+def test_forget_is_a_lane_job_in_files_mode_and_nothing_in_slab_mode(tmp_path: Path) -> None:
+    """``forget`` removes the files of ``keys`` on the lanes and returns that job (a
+    file gone already counts as removed); a close with removals queued finishes them.
+    A slab's slots are reused: nothing to do."""
+    namespace = Namespace("m", "uint8", "l", BLOCK)
+    files = DiskTier(tmp_path / "f", 4 * SLOT, "files").open(namespace)
+    slab = DiskTier(tmp_path / "s", 4 * SLOT, "slab").open(namespace)
+    try:
+        ks = keys(3)
+        for k in ks[:2]:
+            files.path_of(k).write_bytes(b"block")
+        files.pool.set_delay(0.01)  # still queued when the tier closes
+        job = files.forget(ks)
+        assert isinstance(job, _io.IoJob)
+        assert slab.forget(ks) is None and files.forget([]) is None
+    finally:
+        files.close()
+        slab.close()
+    assert job.query() and job.results == [0, 0, 0]
+    assert not any(files.path_of(k).exists() for k in ks)
+    assert not [w for w in _io.kept() if str(files.dir) in w]  # closed, nothing kept
 
 
 async def test_kv_events_carry_the_disk_medium(tmp_path: Path) -> None:

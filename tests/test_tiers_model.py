@@ -427,6 +427,7 @@ class TiersMachine(RuleBasedStateMachine):
                 assert key not in set(self.disk_index.resident_keys())
                 self.on_disk.discard(key)
                 self.drops += 1
+            self.quiet = False  # files mode: their files are removed on the lanes, in flight
             for key in keys:
                 if key not in doomed:
                     assert self.eng.lookup([key]) == 1, "a failed load lost an intact key"

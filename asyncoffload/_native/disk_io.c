@@ -30,7 +30,9 @@
  *
  * A job is n ops of one direction. Reads go first: a worker takes the next op of the
  * oldest read job that has ops left before any write op. Ops of one job may run on
- * several workers at once; the job ends when its last op ends. A job's status is three
+ * several workers at once; the job ends when its last op ends. Files-mode writes and
+ * unlinks of one file run in the order they were taken (ao_claim): a block evicted and
+ * written again at once is written after its old file was removed, never removed after. A job's status is three
  * int64 words: [state, end ns, start ns] (CLOCK_MONOTONIC), the state stored last with a
  * release store: 1 once every op has ended (each op's outcome in results[i]: payload_len
  * or -errno), -ECANCELED when it was discarded unrun (ao_io_cancel).
@@ -89,12 +91,14 @@
 #define AO_MAC_LEN 32
 #define AO_MAC_BLAKE2B 1u
 /* What a job's ops do (ao_io_submit's write argument): read or write blocks of files,
- * or pack / check values of a key-value store in memory (the shared tier). Writes and
- * packs queue behind reads and unpacks. */
+ * pack / check values of a key-value store in memory (the shared tier), or remove block
+ * files (files mode: unlinkat(fd, path), a file already gone counts as removed). Writes,
+ * packs and unlinks queue behind reads and unpacks. */
 #define AO_KIND_READ 0
 #define AO_KIND_WRITE 1
 #define AO_KIND_PACK 2
 #define AO_KIND_UNPACK 3
+#define AO_KIND_UNLINK 4
 static const uint8_t AO_MAGIC[8] = {'A', 'O', 'K', 'V', 'B', 'L', 'K', 0};
 
 /* --- CRC32C ---------------------------------------------------------------------------- */
@@ -499,11 +503,22 @@ typedef struct {
     ao_iojob *tail;
 } ao_queue;
 
+/* A files-mode write or unlink running (or waiting for an earlier one of its file). */
+typedef struct {
+    const char *path; /* into its job's blob; NULL: the entry is free */
+    int dir;
+    uint64_t seq;     /* the order it was taken in */
+} ao_busy;
+
 typedef struct {
     pthread_mutex_t mutex;
     pthread_cond_t cond;
+    pthread_cond_t busy_cond; /* a busy entry was freed */
     ao_queue reads;
     ao_queue writes;
+    ao_busy *busy;            /* busy_n entries (the threads asked for), under the mutex */
+    int busy_n;
+    uint64_t busy_seq;
     int stopping;
     int wake_fd;
     int flags;
@@ -1156,6 +1171,11 @@ static int64_t ao_run_op(ao_worker *w, const ao_iojob *job, const ao_op *op) {
     }
     int64_t delay = __atomic_load_n(&pool->delay_ns, __ATOMIC_RELAXED);
     if (delay > 0) ao_sleep_ns(delay);
+    if (job->write == AO_KIND_UNLINK) {
+        /* No injected faults here: they count reads and writes. */
+        if (unlinkat(ao_dir_of(op), op->path, 0) != 0 && errno != ENOENT) return -(int64_t)errno;
+        return 0;
+    }
     int dir = (job->write == AO_KIND_WRITE || job->write == AO_KIND_PACK) ? 1 : 0;
     int64_t every = __atomic_load_n(&pool->fault_every[dir], __ATOMIC_RELAXED);
     if (every > 0) {
@@ -1204,6 +1224,36 @@ static void ao_op_ended(ao_pool *pool, ao_iojob *job, int64_t n) {
     }
 }
 
+/* Whether the op is a files-mode write or unlink: ordered with the others of its file. */
+static int ao_keyed(const ao_iojob *job, const ao_op *op) {
+    return (job->write == AO_KIND_WRITE || job->write == AO_KIND_UNLINK) && op->path != NULL;
+}
+
+/* Under the mutex: whether an op of the same file taken before busy[slot] still runs. */
+static int ao_behind(const ao_pool *pool, int slot) {
+    const ao_busy *me = &pool->busy[slot];
+    for (int j = 0; j < pool->busy_n; j++) {
+        const ao_busy *b = &pool->busy[j];
+        if (j != slot && b->path != NULL && b->seq < me->seq && b->dir == me->dir &&
+            strcmp(b->path, me->path) == 0)
+            return 1;
+    }
+    return 0;
+}
+
+/* Under the mutex: file the keyed op just taken as busy and wait until every op of its
+ * file taken before it ended; its busy entry (a worker holds at most one). */
+static int ao_claim(ao_pool *pool, const ao_op *op) {
+    int slot = 0;
+    while (pool->busy[slot].path != NULL) slot++;
+    ao_busy *b = &pool->busy[slot];
+    b->path = op->path;
+    b->dir = ao_dir_of(op);
+    b->seq = ++pool->busy_seq;
+    while (ao_behind(pool, slot)) pthread_cond_wait(&pool->busy_cond, &pool->mutex);
+    return slot;
+}
+
 /* Under the mutex: the next op to run (reads first), or NULL. */
 static ao_iojob *ao_take(ao_pool *pool, int64_t *index) {
     ao_queue *q = pool->reads.head ? &pool->reads : &pool->writes;
@@ -1226,10 +1276,17 @@ static void *ao_worker_main(void *arg) {
         ao_iojob *job;
         while ((job = ao_take(pool, &i)) == NULL && !pool->stopping)
             pthread_cond_wait(&pool->cond, &pool->mutex);
+        int slot = job != NULL && ao_keyed(job, &job->ops[i]) ? ao_claim(pool, &job->ops[i]) : -1;
         pthread_mutex_unlock(&pool->mutex);
         if (job == NULL) break; /* stopping and drained */
         if (i == 0) job->status[2] = ao_now();
         job->results[i] = ao_run_op(&w, job, &job->ops[i]);
+        if (slot >= 0) { /* before the job may be freed: the entry points into it */
+            pthread_mutex_lock(&pool->mutex);
+            pool->busy[slot].path = NULL;
+            pthread_cond_broadcast(&pool->busy_cond);
+            pthread_mutex_unlock(&pool->mutex);
+        }
         ao_op_ended(pool, job, 1);
     }
     free(w.stage);
@@ -1242,6 +1299,12 @@ void *ao_io_create(int nthreads, int wake_fd, int64_t payload_len, const uint8_t
     pthread_once(&ao_crc_once, ao_crc_init);
     ao_pool *pool = (ao_pool *)calloc(1, sizeof *pool + (size_t)nthreads * sizeof(pthread_t));
     if (pool == NULL) return NULL;
+    pool->busy = (ao_busy *)calloc((size_t)nthreads, sizeof(ao_busy));
+    if (pool->busy == NULL) {
+        free(pool);
+        return NULL;
+    }
+    pool->busy_n = nthreads;
     pool->wake_fd = wake_fd;
     pool->gate_fd = -1;
     pool->flags = flags;
@@ -1251,6 +1314,7 @@ void *ao_io_create(int nthreads, int wake_fd, int64_t payload_len, const uint8_t
     ao_segs_fill(&pool->segs, payload_len, 1, NULL);
     pthread_mutex_init(&pool->mutex, NULL);
     pthread_cond_init(&pool->cond, NULL);
+    pthread_cond_init(&pool->busy_cond, NULL);
     for (int t = 0; t < nthreads; t++) {
         if (pthread_create(&pool->threads[t], NULL, ao_worker_main, pool) != 0) {
             pthread_mutex_lock(&pool->mutex);
@@ -1260,6 +1324,8 @@ void *ao_io_create(int nthreads, int wake_fd, int64_t payload_len, const uint8_t
             for (int u = 0; u < t; u++) pthread_join(pool->threads[u], NULL);
             pthread_mutex_destroy(&pool->mutex);
             pthread_cond_destroy(&pool->cond);
+            pthread_cond_destroy(&pool->busy_cond);
+            free(pool->busy);
             free(pool);
             return NULL;
         }
@@ -1276,8 +1342,9 @@ void ao_io_set_wake_fd(void *handle, int fd) {
 }
 
 /*
- * Queue a job of n ops (write: an AO_KIND_*: 1 writes, 0 reads, 2 packs, 3 unpacks). The
- * ops, keys and paths are copied now; the host memory (and a pack's or unpack's value,
+ * Queue a job of n ops (write: an AO_KIND_*: 1 writes, 0 reads, 2 packs, 3 unpacks, 4
+ * unlinks: each op's path relative to its fd, no host memory; result 0 once the file is
+ * gone). The ops, keys and paths are copied now; the host memory (and a pack's or unpack's value,
  * at op->offset), the fds, status (3 words, zeroed) and results (n words) must stay
  * valid until the job's state is set. Returns 0, -1 out of memory, -2 when the
  * pool is stopping, -3 for bad arguments.
@@ -1286,12 +1353,13 @@ int ao_io_submit(void *handle, int write, int64_t n, const ao_io_op *ops, int64_
                  int64_t *status, int64_t *results) {
     ao_pool *pool = (ao_pool *)handle;
     if (n < 0 || status == NULL || (n > 0 && (ops == NULL || results == NULL))) return -3;
-    if (write < AO_KIND_READ || write > AO_KIND_UNPACK) return -3;
+    if (write < AO_KIND_READ || write > AO_KIND_UNLINK) return -3;
     size_t extra = 0;
     for (int64_t i = 0; i < n; i++) {
         const ao_io_op *op = &ops[i];
         if (op->key_len < 1 || op->key_len > AO_KEY_MAX || op->key == NULL) return -3;
-        if (op->host == 0 && pool->payload_len > 0) return -3;
+        if (write == AO_KIND_UNLINK ? op->path == NULL : op->host == 0 && pool->payload_len > 0)
+            return -3;
         extra += (size_t)op->key_len;
         if (op->path) extra += strlen(op->path) + 1;
     }
@@ -1338,7 +1406,7 @@ int ao_io_submit(void *handle, int write, int64_t n, const ao_io_op *ops, int64_
         pthread_mutex_unlock(&pool->mutex);
         return 0;
     }
-    ao_queue *q = (write == AO_KIND_WRITE || write == AO_KIND_PACK) ? &pool->writes : &pool->reads;
+    ao_queue *q = (write == AO_KIND_READ || write == AO_KIND_UNPACK) ? &pool->reads : &pool->writes;
     if (q->tail) q->tail->next = job; else q->head = job;
     q->tail = job;
     if (n == 1) pthread_cond_signal(&pool->cond); else pthread_cond_broadcast(&pool->cond);
@@ -1392,7 +1460,9 @@ void ao_io_destroy(void *handle) {
     if (pool->gate_fd >= 0) close(pool->gate_fd);
     pthread_mutex_destroy(&pool->mutex);
     pthread_cond_destroy(&pool->cond);
+    pthread_cond_destroy(&pool->busy_cond);
     ao_wipe(pool->mac_key, sizeof pool->mac_key);
+    free(pool->busy);
     free(pool);
 }
 

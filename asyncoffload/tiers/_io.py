@@ -26,7 +26,10 @@ they touch must stay valid until ``ended``. Closing a pool with such a job
 touch, with a warning, and :func:`release_ended` releases it once they ended.
 
 Reads go before writes: a worker always takes the next op of the oldest read job with
-ops left before any write. A finished job writes 1 to the bound wake fd.
+ops left before any write. Removals of block files (:meth:`IoPool.submit_unlink`, files
+mode) queue with the writes, and the writes and removals of one file run in the order
+they were submitted: a block evicted and written again at once is written after its old
+file went, never removed after. A finished job writes 1 to the bound wake fd.
 
 **Fork.** The pool's threads exist only in the process that made it: in a fork's child
 ``submit`` raises ``RuntimeError`` and ``close`` touches nothing.
@@ -77,7 +80,7 @@ def slot_bytes(payload_len: int) -> int:
 
 
 #: What a job's ops do (the native pool's AO_KIND_*).
-KIND_READ, KIND_WRITE, KIND_PACK, KIND_UNPACK = 0, 1, 2, 3
+KIND_READ, KIND_WRITE, KIND_PACK, KIND_UNPACK, KIND_UNLINK = 0, 1, 2, 3, 4
 
 
 #: The most slices a block's payload may be in (tensor-parallel ranks).
@@ -452,12 +455,42 @@ class IoPool:
             c.key = key
             c.key_len = len(key)
             c.fd = op.fd  # files mode: the directory the path is relative to (-1: cwd)
-        deadline_ns = give_up_ns = 0
-        if deadline_s is not None:
-            deadline_ns = max(1, time.monotonic_ns() + int(deadline_s * 1e9))
-            if give_up_s is not None:
-                give_up_ns = deadline_ns + int(give_up_s * 1e9)
+        deadline_ns, give_up_ns = _deadlines(deadline_s, give_up_s)
         return self._submit(KIND_WRITE if write else KIND_READ, array, deadline_ns, give_up_ns)
+
+    def submit_unlink(
+        self,
+        ops: Sequence[IoOp],
+        deadline_s: float | None = None,
+        give_up_s: float | None = None,
+    ) -> IoJob:
+        """Queue the removal of each op's block file (files mode: ``path`` relative to the
+        directory ``fd``, held open by the caller until the job has ended; ``host`` and
+        ``offset`` unused), behind the reads, in order with the writes of the same file.
+        An op's result is 0 once the file is gone (it was gone already included), else
+        ``-errno``. ``deadline_s`` and ``give_up_s`` as for :meth:`submit`."""
+        if give_up_s is not None and not (deadline_s is not None and give_up_s >= 0):
+            raise ValueError(
+                f"give_up_s needs a deadline and must not be negative, got {give_up_s}"
+            )
+        check_process(self.pid, "IoPool")
+        if self._closed:
+            raise RuntimeError("IoPool is closed")
+        n = len(ops)
+        array = (_Op * n)()
+        for i, op in enumerate(ops):
+            key = bytes(op.key)
+            if not 1 <= len(key) <= MAX_KEY_BYTES:
+                raise ValueError(f"a key must be 1 to {MAX_KEY_BYTES} bytes, got {len(key)}")
+            if op.path is None:
+                raise ValueError("removing a block needs its file's path (files mode)")
+            c = array[i]
+            c.path = os.fsencode(op.path)
+            c.key = key
+            c.key_len = len(key)
+            c.fd = op.fd
+        deadline_ns, give_up_ns = _deadlines(deadline_s, give_up_s)
+        return self._submit(KIND_UNLINK, array, deadline_ns, give_up_ns, payload_len=0)
 
     def submit_values(self, pack: bool, ops: Sequence[tuple[int, int, bytes]]) -> IoJob:
         """Queue ``(host, value, key)`` ops on values of a key-value store in memory, at
@@ -486,7 +519,12 @@ class IoPool:
         return self._submit(KIND_PACK if pack else KIND_UNPACK, array, 0)
 
     def _submit(
-        self, kind: int, array: ctypes.Array[_Op], deadline_ns: int, give_up_ns: int = 0
+        self,
+        kind: int,
+        array: ctypes.Array[_Op],
+        deadline_ns: int,
+        give_up_ns: int = 0,
+        payload_len: int | None = None,
     ) -> IoJob:
         n = len(array)
         handle = self._handle
@@ -499,7 +537,8 @@ class IoPool:
             kept = [p for p in pending if not p[0][0]]
             pending.clear()
             pending.extend(kept)
-        job = IoJob(n, self.payload_len, self._lib, give_up_ns)
+        moved = self.payload_len if payload_len is None else payload_len
+        job = IoJob(n, moved, self._lib, give_up_ns)
         # Filed before the C call: the threads may write these as soon as it returns, and
         # an interrupt right after it must not let them go.
         entry = (job._status, job._results)
@@ -523,7 +562,7 @@ class IoPool:
 
     def set_fault(self, write: bool, every_nth: int, err: int) -> None:
         """Tests: from now on every ``every_nth``-th op of that direction (1: each, 0:
-        none) ends with ``-err`` without touching the file."""
+        none) ends with ``-err`` without touching the file (removals are not counted)."""
         direction = 1 if write else 0
         self._faults[direction] = (every_nth, err)
         if self._handle is not None:
@@ -596,6 +635,16 @@ class IoPool:
 
 def _nothing() -> None:
     return None
+
+
+def _deadlines(deadline_s: float | None, give_up_s: float | None) -> tuple[int, int]:
+    """A job's deadline and give-up time (``time.monotonic_ns``; 0: none)."""
+    deadline_ns = give_up_ns = 0
+    if deadline_s is not None:
+        deadline_ns = max(1, time.monotonic_ns() + int(deadline_s * 1e9))
+        if give_up_s is not None:
+            give_up_ns = deadline_ns + int(give_up_s * 1e9)
+    return deadline_ns, give_up_ns
 
 
 class _Kept(NamedTuple):

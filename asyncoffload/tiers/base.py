@@ -232,8 +232,11 @@ class LowerTier(ABC):
         raise NotImplementedError(f"{type(self).__name__} cannot read or write slices")
 
     @abstractmethod
-    def forget(self, keys: Sequence[OffloadKey]) -> None:
-        """The index let ``keys`` go (evicted, dropped): release what they hold."""
+    def forget(self, keys: Sequence[OffloadKey]) -> CopyJob | None:
+        """The index let ``keys`` go (evicted, dropped): release what they hold. Where
+        that is I/O, it runs on the tier's lanes and this returns its job, whose
+        ``results`` say per key ``0`` (released) or ``-errno``, ending like a write's
+        (it signals the bound wake fd); ``None``: nothing to do (released already)."""
 
     def describe(self) -> dict[str, object]:
         return {}

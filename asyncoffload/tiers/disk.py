@@ -9,7 +9,9 @@ Two layouts:
 - ``files``: one file per block, ``<path>/<namespace dir>/<xx>/<key hex>.kv``, published
   by writing a temporary file and renaming it over the name. A restarted engine finds
   the blocks of the previous run (each header is checked first); engines of one
-  namespace may share the directory.
+  namespace may share the directory. A block the index lets go (evicted, dropped) has
+  its file removed by the lanes too (:meth:`DiskStore.forget`), after any write of it
+  submitted before and before any submitted after.
 
 Every block carries the header of :mod:`asyncoffload.tiers.format`. The lanes check it
 and the payload's CRC32C on every read; a block that fails, or a short read, is a miss:
@@ -33,9 +35,10 @@ import secrets
 import stat
 import time
 import uuid
+from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field, SecretBytes, field_validator, model_validator
 
@@ -52,6 +55,9 @@ from asyncoffload.tiers.format import (
 from asyncoffload.tiers.settings import TierSettings
 from asyncoffload.transfer.base import CopyJob
 from asyncoffload.validators import ByteSize
+
+if TYPE_CHECKING:
+    from asyncoffload.tiers._io import IoJob
 
 __all__ = ["DiskStore", "DiskTier"]
 
@@ -242,6 +248,8 @@ class DiskStore(LowerTier):
             num_blocks, Medium.DISK, config.policy, threshold, admission=admission
         )
         self._closed = False
+        #: Files mode: removals submitted (:meth:`forget`), oldest first, until they ended.
+        self._removals: deque[IoJob] = deque()
         self._fd = -1
         #: Files mode: the namespace directory, opened once; every block file is opened,
         #: written and removed relative to it (see asyncoffload._ownership).
@@ -520,12 +528,26 @@ class DiskStore(LowerTier):
         ops = self._ops(keys, slots, host)
         return self._pool.submit(True, ops, self.config.deadline_s, GIVE_UP_S)
 
-    def forget(self, keys: Sequence[OffloadKey]) -> None:
-        if self.config.mode != "files":
-            return  # slab slots are simply reused
-        for key in keys:
-            with contextlib.suppress(OSError):
-                os.unlink(self.name_of(key), dir_fd=self._dir_fd)
+    def forget(self, keys: Sequence[OffloadKey]) -> CopyJob | None:
+        """Files mode: remove the keys' files on the lanes (queued with the writes, after
+        any write of the same file submitted before; a file already gone counts as
+        removed), and return that job. Slab mode: nothing (the slots are reused)."""
+        from asyncoffload.tiers._io import IoOp
+
+        if self.config.mode != "files" or not keys:
+            return None
+        fd, name_of = self._dir_fd, self.name_of
+        ops = [IoOp(0, 0, name_of(key), key, fd) for key in keys]
+        job = self._pool.submit_unlink(ops, self.config.deadline_s, GIVE_UP_S)
+        removals = self._removals
+        while removals and removals[0].ended:
+            removals.popleft()
+        if len(removals) > 256:  # a stuck head: keep only those that run
+            running = [r for r in removals if not r.ended]
+            removals.clear()
+            removals.extend(running)
+        removals.append(job)
+        return job
 
     @property
     def pool(self) -> Any:
@@ -544,15 +566,24 @@ class DiskStore(LowerTier):
         }
 
     def close(self) -> None:
-        """Finish queued I/O, join the lanes, close the files. Where an op given up on
-        still runs (stuck in a system call), joining could wait forever: the lanes and
-        the files they use are kept open, with a warning, until it ends."""
+        """Finish queued I/O, join the lanes, close the files. Removals still queued or
+        running are waited for (each ends, or is given up on, within the deadline plus
+        :data:`GIVE_UP_S`). Where an op given up on still runs (stuck in a system call),
+        joining could wait forever: the lanes and the files they use are kept open, with
+        a warning, until it ends (queued removals still run then)."""
         from asyncoffload.tiers._io import keep_until_ended, release_ended
 
         if self._closed:
             return
         self._closed = True
         pool = self._pool
+        removals = [job for job in self._removals if not job.ended]
+        self._removals.clear()
+        if removals and len(removals) == pool.running:
+            # Only removals run (the drivers wait for theirs; a direct caller may not):
+            # each ends, or is given up on, within its deadline plus GIVE_UP_S.
+            while not all(job.query() for job in removals):
+                time.sleep(0.001)
         if not pool.running:
             pool.close()  # joins the lanes: no op uses the fds after this
             self._release_fds()

@@ -11,8 +11,10 @@ with the helpers here and hands the results back:
   built from the port's ``index_spec`` (the core owns it from then on);
 - :func:`submit` hands a read or write to its port (a submission that raises becomes a
   failed job), :func:`outcome` reads an ended job back as the core takes it,
-  :func:`delete` releases what evicted or dropped keys held, and :func:`reap` tells the
-  core which jobs given up on really ended.
+  :func:`delete` has the port release what evicted or dropped keys held (a files-mode
+  disk tier removes their files on its lanes: a job that the driver watches like a
+  write's, whose outcome goes to ``core.delete_done``; nothing runs on the driver's
+  thread), and :func:`reap` tells the core which jobs given up on really ended.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from typing import Protocol, cast
 
 from asyncoffload.keys import OffloadKey
 from asyncoffload.tiers.base import LowerTier, new_index, outcomes
-from asyncoffload.tiers.core import Outcome, TierHierarchy, TierIo, TierState
+from asyncoffload.tiers.core import Delete, Outcome, TierHierarchy, TierIo, TierState
 from asyncoffload.tiers.format import Namespace
 from asyncoffload.transfer.base import CopyJob, FailedJob, HostRegion
 
@@ -152,13 +154,19 @@ def job_ended(job: object) -> bool:
     return bool(getattr(job, "ended", True))
 
 
-def delete(store: LowerTier, keys: Sequence[OffloadKey]) -> None:
-    """The index let ``keys`` go: the port releases what they hold (a failure is logged:
-    the index has moved on either way)."""
+def delete(store: LowerTier, req: Delete) -> CopyJob | None:
+    """Hand ``req`` (keys the index let go) to its port, which releases what they hold:
+    the job doing it (kept in ``req.job``; the driver watches it like a write and hands
+    its outcome to ``core.delete_done``), or ``None`` when nothing runs (slab slots are
+    reused, a shared tier keeps its blocks). A submission that raises becomes a failed
+    job: the index has moved on either way, and the core counts and logs the failure."""
     try:
-        store.forget(keys)
-    except Exception:
-        log.exception("releasing %d blocks of tier %s failed", len(keys), store.name)
+        job = store.forget(req.keys)
+    except Exception as exc:
+        log.warning("releasing %d blocks of tier %s failed: %r", len(req.keys), store.name, exc)
+        job = FailedJob(len(req.keys), exc.with_traceback(None))
+    req.job = job
+    return job
 
 
 def reap(core: TierHierarchy, now: float) -> int:

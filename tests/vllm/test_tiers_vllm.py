@@ -23,7 +23,9 @@ from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
 from asyncoffload.integrations.vllm import AsyncOffloadManager, AsyncOffloadSpec, AsyncOffloadWorker
 from asyncoffload.integrations.vllm.settings import VllmOffloadSettings
+from asyncoffload.tiers._io import kept
 from asyncoffload.tiers.disk import DiskStore, DiskTier
+from asyncoffload.tiers.format import block_file_bytes
 from tests.vllm.test_spec import LAYERS, PAGE, _block, _caches, _config, _extra, _finish, _keys
 
 CHUNK = 2 * LAYERS * PAGE  # bytes of one host slot (one block, every layer's K and V)
@@ -274,7 +276,10 @@ def test_a_corrupt_disk_block_is_a_miss_dropped_and_never_a_hit(tmp_path: Path) 
     assert not manager.has_pending_work()
     (tier,) = manager.tier_stats()
     assert tier.failures == {"corrupt": 1} and tier.read_failures == 1 and tier.dropped == 1
-    assert not victim.exists()
+    limit = time.monotonic() + 10.0
+    while victim.exists():  # removed on the disk tier's lanes
+        assert time.monotonic() < limit, "the dropped block's file was not removed in 10 s"
+        time.sleep(0.001)
     events = list(manager.take_events())
     assert any(e.medium is Medium.STORAGE and e.removed and keys[0] in e.keys for e in events)
     # The next block is fine and still comes back.
@@ -286,6 +291,50 @@ def test_a_corrupt_disk_block_is_a_miss_dropped_and_never_a_hit(tmp_path: Path) 
     manager.complete_load(keys[1:2], ctx)
     worker.shutdown()
     manager.shutdown()
+
+
+def test_evicted_disk_files_go_on_the_lanes_not_on_the_scheduler_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A files-mode tier evicting blocks under vLLM: their files are removed on the
+    tier's native lanes, queued with its writes, never unlinked on the scheduler's
+    thread; the shutdown waits for the removals (nothing kept as stuck)."""
+    spec = _tier_spec(tmp_path, mode="files", capacity=2 * block_file_bytes(CHUNK))
+    _, worker, manager = _parts(spec)
+    assert manager.tiers is not None
+    store = manager.tiers.stores[0]
+    assert isinstance(store, DiskStore)
+    ctx = ReqContext(req_id="r")
+    manager.on_new_request(ctx)
+    keys = _keys("a", "b", "c", "d")
+    _store(manager, worker, keys[:2], [0, 1], ctx)
+    paths = [store.path_of(k) for k in keys[:2]]  # type: ignore[arg-type]
+    assert all(p.exists() for p in paths)
+    unlinked: list[str] = []
+    unlink = os.unlink
+
+    def spy(path: Any, *args: Any, **kw: Any) -> None:
+        unlinked.append(os.fsdecode(path))
+        unlink(path, *args, **kw)
+
+    monkeypatch.setattr(os, "unlink", spy)
+    gate, opener = os.pipe()
+    try:
+        store.pool.set_gate(gate)  # every lane op waits until the gate opens
+    finally:
+        os.close(gate)
+    try:
+        _store_once(manager, worker, keys[2:], [2, 3], ctx)  # written through: evicts a, b
+        assert manager.tiers.core.tiers[0].index.block_of(keys[0]) is None  # type: ignore[arg-type]
+        assert all(p.exists() for p in paths)  # the removal waits at the gate
+    finally:
+        os.close(opener)
+    _settle(manager)
+    worker.shutdown()
+    manager.shutdown()  # drains the removals too
+    assert not any(p.exists() for p in paths)
+    assert [p for p in unlinked if p.endswith(".kv")] == []  # none on this thread
+    assert not store.pool.running and not [w for w in kept() if str(store.dir) in w]
 
 
 def test_no_cpu_slot_for_a_promotion_is_a_miss(tmp_path: Path) -> None:

@@ -110,10 +110,11 @@ class SchedulerTiers:
         self._ports = dict(zip(self.tiers, stores))
         self._stores = list(stores)
         self._shared = self.core.shared_tiers
-        #: Each tier's reads and writes in flight, in submission order (they end about
-        #: in order); each request's job is in its ``job``.
+        #: Each tier's reads, writes and deletes in flight, in submission order (they end
+        #: about in order); each request's job is in its ``job``.
         self._reads: dict[TierState, deque[TierIo]] = {t: deque() for t in self.tiers}
         self._writes: dict[TierState, deque[TierIo]] = {t: deque() for t in self.tiers}
+        self._deletes: dict[TierState, deque[Delete]] = {t: deque() for t in self.tiers}
         self.pools = HostPools(pool_paths, num_slots, slot_bytes, unlink=unlink_pools)
         self.pool_paths = self.pools.pool_paths
         for store in stores:
@@ -190,14 +191,15 @@ class SchedulerTiers:
     # --- carrying the core's requests -------------------------------------------------
 
     def _carry(self, requests: Sequence[Request]) -> None:
-        """Hand each request to its port: reads and writes to the lanes (polled), deletes
-        to the port, questions to a task on the private loop."""
+        """Hand each request to its port: reads, writes and deletes to the lanes (polled;
+        a delete with no job is done), questions to a task on the private loop."""
         for req in requests:
             if isinstance(req, TierIo):
                 self._submit(req)
                 (self._writes if req.write else self._reads)[req.tier].append(req)
             elif isinstance(req, Delete):
-                ports.delete(self._ports[req.tier], req.keys)
+                if ports.delete(self._ports[req.tier], req) is not None:
+                    self._deletes[req.tier].append(req)
             else:
                 loop = self._loop
                 assert loop is not None and loop.loop is not None
@@ -228,7 +230,8 @@ class SchedulerTiers:
     # --- polling --------------------------------------------------------------------
 
     def pending(self) -> bool:
-        """Whether I/O or a shared tier's question is in flight, promotions or questions
+        """Whether a read, a write or a shared tier's question is in flight (deletes are
+        not waited for: the next poll takes their ends), promotions or questions
         wait to be submitted, or a task of ours runs on the private loop (a shared tier's
         removal of a damaged value: vLLM steps the loop only while this says so)."""
         core = self.core
@@ -236,7 +239,14 @@ class SchedulerTiers:
         return bool(core.batched or core.questions.asking or self._io_in_flight() or on_loop)
 
     def _io_in_flight(self) -> bool:
+        """Whether reads or writes are in flight. Deletes are not waited for (nothing
+        waits for their files to go): the next poll, or the drain, takes their ends."""
         return any(self._reads.values()) or any(self._writes.values())
+
+    def _jobs(self) -> int:
+        """How many reads, writes and deletes are in flight."""
+        reads, writes = self._reads.values(), self._writes.values()
+        return sum(map(len, reads)) + sum(map(len, writes)) + sum(map(len, self._deletes.values()))
 
     def poll(self) -> None:
         """Finish the I/O jobs that ended (only each tier's heads: a tier's jobs end
@@ -255,6 +265,10 @@ class SchedulerTiers:
             while writes and writes[0].job.query():
                 io = writes.popleft()
                 core.write_done(io, ports.outcome(io.job, len(io.keys)), now)
+        for deletes in self._deletes.values():
+            while deletes and deletes[0].job.query():
+                req = deletes.popleft()
+                core.delete_done(req, ports.outcome(req.job, len(req.keys)), now)
         ports.reap(core, now)  # jobs given up on (stuck disk ops) that ended: their slots go
         due = core.next_deadline()
         if due is not None and due <= now:
@@ -373,13 +387,13 @@ class SchedulerTiers:
             if self._loop is not None:
                 self._loop.step()
             self.poll()
-            if not self._io_in_flight():
+            if not self._jobs():
                 return True
             if time.monotonic() > limit:
                 log.error(
                     "%d tier I/O jobs still run %.1fs after the drain began (a stalled "
                     "disk or server?): going on without them",
-                    sum(len(q) for q in (*self._reads.values(), *self._writes.values())),
+                    self._jobs(),
                     limit - start,
                 )
                 return False
@@ -411,6 +425,7 @@ class SchedulerTiers:
                         store.close()
             self._reads[tier].clear()
             self._writes[tier].clear()
+            self._deletes[tier].clear()
         if self._loop is not None:
             self._loop.close()
         core = self.core

@@ -61,6 +61,7 @@ from asyncoffload.tiers.core.types import (
     Outcome,
     TierStats,
     count_failures,
+    failure_cause,
 )
 
 __all__ = ["MAX_BATCH", "REAP_S", "STALL_GRACE_S", "TierHierarchy"]
@@ -565,6 +566,12 @@ class TierHierarchy:
         finally:
             self.cpu.complete_load(io.keys)
 
+    def delete_done(self, req: Delete, outcome: Outcome, now: float) -> None:
+        """A release of keys the index let go ended: the keys it failed for are counted
+        (``delete_failures``) and logged at most once a ``WARN_EVERY_S`` per tier."""
+        if any(r < 0 for r in outcome.results):
+            _delete_failed(req, outcome, now)
+
     # --- jobs given up on ------------------------------------------------------------
 
     def _hold(self, io: TierIo, release: Callable[[], None], now: float) -> None:
@@ -690,4 +697,26 @@ def _stats(tier: TierState, info: Callable[[TierState], dict[str, object]] | Non
         dropped=m.dropped,
         failures=dict(c.failures),
         blocks_present=c.blocks_present,
+        delete_failures=c.delete_failures,
     )
+
+
+def _delete_failed(req: Delete, outcome: Outcome, now: float) -> None:
+    tier = req.tier
+    bad = [r for r in outcome.results if r < 0]
+    tier.counters.delete_failures += len(bad)
+    at = tier.delete_warned_at
+    if outcome.late or at is None or now - at >= WARN_EVERY_S:
+        tier.delete_warned_at = now
+        causes: dict[str, int] = {}
+        for cause in map(failure_cause, bad):
+            causes[cause] = causes.get(cause, 0) + 1
+        log.warning(
+            "%d of %d blocks that tier %s let go could not be removed (%s): their files "
+            "stay on disk%s",
+            len(bad),
+            len(req.keys),
+            tier.name,
+            ", ".join(f"{k} {v}" for k, v in causes.items()),
+            "; the removal was given up on while it still runs" if outcome.late else "",
+        )

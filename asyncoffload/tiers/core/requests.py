@@ -2,9 +2,9 @@
 
 Every request is plain data: a driver carries it to its tier's port (a lane, a server)
 and hands its result back to the core with the time (``TierHierarchy.read_done``,
-``write_done``, ``answered``). The core never holds a job, a task or a port; a driver
-may keep its own handle of a running request in its ``job`` field, which the core never
-reads.
+``write_done``, ``delete_done``, ``answered``). The core never holds a job, a task or a
+port; a driver may keep its own handle of a running request in its ``job`` field, which
+the core never reads.
 """
 
 from __future__ import annotations
@@ -43,6 +43,8 @@ class TierState:
     found: int = 0
     #: When the last write failure was logged (the driver's clock), or None.
     warned_at: float | None = None
+    #: When the last failed release (a file left behind) was logged, or None.
+    delete_warned_at: float | None = None
     #: A shared tier whose last question failed is not asked again before this time.
     down_until: float = -NEVER
 
@@ -104,10 +106,15 @@ class TierIo:
 @dataclass(eq=False)
 class Delete:
     """The index let ``keys`` go (evicted, dropped): the port releases what they hold
-    (a files-mode disk tier's files; a shared tier keeps its blocks for others)."""
+    (a files-mode disk tier's files, removed on its lanes; a shared tier keeps its
+    blocks for others). Where that is a job, its result goes back through
+    ``TierHierarchy.delete_done``."""
 
     tier: TierState
     keys: list[OffloadKey]
+    #: The driver's handle of the running job, if the port made one (never read by
+    #: the core).
+    job: Any = None
 
 
 @dataclass(eq=False)

@@ -138,6 +138,8 @@ class TierCounters:
     blocks_read: int = 0
     bytes_read: int = 0
     read_failures: int = 0
+    #: Keys whose release failed (a files-mode block file left behind).
+    delete_failures: int = 0
     lookup_hits: int = 0
     #: Failures by cause ("corrupt", "stale", "missing", "short", "timeout", "ENOSPC", ...).
     failures: dict[str, int] = field(default_factory=dict)
@@ -170,6 +172,9 @@ class TierStats:
     #: Offered blocks found there already, nothing written (a shared tier's put-if-absent
     #: over another engine's copy): ready in the index, not in ``blocks_written``.
     blocks_present: int = 0
+    #: Keys the index let go whose release failed (a files-mode block file that could
+    #: not be removed: it stays on disk until the directory's next recovery).
+    delete_failures: int = 0
 
 
 _CAUSES = {
