@@ -325,7 +325,7 @@ def test_evicted_disk_files_go_on_the_lanes_not_on_the_scheduler_thread(
         os.close(gate)
     try:
         _store_once(manager, worker, keys[2:], [2, 3], ctx)  # written through: evicts a, b
-        assert manager.tiers.core.tiers[0].index.block_of(keys[0]) is None  # type: ignore[arg-type]
+        assert manager.tiers.core.tiers[0].index.block_of(keys[0]) is None
         assert all(p.exists() for p in paths)  # the removal waits at the gate
     finally:
         os.close(opener)
