@@ -118,7 +118,6 @@ class CudaCopyBackend(TransferBackend):
         self._native: NativeCopy | None = None
         self._native_stage: list[NativeStaging | None] = [None, None]
         self._native_refs: torch.Tensor | None = None
-        self._span = CopySpan()
         self._setup_native()
         if copy_method != "auto" and not self._available(copy_method):
             raise RuntimeError(f"copy_method={copy_method!r} is not available here")
@@ -250,8 +249,6 @@ class CudaCopyBackend(TransferBackend):
             ]
         )
         self._native_refs = table.contiguous().to(self.device)
-        # Each job's span, filled in place (read by the C call during the call only).
-        self._span = CopySpan(refs=self._native_refs.data_ptr(), nref=nfrag, skip=0, page=frag)
         self._native = NativeCopy(self._lib, self.device, self._streams, self.settings)
         torch.cuda.synchronize(self.device)
 
@@ -400,10 +397,15 @@ class CudaCopyBackend(TransferBackend):
         staged = job.method == "staged" or (small_staged and self._native_staged)
         expected = self._pacer.expect(job, direction)
         wait_ns = 0 if staged else self._pacer.wait_here(expected)
-        span = self._span
-        span.n = job.num_blocks
-        span.gpu_ids = gids.buffer_info()[0]
-        span.slot_ids = hids.buffer_info()[0]
+        span = CopySpan(
+            refs=self._native_refs.data_ptr(),
+            nref=len(self._frags),
+            n=job.num_blocks,
+            gpu_ids=gids.buffer_info()[0],
+            slot_ids=hids.buffer_info()[0],
+            skip=0,
+            page=self.layout.fragment_bytes,
+        )
         rows = self._python._host_addr_dev.data_ptr()
         try:
             if wait_ns:

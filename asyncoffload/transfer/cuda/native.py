@@ -166,11 +166,6 @@ class NativeCopy:
         # hand the GIL to another thread for a switch interval.
         self._copy_wait: Callable[..., int] = holding_gil(lib.ao_cuda_copy_wait)
         self._times = (ctypes.c_int64 * 3)()
-        # The inline path's call, filled in place for each job (the C call reads it
-        # during the call only; the loop thread is the only caller): no structure is
-        # built per 1-block copy.
-        self._wait_call = CopyCall(device=self.index, bpc=1, programs=self.programs)
-        self._wait_call_ref = ctypes.byref(self._wait_call)
 
     # --- events ---
 
@@ -298,13 +293,18 @@ class NativeCopy:
         end = self.mark()
         job._start, job._event = None, end
         caller = self._raw_stream(self.index)
-        call = self._wait_call
-        call.caller = call.stream = caller
-        call.end = end.cuda_event
-        call.rows = rows
-        call.store = direction == 0
+        call = CopyCall(
+            device=self.index,
+            caller=caller,
+            stream=caller,
+            end=end.cuda_event,
+            rows=rows,
+            bpc=1,
+            store=int(direction == 0),
+            programs=self.programs,
+        )
         times = self._times
-        rc = self._copy_wait(self._wait_call_ref, ctypes.byref(span), budget_ns, times)
+        rc = self._copy_wait(ctypes.byref(call), ctypes.byref(span), budget_ns, times)
         job.started_ns = times[0]
         if not times[2]:
             raise RuntimeError(f"native copy launch failed: CUresult {rc}")
