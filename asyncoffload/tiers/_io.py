@@ -431,19 +431,10 @@ class IoPool:
         deadline): seconds after the deadline when the job ends on the caller's side
         even if an op still runs (``late``, see the module docstring). The host memory,
         the slab fds and the directory fds must stay valid until the job has ``ended``."""
-        if give_up_s is not None and not (deadline_s is not None and give_up_s >= 0):
-            raise ValueError(
-                f"give_up_s needs a deadline and must not be negative, got {give_up_s}"
-            )
-        check_process(self.pid, "IoPool")
-        if self._closed:
-            raise RuntimeError("IoPool is closed")
-        n = len(ops)
-        array = (_Op * n)()
+        self._check_open(deadline_s, give_up_s)
+        array = (_Op * len(ops))()
         for i, op in enumerate(ops):
-            key = bytes(op.key)
-            if not 1 <= len(key) <= MAX_KEY_BYTES:
-                raise ValueError(f"a key must be 1 to {MAX_KEY_BYTES} bytes, got {len(key)}")
+            key = _key_of(op)
             if op.path is None and op.fd < 0:
                 raise ValueError("an op needs a path (files mode) or an fd (slab mode)")
             if op.host == 0 and self.payload_len:
@@ -458,6 +449,16 @@ class IoPool:
         deadline_ns, give_up_ns = _deadlines(deadline_s, give_up_s)
         return self._submit(KIND_WRITE if write else KIND_READ, array, deadline_ns, give_up_ns)
 
+    def _check_open(self, deadline_s: float | None, give_up_s: float | None) -> None:
+        """Raise unless a job can be queued now with these deadlines."""
+        if give_up_s is not None and not (deadline_s is not None and give_up_s >= 0):
+            raise ValueError(
+                f"give_up_s needs a deadline and must not be negative, got {give_up_s}"
+            )
+        check_process(self.pid, "IoPool")
+        if self._closed:
+            raise RuntimeError("IoPool is closed")
+
     def submit_unlink(
         self,
         ops: Sequence[IoOp],
@@ -469,19 +470,10 @@ class IoPool:
         ``offset`` unused), behind the reads, in order with the writes of the same file.
         An op's result is 0 once the file is gone (it was gone already included), else
         ``-errno``. ``deadline_s`` and ``give_up_s`` as for :meth:`submit`."""
-        if give_up_s is not None and not (deadline_s is not None and give_up_s >= 0):
-            raise ValueError(
-                f"give_up_s needs a deadline and must not be negative, got {give_up_s}"
-            )
-        check_process(self.pid, "IoPool")
-        if self._closed:
-            raise RuntimeError("IoPool is closed")
-        n = len(ops)
-        array = (_Op * n)()
+        self._check_open(deadline_s, give_up_s)
+        array = (_Op * len(ops))()
         for i, op in enumerate(ops):
-            key = bytes(op.key)
-            if not 1 <= len(key) <= MAX_KEY_BYTES:
-                raise ValueError(f"a key must be 1 to {MAX_KEY_BYTES} bytes, got {len(key)}")
+            key = _key_of(op)
             if op.path is None:
                 raise ValueError("removing a block needs its file's path (files mode)")
             c = array[i]
@@ -635,6 +627,14 @@ class IoPool:
 
 def _nothing() -> None:
     return None
+
+
+def _key_of(op: IoOp) -> bytes:
+    """``op``'s key as bytes; ``ValueError`` unless it is 1 to MAX_KEY_BYTES long."""
+    key = bytes(op.key)
+    if not 1 <= len(key) <= MAX_KEY_BYTES:
+        raise ValueError(f"a key must be 1 to {MAX_KEY_BYTES} bytes, got {len(key)}")
+    return key
 
 
 def _deadlines(deadline_s: float | None, give_up_s: float | None) -> tuple[int, int]:
