@@ -1,0 +1,116 @@
+"""Settings of :class:`~asyncoffload.integrations.vllm.secondary.AsyncOffloadTier`, one
+entry of vLLM 0.34's ``secondary_tiers``, validated once, when vLLM builds the tier.
+
+vLLM's ``SecondaryTierFactory`` pops ``type``, ``module_path`` and ``backpressure`` from
+the entry and passes every other key to the tier's constructor; these are those keys.
+``tier`` is one tier in the shape of the ``tiers`` setting of
+:class:`~asyncoffload.integrations.vllm.AsyncOffloadSpec` (and ``EngineConfig.tiers``):
+a disk, remote (Redis / Valkey) or Mooncake tier's settings, its ``kind`` inferred when
+absent. An error names the key, as ``secondary_tiers[AsyncOffloadTier]['tier.capacity']``.
+
+This module does not import vLLM: the settings can be checked (and documented) anywhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Literal
+from urllib.parse import urlsplit
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from asyncoffload.tiers.specs import TIER_KINDS, TierSpec, tier_specs
+
+__all__ = ["SecondaryTierSettings"]
+
+
+class SecondaryTierSettings(BaseModel):
+    """What one ``secondary_tiers`` entry of type ``AsyncOffloadTier`` may set.
+
+    Build it with :meth:`from_config`, which names the offending key in its errors.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    tier: TierSpec = Field(
+        description='One of our tiers: {"kind": "disk", "path": ..., "capacity": "64GiB", '
+        '"mode": "slab" | "files", ...}, {"kind": "remote", "url": "redis://host:6379/0", '
+        '...} or {"kind": "mooncake", "master": "host:50051", ...}, as one entry of '
+        "AsyncOffloadSpec's `tiers` (docs/tiers.md). One vLLM secondary tier each: list "
+        "several entries for several tiers (vLLM's manager writes every one and loads "
+        "from the first that holds a chunk)."
+    )
+    tenant: str = Field("", description="This engine's tenant, part of the blocks' identity.")
+    name: str | None = Field(
+        None,
+        min_length=1,
+        description="What the tier's KV events (their `ownership`) and metrics (their "
+        "`tier` label) call it; by default its kind and where it is: 'disk:/nvme/kv', "
+        "'remote:host:6379/0', 'mooncake:host:50051'.",
+    )
+    locality: Literal["LOCAL", "REMOTE"] | None = Field(
+        None,
+        description="vLLM's locality of the tier's storage, for its per-request tier "
+        "filter (`kv_load_tiers`), its KV events and its backpressure defaults (read by "
+        "vLLM from this key: set 'REMOTE' for network water marks); by default LOCAL for "
+        "a disk tier, REMOTE for a remote or Mooncake one.",
+    )
+
+    @field_validator("tier", mode="before")
+    @classmethod
+    def _kind(cls, value: object) -> object:
+        if isinstance(value, dict):
+            (value,) = tier_specs([value])  # type: ignore[misc]  # a list in, a list out
+        return value
+
+    @property
+    def kind(self) -> str:
+        return self.tier.kind
+
+    @property
+    def tier_locality(self) -> Literal["LOCAL", "REMOTE"]:
+        """``locality``, or the default of the tier's kind."""
+        if self.locality is not None:
+            return self.locality
+        return "LOCAL" if self.tier.kind == "disk" else "REMOTE"
+
+    @property
+    def tier_name(self) -> str:
+        """``name``, or the tier's kind and where it is (never a password)."""
+        if self.name is not None:
+            return self.name
+        tier = self.tier
+        if tier.kind == "disk":
+            return f"disk:{tier.path}"
+        if tier.kind == "remote":
+            url = urlsplit(str(tier.url))
+            host = url.hostname or ""
+            port = f":{url.port}" if url.port else ""
+            return f"remote:{host}{port}{url.path}"
+        return f"mooncake:{tier.master}"
+
+    @classmethod
+    def from_config(
+        cls, config: Mapping[str, Any], where: str = "AsyncOffloadTier"
+    ) -> SecondaryTierSettings:
+        """Validate the keys vLLM passed; one ``ValueError`` naming each bad key, as
+        ``secondary_tiers[<where>]['<key>']: <why>``."""
+        try:
+            return cls.model_validate(dict(config))
+        except ValidationError as exc:
+            problems: list[str] = []
+            for error in exc.errors():
+                loc = list(error["loc"])
+                if loc[:1] == ["tier"] and len(loc) > 1 and loc[1] in TIER_KINDS:
+                    del loc[1]  # the kind pydantic picked the model by
+                key = ".".join(str(part) for part in loc) or "?"
+                msg = str(error["msg"]).removeprefix("Value error, ")
+                if error["type"] == "extra_forbidden":
+                    msg = "unknown key (a typo?)"
+                elif error["type"] == "union_tag_invalid":
+                    tag = error.get("ctx", {}).get("tag")
+                    msg = f"unknown tier kind {tag!r}; known: {', '.join(TIER_KINDS)}"
+                elif error["type"] == "missing":
+                    msg = "missing"
+                problems.append(f"secondary_tiers[{where}][{key!r}]: {msg}")
+            raise ValueError("; ".join(problems)) from None
