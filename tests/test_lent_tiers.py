@@ -253,3 +253,36 @@ def test_the_eventfd_is_closed_with_the_tiers(tmp_path: Path) -> None:
     tiers = LentTiers(open_tiers([slab(tmp_path / "d")], NAMESPACE), Host().address)
     tiers.close()
     assert len(os.listdir("/proc/self/fd")) <= before
+
+
+def test_a_read_stuck_past_its_deadline_ends_failed_and_releases_its_slots_later(
+    tmp_path: Path,
+) -> None:
+    """A read stuck in a system call (the pool's test gate: a hung mount): the load ends
+    failed once its tier's deadline and the core's grace passed, but its slots are
+    released only once the read really ended (vLLM's deferred release: the framework
+    must not reuse a slot the read may still fill)."""
+    host = Host()
+    settings = DiskTier(tmp_path / "d", 1 << 20, "slab", admission=None, deadline_s=0.2)
+    tiers = LentTiers(open_tiers([settings], NAMESPACE), host.address)
+    try:
+        data = host.fill(0, 3)
+        done(tiers, tiers.store([key(0)], [0]))
+        gate, opener = os.pipe()
+        try:
+            tiers.stores[0]._pool.set_gate(gate)  # type: ignore[attr-defined]
+        finally:
+            os.close(gate)
+        try:
+            job = done(tiers, tiers.load([key(0)], [9]))
+            assert job.ok == [False] and not job.released.is_set()
+        finally:
+            os.close(opener)  # the stuck read goes on
+        deadline = time.monotonic() + WAIT_S
+        while not job.released.is_set():
+            assert time.monotonic() < deadline, "the slots of the stuck read were never released"
+            tiers.poll()
+            time.sleep(0.01)
+        assert host.buf[9].tobytes() == data  # the read really ended, into that slot
+    finally:
+        tiers.close()
