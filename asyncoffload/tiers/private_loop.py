@@ -1,11 +1,12 @@
-"""The private event loop on which a shared tier's client runs under vLLM.
+"""The private event loop on which a shared tier's client runs under a polling driver.
 
-vLLM's scheduler thread runs no event loop, and a Python thread of our own would starve
-under a busy scheduler (the GIL). So the shared tiers' client (``redis.asyncio`` or
-valkey-glide) runs on a private loop that is never run on a thread of its own and never
-becomes the thread's current loop: :class:`PrivateLoop` *steps* it, a bounded number of
-non-blocking iterations, from the scheduler's calls while something of ours is in flight
-on it.
+A polling driver of the tier core (vLLM's scheduler thread, a framework's I/O threads,
+see :mod:`asyncoffload.tiers.polled`) runs no event loop, and a Python thread of our own
+would starve under a busy caller (the GIL). So the shared tiers' client (``redis.asyncio``
+or valkey-glide) runs on a private loop that is never run on a thread of its own and
+never becomes the thread's current loop: :class:`PrivateLoop` *steps* it, a bounded
+number of non-blocking iterations, from the driver's calls while something of ours is in
+flight on it, or runs it while a caller that may block waits (:meth:`PrivateLoop.wait`).
 """
 
 from __future__ import annotations
@@ -13,12 +14,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from collections.abc import Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
 __all__ = ["PrivateLoop"]
 
-log = logging.getLogger("asyncoffload.vllm")
+log = logging.getLogger("asyncoffload.tiers")
 
 #: Iterations of the private event loop per step of it (each runs what is ready, with
 #: no wait for I/O); it stops sooner once nothing of ours is in flight on it.
@@ -97,6 +99,44 @@ class PrivateLoop:
                 loop.run_forever()
         except RuntimeError as exc:  # a defect of ours: never raise into vLLM
             log.error("stepping the shared tiers' event loop failed: %s", exc)
+
+    def wait(self, timeout_s: float, wake_fd: int | None = None) -> None:
+        """Run the private loop, blocking the caller, until something of ours on it ends,
+        ``wake_fd`` (an eventfd the tiers' lanes write when a job ends) is readable (it is
+        read, to reset it), or ``timeout_s`` passes: a caller that may block (a
+        framework's I/O thread) waits here instead of spinning."""
+        loop = self.loop
+        if loop is None or loop.is_closed():
+            return
+        waker: asyncio.Future[None] = loop.create_future()
+
+        def wake(*_: object) -> None:
+            if not waker.done():
+                waker.set_result(None)
+
+        def readable() -> None:
+            assert wake_fd is not None
+            with contextlib.suppress(BlockingIOError, InterruptedError):
+                os.read(wake_fd, 8)
+            wake()
+
+        watched = list(self.on_loop)
+        for future in watched:
+            future.add_done_callback(wake)
+        if wake_fd is not None:
+            loop.add_reader(wake_fd, readable)
+        timer = loop.call_later(max(timeout_s, 0.0), wake)
+        try:
+            with _outside_any_loop():
+                loop.run_until_complete(waker)
+        except RuntimeError as exc:  # a defect of ours: never raise into the caller
+            log.error("running the shared tiers' event loop failed: %s", exc)
+        finally:
+            timer.cancel()
+            if wake_fd is not None:
+                loop.remove_reader(wake_fd)
+            for future in watched:
+                future.remove_done_callback(wake)
 
     def close(self) -> None:
         """Cancel what is left on the private loop, let it end, close the loop."""
