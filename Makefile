@@ -98,7 +98,10 @@ $(VLLM_034)/.complete: scripts/vllm_overlay.py | $(VLLM_STAMP)
 # build of those releases exists. test_vllm_scenarios.py holds vLLM 0.32's manager
 # scenarios; from 0.33 on vLLM's own manager tests run against ours (tests/vllm_upstream).
 # The C core's kv against the Python one is not vLLM's business: 0.32's run checks it.
-VLLM_034_ONLY = benchmarks/vllm_failures.py benchmarks/vllm_worker_034.py
+# vLLM 0.34 only: its secondary tiers (TieringOffloadingSpec) and their tests.
+VLLM_034_ONLY = benchmarks/vllm_failures.py benchmarks/vllm_worker_034.py \
+	benchmarks/vllm_secondary.py asyncoffload/integrations/vllm/secondary.py \
+	$(wildcard tests/vllm034/*.py)
 OVERLAY_TESTS = -m "not long and not engine" --ignore=tests/vllm/test_vllm_scenarios.py \
 	-k "not kv_decides_alike"
 
@@ -111,13 +114,14 @@ test-vllm: $(VLLM_STAMP) $(VLLM_033)/.complete $(VLLM_034)/.complete
 	# with our classes in place of vLLM's.
 	scripts/lanes.sh build/test-vllm \
 		'$(VLLM_PY) -m mypy --follow-imports=silent \
-			$(wildcard asyncoffload/integrations/vllm/*.py) \
+			$(filter-out $(VLLM_034_ONLY),$(wildcard asyncoffload/integrations/vllm/*.py)) \
 			$(wildcard tests/vllm/*.py) $(wildcard tests/vllm_upstream/*.py) \
 			$(filter-out $(VLLM_034_ONLY),$(wildcard benchmarks/vllm_*.py)) \
 		&& PYTHONPATH=$(VLLM_033)/site $(VLLM_PY) -m pytest -q $(OVERLAY_TESTS) tests/vllm $(ARGS)' \
 		'PYTHONPATH=$(VLLM_034)/site $(VLLM_PY) -m mypy --follow-imports=silent \
 			--cache-dir .mypy_cache/vllm-0.34 $(VLLM_034_ONLY) \
-		&& PYTHONPATH=$(VLLM_034)/site $(VLLM_PY) -m pytest -q $(OVERLAY_TESTS) tests/vllm $(ARGS) \
+		&& PYTHONPATH=$(VLLM_034)/site $(VLLM_PY) -m pytest -q $(OVERLAY_TESTS) tests/vllm \
+			tests/vllm034 $(ARGS) \
 		&& scripts/vllm_upstream.sh $(VLLM_PY) $(VLLM_034) -q $(ARGS)'
 
 # The long profiles of both suites: what `make test` and `make test-vllm` leave out.

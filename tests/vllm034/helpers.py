@@ -27,6 +27,7 @@ from vllm.v1.kv_offload.config import (
     OffloadingModelConfig,
     OffloadingParallelConfig,
 )
+from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
@@ -127,6 +128,7 @@ class Engine:
         ctx = self.request()
         out = self.manager.prepare_store(list(keys), ctx)
         assert out is not None and list(out.keys_to_store) == list(keys)
+        assert isinstance(out.store_spec, CPULoadStoreSpec)
         self.view[np.asarray(out.store_spec.chunk_ids)] = rows
         self.manager.complete_store(list(keys), ctx, success=True)
         self.manager.on_request_finished(ctx)
@@ -160,7 +162,8 @@ class Engine:
     def rows_of(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> np.ndarray:
         """The primary rows of ``keys`` (HIT), as vLLM's worker would load them."""
         spec = self.manager.prepare_load(list(keys), ctx)
-        rows = self.view[np.asarray(spec.chunk_ids)].copy()
+        assert isinstance(spec, CPULoadStoreSpec)
+        rows: np.ndarray = self.view[np.asarray(spec.chunk_ids)].copy()
         self.manager.complete_load(list(keys), ctx)
         return rows
 

@@ -284,7 +284,7 @@ def test_vllms_backpressure_detector_gets_the_bytes_each_store_wrote(tmp_path: P
             def spy(elapsed: float, num_bytes: int, index: int = index) -> None:
                 seen.append(index * 1_000_000 + num_bytes)
 
-            detector.on_store_completed = spy  # type: ignore[method-assign]
+            detector.on_store_completed = spy  # type: ignore[method-assign,assignment]
         engine.store(keys_of("b0", "b1", "b2"), random_rows(3, ROW, seed=8))
         assert seen == [3 * ROW]  # the second tier wrote nothing: no sample
     finally:
@@ -327,4 +327,3 @@ def test_an_unwritable_path_is_one_error_at_start_up_naming_the_setting(tmp_path
         spec.get_manager()
     assert "a-file" in str(exc.value)
     assert not os.path.exists(f"/dev/shm/vllm_offload_{config.engine_id}.mmap")
-

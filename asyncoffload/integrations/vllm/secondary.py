@@ -44,7 +44,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import numpy as np
 
@@ -81,6 +81,7 @@ from vllm.v1.kv_offload.tiering.base import (
 )
 
 from asyncoffload.integrations.vllm.secondary_settings import SecondaryTierSettings
+from asyncoffload.keys import OffloadKey as OurKey
 from asyncoffload.tiers.base import LowerTier
 from asyncoffload.tiers.core import TierStats
 from asyncoffload.tiers.format import Namespace
@@ -271,15 +272,15 @@ class AsyncOffloadTier(SecondaryTierManager):
     # --- vLLM's calls ---------------------------------------------------------------
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        return _LOOKUP[self._tiers.lookup(key)]
+        return _LOOKUP[self._tiers.lookup(OurKey(key))]
 
     def submit_store(self, job_metadata: TransferJob) -> None:
         slots = self._rows.slots(job_metadata)
-        self._tiers.store(list(job_metadata.keys), slots, owner=job_metadata)
+        self._tiers.store(_ours(job_metadata), slots, owner=job_metadata)
 
     def submit_load(self, job_metadata: TransferJob) -> None:
         slots = self._rows.slots(job_metadata)
-        self._tiers.load(list(job_metadata.keys), slots, owner=job_metadata)
+        self._tiers.load(_ours(job_metadata), slots, owner=job_metadata)
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
         results, self._finished = self._finished, []
@@ -288,7 +289,7 @@ class AsyncOffloadTier(SecondaryTierManager):
 
     def _take(self, results: list[JobResult]) -> None:
         """The jobs that ended, as vLLM's results (a store once no op reads its chunks)."""
-        for job in self._tiers.poll():
+        for job in self._tiers.ended():
             if not job.write:
                 results.append(self._load_result(job))
             elif job.released.is_set():
@@ -319,7 +320,7 @@ class AsyncOffloadTier(SecondaryTierManager):
         nbytes = loaded * self._rows.stride
         if loaded == len(job.keys):
             return JobResult(job_id=transfer.job_id, success=True, transfer_bytes=nbytes)
-        good = tuple(key for key, ok in zip(job.keys, job.ok) if ok)
+        good = tuple(OffloadKey(key) for key, ok in zip(job.keys, job.ok) if ok)
         released = job.released
         return JobResult(
             job_id=transfer.job_id,
@@ -440,3 +441,8 @@ class AsyncOffloadTier(SecondaryTierManager):
 
     def __repr__(self) -> str:
         return f"AsyncOffloadTier({self.name!r})"
+
+
+def _ours(job: TransferJob) -> list[OurKey]:
+    """A job's keys as our tiers take them (the same bytes: vLLM's key convention)."""
+    return cast("list[OurKey]", list(job.keys))
