@@ -101,7 +101,7 @@ $(VLLM_034)/.complete: scripts/vllm_overlay.py | $(VLLM_STAMP)
 # vLLM 0.34 only: its secondary tiers (TieringOffloadingSpec) and their tests.
 VLLM_034_ONLY = benchmarks/vllm_failures.py benchmarks/vllm_worker_034.py \
 	benchmarks/vllm_secondary.py asyncoffload/integrations/vllm/secondary.py \
-	$(wildcard tests/vllm034/*.py)
+	tests/vllm_upstream/tiering_plugin.py $(wildcard tests/vllm034/*.py)
 OVERLAY_TESTS = -m "not long and not engine" --ignore=tests/vllm/test_vllm_scenarios.py \
 	-k "not kv_decides_alike"
 
@@ -115,14 +115,16 @@ test-vllm: $(VLLM_STAMP) $(VLLM_033)/.complete $(VLLM_034)/.complete
 	scripts/lanes.sh build/test-vllm \
 		'$(VLLM_PY) -m mypy --follow-imports=silent \
 			$(filter-out $(VLLM_034_ONLY),$(wildcard asyncoffload/integrations/vllm/*.py)) \
-			$(wildcard tests/vllm/*.py) $(wildcard tests/vllm_upstream/*.py) \
+			$(wildcard tests/vllm/*.py) \
+			$(filter-out $(VLLM_034_ONLY),$(wildcard tests/vllm_upstream/*.py)) \
 			$(filter-out $(VLLM_034_ONLY),$(wildcard benchmarks/vllm_*.py)) \
 		&& PYTHONPATH=$(VLLM_033)/site $(VLLM_PY) -m pytest -q $(OVERLAY_TESTS) tests/vllm $(ARGS)' \
 		'PYTHONPATH=$(VLLM_034)/site $(VLLM_PY) -m mypy --follow-imports=silent \
 			--cache-dir .mypy_cache/vllm-0.34 $(VLLM_034_ONLY) \
 		&& PYTHONPATH=$(VLLM_034)/site $(VLLM_PY) -m pytest -q $(OVERLAY_TESTS) tests/vllm \
 			tests/vllm034 $(ARGS) \
-		&& scripts/vllm_upstream.sh $(VLLM_PY) $(VLLM_034) -q $(ARGS)'
+		&& scripts/vllm_upstream.sh $(VLLM_PY) $(VLLM_034) -q $(ARGS) \
+		&& scripts/vllm_upstream.sh $(VLLM_PY) $(VLLM_034) --tiering -q $(ARGS)'
 
 # The long profiles of both suites: what `make test` and `make test-vllm` leave out.
 # SHARD=K/N runs the K-th of N shares of each (tests/conftest.py: every N-th test in

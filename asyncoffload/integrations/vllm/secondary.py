@@ -122,9 +122,7 @@ _CAPACITY = _OURS + "capacity_blocks"
 _LOOKUP = {"hit": LookupResult.HIT, "miss": LookupResult.MISS, "pending": LookupResult.RETRY}
 
 
-def secondary_namespace(
-    spec: OffloadingSpec, row_bytes: int, tenant: str = "", replicated: bool | None = None
-) -> Namespace:
+def secondary_namespace(spec: OffloadingSpec, row_bytes: int, tenant: str = "") -> Namespace:
     """The identity of ``spec``'s chunks in our tiers: the model, the KV dtype, the
     layout of a row of vLLM's primary region (``row_bytes``: every worker's bytes of a
     chunk, padded), the tokens of a chunk, the world size and the tenant. Bytes vLLM
@@ -133,8 +131,8 @@ def secondary_namespace(
     tensor-, pipeline- or context-parallel shape never reads these chunks."""
     config = spec.config
     parallel = config.parallel
-    if replicated is None:
-        replicated = bool(getattr(spec, "replicated_layout", config.replicated_layout))
+    # vLLM's tiering holds a replicated layout (MLA under TP) once in its region.
+    replicated = bool(config.replicated_layout)
     world = max(1, int(parallel.world_size))
     copies = 1 if replicated else world
     agnostic = bool(parallel.is_parallelism_agnostic) or replicated
@@ -240,6 +238,9 @@ class AsyncOffloadTier(SecondaryTierManager):
         self._finished: list[JobResult] = []
         #: Stores that ended while an op of theirs may still read their chunks.
         self._held: list[LentJob] = []
+        #: The request of each key of the stores that ended since the last take_events
+        #: (vLLM 0.34 builds a stored event's payload from it).
+        self._stored_by: dict[OurKey, ReqContext] = {}
         self._reported: dict[str, int] = {}
 
     @property
@@ -258,11 +259,18 @@ class AsyncOffloadTier(SecondaryTierManager):
     def _open(self, namespace: Namespace) -> LentTiers:
         """Open the tier: an error names the setting (an unwritable path, a server
         refused, a capacity that holds no chunk)."""
-        where = f"secondary_tiers[{self.tier_type}]['tier']"
+        where = (
+            f"secondary_tiers[{self.tier_type}]['tier']: cannot open the {self.settings.kind} tier"
+        )
         try:
             stores = open_tiers([self.settings.tier], namespace)
-        except (OSError, ValueError) as exc:
-            raise ValueError(f"{where}: cannot open the {self.settings.kind} tier: {exc}") from exc
+        except OSError as exc:  # the same OSError, the setting named
+            if exc.errno is None or exc.strerror is None:
+                raise type(exc)(f"{where}: {exc}") from exc
+            what = f"{exc.strerror}: {exc.filename!r}" if exc.filename else exc.strerror
+            raise type(exc)(exc.errno, f"{where}: {what}") from exc
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from exc
         try:
             return LentTiers(stores, self._rows.address)
         except BaseException:
@@ -308,6 +316,9 @@ class AsyncOffloadTier(SecondaryTierManager):
 
     def _store_result(self, job: LentJob) -> JobResult:
         transfer: TransferJob = job.owner
+        if self._events_on:
+            for key in job.keys:
+                self._stored_by[key] = transfer.req_context
         return JobResult(
             job_id=transfer.job_id,
             success=all(job.ok),
@@ -341,20 +352,31 @@ class AsyncOffloadTier(SecondaryTierManager):
         self._take(self._finished)
 
     def take_events(self) -> Iterable[OffloadingEvent]:
+        """The tier's stored and removed events as vLLM's, a stored event with the
+        request whose store wrote its keys (one event per request)."""
         events = self._tiers.take_events()
+        stored_by, self._stored_by = self._stored_by, {}
         if not self._events_on:
             return ()
-        return [
-            OffloadingEvent(
-                keys=[OffloadKey(key) for key in event.keys],
-                medium=Medium.STORAGE,
-                removed=event.removed,
-                locality=self.locality,
-                ownership=self.name,
-                removal_expected=True,
+        out: list[OffloadingEvent] = []
+        for event in events:
+            groups: dict[int, tuple[ReqContext | None, list[OffloadKey]]] = {}
+            for key in event.keys:
+                ctx = None if event.removed else stored_by.get(key)
+                groups.setdefault(id(ctx), (ctx, []))[1].append(OffloadKey(key))
+            out.extend(
+                OffloadingEvent(
+                    keys=keys,
+                    medium=Medium.STORAGE,
+                    removed=event.removed,
+                    locality=self.locality,
+                    ownership=self.name,
+                    removal_expected=True,
+                    req_context=ctx,
+                )
+                for ctx, keys in groups.values()
             )
-            for event in events
-        ]
+        return out
 
     def drain_jobs(self) -> None:
         """Wait for every job (bounded by the tier's deadline and the core's grace);

@@ -63,6 +63,13 @@ class SecondaryTierSettings(BaseModel):
             (value,) = tier_specs([value])  # type: ignore[misc]  # a list in, a list out
         return value
 
+    @field_validator("locality", mode="before")
+    @classmethod
+    def _locality(cls, value: object) -> object:
+        if value is not None and value not in ("LOCAL", "REMOTE"):
+            raise ValueError(f"{value!r} is not a vLLM Locality: 'LOCAL' or 'REMOTE'")
+        return value
+
     @property
     def kind(self) -> str:
         return self.tier.kind
