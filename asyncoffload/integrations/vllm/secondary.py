@@ -259,9 +259,9 @@ class AsyncOffloadTier(SecondaryTierManager):
     def _open(self, namespace: Namespace) -> LentTiers:
         """Open the tier: an error names the setting (an unwritable path, a server
         refused, a capacity that holds no chunk)."""
-        where = (
-            f"secondary_tiers[{self.tier_type}]['tier']: cannot open the {self.settings.kind} tier"
-        )
+        kind = self.settings.kind
+        key = "tier.path" if kind == "disk" else "tier"
+        where = f"secondary_tiers[{self.tier_type}][{key!r}]: cannot open the {kind} tier"
         try:
             stores = open_tiers([self.settings.tier], namespace)
         except OSError as exc:  # the same OSError, the setting named
