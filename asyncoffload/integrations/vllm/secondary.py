@@ -203,12 +203,13 @@ class _Rows:
                 f"AsyncOffloadTier: job {job.job_id} has {len(job.keys)} keys and "
                 f"chunk_ids of shape {ids.shape}"
             )
-        if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= self.count):
+        slots: list[int] = ids.tolist()
+        if slots and (min(slots) < 0 or max(slots) >= self.count):
             raise ValueError(
                 f"AsyncOffloadTier: job {job.job_id} names chunks outside "
-                f"[0, {self.count}): {ids.tolist()}"
+                f"[0, {self.count}): {slots}"
             )
-        return [int(i) for i in ids]
+        return slots
 
 
 class AsyncOffloadTier(SecondaryTierManager):
@@ -317,8 +318,7 @@ class AsyncOffloadTier(SecondaryTierManager):
     def _store_result(self, job: LentJob) -> JobResult:
         transfer: TransferJob = job.owner
         if self._events_on:
-            for key in job.keys:
-                self._stored_by[key] = transfer.req_context
+            self._stored_by.update(dict.fromkeys(job.keys, transfer.req_context))
         return JobResult(
             job_id=transfer.job_id,
             success=all(job.ok),
