@@ -6,6 +6,7 @@ chunks go to our tier by vLLM's cascade and come back by its promotions."""
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 from asyncoffload.integrations.vllm.secondary import AsyncOffloadTier
 from asyncoffload.tiers.disk import DiskStore
 from asyncoffload.tiers.format import HEADER_BYTES, block_file_bytes
+from asyncoffload.tiers.ports import running
 from tests.vllm034.helpers import (
     WORKER_BYTES,
     Engine,
@@ -265,6 +267,35 @@ def test_a_read_stuck_in_the_kernel_defers_the_release_of_vllms_chunks(tmp_path:
         assert primary.num_deferred_release_chunks == 0
     finally:
         engine.close()
+
+
+def test_a_shutdown_while_a_read_is_stuck_keeps_vllms_region_mapped(tmp_path: Path) -> None:
+    """vLLM keeps its primary region when a tier's shutdown fails: ours fails it while a
+    read it gave up on may still fill a chunk, so the late read never writes into
+    unmapped memory."""
+    engine = Engine([tier_entry(_disk(tmp_path / "disk", deadline_s=0.2))])
+    keys = keys_of("u0")
+    engine.store(keys, random_rows(1, ROW, seed=9))
+    engine.forget_primary()
+    (store,) = engine.tier.stores
+    assert isinstance(store, DiskStore)
+    gate, opener = os.pipe()
+    try:
+        store.pool.set_gate(gate)
+    finally:
+        os.close(gate)
+    try:
+        assert engine.promote(keys)[0] == [LookupResult.MISS]
+        engine.view = np.empty((0, 0), dtype=np.int8)
+        with pytest.raises(RuntimeError, match="must stay mapped"):
+            engine.manager.shutdown()
+    finally:
+        os.close(opener)
+    deadline = time.monotonic() + 10.0
+    while running(engine.tier._tiers.core):
+        assert time.monotonic() < deadline, "the read let go did not end within 10 s"
+        time.sleep(0.005)
+    engine.manager.primary_tier.shutdown()  # what vLLM would have unmapped
 
 
 def test_vllms_backpressure_detector_gets_the_bytes_each_store_wrote(tmp_path: Path) -> None:

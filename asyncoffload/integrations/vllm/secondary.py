@@ -86,7 +86,7 @@ from asyncoffload.tiers.base import LowerTier
 from asyncoffload.tiers.core import TierStats
 from asyncoffload.tiers.format import Namespace
 from asyncoffload.tiers.lent import LentJob, LentTiers
-from asyncoffload.tiers.ports import close_tiers, open_tiers
+from asyncoffload.tiers.ports import close_tiers, open_tiers, running
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec
@@ -381,24 +381,27 @@ class AsyncOffloadTier(SecondaryTierManager):
     def drain_jobs(self) -> None:
         """Wait for every job (bounded by the tier's deadline and the core's grace);
         their results go to the next :meth:`get_finished_jobs`. ``RuntimeError`` if an
-        op of ours may still touch vLLM's chunks then (stuck in the kernel): vLLM must
-        not reuse them."""
-        self._tiers.drain()
+        op of ours may still touch vLLM's chunks then (stuck in the kernel: a hung disk
+        or mount), whose deferred release cannot be given: vLLM must not reuse them."""
+        ended = self._tiers.drain()
         self._take(self._finished)
-        stuck = len(self._held) + sum(
-            1
-            for result in self._finished
-            if result.deferred_release is not None and not result.deferred_release.is_set()
-        )
-        if stuck:
+        if not ended or self._held:
             raise RuntimeError(
-                f"secondary tier {self.name}: {stuck} jobs still have I/O in the kernel "
-                "after the tier's deadline (a stalled disk or server): their CPU chunks "
+                f"secondary tier {self.name}: I/O still runs in the kernel after the "
+                "tier's deadline (a stalled disk or server): the CPU chunks it may touch "
                 "cannot be reused safely"
             )
 
     def shutdown(self) -> None:
+        """Close the tier (its jobs drained, bounded). ``RuntimeError`` if an op of ours
+        may still touch vLLM's region (stuck in the kernel): vLLM then keeps the region
+        mapped rather than unmap memory that a late read may still fill."""
         self._tiers.close()
+        if running(self._tiers.core):
+            raise RuntimeError(
+                f"secondary tier {self.name}: I/O still runs in the kernel at shutdown (a "
+                "stalled disk or server): vLLM's CPU region must stay mapped"
+            )
 
     # --- metrics --------------------------------------------------------------------
 
