@@ -237,6 +237,33 @@ def test_tp2_a_chunk_with_one_ranks_part_damaged_fails_whole(tmp_path: Path) -> 
         other.close()
 
 
+def test_tp2_with_a_mac_key_round_trips_and_a_keyless_engine_finds_nothing(
+    tmp_path: Path,
+) -> None:
+    """Authenticated chunks (a keyed BLAKE2b MAC, checked on every read): a TP 2 engine
+    gets its chunks back byte-exact; an engine without the key, or with another, files
+    its chunks under another identity and never reads these."""
+    key = "k" * 32
+    disk = _disk(tmp_path / "disk", mode="files", mac_key=key)
+    engine = Engine([tier_entry(disk)], world=2)
+    keys = keys_of("m0", "m1")
+    rows = random_rows(2, ROW, seed=10)
+    try:
+        engine.store(keys, rows)
+        engine.forget_primary()
+        answers, ctx = engine.promote(keys)
+        assert answers == [LookupResult.HIT] * 2
+        assert np.array_equal(engine.rows_of(keys, ctx), rows)
+    finally:
+        engine.close()
+    for other in ({k: v for k, v in disk.items() if k != "mac_key"}, {**disk, "mac_key": "o" * 32}):
+        stranger = Engine([tier_entry(other)], world=2)
+        try:
+            assert stranger.promote(keys)[0] == [LookupResult.MISS] * 2
+        finally:
+            stranger.close()
+
+
 # --- vLLM's contracts: deferred release, backpressure ----------------------------------------
 
 

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, ClassVar, cast
 
@@ -87,6 +88,7 @@ from asyncoffload.tiers.core import TierStats
 from asyncoffload.tiers.format import Namespace
 from asyncoffload.tiers.lent import LentJob, LentTiers
 from asyncoffload.tiers.ports import close_tiers, open_tiers, running
+from asyncoffload.transfer.base import HostRegion
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec
@@ -194,6 +196,40 @@ class _Rows:
     def address(self, slot: int) -> int:
         return self.base + slot * self.stride
 
+    def regions(self) -> list[HostRegion]:
+        """The rows as another process can map them: each file mapped over them (vLLM's
+        shared region: one file in /dev/shm, or several back to back), opened again
+        from ``/proc/self/maps``; none where the rows are not all in mapped files."""
+        start, end = self.base, self.base + self.count * self.stride
+        spans: dict[str, list[int]] = {}  # path -> [address of offset 0, end]
+        covered = 0
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                fields = line.split(maxsplit=5)
+                low, high = (int(x, 16) for x in fields[0].split("-"))
+                if high <= start or low >= end:
+                    continue
+                path = fields[5].strip() if len(fields) > 5 else ""
+                if not path.startswith("/") or path.endswith(" (deleted)"):
+                    return []
+                at = low - int(fields[2], 16)
+                span = spans.setdefault(path, [at, high])
+                if span[0] != at:
+                    return []  # the same file twice, at two places
+                span[1] = max(span[1], high)
+                covered += min(high, end) - max(low, start)
+        if covered != end - start:
+            return []
+        regions: list[HostRegion] = []
+        try:
+            for path, (at, high) in spans.items():
+                regions.append(HostRegion(os.open(path, os.O_RDWR | os.O_CLOEXEC), at, high - at))
+        except OSError:
+            for region in regions:
+                os.close(region.fd)
+            return []
+        return regions
+
     def slots(self, job: TransferJob) -> list[int]:
         """The job's chunks, checked: ``ValueError`` for one outside the region or a
         count that is not the keys'."""
@@ -263,8 +299,10 @@ class AsyncOffloadTier(SecondaryTierManager):
         kind = self.settings.kind
         key = "tier.path" if kind == "disk" else "tier"
         where = f"secondary_tiers[{self.tier_type}][{key!r}]: cannot open the {kind} tier"
+        # A tier whose I/O runs in another process (Mooncake's helper) maps the rows.
+        regions = self._rows.regions() if kind == "mooncake" else None
         try:
-            stores = open_tiers([self.settings.tier], namespace)
+            stores = open_tiers([self.settings.tier], namespace, regions)
         except OSError as exc:  # the same OSError, the setting named
             if exc.errno is None or exc.strerror is None:
                 raise type(exc)(f"{where}: {exc}") from exc
@@ -272,6 +310,9 @@ class AsyncOffloadTier(SecondaryTierManager):
             raise type(exc)(exc.errno, f"{where}: {what}") from exc
         except ValueError as exc:
             raise ValueError(f"{where}: {exc}") from exc
+        finally:
+            for region in regions or ():
+                os.close(region.fd)  # the tier keeps its own
         try:
             return LentTiers(stores, self._rows.address)
         except BaseException:
