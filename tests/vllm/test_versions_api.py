@@ -269,3 +269,19 @@ def test_vllm_start_up_with_an_unsupported_vllm_is_refused_by_us_by_name(version
     assert report["type"] == "VllmVersionError"
     assert f"vLLM {version}" in report["message"] and "0.32 to 0.34" in report["message"]
     assert report["raised_in"].endswith("asyncoffload/integrations/vllm/versions.py")
+
+
+def test_our_secondary_tier_is_vllm_034s_and_refused_by_name_before() -> None:
+    """vLLM 0.34's tiering loads our secondary tier by module path
+    (``asyncoffload.integrations.vllm.secondary``); an older vLLM has no tiering, and
+    the import there is refused by name, before anything of vLLM's is used."""
+    import importlib
+
+    name = "asyncoffload.integrations.vllm.secondary"
+    if VLLM.release >= (0, 34):
+        module: Any = importlib.import_module(name)
+        bases = [cls.__name__ for cls in module.AsyncOffloadTier.__mro__]
+        assert "SecondaryTierManager" in bases
+        return
+    with pytest.raises(VllmVersionError, match=rf"needs vLLM 0.34.*vLLM {VLLM.version} is"):
+        importlib.import_module(name)

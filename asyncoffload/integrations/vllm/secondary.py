@@ -42,7 +42,6 @@ shared tier) is the core's.
 from __future__ import annotations
 
 import hashlib
-import logging
 import os
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, ClassVar, cast
@@ -95,8 +94,6 @@ if TYPE_CHECKING:
     from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
 
 __all__ = ["AsyncOffloadTier", "SecondaryTierSettings", "secondary_namespace"]
-
-log = logging.getLogger("asyncoffload.vllm")
 
 _OURS = "vllm:asyncoffload_secondary_"
 #: Counters, each labelled with the tier's name: metric -> (TierStats field, help).
