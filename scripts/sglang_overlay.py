@@ -11,7 +11,7 @@ those imports need that the vLLM venv lacks (``DEPS``) into DEST/deps. Everythin
 they import (CPU torch 2.13, transformers, pydantic, pyzmq, aiohttp, numpy, ...) the
 vLLM venv has. ``PYTHONPATH=DEST/site:DEST/deps`` then imports SGLang there.
 
-Left out: the Rust extensions and CUDA sources (``*.so``, ``*.cu``, ``*.cuh``): nothing
+Left out: the Rust extensions and the GPU kernels' sources (``*.so``, ``*.cu``, ``*.cuh``): nothing
 the tests run needs them. ``tests/sglang/sglang_cpu.py`` says what else differs from a
 serving install (torchvision has no CPU build on PyPI).
 
@@ -33,8 +33,9 @@ from pathlib import Path
 
 #: What SGLang's host pool and controller import that the vLLM venv lacks, pinned.
 DEPS = ("orjson==3.13.0", "ipython==9.18.1", "traitlets==5.16.1", "gguf==0.19.0")
-#: What of the wheel is unpacked: not the compiled extensions nor CUDA sources.
-SKIP_SUFFIXES = (".so", ".cu", ".cuh", ".hip", ".cpp", ".h", ".co")
+#: What of the wheel is unpacked: not the compiled extensions nor the GPU kernels' sources
+#: (the C++ of SGLang's page hash stays: SGLang compiles it on first use).
+SKIP_SUFFIXES = (".so", ".cu", ".cuh", ".hip", ".co")
 
 
 def pip(*args: str) -> None:
