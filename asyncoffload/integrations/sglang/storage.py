@@ -37,7 +37,8 @@ from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorageConfig,
     HiCacheStorageExtraInfo,
 )
-from sglang.srt.mem_cache.pool_host import MHATokenToKVPoolHost, MLATokenToKVPoolHost
+from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 
 from asyncoffload.integrations.sglang.pages import PageMap, Staging, page_map
 from asyncoffload.integrations.sglang.settings import SETTING, SglangStorageSettings
@@ -100,7 +101,7 @@ class AsyncOffloadStorage(HiCacheStorage):
             )
         pages = page_map(pool.kv_buffer, kind, pool.layout, pool.page_size, pool.size)
         shared_fd = getattr(getattr(pool, "allocator", None), "fd", None)
-        needs_shm = any(spec.kind == "mooncake" for spec in self.settings.tiers)
+        needs_shm = any(getattr(spec, "shares_host", False) for spec in self.settings.tiers)
         regions: list[HostRegion] | None = None
         if not pages.direct or (needs_shm and not isinstance(shared_fd, int)):
             self.staging = Staging(
