@@ -55,8 +55,17 @@ def mha_pool(layout: str, allocator: str = "default", tokens: int = TOKENS) -> M
         device=torch.device("cpu"),
     )
     return MHATokenToKVPoolHost(
-        info, 2.0, 0, PAGE, layout, pin_memory=False, device="cpu", allocator_type=allocator,
-        device_capacity_tokens=tokens, start_layer=0, end_layer=LAYERS,
+        info,
+        2.0,
+        0,
+        PAGE,
+        layout,
+        pin_memory=False,
+        device="cpu",
+        allocator_type=allocator,
+        device_capacity_tokens=tokens,
+        start_layer=0,
+        end_layer=LAYERS,
     )
 
 
@@ -76,8 +85,17 @@ def mla_pool(layout: str, tokens: int = TOKENS) -> MLATokenToKVPoolHost:
         device=torch.device("cpu"),
     )
     return MLATokenToKVPoolHost(
-        info, 2.0, 0, PAGE, layout, pin_memory=False, device="cpu",
-        device_capacity_tokens=tokens, start_layer=0, end_layer=LAYERS, target_layer_num=LAYERS,
+        info,
+        2.0,
+        0,
+        PAGE,
+        layout,
+        pin_memory=False,
+        device="cpu",
+        device_capacity_tokens=tokens,
+        start_layer=0,
+        end_layer=LAYERS,
+        target_layer_num=LAYERS,
     )
 
 
@@ -94,8 +112,13 @@ def extra(tiers: list[dict[str, Any]], **more: Any) -> dict[str, Any]:
 
 
 def disk(path: Any, mode: str = "files", capacity: int = 8 << 20) -> dict[str, Any]:
-    return {"kind": "disk", "path": str(path), "capacity": capacity, "mode": mode,
-            "admission": None}
+    return {
+        "kind": "disk",
+        "path": str(path),
+        "capacity": capacity,
+        "mode": mode,
+        "admission": None,
+    }
 
 
 def remote(server: Any) -> dict[str, Any]:
@@ -112,9 +135,17 @@ def config(
     model: str = "tiny-llama",
 ) -> HiCacheStorageConfig:
     return HiCacheStorageConfig(
-        tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
-        is_mla_model=mla, enable_storage_metrics=False, is_page_first_layout=page_first,
-        model_name=model, extra_config=extra_config,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        pp_rank=0,
+        pp_size=1,
+        attn_cp_rank=0,
+        attn_cp_size=1,
+        is_mla_model=mla,
+        enable_storage_metrics=False,
+        is_page_first_layout=page_first,
+        model_name=model,
+        extra_config=extra_config,
     )
 
 
@@ -138,7 +169,8 @@ def page_keys(n: int, seed: str = "prompt") -> list[str]:
 
 def page_tensor(pool: HostKVCache, first: int) -> torch.Tensor:
     """Page ``first``'s KV in one order whatever the layout: [kv,] token, layer, rest."""
-    kv, ps = pool.kv_buffer, pool.page_size
+    kv: torch.Tensor = pool.kv_buffer
+    ps: int = pool.page_size
     mha = kv.shape[0] == 2 and isinstance(pool, MHATokenToKVPoolHost)
     layout = pool.layout
     if mha:

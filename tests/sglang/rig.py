@@ -16,12 +16,12 @@ import threading
 import time
 from typing import Any
 
-from tests.sglang.harness import LAYERS, PAGE, WAIT_S, extra, mha_pool, pages_bytes
+import torch
+from sglang.srt.managers.cache_controller import HiCacheController
+from sglang.srt.mem_cache.utils import get_storage_hash_str
+from sglang.srt.runtime_context import get_parallel
 
-import torch  # noqa: E402
-from sglang.srt.managers.cache_controller import HiCacheController  # noqa: E402
-from sglang.srt.mem_cache.utils import get_storage_hash_str  # noqa: E402
-from sglang.srt.runtime_context import get_parallel  # noqa: E402
+from tests.sglang.harness import LAYERS, PAGE, WAIT_S, extra, mha_pool, pages_bytes
 
 #: Device tokens of the rig's pool (its host pool holds twice as many).
 TOKENS = 2048
@@ -53,10 +53,10 @@ class Rig:
             tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_dcp_size=1, attn_dcp_rank=0
         ):
             self.ctrl = HiCacheController(
-                _Allocator(),  # type: ignore[arg-type]
+                _Allocator(),
                 self.pool,
                 PAGE,
-                tp_group=None,  # type: ignore[arg-type]
+                tp_group=None,
                 load_cache_event=threading.Event(),
                 io_backend="direct",
                 storage_backend="dynamic",
@@ -67,7 +67,7 @@ class Rig:
 
     def alloc(self, tokens: int) -> torch.Tensor:
         with self.lock:
-            indices = self.pool.alloc(tokens)
+            indices: torch.Tensor | None = self.pool.alloc(tokens)
         assert indices is not None, f"the host pool has no {tokens} tokens free"
         return indices
 

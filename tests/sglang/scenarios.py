@@ -75,15 +75,18 @@ def load(tiers: list[dict[str, Any]], layout: str, seed: int, pages: int) -> dic
     return {"found": found, "loaded": ok, "got": got, "other": other}
 
 
-def run(*args: str, timeout: float = WAIT_S * 2) -> dict[str, Any]:
+#: One store or load: the tiers, the layout, the seed, the pages.
+Job = tuple[list[dict[str, Any]], str, int, int]
+
+
+def run(*args: str, timeout: float = WAIT_S * 2) -> Any:
     """This script's command ``args`` in another process; what it printed."""
     cmd = [sys.executable, "-m", "tests.sglang.scenarios", *args]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     lines = done.stdout.strip().splitlines()
     if done.returncode != 0 or not lines:
         raise RuntimeError(f"{args[0]} failed ({done.returncode}): {done.stderr[-3000:]}")
-    result: dict[str, Any] = json.loads(lines[-1])
-    return result
+    return json.loads(lines[-1])
 
 
 #: The Mooncake scenario's layouts: pages in place (SGLang's shared-memory allocator),
@@ -107,9 +110,15 @@ def mooncake(port: int) -> dict[str, Any]:
         ready = node.stdout.readline().strip()
         if ready != "ready":
             raise RuntimeError(f"the Mooncake storage node said {ready!r}")
-        tiers = [{"kind": "mooncake", "master": f"127.0.0.1:{port}", "segment_bytes": 0,
-                  "timeout_s": 10.0}]
-        jobs = [[tiers, layout, seed, 6] for seed, layout in enumerate(LAYOUTS, 7)]
+        tiers = [
+            {
+                "kind": "mooncake",
+                "master": f"127.0.0.1:{port}",
+                "segment_bytes": 0,
+                "timeout_s": 10.0,
+            }
+        ]
+        jobs: list[Job] = [(tiers, layout, seed, 6) for seed, layout in enumerate(LAYOUTS, 7)]
         first = [store(*job) for job in jobs]
         return {"first": first, "second": run("load", json.dumps(jobs))}
     finally:

@@ -15,16 +15,17 @@ import pytest
 
 from tests.servers import Server, make_valkey, valkey_server  # noqa: F401  (fixtures)
 from tests.sglang.harness import disk, remote
-from tests.sglang.scenarios import LAYOUTS, ROOT, run, store
+from tests.sglang.scenarios import LAYOUTS, ROOT, Job, run, store
 
 
 def test_a_second_process_is_served_through_disk_and_valkey(
-    tmp_path: Path, valkey_server: Server  # noqa: F811
+    tmp_path: Path,
+    valkey_server: Server,  # noqa: F811
 ) -> None:
-    jobs = [
-        [[disk(tmp_path / "kv")], "page_first", 3, 5],
-        [[disk(tmp_path / "kv")], "layer_first", 4, 5],
-        [[remote(valkey_server)], "page_first", 5, 5],
+    jobs: list[Job] = [
+        ([disk(tmp_path / "kv")], "page_first", 3, 5),
+        ([disk(tmp_path / "kv")], "layer_first", 4, 5),
+        ([remote(valkey_server)], "page_first", 5, 5),
     ]
     first = [store(*job) for job in jobs]  # here; each backend closes
     second = run("load", json.dumps(jobs))  # a fresh process

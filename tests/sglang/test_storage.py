@@ -11,7 +11,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
+from asyncoffload.integrations.sglang import AsyncOffloadStorage
+from asyncoffload.tiers.format import HEADER_BYTES
+from tests.servers import Server, make_valkey, valkey_server  # noqa: F401  (fixtures)
 from tests.sglang.harness import (
     PAGE,
     attach,
@@ -26,13 +31,6 @@ from tests.sglang.harness import (
     pages_bytes,
     remote,
 )
-
-import torch  # noqa: E402  (after harness: SGLang's import order)
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorage  # noqa: E402
-
-from asyncoffload.integrations.sglang import AsyncOffloadStorage  # noqa: E402
-from asyncoffload.tiers.format import HEADER_BYTES  # noqa: E402
-from tests.servers import Server, make_valkey, valkey_server  # noqa: E402, F401  (fixtures)
 
 LAYOUTS = ["page_first", "layer_first", "page_first_direct", "page_head"]
 
@@ -56,7 +54,9 @@ def open_backend(
     return backend
 
 
-def store_pages(backend: HiCacheStorage, pool: Any, n: int, seed: int, keys: list[str]) -> tuple[torch.Tensor, list[bytes]]:
+def store_pages(
+    backend: HiCacheStorage, pool: Any, n: int, seed: int, keys: list[str]
+) -> tuple[torch.Tensor, list[bytes]]:
     indices = pool.alloc(n * PAGE)
     assert indices is not None
     data = fill(pool, indices, seed)
@@ -81,7 +81,9 @@ def test_pages_round_trip_byte_exact_in_every_layout(
     assert backend.batch_exists(page_keys(3, "another prompt")) == 0
 
 
-@pytest.mark.parametrize("writer,reader", [("page_first", "layer_first"), ("layer_first", "page_first")])
+@pytest.mark.parametrize(
+    "writer,reader", [("page_first", "layer_first"), ("layer_first", "page_first")]
+)
 def test_layer_first_and_page_first_load_the_same_kv(
     writer: str, reader: str, tmp_path: Path, opened: list[HiCacheStorage]
 ) -> None:
@@ -98,7 +100,9 @@ def test_layer_first_and_page_first_load_the_same_kv(
     assert pages_bytes(pool_r, back) == data  # the same K and V per token and layer
 
 
-def test_another_byte_order_never_reads_these_pages(tmp_path: Path, opened: list[HiCacheStorage]) -> None:
+def test_another_byte_order_never_reads_these_pages(
+    tmp_path: Path, opened: list[HiCacheStorage]
+) -> None:
     """page_first_direct stores its pages in another byte order: it misses them."""
     keys = page_keys(3)
     pool = mha_pool("page_first")
@@ -166,7 +170,8 @@ def test_tp_ranks_keep_their_own_pages_and_a_refused_page_stops_every_count(
 
 
 def test_mla_rank_0_writes_and_rank_1_finds_its_pages_on_a_shared_tier(
-    valkey_server: Server, opened: list[HiCacheStorage]  # noqa: F811
+    valkey_server: Server,  # noqa: F811
+    opened: list[HiCacheStorage],
 ) -> None:
     """MLA: every rank holds the same KV; rank 0 alone writes (SGLang's
     is_storage_writer), rank 1 writes nothing and finds rank 0's pages, which it asks
@@ -219,7 +224,9 @@ def test_damaged_short_and_foreign_values_are_misses(
     target = next(f for f in files if keys[1] in f.name or keys[1].encode().hex() in f.name)
     raw = target.read_bytes()
     if damage == "flipped":
-        target.write_bytes(raw[: HEADER_BYTES + 9] + bytes([raw[HEADER_BYTES + 9] ^ 1]) + raw[HEADER_BYTES + 10 :])
+        target.write_bytes(
+            raw[: HEADER_BYTES + 9] + bytes([raw[HEADER_BYTES + 9] ^ 1]) + raw[HEADER_BYTES + 10 :]
+        )
     elif damage == "short":
         target.write_bytes(raw[: len(raw) // 2])
     else:  # another page's whole file under this page's name

@@ -26,6 +26,7 @@ This module imports torch, not SGLang.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import threading
@@ -136,16 +137,35 @@ def page_map(kv: torch.Tensor, kind: str, layout: str, page_size: int, size: int
     direct = layout != "layer_first" and all(p.is_contiguous() for p in parts)
     if not direct or pages < 2:
         return PageMap(
-            kind, layout, order, page_size, pages, page_bytes, kv.dtype, tuple(first.shape),
-            view, direct=False,
+            kind,
+            layout,
+            order,
+            page_size,
+            pages,
+            page_bytes,
+            kv.dtype,
+            tuple(first.shape),
+            view,
+            direct=False,
         )
     base = parts[0].data_ptr()
     deltas = tuple(p.data_ptr() - base for p in parts)
     second = view(page_size)
     stride = (second[0] if kind == "mha" else second).data_ptr() - base
     return PageMap(
-        kind, layout, order, page_size, pages, page_bytes, kv.dtype, tuple(first.shape), view,
-        direct=True, base=base, stride=stride, deltas=deltas,
+        kind,
+        layout,
+        order,
+        page_size,
+        pages,
+        page_bytes,
+        kv.dtype,
+        tuple(first.shape),
+        view,
+        direct=True,
+        base=base,
+        stride=stride,
+        deltas=deltas,
     )
 
 
@@ -209,8 +229,6 @@ class Staging:
     def close(self) -> None:
         """Unmap (after every slot came back: the caller drained the tiers)."""
         self._slots = self._buf = torch.empty(0)
-        try:
+        with contextlib.suppress(BufferError):  # a view still exported: unmapped with it
             self._mm.close()
-        except BufferError:  # a view still exported: the mapping goes with it
-            pass
         os.close(self.fd)

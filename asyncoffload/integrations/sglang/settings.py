@@ -77,7 +77,9 @@ class SglangStorageSettings(BaseModel):
         if extra_config is None:
             raise ValueError(f"{SETTING} is not set: it must name the tiers (see docs/sglang.md)")
         if not isinstance(extra_config, Mapping):
-            raise ValueError(f"{SETTING}: expected a JSON object, got {type(extra_config).__name__}")
+            raise ValueError(
+                f"{SETTING}: expected a JSON object, got {type(extra_config).__name__}"
+            )
         try:
             return cls.model_validate(dict(extra_config))
         except ValidationError as exc:

@@ -27,8 +27,7 @@ from __future__ import annotations
 import collections
 import logging
 import threading
-import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -103,6 +102,7 @@ class AsyncOffloadStorage(HiCacheStorage):
         shared_fd = getattr(getattr(pool, "allocator", None), "fd", None)
         needs_shm = any(getattr(spec, "shares_host", False) for spec in self.settings.tiers)
         regions: list[HostRegion] | None = None
+        address: Callable[[int], int]
         if not pages.direct or (needs_shm and not isinstance(shared_fd, int)):
             self.staging = Staging(
                 self.settings.staging_pages, pages.page_bytes, pages.dtype, pages.shape
@@ -332,7 +332,10 @@ class AsyncOffloadStorage(HiCacheStorage):
         return False
 
     def batch_set(
-        self, keys: list[str], values: Any = None, target_locations: Any = None,
+        self,
+        keys: list[str],
+        values: Any = None,
+        target_locations: Any = None,
         target_sizes: Any = None,
     ) -> bool:
         return False
