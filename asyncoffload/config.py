@@ -286,7 +286,8 @@ OTHER_ENV_SUFFIXES = (
     *(name.upper() for name in TransferSettings.model_fields),
     "TRACE_DIR",
     "SOAK",
-    "SIGINT_RUNS",  # the test suite
+    "SIGINT_RUNS",
+    "SGLANG",  # the test suite
 )
 
 
