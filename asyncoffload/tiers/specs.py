@@ -18,7 +18,7 @@ from asyncoffload.tiers.disk import DiskTier
 from asyncoffload.tiers.mooncake import MooncakeTier
 from asyncoffload.tiers.remote import RemoteTier
 
-__all__ = ["TIER_KINDS", "TierSpec", "tier_specs"]
+__all__ = ["TIER_KINDS", "TierSpec", "lent_tier_specs", "tier_specs"]
 
 #: The ``kind`` of each tier a list takes.
 TIER_KINDS = ("disk", "remote", "mooncake")
@@ -49,6 +49,21 @@ def tier_specs(value: object, where: str = "") -> object:
     if isinstance(value, list):
         value = [
             dict(t, kind=_kind_of(t)) if isinstance(t, dict) and "kind" not in t else t
+            for t in value
+        ]
+    return value
+
+
+def lent_tier_specs(value: object, where: str = "") -> object:
+    """As :func:`tier_specs`, for tiers under a framework's own cache (vLLM 0.34's
+    secondary tiers, SGLang's HiCache storage): a tier given without ``admission`` gets
+    none. The framework above already decided what to store and offers each block once,
+    so the disk tier's default (``frequency``: written from the second offer) would
+    write almost nothing."""
+    value = tier_specs(value, where)
+    if isinstance(value, list):
+        value = [
+            dict(t, admission=None) if isinstance(t, dict) and "admission" not in t else t
             for t in value
         ]
     return value

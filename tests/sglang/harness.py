@@ -116,8 +116,7 @@ def disk(path: Any, mode: str = "files", capacity: int = 8 << 20) -> dict[str, A
         "kind": "disk",
         "path": str(path),
         "capacity": capacity,
-        "mode": mode,
-        "admission": None,
+        "mode": mode,  # no admission: none under SGLang unless set
     }
 
 

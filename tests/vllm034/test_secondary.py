@@ -33,7 +33,7 @@ _OURS = "vllm:asyncoffload_secondary_"
 
 
 def _disk(path: Path, **over: Any) -> dict[str, Any]:
-    return {"kind": "disk", "path": str(path), "capacity": "1MiB", "admission": None, **over}
+    return {"kind": "disk", "path": str(path), "capacity": "1MiB", **over}  # no admission
 
 
 def _file_of(tier: AsyncOffloadTier, key: bytes) -> Path:

@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from asyncoffload.tiers.specs import TIER_KINDS, TierSpec, tier_specs
+from asyncoffload.tiers.specs import TIER_KINDS, TierSpec, lent_tier_specs
 from asyncoffload.validators import not_bool
 
 __all__ = ["SETTING", "SglangStorageSettings"]
@@ -69,7 +69,7 @@ class SglangStorageSettings(BaseModel):
     @field_validator("tiers", mode="before")
     @classmethod
     def _tiers_list(cls, value: object) -> object:
-        return tier_specs(value)
+        return lent_tier_specs(value)
 
     @classmethod
     def from_extra_config(cls, extra_config: Mapping[str, Any] | None) -> SglangStorageSettings:

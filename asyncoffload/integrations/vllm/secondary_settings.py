@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from asyncoffload.tiers.specs import TIER_KINDS, TierSpec, tier_specs
+from asyncoffload.tiers.specs import TIER_KINDS, TierSpec, lent_tier_specs
 
 __all__ = ["SecondaryTierSettings"]
 
@@ -60,7 +60,7 @@ class SecondaryTierSettings(BaseModel):
     @classmethod
     def _kind(cls, value: object) -> object:
         if isinstance(value, dict):
-            (value,) = tier_specs([value])  # type: ignore[misc]  # a list in, a list out
+            (value,) = lent_tier_specs([value])  # type: ignore[misc]  # a list in, a list out
         return value
 
     @field_validator("locality", mode="before")
