@@ -286,3 +286,20 @@ def test_a_read_stuck_past_its_deadline_ends_failed_and_releases_its_slots_later
         assert host.buf[9].tobytes() == data  # the read really ended, into that slot
     finally:
         tiers.close()
+
+
+def test_a_job_says_what_it_moved_and_how_long_it_took(
+    disk_tiers: tuple[LentTiers, Host],
+) -> None:
+    """What a framework's metrics take (vLLM's transfer bytes and time, its
+    backpressure's EMA): a store of keys a tier held already moves nothing."""
+    tiers, host = disk_tiers
+    for i in range(4):
+        host.fill(i, i)
+    first = done(tiers, tiers.store([key(i) for i in range(4)], list(range(4))))
+    again = done(tiers, tiers.store([key(i) for i in range(6)], list(range(6))))
+    load = done(tiers, tiers.load([key(0), key(1), key(50)], [10, 11, 12]))
+    assert (first.moved, again.moved, load.moved) == (4, 2, 2)
+    assert again.written == [True] * 6
+    for job in (first, again, load):
+        assert 0 < job.submitted <= job.finished

@@ -121,7 +121,9 @@ class LentJob:
     took, or that a tier held already, is ok). ``written``: a store's keys that a tier
     holds now. ``released`` is set once no operation of ours can touch the slots any
     more: at ``done``, or later for an operation given up on while it still ran (a read
-    stuck in a system call past its deadline). ``causes``: why keys failed."""
+    stuck in a system call past its deadline). ``causes``: why keys failed. ``moved``:
+    the blocks it read, or wrote (a store's keys that a tier held already are not);
+    ``submitted`` and ``finished``: when it began and ended (``time.monotonic()``)."""
 
     keys: list[OffloadKey]
     slots: list[int]
@@ -132,6 +134,11 @@ class LentJob:
     written: list[bool] = field(default_factory=list)
     causes: list[str] = field(default_factory=list)
     released: threading.Event = field(default_factory=threading.Event)
+    moved: int = 0
+    submitted: float = field(default_factory=time.monotonic)
+    finished: float = 0.0
+    #: A store's keys that a tier held before it.
+    _held_before: frozenset[OffloadKey] = frozenset()
     #: Its I/O requests not ended, and those whose slots are still held.
     _open: int = 0
     _held: int = 0
@@ -231,6 +238,7 @@ class LentTiers(PolledTiers):
             if self._closed:
                 return self._refused(job, "closed")
             core = self.core
+            job._held_before = frozenset(k for k in job.keys if core.source(k) is not None)
             fit = [key for key in dict.fromkeys(job.keys) if len(key) <= MAX_KEY_BYTES]
             if len(fit) < len(set(job.keys)):
                 job._fail([key for key in job.keys if len(key) > MAX_KEY_BYTES])
@@ -313,8 +321,13 @@ class LentTiers(PolledTiers):
         if job.done:
             return
         job.done = True
+        job.finished = time.monotonic()
         if job.write:
             job.written = [self.core.source(key) is not None for key in job.keys]
+            before = job._held_before
+            job.moved = sum(1 for k, w in zip(job.keys, job.written) if w and k not in before)
+        else:
+            job.moved = sum(job.ok)
         if job._held <= 0:
             job.released.set()
         self._ended.append(job)

@@ -360,21 +360,26 @@ class AsyncOffloadTier(SecondaryTierManager):
         return JobResult(
             job_id=transfer.job_id,
             success=all(job.ok),
-            transfer_bytes=sum(job.written) * self._rows.stride,
+            transfer_time=job.finished - job.submitted,
+            transfer_bytes=job.moved * self._rows.stride,
         )
 
     def _load_result(self, job: LentJob) -> JobResult:
         transfer: TransferJob = job.owner
         loaded = sum(job.ok)
-        nbytes = loaded * self._rows.stride
+        nbytes = job.moved * self._rows.stride
+        took = job.finished - job.submitted
         if loaded == len(job.keys):
-            return JobResult(job_id=transfer.job_id, success=True, transfer_bytes=nbytes)
+            return JobResult(
+                job_id=transfer.job_id, success=True, transfer_time=took, transfer_bytes=nbytes
+            )
         good = tuple(OffloadKey(key) for key, ok in zip(job.keys, job.ok) if ok)
         released = job.released
         return JobResult(
             job_id=transfer.job_id,
             success=False,
             successful_keys=good or None,
+            transfer_time=took,
             transfer_bytes=nbytes,
             deferred_release=None if released.is_set() else released,
         )
