@@ -111,12 +111,13 @@ def extra(tiers: list[dict[str, Any]], **more: Any) -> dict[str, Any]:
     }
 
 
-def disk(path: Any, mode: str = "files", capacity: int = 8 << 20) -> dict[str, Any]:
+def disk(path: Any, mode: str = "files", capacity: int = 8 << 20, **more: Any) -> dict[str, Any]:
     return {
         "kind": "disk",
         "path": str(path),
         "capacity": capacity,
         "mode": mode,  # no admission: none under SGLang unless set
+        **more,
     }
 
 

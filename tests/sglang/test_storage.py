@@ -282,3 +282,27 @@ def test_an_unwritable_path_fails_the_attach_naming_the_tiers(tmp_path: Path) ->
         locked.chmod(0o500)
         with pytest.raises(ValueError, match=r"extra-config\['tiers'\]"):
             attach(config(extra([disk(locked / "kv")])), pool)
+
+
+def test_authenticated_pages_are_found_only_with_the_same_mac_key(
+    tmp_path: Path, opened: list[HiCacheStorage]
+) -> None:
+    """A tier with a ``mac_key``: pages carry a keyed MAC. The same key reads them back
+    byte-exact; no key, or another key, finds none of them (never their bytes)."""
+    keys = page_keys(4)
+    key_a, key_b = "a" * 32, "b" * 32
+    pool = mha_pool("page_first")
+    writer = open_backend(opened, [disk(tmp_path / "kv", mac_key=key_a)], pool)
+    _, data = store_pages(writer, pool, 4, 11, keys)
+    writer.close()
+    for mac_key, found in ((key_a, 4), (None, 0), (key_b, 0)):
+        tier = disk(tmp_path / "kv") if mac_key is None else disk(tmp_path / "kv", mac_key=mac_key)
+        reader_pool = mha_pool("page_first")
+        reader = open_backend(opened, [tier], reader_pool)
+        assert reader.batch_exists(keys) == found, f"mac_key {mac_key!r}"
+        back = reader_pool.alloc(4 * PAGE)
+        got = reader.batch_get_v1(keys, back)
+        assert got == [found == 4] * 4
+        if found:
+            assert pages_bytes(reader_pool, back) == data
+        reader.close()
