@@ -72,6 +72,8 @@ class DemoReport:
     #: Lookup hits counted by that lookup (the engine's, then per tier), left out of
     #: the hits by tier: those count the workload's lookups only.
     prelookup_hits: tuple[int, tuple[int, ...]] = (0, ())
+    #: The CPU tier's policy as it ran: ``auto``'s leader at the end and its switches.
+    policy_run: str = ""
 
     @property
     def hit_rate(self) -> float:
@@ -150,6 +152,11 @@ class DemoReport:
                 f"{s.blocks_stored:,} / {s.blocks_loaded:,} / {s.blocks_evicted:,}",
             ),
             ("stores rejected (tier full)", f"{s.stores_rejected:,}"),
+            (
+                "blocks declined (CPU tier)",
+                f"{s.manager.store_skipped:,} offered blocks its admission held back "
+                "(written to no tier)",
+            ),
             *self._cut_rows(),
             (
                 "GB moved (stored + loaded)",
@@ -181,7 +188,8 @@ class DemoReport:
             (
                 "CPU tier",
                 f"{cfg.cpu_blocks:,} blocks x {cfg.block_bytes // 1024} KiB, policy "
-                f"{cfg.policy}  (workload: {self.unique_blocks:,} distinct blocks)",
+                f"{self.policy_run or cfg.policy}  (workload: {self.unique_blocks:,} "
+                "distinct blocks)",
             ),
             *self._disk_rows(),
             *self._remote_rows(),

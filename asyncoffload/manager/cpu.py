@@ -6,7 +6,8 @@ changes anything, so a rejected call leaves the manager as it was.
 
 Two call patterns feed the policy its recency. The engine's: ``touch`` the keys a request
 loads, then the keys it stores (``touch_on_load``, ``touch_on_store``), after one
-``lookup_prefix`` of the prompt (where a policy that ``observes_requests`` hears of it).
+``lookup_prefix`` of the prompt (where a policy that ``observes_requests`` hears of it),
+or after a ``lookup`` of each key (the policy then hears of the request at its store).
 vLLM's connector (0.32 and later), which never calls ``touch``:
 with ``request_scoped=True`` the manager remembers what each request (by
 ``ctx.req_id``) loaded and stored, and tells the policy when ``on_request_finished``
@@ -208,6 +209,12 @@ class CPUOffloadingManager(OffloadingManager):
         self._observe_misses = self._policy.observes_store_misses
         #: Whether ``lookup_prefix`` tells the policy of a request (see ``on_request``).
         self._observe_lookups = self._policy.observes_requests and not request_scoped
+        #: A request looked up key by key (``lookup``) that the policy has not heard of
+        #: yet: its keys so far, and whether a call other than ``lookup`` came since
+        #: (``_walk_ended``: the next ``lookup`` starts another request). ``None``: the
+        #: policy hears no requests, or hears them otherwise (request-scoped).
+        self._walk: dict[OffloadKey, None] | None = {} if self._observe_lookups else None
+        self._walk_ended = False
         self._reset_slots()
         self._stored = self._store_failed = self._loaded = self._evicted = 0
         self._store_skipped = self._lookups = self._hits = 0
@@ -296,7 +303,20 @@ class CPUOffloadingManager(OffloadingManager):
     # --- OffloadingManager -------------------------------------------------------------
 
     def lookup(self, key: OffloadKey, ctx: ReqContext | None = None) -> LookupResult:
+        """Whether ``key`` is stored (``HIT``), being stored (``HIT_PENDING``) or not
+        (``MISS``). Does not change recency.
+
+        Under a manager that does not track requests, a policy that ``observes_requests``
+        hears of a request looked up key by key, once: its keys looked up (a walk that
+        ends at the first call of another kind, or when a key comes back) and those its
+        next ``prepare_store`` offers, at that store, before anything is stored; a
+        request that stores nothing, when the next walk begins."""
         self._lookups += 1
+        walk = self._walk
+        if walk is not None:
+            if self._walk_ended or key in walk:
+                self._hear_walk(())
+            walk[key] = None
         block = self._policy.get(key)
         if block is None:
             return LookupResult.MISS
@@ -318,9 +338,30 @@ class CPUOffloadingManager(OffloadingManager):
             if block is None or block.ref_cnt < 0:
                 break
             n += 1
+        if self._walk:
+            self._walk.clear()  # a prefix lookup of the request: heard here, or not at all
+            self._walk_ended = False
         if self._observe_lookups and observe and keys:
             self._policy.on_request(keys)
         return n
+
+    def _hear_walk(self, stored: Sequence[OffloadKey]) -> None:
+        """The policy hears the request looked up key by key (see :meth:`lookup`): the
+        keys of its walk, then those of ``stored`` not among them."""
+        walk = self._walk
+        assert walk is not None
+        if walk:
+            keys = list(walk)
+            if stored:
+                keys += [key for key in stored if key not in walk]
+            walk.clear()
+            self._policy.on_request(keys)
+        self._walk_ended = False
+
+    def _end_walk(self) -> None:
+        """A call other than ``lookup``: a key looked up next belongs to another request."""
+        if self._walk:
+            self._walk_ended = True
 
     def prepare_load(
         self, keys: Sequence[OffloadKey], ctx: ReqContext | None = None
@@ -341,6 +382,8 @@ class CPUOffloadingManager(OffloadingManager):
         blocks = cast(list[BlockStatus], found)
         self._pin_blocks(blocks)
         self._loaded += len(blocks)
+        if self._walk:
+            self._end_walk()
         if self._requests is not None and ctx is not None and keys:
             loaded = tuple(keys)
             log = self._request(ctx)
@@ -385,6 +428,8 @@ class CPUOffloadingManager(OffloadingManager):
         self._policy.touch(keys)
         if self._admission is not None:
             self._admission.on_touch(keys)
+        if self._walk:
+            self._end_walk()
 
     def complete_load(self, keys: Sequence[OffloadKey], ctx: ReqContext | None = None) -> None:
         """Unpin blocks pinned by ``prepare_load``. ``ValueError`` if one is not pinned."""
@@ -429,6 +474,8 @@ class CPUOffloadingManager(OffloadingManager):
         request-scoped manager still records the request's offer (as vLLM's does).
         """
         reject_duplicates(keys, "prepare_store")
+        if self._walk:  # a request looked up key by key: the policy hears of it now
+            self._hear_walk(keys)
         get = self._policy.get
         requests = self._requests
         log: _RequestLog | None = None
@@ -720,5 +767,8 @@ class CPUOffloadingManager(OffloadingManager):
             self._admission.clear()
         if self._requests is not None:
             self._requests.clear()
+        if self._walk is not None:
+            self._walk.clear()
+            self._walk_ended = False
         self._reset_slots()
         self._emit(removed, removed=True)
