@@ -141,6 +141,8 @@ class TierCounters:
     #: Keys whose release failed (a files-mode block file left behind).
     delete_failures: int = 0
     lookup_hits: int = 0
+    #: Blocks of CPU stores that the CPU tier's admission declined: never offered here.
+    declined_above: int = 0
     #: Failures by cause ("corrupt", "stale", "missing", "short", "timeout", "ENOSPC", ...).
     failures: dict[str, int] = field(default_factory=dict)
 
@@ -175,6 +177,12 @@ class TierStats:
     #: Keys the index let go whose release failed (a files-mode block file that could
     #: not be removed: it stays on disk until the directory's next recovery).
     delete_failures: int = 0
+    #: Blocks offered to the CPU tier that its admission declined (the policy's own, as
+    #: ``kv``'s and ``auto``'s once the tier is full, the filter or ``store_threshold``):
+    #: the hierarchy is inclusive, a lower tier is written from the CPU tier's slots, so
+    #: they were never offered here. Not failures; the CPU tier counts them too
+    #: (``ManagerStats.store_skipped``).
+    declined_above: int = 0
 
 
 _CAUSES = {
