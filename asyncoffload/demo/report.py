@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from asyncoffload._term import terminal_columns, two_column_table
 from asyncoffload.demo.settings import DemoConfig
-from asyncoffload.engine import EngineStats
+from asyncoffload.engine import EngineStats, TierStats
 from asyncoffload.hostmem import format_bytes
 
 if TYPE_CHECKING:
@@ -235,7 +235,8 @@ class DemoReport:
                     "remote tier",
                     f"{where}: written {t.blocks_written:,} "
                     f"({t.bytes_written / _GB:.2f} GB), read {t.blocks_read:,} "
-                    f"({t.bytes_read / _GB:.2f} GB){failures}{self._refused()}",
+                    f"({t.bytes_read / _GB:.2f} GB){failures}{self._refused()}"
+                    f"{_declined_above(t)}",
                 )
             )
         if rows and self.remote_prelookup is not None:
@@ -264,7 +265,8 @@ class DemoReport:
                     f"{t.manager.num_blocks:,} blocks ({format_bytes(self.config.disk_bytes)}, "
                     f"{t.info.get('mode')}, {direct}) in {t.info.get('path')}: written "
                     f"{t.blocks_written:,} ({t.bytes_written / _GB:.2f} GB), read "
-                    f"{t.blocks_read:,} ({t.bytes_read / _GB:.2f} GB){failures}",
+                    f"{t.blocks_read:,} ({t.bytes_read / _GB:.2f} GB){failures}"
+                    f"{_declined_above(t)}",
                 )
             )
         return rows
@@ -310,3 +312,10 @@ class DemoReport:
             f"asyncoffload demo: FAILED: {self.mismatches} blocks loaded with wrong bytes, "
             f"{self.failed_requests} requests failed"
         )
+
+
+def _declined_above(t: TierStats) -> str:
+    """A lower tier's blocks the CPU tier declined (never offered to it), if any."""
+    if not t.declined_above:
+        return ""
+    return f", {t.declined_above:,} declined by the CPU tier (never offered)"
