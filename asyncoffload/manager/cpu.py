@@ -358,11 +358,6 @@ class CPUOffloadingManager(OffloadingManager):
             self._policy.on_request(keys)
         self._walk_ended = False
 
-    def _end_walk(self) -> None:
-        """A call other than ``lookup``: a key looked up next belongs to another request."""
-        if self._walk:
-            self._walk_ended = True
-
     def prepare_load(
         self, keys: Sequence[OffloadKey], ctx: ReqContext | None = None
     ) -> CPULoadStoreSpec:
@@ -382,8 +377,8 @@ class CPUOffloadingManager(OffloadingManager):
         blocks = cast(list[BlockStatus], found)
         self._pin_blocks(blocks)
         self._loaded += len(blocks)
-        if self._walk:
-            self._end_walk()
+        if self._walk:  # a key looked up next starts another request
+            self._walk_ended = True
         if self._requests is not None and ctx is not None and keys:
             loaded = tuple(keys)
             log = self._request(ctx)
@@ -428,8 +423,8 @@ class CPUOffloadingManager(OffloadingManager):
         self._policy.touch(keys)
         if self._admission is not None:
             self._admission.on_touch(keys)
-        if self._walk:
-            self._end_walk()
+        if self._walk:  # a key looked up next starts another request
+            self._walk_ended = True
 
     def complete_load(self, keys: Sequence[OffloadKey], ctx: ReqContext | None = None) -> None:
         """Unpin blocks pinned by ``prepare_load``. ``ValueError`` if one is not pinned."""
