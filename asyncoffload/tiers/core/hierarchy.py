@@ -508,18 +508,20 @@ class TierHierarchy:
         blocked: str = "",
     ) -> None:
         """A CPU store of ``keys`` took only ``stored``: the others, already in the CPU
-        tier, are offered to the lower tiers again (their admission counts offers); those
-        absent from it, which its admission declined, are counted in each tier's
-        ``declined_above`` (never offered: a tier is written from the CPU tier's slots)."""
+        tier, are offered to the lower tiers again (their admission counts offers). Those
+        absent from it, which its admission declined, cannot be written (a tier is
+        written from the CPU tier's slots): each tier counts them (``declined_above``),
+        and its admission counts their offer (``TierManager.count_offers``)."""
         if len(stored) >= len(keys):
             return
         fresh = set(stored)
         rest = [k for k in dict.fromkeys(keys) if k not in fresh]
         get = self.cpu.block_of
-        declined = sum(1 for key in rest if get(key) is None)
-        if declined:
+        declined = [key for key in rest if get(key) is None]
+        if declined and not self.closed:
             for tier in self.tiers:
-                tier.counters.declined_above += declined
+                tier.counters.declined_above += len(declined)
+                tier.index.count_offers(declined)
         self.write_through(rest, ctx, blocked=blocked)
 
     def write_done(self, io: TierIo, outcome: Outcome, now: float) -> None:
