@@ -11,10 +11,11 @@ replay serves them (look up, load the hits, store the rest, then ``flush``).
 
 Per run: the blocks offered to the CPU tier and those it declined (``handle.declined_keys``),
 the blocks written to disk and the blocks each tier served, and the optimistic gain of
-writing around: the prefix blocks a request would have had if every block ever declined
-were still on disk (an infinite disk that writes every declined block at once: no
-eviction, no admission), past those it had. Its cost: one more disk write per declined
-block that the disk's admission takes.
+writing around: the prefix blocks a request would have had if every block declined at an
+offer the disk's admission takes (every offer with ``admission=None``; with
+``"frequency"``, the ``min_offers``-th, declined offers counted) were still on disk (an
+infinite disk: no eviction), past those it had. Its cost: one more disk write per such
+block.
 
     python benchmarks/tier_declines.py [--requests 3000] [--cpu 5%] [--disk 50%]
         [--families chat,agent,mixed] [--admission frequency,none] [--json out.json]
@@ -34,6 +35,7 @@ import asyncoffload as ao
 from asyncoffload.cli import capacity_shares
 from asyncoffload.replay import capacity_blocks
 from asyncoffload.simkv import SimulatedKVCache
+from asyncoffload.tiers.base import TierManager
 from asyncoffload.tiers.format import block_file_bytes
 from asyncoffload.workloads import Request, families, summarize
 
@@ -59,6 +61,8 @@ async def run(
         async with ao.AsyncOffloadEngine(cache.kv_caches, config) as engine:
             assert engine._tiers is not None
             core = engine._tiers.core
+            disk_index = core.tiers[0].index
+            assert isinstance(disk_index, TierManager)
             for req in requests:
                 keys = list(req.keys)
                 ids = list(range(len(keys)))
@@ -89,7 +93,14 @@ async def run(
                 else:
                     offered += len(handle.keys_to_store) + len(handle.declined_keys)
                     declined += len(handle.declined_keys)
-                    ever_declined.update(handle.declined_keys)
+                    # Written around, a declined block would reach the disk where its
+                    # admission takes it at this offer (counted already: count_offers).
+                    offers = disk_index._offers
+                    ever_declined.update(
+                        key
+                        for key in handle.declined_keys
+                        if offers is None or offers.counts.get(key, 0) >= offers.threshold
+                    )
                     await handle
                 await engine.flush()
             st = engine.stats()
