@@ -71,12 +71,10 @@ async def run(
                 m = n
                 while m < len(keys):
                     key = keys[m]
-                    if key in ever_declined and engine.manager.block_of(key) is None:
-                        m += 1
-                    elif core.lookup(keys, m, count=False) > m:
-                        m += 1
-                    else:
+                    around = key in ever_declined and engine.manager.block_of(key) is None
+                    if not (around or core.lookup(keys, m, count=False) > m):
                         break
+                    m += 1
                 lost += m - n
                 blocks += len(keys)
                 hits += n
@@ -142,12 +140,13 @@ def main() -> None:
             r = asyncio.run(run(requests, cpu, disk, None if admission == "none" else admission))
             r.update(family=name, requests=len(requests), cpu_blocks=cpu, disk_blocks=disk)
             rows.append(r)
+            gain = r["write_around_gain_at_most"]
             print(
                 f"{name:>6} disk {r['disk_admission']:>9}: hits {r['hit_blocks']:,} of "
                 f"{r['prompt_blocks']:,} ({r['disk_hit_blocks']:,} from disk); declined "
                 f"{r['declined']:,} of {r['offered']:,} offered; disk wrote "
-                f"{r['disk_written']:,}; write-around gain at most {r['write_around_gain_at_most']:,}"
-                f" blocks ({r['write_around_gain_at_most'] / r['prompt_blocks']:.4f} of prompts)",
+                f"{r['disk_written']:,}; write-around gain at most {gain:,} blocks "
+                f"({gain / r['prompt_blocks']:.4f} of prompts)",
                 flush=True,
             )
     if args.json:

@@ -268,7 +268,8 @@ async def test_a_store_handle_names_the_keys_it_skipped_and_those_declined() -> 
         a, b, c = _k(0), _k(1), _k(2)
         first = await engine.prepare_store([a, b], [0, 1])
         assert first is not None
-        assert (first.keys_to_store, first.skipped_keys, first.declined_keys) == ([], [a, b], [a, b])
+        assert first.keys_to_store == []
+        assert first.skipped_keys == first.declined_keys == [a, b]
         assert repr(first) == "<Transfer store 0 blocks (2 skipped, 2 declined) done>"
         await first
         second = await engine.prepare_store([a, b, c], [0, 1, 2])  # a, b: offered twice
