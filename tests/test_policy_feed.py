@@ -107,23 +107,30 @@ def test_per_key_lookups_hear_each_request_once_and_whole(
     key_by_key(m, [a, b, c])  # all missed, all stored
     key_by_key(m, [a, b, c, d, e])  # a b c hit, d missed; d e stored
     assert heard == [(a, b, c), (a, b, c, d, e)]
-    # A request that stores nothing is heard when the next one starts looking up.
+    # A request that found every key is heard at its load's touch.
     for key in (a, b):
         assert m.lookup(key) is ao.LookupResult.HIT
     m.prepare_load([a, b])
     m.touch([a, b])
     m.complete_load([a, b])
-    assert len(heard) == 2
-    assert m.lookup(keys[6]) is ao.LookupResult.MISS  # another request
     assert heard[2:] == [(a, b)]
-    # A key looked up again starts another request too (a caller that looks twice).
-    assert m.lookup(keys[6]) is ao.LookupResult.MISS
-    assert heard[3:] == [(keys[6],)]
-    # lookup_prefix is heard at once, and takes over the walk in progress.
-    m.lookup_prefix([keys[6], keys[7]])
-    assert heard[4:] == [(keys[6], keys[7])]
-    m.prepare_store([keys[6], keys[7]])
-    assert len(heard) == 5
+    # One that missed and stores nothing is heard at the next touch, before that one's
+    # request; a key looked up again starts another request (a caller that looks twice).
+    f, g = keys[5], keys[6]
+    assert m.lookup(f) is ao.LookupResult.MISS
+    assert m.lookup(f) is ao.LookupResult.MISS
+    assert m.lookup(g) is ao.LookupResult.MISS
+    assert len(heard) == 3  # a lookup never changes the policy
+    m.touch([f, g])
+    assert heard[3:] == [(f,), (f, g)]
+    # lookup_prefix hears the walks set aside, then its own request (the open walk's).
+    assert m.lookup(g) is ao.LookupResult.MISS
+    m.prepare_store([g])  # ends the walk: it missed and touched nothing
+    assert m.lookup(f) is ao.LookupResult.MISS
+    m.lookup_prefix([f, keys[7]])
+    assert heard[5:] == [(g,), (f, keys[7])]
+    m.prepare_store([f, keys[7]])  # a store never tells the policy of a request
+    assert len(heard) == 7
 
 
 def test_driven_key_by_key_auto_leaves_a_candidate_that_loses() -> None:
