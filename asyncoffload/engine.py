@@ -362,13 +362,12 @@ class AsyncOffloadEngine(LoopBinding):
         key (``ValueError`` otherwise).
 
         Keys already stored or in flight are skipped, and so are keys the CPU tier
-        declines (its policy's own admission, the admission filter or
-        ``store_threshold``): ``handle.keys_to_store`` lists those actually written,
-        ``handle.skipped_keys`` the others, ``handle.declined_keys`` the declined ones
-        among them (stored nowhere: not loadable unless a lower tier has them already),
-        and ``handle.evicted_keys`` what was evicted for them (already published as one
-        removed event). Returns ``None``, storing nothing, when too few idle blocks can
-        be evicted now (a later call may succeed). Where the call has more new keys
+        declines (its policy's admission, the admission filter, ``store_threshold``):
+        ``handle.keys_to_store`` lists those written, ``handle.skipped_keys`` the others,
+        ``handle.declined_keys`` the declined ones (stored nowhere: not loadable unless a
+        lower tier has them), ``handle.evicted_keys`` what was evicted for them (already
+        published as one removed event). Returns ``None``, storing nothing, when too few
+        idle blocks can be evicted now (a later call may succeed). Where the call has more new keys
         (neither stored nor in flight) than the CPU tier has blocks and the tier refuses
         it (the ones admission lets in do not fit), it raises
         :class:`~asyncoffload.CapacityError` (a ``ValueError``) instead, storing nothing:

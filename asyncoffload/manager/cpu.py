@@ -40,6 +40,7 @@ from asyncoffload.manager.base import (
 )
 from asyncoffload.manager.offers import OfferCounts
 from asyncoffload.manager.policies import CachePolicy, RequestScope, get_policy_cls
+from asyncoffload.manager.walks import Walks
 
 __all__ = ["CPUOffloadingManager", "ManagerStats", "reject_duplicates"]
 
@@ -79,74 +80,6 @@ class _RequestLog:
         #: (vLLM's ``_offload_key_positions``: every full block of the request).
         self.positions = positions
 
-
-class _Walks:
-    """Requests looked up key by key (``lookup``) that a policy observing requests has
-    not heard of yet (see :meth:`CPUOffloadingManager.lookup`): the open walk (each key
-    with its position), where its first key not ready is, whether a call of another
-    kind ended it, and walks ended before a touch heard them (the newest
-    :data:`MAX_UNHEARD`)."""
-
-    __slots__ = ("ended", "keys", "miss", "unheard")
-
-    def __init__(self) -> None:
-        self.keys: dict[OffloadKey, int] = {}
-        #: Position of the walk's first key not ready (-1: every key so far was).
-        self.miss = -1
-        self.ended = False
-        self.unheard: list[list[OffloadKey]] = []
-
-    def __bool__(self) -> bool:
-        return bool(self.keys or self.unheard)
-
-    def look(self, key: OffloadKey, ready: bool) -> None:
-        """``lookup`` of ``key``: it joins the open walk, or starts the next one."""
-        if self.keys and (self.ended or key in self.keys):
-            self._set_aside()
-        elif not self.keys:
-            self.ended = False  # a call of another kind before any lookup
-        keys = self.keys
-        if not ready and self.miss < 0:
-            self.miss = len(keys)
-        keys[key] = len(keys)
-
-    def _set_aside(self) -> None:
-        """The open walk's request went by unheard: heard at the next touch."""
-        unheard = self.unheard
-        unheard.append(list(self.keys))
-        if len(unheard) > MAX_UNHEARD:
-            del unheard[0]
-        self._reset()
-
-    def _reset(self) -> None:
-        self.keys = {}
-        self.miss = -1
-        self.ended = False
-
-    def touched(self, touched: Sequence[OffloadKey]) -> list[list[OffloadKey]]:
-        """The requests a touch of ``touched`` tells of, oldest first: the walks set
-        aside, then the open walk (with the keys the touch adds) where the touch reaches
-        its first key not ready, or it found every key ready; else the walk ends."""
-        heard, self.unheard = self.unheard, []
-        keys, miss = self.keys, self.miss
-        if keys:
-            if miss < 0 or any(keys.get(key, miss) >= miss for key in touched):
-                heard.append(list(keys) + [key for key in touched if key not in keys])
-                self._reset()
-            else:
-                self.ended = True
-        return heard
-
-    def prefix_lookup(self) -> list[list[OffloadKey]]:
-        """A ``lookup_prefix`` tells of its request: the walks set aside go first; the
-        open walk, of the same request, is dropped."""
-        heard, self.unheard = self.unheard, []
-        self._reset()
-        return heard
-
-
-#: Walks set aside unheard that a manager keeps (see :class:`_Walks`).
-MAX_UNHEARD = 64
 
 _group_of = itemgetter(slice(-GROUP_IDX_BYTES, None))
 
@@ -278,9 +211,8 @@ class CPUOffloadingManager(OffloadingManager):
         self._observe_misses = self._policy.observes_store_misses
         #: Whether ``lookup_prefix`` tells the policy of a request (see ``on_request``).
         self._observe_lookups = self._policy.observes_requests and not request_scoped
-        #: Requests looked up key by key that the policy has not heard of yet (see
-        #: ``lookup``); ``None``: it hears no requests, or hears them otherwise.
-        self._walks: _Walks | None = _Walks() if self._observe_lookups else None
+        #: Requests looked up key by key that the policy has not heard of yet (``lookup``).
+        self._walks = Walks(self._policy.on_request if self._observe_lookups else None)
         self._reset_slots()
         self._stored = self._store_failed = self._loaded = self._evicted = 0
         self._store_skipped = self._lookups = self._hits = 0
@@ -370,20 +302,11 @@ class CPUOffloadingManager(OffloadingManager):
 
     def lookup(self, key: OffloadKey, ctx: ReqContext | None = None) -> LookupResult:
         """Whether ``key`` is stored (``HIT``), being stored (``HIT_PENDING``) or not
-        (``MISS``). Does not change recency.
-
-        Under a manager that does not track requests, a policy that ``observes_requests``
-        hears of a request looked up key by key (a walk, which a call of another kind or
-        a key looked up again ends) once, at a ``touch``, before the touch: the keys of
-        the walk and those the touch adds. That is the first touch that reaches the
-        walk's first key not ready (the store's touch of the keys after the hits), or
-        the first touch of a walk that found every key ready. A walk that no such touch
-        follows is heard at the next ``touch`` or ``lookup_prefix``, before that
-        call's own request."""
+        (``MISS``). Does not change recency; a policy that observes requests hears of a
+        request looked up key by key at a later ``touch`` (see :class:`Walks`)."""
         self._lookups += 1
         block = self._policy.get(key)
-        if self._walks is not None:
-            self._walks.look(key, block is not None and block.ref_cnt >= 0)
+        self._walks.look(key, block is not None and block.ref_cnt >= 0)
         if block is None:
             return LookupResult.MISS
         self._hits += 1
@@ -405,10 +328,7 @@ class CPUOffloadingManager(OffloadingManager):
                 break
             n += 1
         if self._observe_lookups and observe and keys:
-            if self._walks is not None and self._walks:
-                # Walks not heard yet first; the open one is this request's.
-                for request in self._walks.prefix_lookup():
-                    self._policy.on_request(request)
+            self._walks.prefix_lookup()  # walks not heard yet first
             self._policy.on_request(keys)
         return n
 
@@ -431,8 +351,7 @@ class CPUOffloadingManager(OffloadingManager):
         blocks = cast(list[BlockStatus], found)
         self._pin_blocks(blocks)
         self._loaded += len(blocks)
-        if self._walks is not None:  # a key looked up next starts another request
-            self._walks.ended = True
+        self._walks.end()
         if self._requests is not None and ctx is not None and keys:
             loaded = tuple(keys)
             log = self._request(ctx)
@@ -474,12 +393,9 @@ class CPUOffloadingManager(OffloadingManager):
         return CPULoadStoreSpec(tuple(map(_block_id, blocks)))
 
     def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext | None = None) -> None:
-        """Mark ``keys`` recently used (``keys[0]`` the most recently). A policy that
-        observes requests may first hear of requests looked up key by key (see
-        :meth:`lookup`)."""
-        if self._walks is not None and self._walks and keys:
-            for request in self._walks.touched(keys):
-                self._policy.on_request(request)
+        """Mark ``keys`` recently used (``keys[0]`` the most recently), after telling a
+        policy that observes requests of those looked up key by key (:meth:`lookup`)."""
+        self._walks.touched(keys)
         self._policy.touch(keys)
         if self._admission is not None:
             self._admission.on_touch(keys)
@@ -527,8 +443,7 @@ class CPUOffloadingManager(OffloadingManager):
         request-scoped manager still records the request's offer (as vLLM's does).
         """
         reject_duplicates(keys, "prepare_store")
-        if self._walks is not None:  # a key looked up next starts another request
-            self._walks.ended = True
+        self._walks.end()
         get = self._policy.get
         requests = self._requests
         log: _RequestLog | None = None
@@ -820,7 +735,6 @@ class CPUOffloadingManager(OffloadingManager):
             self._admission.clear()
         if self._requests is not None:
             self._requests.clear()
-        if self._walks is not None:
-            self._walks = _Walks()
+        self._walks.clear()
         self._reset_slots()
         self._emit(removed, removed=True)
