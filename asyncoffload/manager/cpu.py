@@ -40,6 +40,7 @@ from asyncoffload.manager.base import (
 )
 from asyncoffload.manager.offers import OfferCounts
 from asyncoffload.manager.policies import CachePolicy, RequestScope, get_policy_cls
+from asyncoffload.manager.quotas import Tenants, tenancy
 from asyncoffload.manager.walks import Walks
 
 __all__ = ["CPUOffloadingManager", "ManagerStats", "reject_duplicates"]
@@ -148,6 +149,7 @@ class CPUOffloadingManager(OffloadingManager):
     on first offer. ``admission`` names a registered
     :class:`~asyncoffload.manager.admission.AdmissionFilter` (``"ghost"``,
     ``"adaptive"``) or is one; it cannot be combined with ``store_threshold``.
+    ``quotas`` caps tenants at that many blocks each (:mod:`~asyncoffload.manager.quotas`).
     """
 
     medium = Medium.CPU
@@ -164,6 +166,7 @@ class CPUOffloadingManager(OffloadingManager):
         request_scoped: bool = False,
         count_once_per_request: bool = False,
         event_sink: EventSink | None = None,
+        quotas: Mapping[str, int] | None = None,
     ) -> None:
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
             raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
@@ -213,6 +216,8 @@ class CPUOffloadingManager(OffloadingManager):
         self._observe_lookups = self._policy.observes_requests and not request_scoped
         #: Requests looked up key by key that the policy has not heard of yet (``lookup``).
         self._walks = Walks(self._policy.on_request if self._observe_lookups else None)
+        self.tenants = Tenants(self._policy, lambda victims: self._evict(victims, True))
+        self.tenants.set_caps(quotas or {}, num_blocks)
         self._reset_slots()
         self._stored = self._store_failed = self._loaded = self._evicted = 0
         self._store_skipped = self._lookups = self._hits = 0
@@ -256,6 +261,7 @@ class CPUOffloadingManager(OffloadingManager):
             store_skipped=self._store_skipped,
             lookups=self._lookups,
             hits=self._hits,
+            **self.tenants.totals(),
         )
 
     def __repr__(self) -> str:
@@ -416,21 +422,7 @@ class CPUOffloadingManager(OffloadingManager):
                     idle += 1
             self._num_idle += idle
             return
-        # Keys listed more than once, or unknown ones: count, then check.
-        need: dict[OffloadKey, int] = {}
-        for key in keys:
-            need[key] = need.get(key, 0) + 1
-        get = self._policy.get
-        pinned: list[BlockStatus] = []
-        for key, count in need.items():
-            maybe = get(key)
-            if maybe is None or maybe.ref_cnt < count:
-                raise ValueError(f"complete_load: key {key.hex()} is not being loaded")
-            pinned.append(maybe)
-        for block, count in zip(pinned, need.values()):
-            block.ref_cnt -= count
-            if block.ref_cnt == 0:
-                self._num_idle += 1
+        self._num_idle += _unpin_counted(self._policy.get, keys)
 
     def prepare_store(
         self, keys: Sequence[OffloadKey], ctx: ReqContext | None = None
@@ -443,6 +435,7 @@ class CPUOffloadingManager(OffloadingManager):
         request-scoped manager still records the request's offer (as vLLM's does).
         """
         reject_duplicates(keys, "prepare_store")
+        who = tenancy(ctx)
         self._walks.end()
         get = self._policy.get
         requests = self._requests
@@ -476,6 +469,8 @@ class CPUOffloadingManager(OffloadingManager):
                 to_store = offers.admissible(to_store)
             elif admission is not None:
                 to_store = admission.admissible(to_store, full)
+        if who.no_store or (to_store and self.tenants.caps):  # quotas, opt-out
+            to_store = self.tenants.admit(who, to_store, keys)
         if counted is not None:
             counted.update(keys)
         if log is not None:
@@ -501,6 +496,7 @@ class CPUOffloadingManager(OffloadingManager):
             self._policy.insert_ranked(items, log.scope)
         else:
             self._policy.insert_many(items)
+        self.tenants.added(to_store, who)
         self._num_pending += len(to_store)
         if log is not None:
             calls = log.calls
@@ -509,14 +505,14 @@ class CPUOffloadingManager(OffloadingManager):
         return PrepareStoreOutput(to_store, CPULoadStoreSpec(tuple(ids)), evicted)
 
     def reserve(
-        self, keys: Sequence[OffloadKey], protect: Sequence[OffloadKey] = ()
+        self, keys: Sequence[OffloadKey], protect: Sequence[OffloadKey] = (), ctx: object = None
     ) -> PrepareStoreOutput | None:
         """Take slots for ``keys``, none of which may be present, evicting idle blocks as
         needed (one removed event), never one of ``protect`` (the rest of the request's
         prefix): the way a promotion from a lower tier comes in. It skips admission and
-        offer counting (the block earned its place when it was stored). ``None``,
-        changing nothing, when too few idle blocks can be evicted. Finish it with
-        :meth:`complete_store` like a store."""
+        offer counting (the block earned its place when it was stored), not ``ctx``'s
+        tenant's quota. ``None``, changing nothing, when too few idle blocks can be
+        evicted. Finish it with :meth:`complete_store` like a store."""
         reject_duplicates(keys, "reserve")
         get = self._policy.get
         for key in keys:
@@ -525,35 +521,46 @@ class CPUOffloadingManager(OffloadingManager):
         to_store = list(keys)
         if not to_store:
             return PrepareStoreOutput([], _EMPTY_SPEC, [])
-        evicted = self._make_room(len(to_store), [*keys, *protect] if protect else keys)
+        kept = [*keys, *protect] if protect else keys
+        if (who := tenancy(ctx)).tenant in self.tenants.caps:
+            if not self.tenants.admit_all(who, len(to_store), kept):
+                return None
+        evicted = self._make_room(len(to_store), kept)
         if evicted is None:
             return None
         if self._admission is not None and evicted:
             self._admission.on_evict(evicted)
         ids = self._allocate(len(to_store))
         self._policy.insert_many(list(zip(to_store, map(BlockStatus, ids))))
+        self.tenants.added(to_store, who)
         self._num_pending += len(to_store)
         return PrepareStoreOutput(to_store, CPULoadStoreSpec(tuple(ids)), evicted)
 
     def _make_room(self, n: int, protect: Sequence[OffloadKey]) -> list[OffloadKey] | None:
         """Evict idle blocks (never one of ``protect``) until ``n`` slots are free; the
         evicted keys (one removed event), or ``None``, changing nothing, if it can't."""
-        evicted: list[OffloadKey] = []
         shortfall = n - self.num_free
-        if shortfall > 0:
-            if shortfall > self._num_idle:
-                return None
-            victims = self._policy.evict(shortfall, set(protect))
-            if victims is None:
-                return None
-            free_list = self._free_list
-            for key, block in victims:
-                free_list.append(block.block_id)
-                evicted.append(key)
-            self._num_idle -= len(victims)
-            self._num_ready -= len(victims)
-            self._evicted += len(victims)
-            self._emit(evicted, removed=True)
+        if shortfall <= 0:
+            return []
+        if shortfall > self._num_idle:
+            return None
+        victims = self._policy.evict(shortfall, set(protect))
+        return None if victims is None else self._evict(victims)
+
+    def _evict(
+        self, victims: list[tuple[OffloadKey, BlockStatus]], own: bool = False
+    ) -> list[OffloadKey]:
+        """Free the slots of the idle ``victims`` (one removed event). ``own``: a
+        tenant's own, for its quota (the admission filter hears of them here)."""
+        evicted = [key for key, _ in victims]
+        self._free_list.extend(block.block_id for _, block in victims)
+        self._num_idle -= len(victims)
+        self._num_ready -= len(victims)
+        self._evicted += len(victims)
+        self.tenants.removed(evicted)
+        self._emit(evicted, removed=True)
+        if own and self._admission is not None:
+            self._admission.on_evict(evicted)
         return evicted
 
     def _log_store(
@@ -635,6 +642,7 @@ class CPUOffloadingManager(OffloadingManager):
             for key, block in zip(done, blocks):
                 remove(key)
                 free_list.append(block.block_id)
+            self.tenants.removed(done)
         self._num_pending -= len(done)
         if success:
             self._num_ready += len(done)
@@ -685,18 +693,7 @@ class CPUOffloadingManager(OffloadingManager):
                     policy.on_request(_whole_request(log, touched))
                 policy.touch(touched)
             return
-        seen_order: dict[OffloadKey, None] = {}
-        inserted: set[OffloadKey] = set()
-        reused: set[OffloadKey] = set()
-        for seen, ready, stored in log.calls:
-            seen_order.update(dict.fromkeys(seen))
-            if ready:
-                if inserted:
-                    reused.update(key for key in ready if key not in inserted)
-                else:
-                    reused.update(ready)
-            if stored:
-                inserted.update(stored)
+        seen_order, inserted, reused = _fold(log)
         if not seen_order:
             return
         key_groups = _group_keys(list(seen_order), positions)
@@ -736,5 +733,49 @@ class CPUOffloadingManager(OffloadingManager):
         if self._requests is not None:
             self._requests.clear()
         self._walks.clear()
+        self.tenants.clear()
         self._reset_slots()
         self._emit(removed, removed=True)
+
+
+def _fold(
+    log: _RequestLog,
+) -> tuple[dict[OffloadKey, None], set[OffloadKey], set[OffloadKey]]:
+    """What a finished request did: the keys it used (first use first), those it
+    inserted, and those it found ready (before inserting them itself)."""
+    seen_order: dict[OffloadKey, None] = {}
+    inserted: set[OffloadKey] = set()
+    reused: set[OffloadKey] = set()
+    for seen, ready, stored in log.calls:
+        seen_order.update(dict.fromkeys(seen))
+        if ready:
+            if inserted:
+                reused.update(key for key in ready if key not in inserted)
+            else:
+                reused.update(ready)
+        if stored:
+            inserted.update(stored)
+    return seen_order, inserted, reused
+
+
+def _unpin_counted(
+    get: Callable[[OffloadKey], BlockStatus | None], keys: Sequence[OffloadKey]
+) -> int:
+    """``complete_load``'s slow path (keys listed more than once, or unknown ones):
+    count, check every key (``ValueError``, changing nothing), then unpin; how many
+    blocks became idle."""
+    need: dict[OffloadKey, int] = {}
+    for key in keys:
+        need[key] = need.get(key, 0) + 1
+    pinned: list[BlockStatus] = []
+    for key, count in need.items():
+        maybe = get(key)
+        if maybe is None or maybe.ref_cnt < count:
+            raise ValueError(f"complete_load: key {key.hex()} is not being loaded")
+        pinned.append(maybe)
+    idle = 0
+    for block, count in zip(pinned, need.values()):
+        block.ref_cnt -= count
+        if block.ref_cnt == 0:
+            idle += 1
+    return idle

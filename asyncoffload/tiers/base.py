@@ -70,6 +70,7 @@ class TierManager(CPUOffloadingManager):
             admission=admission,
         )
         self.medium = medium
+        self.tenants.tier = medium.value
         #: Keys found bad while other reads still pin them: gone for lookups, freed when
         #: the last pin goes.
         self._bad: set[OffloadKey] = set()
@@ -158,6 +159,7 @@ class TierManager(CPUOffloadingManager):
         assert block is not None and block.ref_cnt == 0
         self._policy.remove(key)
         self._free_list.append(block.block_id)
+        self.tenants.removed((key,))
         self._num_ready -= 1
         if idle:
             self._num_idle -= 1
