@@ -469,8 +469,9 @@ class CPUOffloadingManager(OffloadingManager):
                 to_store = offers.admissible(to_store)
             elif admission is not None:
                 to_store = admission.admissible(to_store, full)
-        if who.no_store or (to_store and self.tenants.caps):  # quotas, opt-out
-            to_store = self.tenants.admit(who, to_store, keys)
+        own: list[OffloadKey] = []  # a tenant's blocks evicted for its quota
+        if who.no_store or (to_store and self.tenants.caps):
+            to_store, own = self.tenants.admit(who, to_store, keys)
         if counted is not None:
             counted.update(keys)
         if log is not None:
@@ -484,7 +485,11 @@ class CPUOffloadingManager(OffloadingManager):
         # A refused call (``None``) changes no slot, offer counts included.
         evicted = self._make_room(len(to_store), keys)
         if evicted is None:
-            return None
+            if not own:
+                return None
+            to_store = to_store[: self.num_free]  # what the tenant's own room holds
+            evicted = []
+        evicted = own + evicted if own else evicted
 
         if counted is None:
             self._record_offers(offered, to_store)
@@ -522,12 +527,13 @@ class CPUOffloadingManager(OffloadingManager):
         if not to_store:
             return PrepareStoreOutput([], _EMPTY_SPEC, [])
         kept = [*keys, *protect] if protect else keys
+        own: list[OffloadKey] | None = []  # a tenant's blocks evicted for its quota
         if (who := tenancy(ctx)).tenant in self.tenants.caps:
-            if not self.tenants.admit_all(who, len(to_store), kept):
-                return None
-        evicted = self._make_room(len(to_store), kept)
+            own = self.tenants.admit_all(who, len(to_store), kept)
+        evicted = None if own is None else self._make_room(len(to_store), kept)
         if evicted is None:
             return None
+        evicted = own + evicted if own else evicted
         if self._admission is not None and evicted:
             self._admission.on_evict(evicted)
         ids = self._allocate(len(to_store))

@@ -272,56 +272,63 @@ class Tenants:
         who: Tenancy,
         to_store: list[OffloadKey],
         keys: Sequence[OffloadKey],
-    ) -> list[OffloadKey]:
+    ) -> tuple[list[OffloadKey], list[OffloadKey]]:
         """The part of ``to_store`` (a store's keys that admission took; ``keys``: all
         of the call's, never evicted) that ``who`` may store: nothing when it opted out,
-        else what fits its quota once its own idle blocks made room (the head)."""
+        else what fits its quota once its own idle blocks made room (the head); and the
+        keys evicted for it (their removed event is out)."""
         if who.no_store:
             self._opted_out(who.tenant, len(to_store))
-            return []
+            return [], []
         tenant = who.tenant
         cap = self.caps.get(tenant) if tenant is not None else None
         if cap is None or not to_store:
-            return to_store
+            return to_store, []
         room = cap - self._held.get(tenant, 0)  # type: ignore[arg-type]
         n = len(to_store)
+        evicted: list[OffloadKey] = []
         if n > room:
             assert tenant is not None
-            room += self._evict_own(tenant, n - room, keys)
+            evicted = self._evict_own(tenant, min(n, cap) - room, keys, whole=False)
+            room += len(evicted)
             if n > room:
                 self._refuse(tenant, n - max(room, 0), cap)
-                return to_store[: max(room, 0)]
-        return to_store
+                return to_store[: max(room, 0)], evicted
+        return to_store, evicted
 
     def admit_all(
         self,
         who: Tenancy,
         n: int,
         keep: Sequence[OffloadKey],
-    ) -> bool:
+    ) -> list[OffloadKey] | None:
         """Whether ``n`` more blocks of ``who`` fit its quota, all or none (a
-        promotion), once its own idle blocks outside ``keep`` made room; a refusal is
-        counted."""
+        promotion), once its own idle blocks outside ``keep`` made room: the keys
+        evicted for it, or ``None`` (a refusal, counted; the evictions stand)."""
         tenant = who.tenant
         cap = self.caps.get(tenant) if tenant is not None else None
         if cap is None:
-            return True
+            return []
         assert tenant is not None
         room = cap - self._held.get(tenant, 0)
+        evicted: list[OffloadKey] = []
         if n > room:
-            room += self._evict_own(tenant, n - room, keep)
-            if n > room:
+            if n <= cap:
+                evicted = self._evict_own(tenant, n - room, keep, whole=True)
+            if n > room + len(evicted):
                 self._refuse(tenant, n, cap)
-                return False
-        return True
+                return None
+        return evicted
 
-    def _evict_own(self, tenant: str, need: int, keep: Sequence[OffloadKey]) -> int:
-        """Evict up to ``need`` of ``tenant``'s idle blocks outside ``keep``, in the
-        policy's order; how many."""
+    def _evict_own(
+        self, tenant: str, need: int, keep: Sequence[OffloadKey], whole: bool
+    ) -> list[OffloadKey]:
+        """Evict ``need`` of ``tenant``'s idle blocks outside ``keep``, in the policy's
+        order, or as many as there are (``whole``: all or none); the keys evicted."""
         owner, policy = self._owner, self._policy
         protected = _NotOwn(owner, tenant, set(keep))
-        victims = policy.evict(need, protected)
-        if victims is None:
+        victims = policy.evict(need, protected) if need > 0 else []
+        if victims is None and not whole:
             # Fewer idle blocks of its own than it needs: take those there are (a scan
             # of the tier's tracked keys, only on this path).
             get, spare = policy.get, protected.keep
@@ -331,10 +338,10 @@ class Tenants:
                     block = get(key)
                     idle += block is not None and block.ref_cnt == 0
             victims = policy.evict(idle, protected) if idle else None
-            if not victims:
-                return 0
+        if not victims:
+            return []
         self._evicted[tenant] = self._evicted.get(tenant, 0) + len(victims)
-        return len(self._evict(victims))
+        return self._evict(victims)
 
     def _refuse(self, tenant: str, n: int, cap: int) -> None:
         self.refused += n
