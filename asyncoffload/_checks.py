@@ -17,6 +17,7 @@ from asyncoffload._native import load_mgrcore
 from asyncoffload.errors import BlockIdError, LengthMismatchError
 from asyncoffload.keys import GROUP_IDX_BYTES, BlockTokens, IntArray, OffloadKey, tenant_key
 from asyncoffload.manager import ReqContext
+from asyncoffload.manager.quotas import tenancy
 
 __all__ = [
     "BlockIds",
@@ -92,6 +93,8 @@ def check_ctx(ctx: object, what: str) -> ReqContext:
         raise TypeError(
             f"{what}: ctx must be an asyncoffload.ReqContext or None, got {type(ctx).__name__}"
         )
+    if ctx.tenant is not None or ctx.no_store or ctx.kv_transfer_params:
+        tenancy(ctx)  # a bad tenant or opt-out raises here, before anything changes
     return ctx
 
 

@@ -160,17 +160,20 @@ def resolve_quotas(
 ) -> dict[str, int]:
     """``table``'s quotas in blocks of a tier of ``num_blocks`` blocks of
     ``block_bytes`` each. ``ValueError`` naming ``where`` for a quota larger than the
-    tier or smaller than one block."""
+    tier or smaller than one block. ``block_bytes`` 0: not known yet, byte quotas are
+    left out."""
     out: dict[str, int] = {}
     for tenant, value in table.items():
         name = f"{where}[{tenant!r}]"
         kind, amount = parse_quota(value, name)
+        if kind == "bytes" and block_bytes <= 0:
+            continue
         if kind == "blocks":
             blocks = int(amount)
         elif kind == "share":
             blocks = int(num_blocks * amount / 100)
         else:
-            blocks = int(amount) // block_bytes if block_bytes > 0 else 0
+            blocks = int(amount) // block_bytes
         if blocks > num_blocks:
             raise ValueError(
                 f"{name}: quota {value!r} ({blocks} blocks) is larger than the tier "

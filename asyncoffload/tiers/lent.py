@@ -90,7 +90,7 @@ class LentSlots:
         return CPULoadStoreSpec(tuple(self._lent[key] for key in keys))
 
     def reserve(
-        self, keys: Sequence[OffloadKey], protect: Sequence[OffloadKey] = ()
+        self, keys: Sequence[OffloadKey], protect: Sequence[OffloadKey] = (), ctx: object = None
     ) -> PrepareStoreOutput | None:
         return PrepareStoreOutput(list(keys), self._slots(keys), [])
 

@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, SecretBytes, field_validator
 
 from asyncoffload.manager.admission import available_admissions
 from asyncoffload.manager.policies import available_policies
+from asyncoffload.manager.quotas import parse_quota
 from asyncoffload.tiers.format import check_mac_key
 from asyncoffload.validators import known_name, optional_name
 
@@ -74,6 +75,13 @@ class TierSettings(BaseModel):
     def _mac_key(cls, value: SecretBytes | None) -> SecretBytes | None:
         if value is not None:
             check_mac_key(value.get_secret_value())
+        return value
+
+    @field_validator("quotas", check_fields=False)
+    @classmethod
+    def _quotas(cls, value: dict[str, int | str]) -> dict[str, int | str]:
+        for tenant, quota in value.items():
+            parse_quota(quota, f"quotas[{tenant!r}]")
         return value
 
     @field_validator("policy", check_fields=False)

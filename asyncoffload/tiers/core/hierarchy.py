@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import functools
 import heapq
+import itertools
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
@@ -55,6 +56,7 @@ from asyncoffload.tiers.core.requests import (
     TierState,
 )
 from asyncoffload.tiers.core.shared import Questions
+from asyncoffload.tiers.core.tenants import by_tenant, track_tenants
 from asyncoffload.tiers.core.types import (
     MAX_KEY_BYTES,
     CpuIndex,
@@ -93,6 +95,7 @@ class TierHierarchy:
     def __init__(self, cpu: CpuIndex, tiers: Sequence[TierState]) -> None:
         self.cpu = cpu
         self.tiers = list(tiers)
+        track_tenants(cpu, self.tiers)
         self.shared_tiers = [tier for tier in self.tiers if tier.shared]
         #: Seconds a tier operation may wait to start (the slowest tier's).
         self.deadline_s = max((t.deadline_s for t in self.tiers), default=0.0)
@@ -191,7 +194,7 @@ class TierHierarchy:
         key counts as a lookup hit of its tier (a driver whose lookups promote);
         ``count_no_slot=False``: the caller counts the skip itself, once it gives up."""
         keys = list(sources)
-        out = self.cpu.reserve(keys, protect)
+        out = self.cpu.reserve(keys, protect, ctx)
         if out is None:
             if count_no_slot:
                 for tier in dict.fromkeys(sources.values()):
@@ -223,6 +226,7 @@ class TierHierarchy:
         *,
         ask: bool = True,
         blocked: str = "",
+        ctx: ReqContext | None = None,
     ) -> bool:
         """``key`` is absent from the CPU tier (a driver whose lookups promote, one key
         at a time): True if it is pending now. If a lower tier (of those ``allow``
@@ -243,7 +247,7 @@ class TierHierarchy:
         if blocked:
             self.skip(tier, blocked, 1)
             return False
-        if self.promote({key: tier}, None, protect, lookup=True, count_no_slot=False) is None:
+        if self.promote({key: tier}, ctx, protect, lookup=True, count_no_slot=False) is None:
             if not ask:
                 return False  # a lookahead: the walk reaches the key itself, waits or counts
             if self.wait_for_slot(key, now):
@@ -484,8 +488,8 @@ class TierHierarchy:
             for tier in self.tiers:
                 self.skip(tier, blocked, len(ready))
             return
-        for tier in self.tiers:
-            out = tier.index.prepare_store(ready, ctx)
+        for tier, (who, group) in itertools.product(self.tiers, by_tenant(self.cpu, ready, ctx)):
+            out = tier.index.prepare_store(group, who)
             if out is None:  # the tier is full of blocks being read or written
                 self.skip(tier, "full", 1)
                 continue
@@ -497,7 +501,7 @@ class TierHierarchy:
             spec = self.cpu.pin(chosen)
             tier.counters.writes += 1
             slots = list(out.store_spec.block_ids)
-            self._outbox.append(TierIo(tier, True, chosen, slots, list(spec.block_ids), ctx))
+            self._outbox.append(TierIo(tier, True, chosen, slots, list(spec.block_ids), who))
 
     def reoffer(
         self,
