@@ -55,7 +55,9 @@ async def run(tiers: list[Any], flood: bool) -> dict[str, Any]:
             n = eng.lookup(STEADY, steady)
             hits += n
             if n:
-                await asyncio.wait_for(await eng.prepare_load(STEADY[:n], range(20, 20 + n), steady), WAIT_S)
+                await asyncio.wait_for(
+                    await eng.prepare_load(STEADY[:n], range(20, 20 + n), steady), WAIT_S
+                )
             handle = await eng.prepare_store(STEADY, range(6), steady)
             assert handle is not None
             await asyncio.wait_for(handle, WAIT_S)
@@ -86,9 +88,7 @@ async def run(tiers: list[Any], flood: bool) -> dict[str, Any]:
         }
         stats = eng.stats()
         indices = [("CPU", eng.manager, stats.manager)]
-        indices += [
-            (t.name, tier_index(eng, i), t.manager) for i, t in enumerate(stats.tiers)
-        ]
+        indices += [(t.name, tier_index(eng, i), t.manager) for i, t in enumerate(stats.tiers)]
         out["tiers"] = {}
         for name, index, m in indices:
             resident = set(index.resident_keys())

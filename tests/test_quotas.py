@@ -45,7 +45,9 @@ def test_over_quota_a_tenant_evicts_its_own_blocks_never_another_tenants(policy:
         fresh = keys(round, 2)
         out = m.prepare_store(fresh, A)
         assert out is not None and out.keys_to_store == fresh
-        assert set(out.evicted_keys) <= set(keys(1, 4)) | {k for r in range(3, 8) for k in keys(r, 2)}
+        assert set(out.evicted_keys) <= set(keys(1, 4)) | {
+            k for r in range(3, 8) for k in keys(r, 2)
+        }
         m.complete_store(fresh, A)
         assert set(b) <= resident(m), "tenant B lost a block to A's flood"
     stats = {t.tenant: t for t in m.stats().tenants}

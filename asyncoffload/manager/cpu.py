@@ -49,6 +49,9 @@ _EMPTY_SPEC = CPULoadStoreSpec(())
 _ref_cnt = attrgetter("ref_cnt")
 _block_id = attrgetter("block_id")
 
+#: Blocks a policy evicts.
+_Victims = list[tuple[OffloadKey, BlockStatus]]
+
 #: Called with (keys, removed) for each event, instead of keeping OffloadingEvents.
 EventSink = Callable[[list[OffloadKey], bool], None]
 
@@ -553,11 +556,8 @@ class CPUOffloadingManager(OffloadingManager):
         victims = self._policy.evict(shortfall, set(protect))
         return None if victims is None else self._evict(victims)
 
-    def _evict(
-        self, victims: list[tuple[OffloadKey, BlockStatus]], own: bool = False
-    ) -> list[OffloadKey]:
-        """Free the slots of the idle ``victims`` (one removed event). ``own``: a
-        tenant's own, for its quota (the admission filter hears of them here)."""
+    def _evict(self, victims: _Victims, own: bool = False) -> list[OffloadKey]:
+        """Free idle ``victims``' slots, one removed event (``own``: for a quota)."""
         evicted = [key for key, _ in victims]
         self._free_list.extend(block.block_id for _, block in victims)
         self._num_idle -= len(victims)

@@ -18,6 +18,7 @@ builds vLLM's objects from that.
 # ruff: noqa: E402
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, cast
@@ -63,6 +64,7 @@ from asyncoffload.manager.native import (
     native_unsupported,
 )
 from asyncoffload.manager.policies.lru_ranked import RankedLRUPolicy
+from asyncoffload.manager.quotas import Tenancy, no_store_param, tenancy
 
 if TYPE_CHECKING:
     from asyncoffload.integrations.vllm.tiers import SchedulerTiers
@@ -85,6 +87,8 @@ BLOCKS_LOADED = _OURS + "blocks_loaded"
 BLOCKS_EVICTED = _OURS + "blocks_evicted"
 BLOCKS_STORE_FAILED = _OURS + "blocks_store_failed"
 BLOCKS_DECLINED = _OURS + "blocks_declined"
+BLOCKS_QUOTA_REFUSED = _OURS + "blocks_quota_refused"
+BLOCKS_OPTED_OUT = _OURS + "blocks_opted_out"
 LOOKUPS = _OURS + "lookups"
 LOOKUP_HITS = _OURS + "lookup_hits"
 READY_BLOCKS = _OURS + "ready_blocks"
@@ -104,6 +108,8 @@ _COUNTERS: dict[str, str] = {
     BLOCKS_EVICTED: "evicted",
     BLOCKS_STORE_FAILED: "store_failed",
     BLOCKS_DECLINED: "store_skipped",
+    BLOCKS_QUOTA_REFUSED: "quota_refused",
+    BLOCKS_OPTED_OUT: "opted_out",
     LOOKUPS: "lookups",
     LOOKUP_HITS: "hits",
 }
@@ -121,6 +127,7 @@ _LOCALITY = getattr(_vllm_base, "Locality", None)
 _PENDING = LookupResult.HIT_PENDING
 _MISS = LookupResult.MISS
 _NO_REQUEST = ReqContext(req_id="")
+log = logging.getLogger("asyncoffload.vllm")
 
 
 def metric_definitions(
@@ -304,6 +311,7 @@ class AsyncOffloadManager(OffloadingManager):
         host_pool: tuple[str | os.PathLike[str] | Sequence[str | os.PathLike[str]], int]
         | None = None,
         unlink_pools: bool = True,
+        quotas: Mapping[str, int] | None = None,
     ) -> None:
         self.medium = Medium.CPU
         self.store_threshold = store_threshold
@@ -319,6 +327,8 @@ class AsyncOffloadManager(OffloadingManager):
             if host_pool is None:
                 raise ValueError("lower tiers need host_pool=(path, slot_bytes)")
             why_not = why_not or "lower tiers run on the Python manager"
+        if quotas:
+            why_not = why_not or "tenant quotas run on the Python manager"
         if native and why_not is not None:
             raise ValueError(why_not)
         if native and not native_manager_available():
@@ -342,6 +352,7 @@ class AsyncOffloadManager(OffloadingManager):
                 request_scoped=True,
                 count_once_per_request=VLLM.count_once,
                 event_sink=lambda keys, removed: events.append((list(keys), removed)),
+                quotas=quotas,
             )
             calls = _PythonCalls(self._manager, events)
         self._calls = calls
@@ -356,6 +367,10 @@ class AsyncOffloadManager(OffloadingManager):
         if not (self._v033_events and enable_events):
             self.complete_store = calls.complete_store  # type: ignore[method-assign]
         self._allocation_sizes: list[int] = []
+        #: Each new request's cache salt, from the connector (:meth:`expect_request`).
+        self._salts: dict[str, str] = {}
+        #: Blocks that opted-out requests did not store, under the native core.
+        self._opted_native = 0
         self._reported = self._manager.stats()
         self._tiers: SchedulerTiers | None = None
         #: The current lookup walk: a request id and the keys it looked up, in order.
@@ -410,13 +425,23 @@ class AsyncOffloadManager(OffloadingManager):
 
     # --- requests ------------------------------------------------------------------
 
+    def expect_request(self, req_id: str, cache_salt: str | None) -> None:
+        """The connector saw request ``req_id`` arrive with ``cache_salt``: its tenant,
+        which its ``on_new_request`` context carries from then on (vLLM's context has
+        no salt). The salt already keeps its blocks apart (vLLM mixes it into the
+        first block's hash); here it is what tenant quotas count."""
+        if cache_salt:
+            self._salts[req_id] = cache_salt
+
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         self._tick()
+        _carry_tenancy(req_context, self._salts.pop(req_context.req_id, None))
         self._calls.on_new_request(req_context)
         return RequestOffloadingContext()
 
     def on_request_finished(self, req_context: ReqContext) -> None:
         self._tick()
+        self._salts.pop(req_context.req_id, None)  # one whose on_new_request never came
         positions = getattr(req_context, "_offload_key_positions", None)
         self._calls.on_request_finished(req_context, positions or None)
 
@@ -504,6 +529,10 @@ class AsyncOffloadManager(OffloadingManager):
     ) -> PrepareStoreOutput | None:
         self._tick()
         calls = self._calls
+        opted_out = tenancy(req_context).no_store
+        if opted_out and self.native:  # the C core knows no tenancy: nothing to store
+            self._opted_native += sum(calls.lookup(k, req_context) is _MISS for k in keys)
+            return PrepareStoreOutput([], CPULoadStoreSpec([]), [])
         out = calls.prepare_store(keys, req_context)
         size = calls.last_store_size
         if size:  # as vLLM's: every allocation asked for, refused or not
@@ -511,7 +540,7 @@ class AsyncOffloadManager(OffloadingManager):
         if out is None:
             return None
         to_store, slots, evicted = out
-        if self._tiers is not None:  # the keys the CPU tier holds already go down again
+        if self._tiers is not None and not opted_out:  # the keys held go down again
             self._tiers.reoffer(cast(list[OurOffloadKey], _seq(keys)), to_store)
         return PrepareStoreOutput(
             keys_to_store=cast(list[OffloadKey], to_store),
@@ -620,6 +649,8 @@ class AsyncOffloadManager(OffloadingManager):
     def get_stats(self) -> OffloadingConnectorStats:
         self._tick()
         now = self._manager.stats()
+        if self._opted_native:
+            now = now._replace(opted_out=self._opted_native)
         stats = OffloadingConnectorStats()
         num = now.num_blocks
         write = now.write_pending / num
@@ -689,6 +720,22 @@ def _tier_filter(req_context: ReqContext) -> Callable[[TierState], bool] | None:
         return bool(allows(Medium.STORAGE, where))
 
     return allow
+
+
+def _carry_tenancy(req_context: ReqContext, salt: str | None) -> None:
+    """A new request's tenant (its cache salt) and opt-out (``kv_transfer_params``'
+    :data:`~asyncoffload.manager.quotas.NO_STORE_KEY`), kept in its context's state,
+    where the manager reads them (:func:`~asyncoffload.manager.quotas.tenancy`). A bad
+    opt-out value is logged and opts the request out: never store what a caller may
+    have asked not to be stored."""
+    try:
+        no_store = no_store_param(req_context.kv_transfer_params)
+    except ValueError as exc:
+        log.warning("asyncoffload: request %s: %s; it is not cached", req_context.req_id, exc)
+        no_store = True
+    set_state = getattr(req_context, "set_state", None)
+    if (salt or no_store) and set_state is not None:
+        set_state(Tenancy(salt or None, no_store))
 
 
 def _ours(req_context: ReqContext) -> OurReqContext:
