@@ -159,6 +159,12 @@ def metric_definitions(
             "Blocks offered to a store and held back by the policy, the admission "
             "filter or store_threshold."
         ),
+        BLOCKS_QUOTA_REFUSED: OffloadingCounterMetadata(
+            "Blocks refused by a tenant's (cache_salt's) quota in the CPU tier."
+        ),
+        BLOCKS_OPTED_OUT: OffloadingCounterMetadata(
+            "Blocks not stored because their request opted out (asyncoffload_no_store)."
+        ),
         LOOKUPS: OffloadingCounterMetadata("lookup calls."),
         LOOKUP_HITS: OffloadingCounterMetadata("lookup calls that found the block."),
         READY_BLOCKS: OffloadingGaugeMetadata("Loadable blocks in the CPU tier."),
