@@ -473,7 +473,7 @@ class AsyncOffloadManager(OffloadingManager):
         if result is LookupResult.MISS:
             allow = _tier_filter(req_context)
             protect = list(walk[1])
-            if tiers.promote(ours, protect, allow):
+            if tiers.promote(ours, protect, allow, ctx=_tenant_ctx(req_context)):
                 result = LookupResult.HIT_PENDING
                 if not tiers.waits_for_slot(ours):  # no slot for it, none for later keys
                     self._promote_ahead(ours, req_context, protect, allow)
@@ -508,9 +508,10 @@ class AsyncOffloadManager(OffloadingManager):
         later = sorted((pos, k) for k, pos in positions.items() if pos > at and k[-4:] == group)
         held = [*protect, key, *(k for _, k in later)]
         lookup = self._calls.lookup
+        ctx = _tenant_ctx(req_context)
         for _, nxt in later[:_LOOKAHEAD]:
             missing = lookup(cast(OffloadKey, nxt), req_context) is LookupResult.MISS
-            if missing and not tiers.promote(nxt, held, allow, ask=False):
+            if missing and not tiers.promote(nxt, held, allow, ask=False, ctx=ctx):
                 return
 
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
@@ -742,6 +743,12 @@ def _carry_tenancy(req_context: ReqContext, salt: str | None) -> None:
     set_state = getattr(req_context, "set_state", None)
     if (salt or no_store) and set_state is not None:
         set_state(Tenancy(salt or None, no_store))
+
+
+def _tenant_ctx(req_context: ReqContext) -> OurReqContext | None:
+    """Our context for a promotion of the request's blocks: its tenant, if it has one."""
+    tenant = tenancy(req_context).tenant
+    return None if tenant is None else OurReqContext(req_context.req_id, tenant=tenant)
 
 
 def _ours(req_context: ReqContext) -> OurReqContext:
