@@ -109,3 +109,30 @@ async def test_a_quota_larger_than_its_tier_fails_the_engine_and_closes_its_tier
     cfg = ao.EngineConfig(cpu_blocks=8, tenants=["a"], tiers=[disk], model="m")
     with pytest.raises(ValueError, match=r"tiers\[0\]\.quotas\['a'\]: quota '1GiB'"):
         ao.AsyncOffloadEngine(kv, cfg)
+
+
+async def test_an_opted_out_request_offers_nothing_to_the_tiers_below(tmp_path: Path) -> None:
+    """A block the CPU tier holds already is offered below again by a later store of it
+    (the disk's "frequency" admission writes it at its ``min_offers``-th offer); an
+    opted-out request's store is no such offer: it counts nowhere."""
+    import torch
+
+    from tests.helpers import tier_index
+
+    kv = [torch.zeros(8, 4096, dtype=torch.uint8)]
+    disk = ao.DiskTier(tmp_path, "256KiB", "slab", min_offers=3)
+    cfg = ao.EngineConfig(cpu_blocks=8, tiers=[disk], model="m")
+    keys = [ao.make_offload_key(bytes([i]) * 16) for i in range(2)]
+    opted = ao.ReqContext("o", kv_transfer_params={"asyncoffload_no_store": True})
+    async with ao.AsyncOffloadEngine(kv, cfg) as engine:
+        for ctx in (None, opted, None):  # offers 1 and 2 below; the opted-out one is none
+            handle = await engine.prepare_store(keys, [0, 1], ctx)
+            assert handle is not None
+            await handle
+            await engine.flush()
+            assert list(tier_index(engine).resident_keys()) == []
+        handle = await engine.prepare_store(keys, [0, 1])  # the third offer writes
+        assert handle is not None
+        await engine.flush()
+        assert sorted(tier_index(engine).resident_keys()) == sorted(keys)
+        assert engine.stats().tiers[0].manager.opted_out == 0

@@ -29,6 +29,7 @@ from asyncoffload.errors import DuplicateKeyError
 from asyncoffload.keys import BlockTokens, OffloadKey
 
 __all__ = [
+    "NO_STORE_KEY",
     "BlockStatus",
     "CPULoadStoreSpec",
     "LookupResult",
@@ -57,6 +58,10 @@ class LookupResult(enum.Enum):
     MISS = enum.auto()
     HIT = enum.auto()
     HIT_PENDING = enum.auto()
+
+
+#: The ``kv_transfer_params`` key that opts a request out of caching (a bool).
+NO_STORE_KEY = "asyncoffload_no_store"
 
 
 @dataclass(slots=True)

@@ -32,7 +32,7 @@ from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
 
 from asyncoffload.keys import OffloadKey
-from asyncoffload.manager.base import BlockStatus, TenantStats
+from asyncoffload.manager.base import NO_STORE_KEY, BlockStatus, TenantStats
 from asyncoffload.validators import parse_bytes
 
 __all__ = [
@@ -49,8 +49,6 @@ __all__ = [
 
 log = logging.getLogger("asyncoffload.quotas")
 
-#: The ``kv_transfer_params`` key that opts a request out of caching (a bool).
-NO_STORE_KEY = "asyncoffload_no_store"
 #: A tier logs a tenant's refusals at most this often.
 LOG_EVERY_S = 10.0
 

@@ -56,7 +56,7 @@ from asyncoffload.tiers.core.requests import (
     TierState,
 )
 from asyncoffload.tiers.core.shared import Questions
-from asyncoffload.tiers.core.tenants import by_tenant, track_tenants
+from asyncoffload.tiers.core.tenants import by_tenant, opted_out, track_tenants
 from asyncoffload.tiers.core.types import (
     MAX_KEY_BYTES,
     CpuIndex,
@@ -516,7 +516,7 @@ class TierHierarchy:
         absent from it, which its admission declined, cannot be written (a tier is
         written from the CPU tier's slots): each tier counts them (``declined_above``),
         and its admission counts their offer (``TierManager.count_offers``)."""
-        if len(stored) >= len(keys):
+        if len(stored) >= len(keys) or opted_out(ctx):  # an opted-out request: nothing below
             return
         fresh = set(stored)
         rest = [k for k in dict.fromkeys(keys) if k not in fresh]

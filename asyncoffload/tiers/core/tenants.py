@@ -11,11 +11,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from asyncoffload.keys import OffloadKey
-from asyncoffload.manager.base import ReqContext
+from asyncoffload.manager.base import NO_STORE_KEY, ReqContext
 from asyncoffload.tiers.core.requests import TierState
 from asyncoffload.tiers.core.types import CpuIndex
 
-__all__ = ["by_tenant", "track_tenants"]
+__all__ = ["by_tenant", "opted_out", "track_tenants"]
+
+
+def opted_out(ctx: ReqContext | None) -> bool:
+    """Whether a store's request opted out of caching (the engine checked the value)."""
+    if ctx is None:
+        return False
+    params = ctx.kv_transfer_params
+    return ctx.no_store or bool(params and params.get(NO_STORE_KEY) is True)
 
 
 def track_tenants(cpu: CpuIndex, tiers: Sequence[TierState]) -> None:
