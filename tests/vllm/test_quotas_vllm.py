@@ -81,6 +81,10 @@ def test_a_bad_opt_out_value_is_logged_and_not_cached(caplog: pytest.LogCaptureF
 
 def test_quota_settings_errors_name_the_key() -> None:
     with pytest.raises(ValueError, match=r"kv_connector_extra_config\[.*'x' is not a known tenant"):
-        VllmOffloadSettings.from_extra_config({"cpu_bytes_to_use": 1 << 20, "tenants": ["a"], "quotas": {"x": 4}})
+        VllmOffloadSettings.from_extra_config(
+            {"cpu_bytes_to_use": 1 << 20, "tenants": ["a"], "quotas": {"x": 4}}
+        )
     with pytest.raises(ValueError, match=r"a share must be above 0%"):
-        VllmOffloadSettings.from_extra_config({"cpu_bytes_to_use": 1 << 20, "tenants": ["a"], "quotas": {"a": "0%"}})
+        VllmOffloadSettings.from_extra_config(
+            {"cpu_bytes_to_use": 1 << 20, "tenants": ["a"], "quotas": {"a": "0%"}}
+        )
