@@ -62,7 +62,8 @@ def test_cache_salts_are_tenants_a_flood_never_evicts_the_steady_salt() -> None:
 def test_an_opted_out_request_stores_nothing_and_is_counted(native: bool) -> None:
     if native and not native_manager_available():
         pytest.skip("the native manager core does not build here")
-    m = AsyncOffloadManager(8, "lru", native=native)
+    m = AsyncOffloadManager(8, "arc", native=native)  # 0.33+ runs lru in Python only
+    assert m.native == native
     ctx = request(m, "r", None, **{NO_STORE_KEY: True})
     out = m.prepare_store(keys(1, 3), ctx)
     assert out is not None and list(out.keys_to_store) == []
