@@ -218,3 +218,15 @@ def test_a_manager_rejects_bad_quotas() -> None:
         CPUOffloadingManager(8, quotas={"A": 9})
     with pytest.raises(ValueError, match=r"quotas\['A'\]"):
         CPUOffloadingManager(8, quotas={"A": 0})
+
+
+def test_the_admission_filter_hears_of_a_tenants_own_evictions() -> None:
+    m = CPUOffloadingManager(8, "lru", admission="ghost", quotas={"A": 2})
+    first, second = keys(1, 2), keys(2, 2)
+    for ks in (first, second):
+        assert store(m, ks, A) == []  # the ghost filter: stored at the second offer
+        assert store(m, ks, A) == ks  # the second: over quota, A's first two go
+    assert not set(first) & resident(m)
+    out = m.prepare_store(first[:1], A)  # evicted before: the ghost admits it at once
+    assert out is not None and out.keys_to_store == first[:1]
+    assert out.evicted_keys == second[:1]  # and A's oldest block goes for it

@@ -219,7 +219,7 @@ class CPUOffloadingManager(OffloadingManager):
         self._observe_lookups = self._policy.observes_requests and not request_scoped
         #: Requests looked up key by key that the policy has not heard of yet (``lookup``).
         self._walks = Walks(self._policy.on_request if self._observe_lookups else None)
-        self.tenants = Tenants(self._policy, lambda victims: self._evict(victims, True))
+        self.tenants = Tenants(self._policy, self._evict)  # its evictions: in our output
         self.tenants.set_caps(quotas or {}, num_blocks)
         self._reset_slots()
         self._stored = self._store_failed = self._loaded = self._evicted = 0
@@ -556,8 +556,8 @@ class CPUOffloadingManager(OffloadingManager):
         victims = self._policy.evict(shortfall, set(protect))
         return None if victims is None else self._evict(victims)
 
-    def _evict(self, victims: _Victims, own: bool = False) -> list[OffloadKey]:
-        """Free idle ``victims``' slots, one removed event (``own``: for a quota)."""
+    def _evict(self, victims: _Victims) -> list[OffloadKey]:
+        """Free the slots of the idle ``victims``, with one removed event."""
         evicted = [key for key, _ in victims]
         self._free_list.extend(block.block_id for _, block in victims)
         self._num_idle -= len(victims)
@@ -565,8 +565,6 @@ class CPUOffloadingManager(OffloadingManager):
         self._evicted += len(victims)
         self.tenants.removed(evicted)
         self._emit(evicted, removed=True)
-        if own and self._admission is not None:
-            self._admission.on_evict(evicted)
         return evicted
 
     def _log_store(
