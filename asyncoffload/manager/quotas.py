@@ -67,6 +67,8 @@ class Tenancy(NamedTuple):
 
 
 _NOBODY = Tenancy(None, False)
+#: What a framework's context without a ``tenant`` field answers for it.
+_FOREIGN: Any = object()
 
 
 def no_store_param(params: Mapping[str, Any] | None, where: str = "kv_transfer_params") -> bool:
@@ -90,9 +92,8 @@ def tenancy(ctx: object) -> Tenancy:
     for a tenant that is not a str."""
     if ctx is None:
         return _NOBODY
-    try:
-        tenant = ctx.tenant  # type: ignore[attr-defined]
-    except AttributeError:
+    tenant = getattr(ctx, "tenant", _FOREIGN)
+    if tenant is _FOREIGN:
         get_state: Callable[[type], Any] | None = getattr(ctx, "get_state", None)
         state = get_state(Tenancy) if get_state is not None else None
         return state if isinstance(state, Tenancy) else _NOBODY
@@ -241,11 +242,10 @@ class Tenants:
         self.opted_out = 0
         self._logged: dict[str, float] = {}
 
-    def set_caps(self, caps: Mapping[str, int], num_blocks: int, held: int = 0) -> None:
+    def set_caps(self, caps: Mapping[str, int], num_blocks: int) -> None:
         """Cap each tenant of ``caps`` at that many blocks (``ValueError``, changing
-        nothing, for a quota outside ``[1, num_blocks]``). Only before the tier holds
-        blocks of a tenant (``held``: its ready and pending blocks; those of no tenant,
-        found at open, may be there)."""
+        nothing, for a quota outside ``[1, num_blocks]``), before the tier holds a
+        tenant's block (blocks of no tenant, found at open, may be there)."""
         for tenant, cap in caps.items():
             if not isinstance(tenant, str):
                 raise TypeError(f"quotas: a tenant is a str, got {tenant!r}")
@@ -257,10 +257,6 @@ class Tenants:
         if self._owner:
             raise RuntimeError("quotas are set before the tier holds a tenant's block")
         self.caps = dict(caps)
-
-    @property
-    def active(self) -> bool:
-        return bool(self.caps) or self.track
 
     def owner(self, key: OffloadKey) -> str | None:
         """The tenant whose store brought ``key`` here (tracked tenants only)."""
