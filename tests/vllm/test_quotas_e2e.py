@@ -120,3 +120,22 @@ def test_an_opted_out_request_stores_nothing_in_vllm(run_vllm: RunVLLM) -> None:
     metrics = result["metrics"]
     assert metrics["vllm:asyncoffload_blocks_opted_out"] >= S_BLOCKS
     assert metrics.get("vllm:asyncoffload_blocks_stored", 0) == 0
+
+
+@pytest.mark.timeout(VLLM_TIMEOUT)
+def test_one_prompt_under_two_cache_salts_shares_no_block(run_vllm: RunVLLM) -> None:
+    """vLLM mixes the salt into the first block's hash, so our tier files the same
+    prompt apart per salt: salt b never loads what salt a stored, and a finds its own."""
+    rng = random.Random(42)
+    tokens = random_prompt(rng, S_BLOCKS * BLOCK_SIZE + 8)
+    a = {"prompt_token_ids": tokens, "cache_salt": "a"}
+    b = {"prompt_token_ids": tokens, "cache_salt": "b"}
+    result = run_vllm(
+        [[a], [b], [a], [b]],
+        name="two-salts",
+        kv_transfer_config=_config(quotas=False),
+        kv_events=False,
+        settle_s=20,
+    )
+    hits = [requests_of(result, r)[0]["num_cached_tokens"] for r in range(4)]
+    assert hits == [0, 0, S_BLOCKS * BLOCK_SIZE, S_BLOCKS * BLOCK_SIZE]
