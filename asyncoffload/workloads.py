@@ -13,8 +13,10 @@ sessions (the system prompt). Only its full blocks have keys.
 
 :func:`load_mooncake` (and :func:`iter_mooncake`) read a Mooncake request trace (JSONL,
 one request a line with ``hash_ids`` for its 512-token blocks, the last one usually
-partial). :func:`synthetic_sessions` makes workloads of that shape without token ids, fast
-enough for hundreds of thousands of requests, to check conclusions beyond one trace.
+partial); :func:`load_block_trace` a trace of block ids alone (kv-cache-tester's Claude
+Code sessions: 64-token blocks, gzip-compressed). :func:`synthetic_sessions` makes
+workloads of that shape without token ids, fast enough for hundreds of thousands of
+requests, to check conclusions beyond one trace.
 
 :func:`families` names the trace families a cache policy is judged on, each a generator
 of that kind, seeded: ``chat`` (:func:`synthetic_sessions`), ``agent`` (tool loops on long
@@ -33,12 +35,14 @@ each turn's prompt holds, how many turns a session has, what a reply adds.
 
 from __future__ import annotations
 
+import gzip
 import heapq
 import inspect
 import json
 import os
 import sys
-from collections.abc import Callable, Iterator, Sequence
+import zlib
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
@@ -62,6 +66,7 @@ __all__ = [
     "WorkloadSummary",
     "families",
     "iter_mooncake",
+    "load_block_trace",
     "load_mooncake",
     "summarize",
     "synthetic_agent",
@@ -676,8 +681,11 @@ def _json_error(e: json.JSONDecodeError) -> str:
     return f"invalid JSON: {e.msg.removesuffix(' at')} at column {e.colno}"
 
 
-def _parse_mooncake(line: bytes, block_size: int) -> tuple[int, int, int, list[int]]:
-    """``(timestamp, input_length, output_length, hash_ids)`` of one trace line."""
+def _parse_mooncake(
+    line: bytes, block_size: int, lengths: bool = True
+) -> tuple[int, int, int, list[int]]:
+    """``(timestamp, input_length, output_length, hash_ids)`` of one trace line; without
+    ``lengths`` (a trace of block ids only) every block is full and nothing is output."""
     try:
         record = json.loads(line)
     except json.JSONDecodeError as e:
@@ -692,8 +700,9 @@ def _parse_mooncake(line: bytes, block_size: int) -> tuple[int, int, int, list[i
     if type(record) is not dict:
         raise _BadRecord(f"expected a JSON object, got {_describe(record)}")
     timestamp = _count_field(record, "timestamp")
-    input_length = _count_field(record, "input_length")
-    output_length = _count_field(record, "output_length")
+    if lengths:
+        input_length = _count_field(record, "input_length")
+        output_length = _count_field(record, "output_length")
     hash_ids = _field(record, "hash_ids")
     if type(hash_ids) is not list:
         raise _BadRecord(f"hash_ids must be an array of integers, got {_describe(hash_ids)}")
@@ -706,6 +715,8 @@ def _parse_mooncake(line: bytes, block_size: int) -> tuple[int, int, int, list[i
     if min(ids) < 0 or max(ids) >= _HASH_ID_LIMIT:
         i, h = next((i, h) for i, h in enumerate(ids) if not 0 <= h < _HASH_ID_LIMIT)
         raise _BadRecord(f"hash_ids[{i}] = {_shorten(h)} is outside [0, 2**64) (8 bytes)")
+    if not lengths:
+        return timestamp, block_size * len(ids), 0, ids
     blocks = -(-input_length // block_size)
     if len(ids) != blocks:
         raise _BadRecord(
@@ -735,17 +746,22 @@ def iter_mooncake(
 
 
 def _read_mooncake(
-    path: str, block_size: int, limit: int | None, group: bytes
+    path: str, block_size: int, limit: int | None, group: bytes, lengths: bool = True
 ) -> Iterator[Request]:
-    stem = Path(path).stem
+    stem = Path(path.removesuffix(".gz")).stem
+    known: dict[int, bytes] = {}
     previous_ts = 0
     count = 0
-    with open(path, "rb") as f:
-        for line_no, line in enumerate(f, 1):
+    opened = gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")  # noqa: SIM115
+    with opened as f:
+        lines = _gunzipped(f, path) if path.endswith(".gz") else f
+        for line_no, line in enumerate(lines, 1):
             if line.isspace():
                 continue
             try:
-                timestamp, input_length, output_length, ids = _parse_mooncake(line, block_size)
+                timestamp, input_length, output_length, ids = _parse_mooncake(
+                    line, block_size, lengths
+                )
                 if timestamp < previous_ts:
                     raise _BadRecord(
                         f"timestamp {timestamp} is earlier than the previous request's "
@@ -754,10 +770,13 @@ def _read_mooncake(
             except _BadRecord as e:
                 raise TraceFormatError(f"{path}:{line_no}: {e}") from None
             previous_ts = timestamp
-            # make_offload_key(h.to_bytes(8, "big"), group_idx), without its checks.
-            keys = cast(
-                "tuple[OffloadKey, ...]", tuple([h.to_bytes(8, "big") + group for h in ids])
-            )
+            # make_offload_key(h.to_bytes(8, "big"), group_idx), without its checks; one
+            # key object per id (a trace repeats most of its ids: memory, and hashing
+            # once).
+            for h in ids:
+                if h not in known:
+                    known[h] = h.to_bytes(8, "big") + group
+            keys = cast("tuple[OffloadKey, ...]", tuple(map(known.__getitem__, ids)))
             yield Request(
                 req_id=f"{stem}:{line_no}",
                 arrival_s=timestamp / 1000,
@@ -769,6 +788,22 @@ def _read_mooncake(
             count += 1
             if count == limit:
                 return
+
+
+def _gunzipped(f: Iterable[bytes], path: str) -> Iterator[bytes]:
+    """``f``'s lines, a compressed stream's damage (truncated, corrupt) as a
+    :class:`TraceFormatError` naming ``path`` and the line it broke in."""
+    line_no = 0
+    lines = iter(f)
+    while True:
+        try:
+            line = next(lines)
+        except StopIteration:
+            return
+        except (EOFError, zlib.error, gzip.BadGzipFile) as e:
+            raise TraceFormatError(f"{path}:{line_no + 1}: damaged gzip data ({e})") from None
+        line_no += 1
+        yield line
 
 
 def load_mooncake(
@@ -798,3 +833,27 @@ def load_mooncake(
     file.
     """
     return list(iter_mooncake(path, block_size=block_size, limit=limit, group_idx=group_idx))
+
+
+def load_block_trace(
+    path: str | os.PathLike[str],
+    *,
+    block_size: int = 64,
+    limit: int | None = None,
+    group_idx: int = 0,
+) -> list[Request]:
+    """The requests of a trace of block ids only at ``path`` (read through gzip when the
+    name ends in ``.gz``), the first ``limit`` if given.
+
+    Each line is a JSON object ``{"timestamp": ms, "hash_ids": [int, ...]}`` (other
+    fields are ignored): the format of the Claude Code sessions of kv-cache-tester, 64
+    tokens a block. The trace has no token counts, so every block is taken as full
+    (``input_tokens == block_size * len(hash_ids)``) and nothing as output. Keys,
+    arrivals, request ids and errors are :func:`load_mooncake`'s, less its checks of
+    the lengths.
+    """
+    check_int("block_size", block_size, positive=True)
+    if limit is not None:
+        check_int("limit", limit, positive=True)
+    group = make_offload_key(b"\0", group_idx)[1:]
+    return list(_read_mooncake(os.fspath(path), block_size, limit, group, lengths=False))

@@ -4,6 +4,7 @@ should be) and the Mooncake trace loader (exact keys, strict about malformed lin
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import itertools
 import json
 import math
@@ -24,6 +25,7 @@ from asyncoffload.workloads import (
     Request,
     TraceFormatError,
     iter_mooncake,
+    load_block_trace,
     load_mooncake,
     summarize,
     synthetic_chat,
@@ -421,7 +423,66 @@ def test_mooncake_missing_file(tmp_path: Path) -> None:
         load_mooncake(tmp_path / "nope.jsonl")
 
 
+def test_load_block_trace_reads_ids_alone_plain_or_gzipped(tmp_path: Path) -> None:
+    # kv-cache-tester's format: a timestamp and the ids of full 64-token blocks.
+    lines = [
+        json.dumps({"timestamp": 5, "hash_ids": [1, 2, 3]}),
+        "",
+        json.dumps({"hash_ids": [1, 2], "timestamp": 7, "extra": "ignored"}),
+    ]
+    plain = _write(tmp_path / "cc.jsonl", *lines)
+    packed = tmp_path / "cc.jsonl.gz"
+    packed.write_bytes(gzip.compress(plain.read_bytes()))
+    reqs = load_block_trace(packed)
+    assert reqs == load_block_trace(plain)
+    assert [r.req_id for r in reqs] == ["cc:1", "cc:3"]
+    assert [r.arrival_s for r in reqs] == [0.005, 0.007]
+    assert [r.keys for r in reqs] == [_keys(1, 2, 3), _keys(1, 2)]
+    assert [r.block_tokens() for r in reqs] == [[64, 64, 64], [64, 64]]
+    assert [r.output_tokens for r in reqs] == [0, 0]
+    # One key object per id: the second request's keys are the first's.
+    assert all(a is b for a, b in zip(reqs[0].keys, reqs[1].keys, strict=False))
+    assert load_block_trace(packed, limit=1) == reqs[:1]
+    assert [r.block_tokens() for r in load_block_trace(plain, block_size=16)][1] == [16, 16]
+    # A Mooncake reader takes the compressed file too, and still wants its lengths.
+    with pytest.raises(TraceFormatError, match=r"cc\.jsonl\.gz:1: missing field 'input_length'"):
+        load_mooncake(packed)
+
+
+def test_load_block_trace_names_what_is_wrong(tmp_path: Path) -> None:
+    bad = _write(
+        tmp_path / "bad.jsonl",
+        json.dumps({"timestamp": 1, "hash_ids": [1]}),
+        json.dumps({"timestamp": 2, "hash_ids": []}),
+    )
+    with pytest.raises(TraceFormatError, match=r"bad\.jsonl:2: hash_ids is empty"):
+        load_block_trace(bad)
+    with pytest.raises(TraceFormatError, match=r"missing field 'timestamp'"):
+        load_block_trace(_write(tmp_path / "t.jsonl", json.dumps({"hash_ids": [1]})))
+    # A compressed file cut short: the line it broke in, not an EOFError.
+    body = "".join(json.dumps({"timestamp": i, "hash_ids": [i]}) + "\n" for i in range(2000))
+    whole = gzip.compress(body.encode())
+    cut = tmp_path / "cut.jsonl.gz"
+    cut.write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(TraceFormatError, match=r"cut\.jsonl\.gz:\d+: damaged gzip data"):
+        load_block_trace(cut)
+    with pytest.raises(ValueError, match="block_size"):
+        load_block_trace(bad, block_size=0)
+    with pytest.raises(ValueError, match="limit"):
+        load_block_trace(bad, limit=0)
+
+
 REAL_TRACE = trace_path()
+CLAUDE_TRACE = trace_path("claude_code_sessions.jsonl.gz")
+
+
+@pytest.mark.long
+@pytest.mark.skipif(not CLAUDE_TRACE.exists(), reason=f"{CLAUDE_TRACE} is absent")
+def test_real_claude_code_sessions() -> None:
+    # ../shared/traces/PROVENANCE.md: 3,167 requests, 6,058,890 block references,
+    # 223,469 unique.
+    s = summarize(load_block_trace(CLAUDE_TRACE))
+    assert (s.requests, s.total_blocks, s.unique_blocks) == (3_167, 6_058_890, 223_469)
 
 
 @pytest.mark.skipif(not REAL_TRACE.exists(), reason=f"{REAL_TRACE} is absent")
