@@ -55,7 +55,7 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from collections.abc import Collection, Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from asyncoffload._native import load_kvcore
@@ -266,6 +266,65 @@ class KVPolicy(CachePolicy):
             table: list[list[float]] = self._core.table()
             return table
         return [row[:] for row in self._table]
+
+    def adopt(
+        self,
+        state: Mapping[str, Any],
+        blocks: Sequence[tuple[OffloadKey, BlockStatus]],
+    ) -> None:
+        """Start again on ``blocks`` (least recently used first) with what another kv of
+        the same capacity and settings learned: ``state`` is its :meth:`snapshot` (an
+        ``auto`` ghost's, when ``auto`` switches to kv). Its table, counts and clock are
+        taken as they are; a block it knows keeps its uses, last use and class, one it
+        does not know is taken as used once (short request, not last) at the time of its
+        oldest memory; the keys it knows and ``blocks`` lack are remembered, up to the
+        ghost list's size, the most recent kept. Tracked blocks before are forgotten."""
+        known: dict[OffloadKey, tuple[int, int, int]] = {}
+        for rows in (*state["queues"], state["fresh"], state["ghost"]):
+            for key, uses, tick, cls in rows:
+                known[key] = (uses, tick, cls)
+        now = int(state["tick"])
+        oldest = min((row[1] for row in known.values()), default=now)
+        held: list[tuple[int, int, OffloadKey, BlockStatus, int, int]] = []
+        for order, (key, block) in enumerate(blocks):
+            uses, tick, cls = known.pop(key, (1, oldest, 0))
+            held.append((tick, order, key, block, uses, cls))
+        held.sort(key=lambda row: (row[0], row[1]))  # by last use, then recency order
+        # Remembered: its ghost list in its order, then what it held or had just seen
+        # and ``blocks`` lack (more recent than any ghost), by last use.
+        remembered = [key for key, *_ in state["ghost"] if key in known]
+        listed = set(remembered)
+        rest = [key for key in known if key not in listed]
+        rest.sort(key=lambda key: known[key][1])
+        gone = [(key, *known[key]) for key in remembered + rest]
+        gone = gone[len(gone) - self._ghost_cap :] if self._ghost_cap else []
+        if self._core is not None:
+            self._core.restore(
+                now,
+                int(state["inserts"]),
+                float(state["last_victim"]),
+                state["entered"],
+                state["reused"],
+                state["table"],
+                [(key, block, uses, tick, cls) for tick, _, key, block, uses, cls in held],
+                gone,
+            )
+            return
+        self.clear()
+        self._tick = now
+        self._inserts = int(state["inserts"])
+        self._last_victim = float(state["last_victim"])
+        self._entered = [float(x) for x in state["entered"]]
+        self._reused = [float(x) for x in state["reused"]]
+        self._table = [[float(x) for x in row] for row in state["table"]]
+        meta_of, queues = self._meta, self._queues
+        for tick, _, key, block, uses, cls in held:
+            meta = meta_of[key] = [uses, tick, cls]
+            self._blocks[key] = block
+            queues[cls][key] = meta
+        for key, uses, tick, cls in gone:
+            meta_of[key] = [uses, tick, cls]
+            self._ghost[key] = None
 
     # --- learning ---------------------------------------------------------------------
 
