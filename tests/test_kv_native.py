@@ -221,14 +221,17 @@ def _serve(policy: KVPolicy, keys: list[OffloadKey]) -> list[OffloadKey]:
 
 
 @pytest.mark.parametrize("native", [True, False])
-def test_a_kv_adopted_from_anothers_state_decides_as_it_does(native: bool) -> None:
+@pytest.mark.parametrize("split", [100, 800])
+def test_a_kv_adopted_from_anothers_state_decides_as_it_does(native: bool, split: int) -> None:
     # What auto's switch to kv relies on: a kv started on another's blocks and learned
-    # state (its table, counts, clock and per-key uses) is that kv from then on.
+    # state (its table, counts, clock and per-key uses) is that kv from then on; early
+    # (its ghost list not full) or late.
     reqs = synthetic_sessions(1600, block_size=16, blocks_per_turn=3.0, seed=5)
     cap = 120
     source = KVPolicy(cap, native=native)
-    for req in reqs[:800]:
+    for req in reqs[:split]:
         _serve(source, list(req.keys))
+    assert (2 * cap < len(source.snapshot()["ghost"]) < 4 * cap) == (split == 100)
     heir = KVPolicy(cap, native=native)
     heir.adopt(source.snapshot(), list(source.items()))
     state, again = source.snapshot(), heir.snapshot()
@@ -238,7 +241,7 @@ def test_a_kv_adopted_from_anothers_state_decides_as_it_does(native: bool) -> No
     # will remember them), up to the ghost list's size (4 capacities).
     assert again["ghost"] == (state["ghost"] + state["fresh"])[-4 * cap :]
     evicted = 0
-    for req in reqs[800:]:
+    for req in reqs[split:]:
         out = _serve(source, list(req.keys))
         assert _serve(heir, list(req.keys)) == out
         evicted += len(out)
