@@ -447,12 +447,17 @@ def stationary(n: int = 5000, seed: int = 0) -> list[Request]:
 
 
 def timelines() -> list[tuple[str, float, list[Request]]]:
-    """``--timeline``'s traces: titles, capacity shares, requests."""
-    return [
-        ("regime change (2,500 + 2,500 requests), 2%", 0.02, regime_change()),
-        ("regime change, 5%", 0.05, regime_change()),
-        ("stationary (5,000 requests), 2%", 0.02, stationary()),
-    ]
+    """``--timeline``'s traces: titles (where the change is), capacity shares, requests."""
+    changed = regime_change()
+    unique = summarize(changed).unique_blocks
+    before = sum(len(r.keys) for r in changed[:2500])
+    out: list[tuple[str, float, list[Request]]] = []
+    for share in (0.02, 0.05):
+        at = before / capacity_blocks(share, unique)
+        title = f"regime change (2,500 + 2,500 requests) at {share:.0%}: the change at {at:.2f}"
+        out.append((title, share, changed))
+    out += [(f"stationary (5,000 requests) at {s:.0%}", s, stationary()) for s in (0.02, 0.05)]
+    return out
 
 
 def _serve(m: CPUOffloadingManager, keys: Sequence[OffloadKey]) -> int:
@@ -494,13 +499,14 @@ def switch_timeline(requests: Sequence[Request], share: float, width: float = 1.
         told = policy.switches
         moves = ", ".join(f"{a} -> {b} at {t / cap:.2f}" for t, a, b in new)
         lines.append(
-            f"| {start / cap:.0f}-{seen / cap:.0f} | "
+            f"| {start / cap:.1f}-{seen / cap:.1f} | "
             + " | ".join(rates)
             + f" | {policy.leader} | {moves} |"
         )
         window[:] = [0] * len(window)
         start = seen
 
+    whole = [0] * len(window)
     for req in requests:
         keys = req.keys
         for i, ghost in enumerate(ghosts):
@@ -509,9 +515,17 @@ def switch_timeline(requests: Sequence[Request], share: float, width: float = 1.
         window[0] += len(keys)
         seen += len(keys)
         if window[0] >= width * cap:
+            whole = [a + b for a, b in zip(whole, window, strict=True)]
             row()
     if window[0]:
+        whole = [a + b for a, b in zip(whole, window, strict=True)]
         row()
+    rates = ", ".join(
+        f"{name} {h / whole[0]:.4f}" for name, h in zip([*names, "auto"], whole[1:], strict=True)
+    )
+    lines.append(
+        f"\nWhole trace ({seen / cap:.1f} capacities): {rates}; {policy.switches} switches."
+    )
     return "\n".join(lines)
 
 

@@ -477,11 +477,10 @@ class AdaptivePolicy(CachePolicy):
             ):
                 best = g
         if best is not None:
-            # To the rival ahead of the leader (a surplus) that hit most since the last
-            # switch: two rivals close to each other take turns at crossing the bar
-            # first, and the longer view picks the better.
+            # The bar says when to leave; where to, the largest surplus says, cleared or
+            # not (a rival behind a noisier run may be further ahead).
             for g in self._rivals:
-                if g.surplus > 0.0 and g.total > best.total:
+                if g.surplus > best.surplus:
                     best = g
             if best.name == self._challenger:
                 self._streak += 1
