@@ -41,9 +41,9 @@ rival's surplus is at least ``surplus`` (0.1) capacities of blocks and ``confide
 (2.5) times the root of the summed squares of its per-request differences over the run
 (a lead made by a few large requests is noise until more agree: one request of the
 Claude Code sessions is a capacity at 1%). A sustained lead of d reaches the first bar
-``surplus / (d - margin)`` capacities after it shows (1.3 for 0.08). The tier goes to
-the rival with a surplus that hit most since the last switch (two rivals close to each
-other take turns at crossing the bar first). While a leader that learns as it goes
+``surplus / (d - margin)`` capacities after it shows (1.3 for 0.08). The bar says when
+to leave; where to, the largest surplus says, cleared or not (a rival behind a noisier
+run may be further ahead). While a leader that learns as it goes
 (``kv``) is in its first 12 capacities of traffic, the bar is 4 times higher: its
 deficit then overstates what it loses. It starts as ``initial`` (``kv``). A switch
 starts every score again.
@@ -295,9 +295,9 @@ class AdaptivePolicy(CachePolicy):
         rival's surplus is at least ``surplus`` capacities of blocks (4 times that while
         a leader that learns online is in its first 12 capacities) and ``confidence``
         times the root of the summed squares of its per-request differences, at
-        ``patience`` epoch ends in a row, to the rival with a surplus that hit most since
-        the last switch. The scores (:meth:`scores`) halve every 4 capacities or every
-        epoch, whichever is longer. A new leader is scored by its ghost for ``warmup``
+        ``patience`` epoch ends in a row, to the rival with the largest surplus. The
+        scores (:meth:`scores`) halve every 4 capacities or every epoch, whichever is
+        longer. A new leader is scored by its ghost for ``warmup``
         capacities of prompt blocks. ``native`` runs the ghosts on the C core (``True``:
         or raise; ``False``: in Python; ``None``: where it builds)."""
         super().__init__(capacity)
