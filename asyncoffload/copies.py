@@ -126,10 +126,12 @@ class Copies:
         keys: list[OffloadKey],
         to_store: list[OffloadKey] | None = None,
         evicted: list[OffloadKey] | None = None,
+        declined: list[OffloadKey] | None = None,
     ) -> Transfer:
         """A handle of a transfer on the engine's loop (not resolved, not tracked)."""
         assert self.bridge is not None
-        return Transfer(Completion(loop=self.bridge.loop), kind, keys, to_store, evicted)
+        future = Completion(loop=self.bridge.loop)
+        return Transfer(future, kind, keys, to_store, evicted, declined)
 
     def track(self, fut: asyncio.Future[TransferResult]) -> None:
         """Count ``fut`` in flight until it ends. Whatever ends a tracked handle takes it

@@ -361,11 +361,13 @@ class AsyncOffloadEngine(LoopBinding):
         then carries it (see :class:`~asyncoffload.BlockTokens`). It must describe every
         key (``ValueError`` otherwise).
 
-        Keys already stored or in flight are skipped, and so are keys the admission
-        filter holds back; ``handle.keys_to_store`` lists those actually written and
-        ``handle.evicted_keys`` what was evicted for them (already published as one
-        removed event). Returns ``None``, storing nothing, when too few idle blocks can
-        be evicted now (a later call may succeed). Where the call has more new keys
+        Keys already stored or in flight are skipped, and so are keys the CPU tier
+        declines (its policy's admission, the admission filter, ``store_threshold``):
+        ``handle.keys_to_store`` lists those written, ``handle.skipped_keys`` the others,
+        ``handle.declined_keys`` the declined ones (stored nowhere: not loadable unless a
+        lower tier has them), ``handle.evicted_keys`` what was evicted for them (already
+        published as one removed event). Returns ``None``, storing nothing, when too few
+        idle blocks can be evicted now (a later call may succeed). Where the call has more new keys
         (neither stored nor in flight) than the CPU tier has blocks and the tier refuses
         it (the ones admission lets in do not fit), it raises
         :class:`~asyncoffload.CapacityError` (a ``ValueError``) instead, storing nothing:
@@ -406,11 +408,12 @@ class AsyncOffloadEngine(LoopBinding):
             self._stores_rejected += 1
             return None
         to_store = out.keys_to_store
+        declined = _declined(self._manager, keys) if len(to_store) < len(keys) else []
         if self._tiers is not None:
             self._tiers.reoffer(keys, to_store, ctx)  # the keys the CPU tier holds already
         # From here the slots are being written: every way out frees them or hands them
         # to a job whose completion does (an interrupt included; see Copies.abandon).
-        handle = self._copies.handle("store", keys, to_store, out.evicted_keys)
+        handle = self._copies.handle("store", keys, to_store, out.evicted_keys, declined)
         src = ids if len(to_store) == len(keys) else _sources(keys, ids, to_store)
         slots = out.store_spec.block_ids
         try:
@@ -488,6 +491,13 @@ def _check_capacity(manager: CPUOffloadingManager, keys: list[OffloadKey]) -> No
         new = sum(1 for key in dict.fromkeys(keys) if manager.block_of(key) is None)
         if new > manager.num_blocks:
             raise CapacityError(new, manager.num_blocks)
+
+
+def _declined(manager: CPUOffloadingManager, keys: list[OffloadKey]) -> list[OffloadKey]:
+    """After a store of ``keys``: those the CPU tier declined, each once. A store never
+    evicts a key of its own call, so a key absent now was absent before and not taken."""
+    block_of = manager.block_of
+    return [key for key in dict.fromkeys(keys) if block_of(key) is None]
 
 
 def _sources(keys: list[OffloadKey], ids: list[int], chosen: list[OffloadKey]) -> list[int]:

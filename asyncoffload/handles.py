@@ -79,7 +79,7 @@ class Transfer:
     the engine keeps the blocks protected until the device is done with them.
     """
 
-    __slots__ = ("_future", "evicted_keys", "keys", "keys_to_store", "kind")
+    __slots__ = ("_future", "declined_keys", "evicted_keys", "keys", "keys_to_store", "kind")
 
     def __init__(
         self,
@@ -88,16 +88,31 @@ class Transfer:
         keys: list[OffloadKey],
         keys_to_store: list[OffloadKey] | None = None,
         evicted_keys: list[OffloadKey] | None = None,
+        declined_keys: list[OffloadKey] | None = None,
     ) -> None:
         self._future = future
         self.kind = kind
         #: Every key of the call.
         self.keys = keys
-        #: Keys actually written by a store (present ones and those held back by
-        #: admission are left out); empty for a load.
+        #: Keys this store writes, loadable once it resolves (the others are
+        #: :attr:`skipped_keys`); empty for a load.
         self.keys_to_store = keys_to_store if keys_to_store is not None else []
         #: Keys evicted to make room for this store.
         self.evicted_keys = evicted_keys if evicted_keys is not None else []
+        #: Keys of a store that the CPU tier declined (the policy's own admission, the
+        #: admission filter or ``store_threshold``): not stored by this call nor by any
+        #: other, so not loadable unless a lower tier holds them already.
+        self.declined_keys = declined_keys if declined_keys is not None else []
+
+    @property
+    def skipped_keys(self) -> list[OffloadKey]:
+        """Keys of a store that it does not write, each once, in the call's order: those
+        stored already or being stored by another call (loadable once that store ends),
+        and the :attr:`declined_keys`. Empty for a load."""
+        if self.kind != "store" or len(self.keys_to_store) == len(self.keys):
+            return []
+        written = set(self.keys_to_store)
+        return [key for key in dict.fromkeys(self.keys) if key not in written]
 
     def __await__(self) -> Generator[Any, None, TransferResult]:
         fut = self._future
@@ -138,5 +153,9 @@ class Transfer:
             state = "failed"
         else:
             state = "done"
-        n = len(self.keys_to_store) if self.kind == "store" else len(self.keys)
-        return f"<Transfer {self.kind} {n} blocks {state}>"
+        if self.kind == "load":
+            return f"<Transfer load {len(self.keys)} blocks {state}>"
+        skipped = len(self.skipped_keys)
+        declined = f", {len(self.declined_keys)} declined" if self.declined_keys else ""
+        extra = f" ({skipped} skipped{declined})" if skipped else ""
+        return f"<Transfer store {len(self.keys_to_store)} blocks{extra} {state}>"

@@ -7,8 +7,9 @@ filesystem (``--dir``), ``--repeat`` times (the median is reported):
   with ``O_DIRECT``, written then read sequentially, one block per ``os.pwritev`` /
   ``os.preadv`` from a page-aligned ``mmap`` buffer, by ``--raw-threads`` threads (1: one
   block in flight, plain sequential I/O; k > 1: k threads taking the next block in turn);
-- tier: an engine on the CPU backend (KV tensors on CPU) with one ``DiskTier`` (slab,
-  ``admission=None``: every block is written). Write: ``prepare_store`` of ``total +
+- tier: an engine on the CPU backend (KV tensors on CPU, policy ``lru``: the CPU tier
+  stores every block) with one ``DiskTier`` (slab, ``admission=None``: every block is
+  written). Write: ``prepare_store`` of ``total +
   cpu tier`` bytes in calls of ``--batch-bytes``, timed until ``flush()`` returns (every
   disk write ended); a store refused because every CPU slot is pinned by a disk write
   waits and retries. Read: the first ``total`` bytes, now only on disk (evicted from the
@@ -214,7 +215,9 @@ async def tier_run(
         io_threads=io_threads,
         direct_io=True,
     )
-    cfg = ao.EngineConfig(cpu_blocks=cpu_blocks, tiers=[tier], model="bench-disk")
+    # LRU: every block offered is stored, then written through (the default policy may
+    # decline blocks once the CPU tier is full, and a declined block reaches no tier).
+    cfg = ao.EngineConfig(cpu_blocks=cpu_blocks, tiers=[tier], model="bench-disk", policy="lru")
     keys = make_keys(run, stored)
     out: dict[str, Any] = {"cpu_blocks": cpu_blocks, "batch_blocks": batch}
     async with ao.AsyncOffloadEngine(kv, cfg, layout=layout) as engine:
@@ -243,7 +246,8 @@ async def tier_run(
         await engine.flush()
         t1, c1 = time.perf_counter(), cpu_seconds()
         st = engine.stats().tiers[0]
-        assert st.blocks_written == stored, (st.blocks_written, stored, st.failures)
+        declined = engine.manager.stats().store_skipped
+        assert st.blocks_written == stored, (st.blocks_written, stored, st.failures, declined)
         out["write"] = t1 - t0
         out["write_cpu"] = c1 - c0
         out["write_bytes"] = stored * block

@@ -194,7 +194,11 @@ async def real_engine(
             handle = await engine.prepare_store(keys, gpu)
             assert handle is not None
             await handle
-            await (await engine.prepare_load(keys, gpu))
+            # What the store wrote (the default policy may decline blocks once the tier
+            # is full): a declined key is stored nowhere and cannot be loaded.
+            stored = handle.keys_to_store
+            if stored:
+                await (await engine.prepare_load(stored, gpu[: len(stored)]))
 
     t0 = time.perf_counter()
     await asyncio.gather(*(worker(t) for t in range(tasks)))

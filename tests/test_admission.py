@@ -7,6 +7,7 @@ first, bounded in length, with an LRU tier written as one list.
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -257,6 +258,43 @@ async def test_engine_stores_through_its_configured_filter() -> None:
         await second
         assert engine.manager.lookup_prefix(keys) == 2
         assert engine.manager.stats().store_skipped == 2
+
+
+async def test_a_store_handle_names_the_keys_it_skipped_and_those_declined() -> None:
+    # Issue 40: a store whose handle resolved could skip a block without saying so, and
+    # a caller that loaded every key it offered crashed on it.
+    engine, _ = make_engine(cpu_blocks=4, gpu_blocks=8, admission="ghost", copy_engine="threads")
+    async with engine:
+        a, b, c = _k(0), _k(1), _k(2)
+        first = await engine.prepare_store([a, b], [0, 1])
+        assert first is not None
+        assert first.keys_to_store == []
+        assert first.skipped_keys == first.declined_keys == [a, b]
+        assert repr(first) == "<Transfer store 0 blocks (2 skipped, 2 declined) done>"
+        await first
+        second = await engine.prepare_store([a, b, c], [0, 1, 2])  # a, b: offered twice
+        assert second is not None
+        assert (second.keys_to_store, second.skipped_keys, second.declined_keys) == (
+            [a, b],
+            [c],
+            [c],
+        )
+        # While a is being stored by the second call, a third skips it without declining.
+        third = await engine.prepare_store([a, c], [0, 2])
+        assert third is not None
+        assert (third.keys_to_store, third.skipped_keys, third.declined_keys) == ([c], [a], [])
+        await asyncio.gather(second, third)
+        with pytest.raises(ao.UnknownKeyError, match=_k(3).hex()):
+            await engine.prepare_load([a, _k(3)], [4, 5])
+        declined = await engine.prepare_store([_k(3)], [3])
+        assert declined is not None and declined.declined_keys == [_k(3)]
+        await declined
+        with pytest.raises(ao.UnknownKeyError, match=f"key {_k(3).hex()} is not stored"):
+            await engine.prepare_load([a, _k(3)], [4, 5])
+        load = await engine.prepare_load([a], [4])
+        assert load.skipped_keys == [] and load.declined_keys == []
+        await load
+        assert engine.manager.stats().store_skipped == 2 + 1 + 1
 
 
 # --- ghost -------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import pytest
 import torch
 import zmq
 
-from asyncoffload import AsyncOffloadEngine, Transfer, cli
+from asyncoffload import AsyncOffloadEngine, EngineConfig, Transfer, cli
 from asyncoffload.demo import (
     BlockAllocator,
     DemoConfig,
@@ -311,6 +311,22 @@ def test_cli_demo(loop: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert f"loop / completion / backend       {loop} / " in out
     assert ", 0 mismatches" in out
     assert "[" not in err  # no progress bar when asked for none
+
+
+def test_the_demo_runs_the_engines_default_policy_and_says_so(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Issue 40: `make demo` (the CLI without --policy) pinned lru while the engine's
+    # default is auto.
+    default = EngineConfig().policy
+    assert DemoConfig().policy == default
+    assert cli.main([*CLI_TINY, "--loop=asyncio"]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # the table wraps long values
+    assert f"policy {default} (the default), following " in out
+    assert "blocks declined (CPU tier) " in out
+    assert cli.main([*CLI_TINY, "--loop=asyncio", "--policy=arc"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "policy arc (workload:" in out and "(the default)" not in out
 
 
 def test_cli_reports_failure(

@@ -613,6 +613,44 @@ async def test_default_admission_writes_a_block_on_its_second_offer(tmp_path: Pa
         assert eng.stats().tiers[0].blocks_written == 2
 
 
+async def test_blocks_the_cpu_tier_declines_are_counted_by_the_tiers_below(
+    tmp_path: Path,
+) -> None:
+    # Issue 40: a shared tier got 64 of 80 blocks written, with no failure counted; the
+    # other 16 were declined by the CPU tier's admission and never offered to it.
+    cfg = config(tmp_path, cpu_blocks=8, admission="ghost")  # declines first offers
+    async with engine(cfg) as eng:
+        ks = keys(3)
+        handle = await eng.prepare_store(ks[:2], [0, 1])
+        assert handle is not None and handle.declined_keys == ks[:2]
+        await handle
+        await eng.flush()
+        (tier,) = eng.stats().tiers
+        assert (tier.blocks_written, tier.write_failures, tier.failures) == (0, 0, {})
+        assert tier.declined_above == 2
+        assert eng.stats().manager.store_skipped == 2
+        await store(eng, ks, [0, 1, 2])  # the first two offered again: stored, written
+        (tier,) = eng.stats().tiers
+        assert (tier.blocks_written, tier.declined_above) == (2, 3)
+
+
+async def test_a_declined_offer_counts_for_the_admission_below(tmp_path: Path) -> None:
+    # The CPU tier declines a block's first offer ("ghost"), the disk writes a block on
+    # its second: before issue 40 the disk never heard the declined offer, so the offer
+    # the CPU tier took was the disk's first, and the block was not written.
+    cfg = config(tmp_path, cpu_blocks=8, admission="ghost", tier={"admission": "frequency"})
+    async with engine(cfg) as eng:
+        ks = keys(2)
+        await store(eng, ks, [0, 1])  # declined above: not written, offer counted
+        (tier,) = eng.stats().tiers
+        assert (tier.blocks_written, tier.declined_above) == (0, 2)
+        assert tier.manager.store_skipped == 0  # the disk declined nothing itself
+        await store(eng, ks, [0, 1])  # the CPU tier takes them: the disk's second offer
+        (tier,) = eng.stats().tiers
+        assert (tier.blocks_written, tier.declined_above) == (2, 2)
+        assert eng.lookup(ks) == 2 and tier_index(eng).ready(ks[0])
+
+
 async def test_each_tier_evicts_with_its_own_events(tmp_path: Path) -> None:
     async with engine(config(tmp_path, "files", cpu_blocks=2, blocks=4)) as eng:
         sub = eng.events()

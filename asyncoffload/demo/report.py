@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from asyncoffload._term import terminal_columns, two_column_table
 from asyncoffload.demo.settings import DemoConfig
-from asyncoffload.engine import EngineStats
+from asyncoffload.engine import EngineStats, TierStats
 from asyncoffload.hostmem import format_bytes
 
 if TYPE_CHECKING:
@@ -72,6 +72,8 @@ class DemoReport:
     #: Lookup hits counted by that lookup (the engine's, then per tier), left out of
     #: the hits by tier: those count the workload's lookups only.
     prelookup_hits: tuple[int, tuple[int, ...]] = (0, ())
+    #: The CPU tier's policy as it ran: ``auto``'s leader at the end and its switches.
+    policy_run: str = ""
 
     @property
     def hit_rate(self) -> float:
@@ -150,6 +152,11 @@ class DemoReport:
                 f"{s.blocks_stored:,} / {s.blocks_loaded:,} / {s.blocks_evicted:,}",
             ),
             ("stores rejected (tier full)", f"{s.stores_rejected:,}"),
+            (
+                "blocks declined (CPU tier)",
+                f"{s.manager.store_skipped:,} offered blocks its admission held back "
+                "(written to no tier)",
+            ),
             *self._cut_rows(),
             (
                 "GB moved (stored + loaded)",
@@ -181,7 +188,8 @@ class DemoReport:
             (
                 "CPU tier",
                 f"{cfg.cpu_blocks:,} blocks x {cfg.block_bytes // 1024} KiB, policy "
-                f"{cfg.policy}  (workload: {self.unique_blocks:,} distinct blocks)",
+                f"{self.policy_run or cfg.policy}  (workload: {self.unique_blocks:,} "
+                "distinct blocks)",
             ),
             *self._disk_rows(),
             *self._remote_rows(),
@@ -227,7 +235,8 @@ class DemoReport:
                     "remote tier",
                     f"{where}: written {t.blocks_written:,} "
                     f"({t.bytes_written / _GB:.2f} GB), read {t.blocks_read:,} "
-                    f"({t.bytes_read / _GB:.2f} GB){failures}{self._refused()}",
+                    f"({t.bytes_read / _GB:.2f} GB){failures}{self._refused()}"
+                    f"{_declined_above(t)}",
                 )
             )
         if rows and self.remote_prelookup is not None:
@@ -256,7 +265,8 @@ class DemoReport:
                     f"{t.manager.num_blocks:,} blocks ({format_bytes(self.config.disk_bytes)}, "
                     f"{t.info.get('mode')}, {direct}) in {t.info.get('path')}: written "
                     f"{t.blocks_written:,} ({t.bytes_written / _GB:.2f} GB), read "
-                    f"{t.blocks_read:,} ({t.bytes_read / _GB:.2f} GB){failures}",
+                    f"{t.blocks_read:,} ({t.bytes_read / _GB:.2f} GB){failures}"
+                    f"{_declined_above(t)}",
                 )
             )
         return rows
@@ -302,3 +312,10 @@ class DemoReport:
             f"asyncoffload demo: FAILED: {self.mismatches} blocks loaded with wrong bytes, "
             f"{self.failed_requests} requests failed"
         )
+
+
+def _declined_above(t: TierStats) -> str:
+    """A lower tier's blocks the CPU tier declined (never offered to it), if any."""
+    if not t.declined_above:
+        return ""
+    return f", {t.declined_above:,} declined by the CPU tier (never offered)"

@@ -25,6 +25,7 @@ from asyncoffload.errors import HostMemoryError
 from asyncoffload.events import EventSubscription, Lagged
 from asyncoffload.hostmem import check_host_bytes, format_bytes
 from asyncoffload.keys import OffloadKey
+from asyncoffload.manager.policies import AdaptivePolicy, CachePolicy
 from asyncoffload.simkv import SimulatedKVCache
 from asyncoffload.tiers.disk import DiskTier
 from asyncoffload.tiers.mooncake import MooncakeStore, MooncakeTier
@@ -139,7 +140,19 @@ async def _run(cfg: DemoConfig, progress_stream: TextIO | None) -> DemoReport:
         stores_cut=state.stores_cut,
         remote_prelookup=prelookup,
         prelookup_hits=prelookup_hits,
+        policy_run=policy_run(engine.manager.policy),
     )
+
+
+def policy_run(policy: CachePolicy) -> str:
+    """How the demo names the policy it ran: its name, ``(the default)`` where it is
+    the engine's default, and for ``auto`` the candidate it followed at the end."""
+    name = policy.name or type(policy).__name__
+    if name == EngineConfig.model_fields["policy"].default:
+        name += " (the default)"
+    if isinstance(policy, AdaptivePolicy):
+        name += f", following {policy.leader} at the end after {policy.switches} switches"
+    return name
 
 
 def _gpu_blocks(cfg: DemoConfig, largest: int) -> int:

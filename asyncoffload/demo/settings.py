@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from asyncoffload.config import byte_setting
+from asyncoffload.config import EngineConfig, byte_setting
 from asyncoffload.hostmem import available_host_bytes, format_bytes
 from asyncoffload.integrations import check_endpoint, shift_tcp_port
 from asyncoffload.tiers.mooncake import MooncakeTier
@@ -48,7 +48,10 @@ class DemoConfig(BaseModel):
     )
     # The engine.
     cpu_blocks: int = Field(4096, gt=0, description="Slots of the CPU tier.")
-    policy: str = Field("lru", description="Cache policy of the CPU tier.")
+    policy: str = Field(
+        EngineConfig.model_fields["policy"].default,
+        description="Cache policy of the CPU tier (default: the engine's).",
+    )
     completion: Literal["auto", "eventfd", "poll"] = "auto"
     event_buffer: int = Field(1 << 16, gt=0, description="The subscriber's event buffer.")
     disk_path: Path | None = Field(

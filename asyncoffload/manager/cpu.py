@@ -6,7 +6,9 @@ changes anything, so a rejected call leaves the manager as it was.
 
 Two call patterns feed the policy its recency. The engine's: ``touch`` the keys a request
 loads, then the keys it stores (``touch_on_load``, ``touch_on_store``), after one
-``lookup_prefix`` of the prompt (where a policy that ``observes_requests`` hears of it).
+``lookup_prefix`` of the prompt (where a policy that ``observes_requests`` hears of it),
+or after a ``lookup`` of each key (the policy then hears of the request at the store's
+touch).
 vLLM's connector (0.32 and later), which never calls ``touch``:
 with ``request_scoped=True`` the manager remembers what each request (by
 ``ctx.req_id``) loaded and stored, and tells the policy when ``on_request_finished``
@@ -38,6 +40,7 @@ from asyncoffload.manager.base import (
 )
 from asyncoffload.manager.offers import OfferCounts
 from asyncoffload.manager.policies import CachePolicy, RequestScope, get_policy_cls
+from asyncoffload.manager.walks import Walks
 
 __all__ = ["CPUOffloadingManager", "ManagerStats", "reject_duplicates"]
 
@@ -208,6 +211,8 @@ class CPUOffloadingManager(OffloadingManager):
         self._observe_misses = self._policy.observes_store_misses
         #: Whether ``lookup_prefix`` tells the policy of a request (see ``on_request``).
         self._observe_lookups = self._policy.observes_requests and not request_scoped
+        #: Requests looked up key by key that the policy has not heard of yet (``lookup``).
+        self._walks = Walks(self._policy.on_request if self._observe_lookups else None)
         self._reset_slots()
         self._stored = self._store_failed = self._loaded = self._evicted = 0
         self._store_skipped = self._lookups = self._hits = 0
@@ -296,8 +301,12 @@ class CPUOffloadingManager(OffloadingManager):
     # --- OffloadingManager -------------------------------------------------------------
 
     def lookup(self, key: OffloadKey, ctx: ReqContext | None = None) -> LookupResult:
+        """Whether ``key`` is stored (``HIT``), being stored (``HIT_PENDING``) or not
+        (``MISS``). Does not change recency; a policy that observes requests hears of a
+        request looked up key by key at a later ``touch`` (see :class:`Walks`)."""
         self._lookups += 1
         block = self._policy.get(key)
+        self._walks.look(key, block is not None and block.ref_cnt >= 0)
         if block is None:
             return LookupResult.MISS
         self._hits += 1
@@ -319,6 +328,7 @@ class CPUOffloadingManager(OffloadingManager):
                 break
             n += 1
         if self._observe_lookups and observe and keys:
+            self._walks.prefix_lookup()  # walks not heard yet first
             self._policy.on_request(keys)
         return n
 
@@ -341,6 +351,7 @@ class CPUOffloadingManager(OffloadingManager):
         blocks = cast(list[BlockStatus], found)
         self._pin_blocks(blocks)
         self._loaded += len(blocks)
+        self._walks.end()
         if self._requests is not None and ctx is not None and keys:
             loaded = tuple(keys)
             log = self._request(ctx)
@@ -382,6 +393,9 @@ class CPUOffloadingManager(OffloadingManager):
         return CPULoadStoreSpec(tuple(map(_block_id, blocks)))
 
     def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext | None = None) -> None:
+        """Mark ``keys`` recently used (``keys[0]`` the most recently), after telling a
+        policy that observes requests of those looked up key by key (:meth:`lookup`)."""
+        self._walks.touched(keys)
         self._policy.touch(keys)
         if self._admission is not None:
             self._admission.on_touch(keys)
@@ -429,6 +443,7 @@ class CPUOffloadingManager(OffloadingManager):
         request-scoped manager still records the request's offer (as vLLM's does).
         """
         reject_duplicates(keys, "prepare_store")
+        self._walks.end()
         get = self._policy.get
         requests = self._requests
         log: _RequestLog | None = None
@@ -720,5 +735,6 @@ class CPUOffloadingManager(OffloadingManager):
             self._admission.clear()
         if self._requests is not None:
             self._requests.clear()
+        self._walks.clear()
         self._reset_slots()
         self._emit(removed, removed=True)

@@ -75,6 +75,24 @@ class TierManager(CPUOffloadingManager):
         self._bad: set[OffloadKey] = set()
         self.dropped = 0
 
+    def count_offers(self, keys: Sequence[OffloadKey]) -> None:
+        """Blocks offered to the engine that a tier above declined (the CPU tier's
+        admission): none is written here, but the tier's admission counts the offer of
+        each one not here, as its ``prepare_store`` would (``min_offers``; a filter's
+        ghost). So a block the tiers above take at its next offer is written here then,
+        if that offer is its ``min_offers``-th, instead of that offer being its first
+        here. Changes no slot."""
+        offers, admission = self._offers, self._admission
+        if offers is None and admission is None:
+            return
+        absent = [key for key in dict.fromkeys(keys) if self._policy.get(key) is None]
+        if not absent:
+            return
+        if offers is not None:
+            offers.record(absent, [])
+        elif admission is not None:
+            admission.record(absent, [])
+
     def ready(self, key: OffloadKey) -> bool:
         """Whether ``key`` is stored here and readable now (does not change recency)."""
         block = self._policy.get(key)

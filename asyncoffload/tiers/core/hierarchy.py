@@ -508,11 +508,21 @@ class TierHierarchy:
         blocked: str = "",
     ) -> None:
         """A CPU store of ``keys`` took only ``stored``: the others, already in the CPU
-        tier, are offered to the lower tiers again (their admission counts offers)."""
+        tier, are offered to the lower tiers again (their admission counts offers). Those
+        absent from it, which its admission declined, cannot be written (a tier is
+        written from the CPU tier's slots): each tier counts them (``declined_above``),
+        and its admission counts their offer (``TierManager.count_offers``)."""
         if len(stored) >= len(keys):
             return
         fresh = set(stored)
-        self.write_through([k for k in dict.fromkeys(keys) if k not in fresh], ctx, blocked=blocked)
+        rest = [k for k in dict.fromkeys(keys) if k not in fresh]
+        get = self.cpu.block_of
+        declined = [key for key in rest if get(key) is None]
+        if declined and not self.closed:
+            for tier in self.tiers:
+                tier.counters.declined_above += len(declined)
+                tier.index.count_offers(declined)
+        self.write_through(rest, ctx, blocked=blocked)
 
     def write_done(self, io: TierIo, outcome: Outcome, now: float) -> None:
         """A write ended: the blocks written become ready in the tier (a stored event),
@@ -698,6 +708,7 @@ def _stats(tier: TierState, info: Callable[[TierState], dict[str, object]] | Non
         failures=dict(c.failures),
         blocks_present=c.blocks_present,
         delete_failures=c.delete_failures,
+        declined_above=c.declined_above,
     )
 
 

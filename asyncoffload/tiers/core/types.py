@@ -90,6 +90,8 @@ class TierIndex(CpuIndex, Protocol):
 
     def drop(self, keys: Sequence[OffloadKey], pinned: bool = True) -> None: ...
 
+    def count_offers(self, keys: Sequence[OffloadKey]) -> None: ...
+
     def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext | None = None) -> None: ...
 
     def take_events(self) -> list[OffloadingEvent]: ...
@@ -141,6 +143,8 @@ class TierCounters:
     #: Keys whose release failed (a files-mode block file left behind).
     delete_failures: int = 0
     lookup_hits: int = 0
+    #: Blocks of CPU stores that the CPU tier's admission declined: never offered here.
+    declined_above: int = 0
     #: Failures by cause ("corrupt", "stale", "missing", "short", "timeout", "ENOSPC", ...).
     failures: dict[str, int] = field(default_factory=dict)
 
@@ -175,6 +179,12 @@ class TierStats:
     #: Keys the index let go whose release failed (a files-mode block file that could
     #: not be removed: it stays on disk until the directory's next recovery).
     delete_failures: int = 0
+    #: Blocks offered to the CPU tier that its admission declined (the policy's own, as
+    #: ``kv``'s and ``auto``'s once the tier is full, the filter or ``store_threshold``):
+    #: the hierarchy is inclusive, a lower tier is written from the CPU tier's slots, so
+    #: they were never offered here. Not failures; the CPU tier counts them too
+    #: (``ManagerStats.store_skipped``).
+    declined_above: int = 0
 
 
 _CAUSES = {
