@@ -190,3 +190,91 @@ def test_falls_back_to_python_when_the_core_cannot_be_built(
     assert not KVPolicy(4).native
     with pytest.raises(RuntimeError, match="native KV policy core is unavailable"):
         KVPolicy(4, native=True)
+
+
+def _serve(policy: KVPolicy, keys: list[OffloadKey]) -> list[OffloadKey]:
+    """One request on the policy alone, as the manager makes its calls (every block
+    idle, stores complete at once); the keys it evicted."""
+    n = 0
+    while n < len(keys) and policy.get(keys[n]) is not None:
+        n += 1
+    if n:
+        policy.touch(keys[:n])
+    rest = keys[n:]
+    if not rest:
+        return []
+    policy.touch(rest)
+    offered = [k for k in rest if policy.get(k) is None]
+    free = policy.capacity - len(policy)
+    chosen = policy.admissible(offered, len(offered) > free)
+    evicted: list[OffloadKey] = []
+    if len(chosen) > free:
+        out = policy.evict(len(chosen) - free, set(rest))
+        if out is None:
+            return []
+        evicted = [k for k, _ in out]
+    blocks = [(k, BlockStatus(i)) for i, k in enumerate(chosen)]
+    for _, b in blocks:
+        b.ref_cnt = 0
+    policy.insert_many(blocks)
+    return evicted
+
+
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("split", [100, 800])
+def test_a_kv_adopted_from_anothers_state_decides_as_it_does(native: bool, split: int) -> None:
+    # What auto's switch to kv relies on: a kv started on another's blocks and learned
+    # state (its table, counts, clock and per-key uses) is that kv from then on; early
+    # (its ghost list not full) or late.
+    reqs = synthetic_sessions(1600, block_size=16, blocks_per_turn=3.0, seed=5)
+    cap = 120
+    source = KVPolicy(cap, native=native)
+    for req in reqs[:split]:
+        _serve(source, list(req.keys))
+    assert (2 * cap < len(source.snapshot()["ghost"]) < 4 * cap) == (split == 100)
+    heir = KVPolicy(cap, native=native)
+    heir.adopt(source.snapshot(), list(source.items()))
+    state, again = source.snapshot(), heir.snapshot()
+    for part in ("queues", "tick", "inserts", "last_victim", "entered", "reused", "table"):
+        assert again[part] == state[part], part
+    # Just seen and never stored, or remembered: remembered alike (as its next touch
+    # will remember them), up to the ghost list's size (4 capacities).
+    assert again["ghost"] == (state["ghost"] + state["fresh"])[-4 * cap :]
+    evicted = 0
+    for req in reqs[split:]:
+        out = _serve(source, list(req.keys))
+        assert _serve(heir, list(req.keys)) == out
+        evicted += len(out)
+    assert evicted > 100
+    assert heir.snapshot() == source.snapshot()
+
+
+def test_adoption_is_the_same_in_c_and_python() -> None:
+    # Blocks the state does not know (taken as used once, long ago), and known keys the
+    # blocks lack (remembered), the ghost list kept to its size.
+    reqs = synthetic_sessions(900, block_size=16, blocks_per_turn=3.0, seed=7)
+    teacher = KVPolicy(40, native=True)
+    for req in reqs:
+        _serve(teacher, list(req.keys))
+    state = teacher.snapshot()
+    held = list(teacher.items())
+    mine = held[::2] + [(key(900_000 + i), BlockStatus(90 + i)) for i in range(5)]
+    for _, b in mine:
+        b.ref_cnt = 0
+    c, p = KVPolicy(40, native=True), KVPolicy(40, native=False)
+    c.adopt(state, mine)
+    p.adopt(state, mine)
+    assert c.snapshot() == p.snapshot()
+    assert [k for k, _ in c.items()] == [k for k, _ in p.items()]
+    assert sorted(k for k, _ in c.items()) == sorted(k for k, _ in mine)
+    snap = c.snapshot()
+    rows = [row for part in (*state["queues"], state["fresh"], state["ghost"]) for row in part]
+    oldest = min(row[2] for row in rows)
+    assert {row[0]: row[1:] for row in snap["queues"][0]}[key(900_000)] == (1, oldest, 0)
+    dropped = len(held) - len(held[::2])
+    assert dropped > 0
+    assert len(snap["ghost"]) == min(160, len(state["ghost"]) + len(state["fresh"]) + dropped)
+    # A bad state leaves the C core empty, not half restored.
+    with pytest.raises(ValueError, match="entered"):
+        c.adopt({**state, "entered": [0.0]}, mine)
+    assert len(c) == 0

@@ -10,7 +10,9 @@ adapter; tests/vllm/test_policy_feed_vllm.py drives it as vLLM's connector does)
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,6 +22,9 @@ from asyncoffload.keys import OffloadKey
 from asyncoffload.manager.policies import AdaptivePolicy
 from asyncoffload.replay import capacity_blocks
 from asyncoffload.workloads import Request, families, summarize
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from policy_families import regime_change
 
 Heard = list[tuple[OffloadKey, ...]]
 
@@ -171,3 +176,57 @@ def test_a_request_scoped_manager_feeds_auto_each_request_once(
         m.on_request_finished(ctx)
     # The third stores nothing: heard when it ends.
     assert heard == [(a, b, c), (a, b, c, d), (a, b)]
+
+
+def request_scoped(m: ao.CPUOffloadingManager, keys: Sequence[OffloadKey], i: int) -> int:
+    """vLLM's pattern on a request-scoped manager: per-key lookups with the request's
+    context, the load, the store, the request's end; no ``touch``."""
+    ctx = ao.ReqContext(req_id=f"r{i}")
+    m.on_new_request(ctx)
+    n = 0
+    for key in keys:
+        if m.lookup(key, ctx) is not ao.LookupResult.HIT:
+            break
+        n += 1
+    if n:
+        m.prepare_load(keys[:n], ctx)
+        m.complete_load(keys[:n], ctx)
+    if n < len(keys):
+        out = m.prepare_store(keys[n:], ctx)
+        if out is not None and out.keys_to_store:
+            m.complete_store(out.keys_to_store, ctx)
+    m.on_request_finished(ctx)
+    return n
+
+
+#: The regime change: kv leads for the first 2,000 requests (16 capacities of 1,000
+#: blocks), then LRU and ARC lead by 0.1-0.3 (tests/test_policy_adaptive.py).
+BEFORE, AFTER, CAP = 2000, 1500, 1000
+
+
+def assert_reacted_to_the_change(policy: AdaptivePolicy, requests: Sequence[Request]) -> None:
+    """``auto`` left kv for LRU or ARC within 2 capacities of traffic after the change:
+    it heard the requests, all of them, in time."""
+    change = sum(len(r.keys) for r in requests[:BEFORE])
+    assert policy.timeline, repr(policy)
+    at, old, new = policy.timeline[0]
+    assert old == "kv" and new in ("lru", "arc"), policy.timeline
+    assert change < at <= change + 2 * CAP, (at - change) / CAP
+
+
+@pytest.mark.parametrize("pattern", ["lookup_prefix", "lookup and touch", "request-scoped"])
+def test_auto_reacts_to_a_change_of_leader_under_every_call_pattern(pattern: str) -> None:
+    # Each way of calling the manager must tell auto of every request, in time: driven
+    # so, it leaves kv within 2 capacities of the change, as the replay's auto does. A
+    # pattern that fed nothing (per-key lookups before issue 40) never switches.
+    requests = regime_change(BEFORE, AFTER)
+    policy = AdaptivePolicy(CAP)
+    m = ao.CPUOffloadingManager(CAP, policy=policy, request_scoped=pattern == "request-scoped")
+    for i, req in enumerate(requests):
+        if pattern == "lookup_prefix":
+            by_prefix(m, req.keys)
+        elif pattern == "lookup and touch":
+            key_by_key(m, req.keys)
+        else:
+            request_scoped(m, req.keys, i)
+    assert_reacted_to_the_change(policy, requests)

@@ -686,6 +686,109 @@ static PyObject *Core_snapshot(Core *c, PyObject *unused) {
                          "table", Core_table(c, NULL));
 }
 
+/* n doubles from a sequence of numbers into out; -1 on error */
+static int read_doubles(PyObject *arg, double *out, Py_ssize_t n, const char *what) {
+    PyObject *seq = PySequence_Fast(arg, what);
+    if (!seq) return -1;
+    if (PySequence_Fast_GET_SIZE(seq) != n) {
+        PyErr_Format(PyExc_ValueError, "restore: %s must have %zd values", what, n);
+        Py_DECREF(seq);
+        return -1;
+    }
+    for (Py_ssize_t j = 0; j < n; j++) {
+        out[j] = PyFloat_AsDouble(PySequence_Fast_GET_ITEM(seq, j));
+        if (out[j] == -1.0 && PyErr_Occurred()) { Py_DECREF(seq); return -1; }
+    }
+    Py_DECREF(seq);
+    return 0;
+}
+
+/* append the rows of one list: (key, block, uses, tick, class) resident, (key, uses, tick,
+ * class) ghost; -1 on error */
+static int restore_rows(Core *c, PyObject *arg, int resident) {
+    PyObject *seq = PySequence_Fast(arg, "restore: rows must be a sequence");
+    if (!seq) return -1;
+    for (Py_ssize_t j = 0; j < PySequence_Fast_GET_SIZE(seq); j++) {
+        PyObject *row = PySequence_Fast_GET_ITEM(seq, j), *key, *block = NULL;
+        int uses, cls;
+        long long tick;
+        int ok = resident ? PyArg_ParseTuple(row, "OOiLi", &key, &block, &uses, &tick, &cls)
+                          : PyArg_ParseTuple(row, "OiLi", &key, &uses, &tick, &cls);
+        if (!ok || check_bytes(key) < 0) goto fail;
+        if (uses < 1 || cls < 0 || cls >= NUM_CLASSES || tick < 0 || tick > c->tick) {
+            PyErr_SetString(PyExc_ValueError, "restore: a row's uses, tick or class is out of range");
+            goto fail;
+        }
+        int32_t i = find(c, key);
+        if (i == -2) goto fail;
+        if (i != NIL) {
+            PyErr_SetString(PyExc_ValueError, "restore: a key is listed twice");
+            goto fail;
+        }
+        i = node_new(c, key, uses, (int16_t)cls);
+        if (i == NIL) goto fail;
+        Node *nd = &c->nodes[i];
+        nd->tick = tick;
+        if (resident) {
+            Py_INCREF(block);
+            nd->block = block;
+            nd->state = ST_RESIDENT;
+            list_append(c, &c->queues[cls], i);
+            c->resident++;
+        } else {
+            nd->state = ST_GHOST;
+            list_append(c, &c->ghost, i);
+        }
+    }
+    Py_DECREF(seq);
+    return 0;
+fail:
+    Py_DECREF(seq);
+    return -1;
+}
+
+/* restore(tick, inserts, last_victim, entered, reused, table, resident, ghost): start
+ * again from what another kv learned (KVPolicy.adopt builds the rows, each list in order
+ * of last use) */
+static PyObject *Core_restore(Core *c, PyObject *args) {
+    long long tick;
+    Py_ssize_t inserts;
+    double last_victim;
+    PyObject *entered, *reused, *table, *resident, *ghost;
+    if (!PyArg_ParseTuple(args, "LndOOOOO", &tick, &inserts, &last_victim, &entered, &reused,
+                          &table, &resident, &ghost))
+        return NULL;
+    if (tick < 0 || inserts < 0) {
+        PyErr_SetString(PyExc_ValueError, "restore: tick and inserts must be >= 0");
+        return NULL;
+    }
+    core_reset(c);
+    c->tick = tick;
+    c->inserts = inserts;
+    c->last_victim = last_victim;
+    if (read_doubles(entered, c->entered, NUM_CLASSES, "entered") < 0) goto fail;
+    if (read_doubles(reused, c->reused, NUM_CLASSES * AGE_BINS, "reused") < 0) goto fail;
+    PyObject *rows = PySequence_Fast(table, "restore: table must be a sequence");
+    if (!rows) goto fail;
+    if (PySequence_Fast_GET_SIZE(rows) != NUM_CLASSES) {
+        PyErr_SetString(PyExc_ValueError, "restore: table must have a row per class");
+        Py_DECREF(rows);
+        goto fail;
+    }
+    for (int k = 0; k < NUM_CLASSES; k++)
+        if (read_doubles(PySequence_Fast_GET_ITEM(rows, k), c->table[k], AGE_BINS, "table row") < 0) {
+            Py_DECREF(rows);
+            goto fail;
+        }
+    Py_DECREF(rows);
+    if (restore_rows(c, resident, 1) < 0 || restore_rows(c, ghost, 0) < 0) goto fail;
+    if (forget_ghosts(c) < 0) goto fail;
+    Py_RETURN_NONE;
+fail:
+    core_reset(c);
+    return NULL;
+}
+
 static Py_ssize_t Core_len(Core *c) { return c->resident; }
 
 static PyMethodDef Core_methods[] = {
@@ -701,6 +804,7 @@ static PyMethodDef Core_methods[] = {
     {"table", (PyCFunction)Core_table, METH_NOARGS, NULL},
     {"state", (PyCFunction)Core_state, METH_NOARGS, NULL},
     {"snapshot", (PyCFunction)Core_snapshot, METH_NOARGS, NULL},
+    {"restore", (PyCFunction)Core_restore, METH_VARARGS, NULL},
     {NULL, NULL, 0, NULL},
 };
 

@@ -2201,6 +2201,149 @@ static PyObject *Core_on_new_request(Core *c, PyObject *ctx) {
     return out;
 }
 
+/* --- kv_restore: a kv ghost started from another kv's state ---------------------------- */
+
+static int kv_read_doubles(PyObject *arg, double *out, Py_ssize_t n, const char *what) {
+    PyObject *seq = PySequence_Fast(arg, what);
+    if (!seq) return -1;
+    if (PySequence_Fast_GET_SIZE(seq) != n) {
+        PyErr_Format(PyExc_ValueError, "kv_restore: %s must have %zd values", what, n);
+        Py_DECREF(seq);
+        return -1;
+    }
+    for (Py_ssize_t j = 0; j < n; j++) {
+        out[j] = PyFloat_AsDouble(PySequence_Fast_GET_ITEM(seq, j));
+        if (out[j] == -1.0 && PyErr_Occurred()) {
+            Py_DECREF(seq);
+            return -1;
+        }
+    }
+    Py_DECREF(seq);
+    return 0;
+}
+
+/* rows (key, uses, tick, class): checked, keys unique across both lists (seen), before
+ * anything changes */
+static int kv_check_rows(PyObject *seq, PyObject *seen, int64_t now) {
+    for (Py_ssize_t j = 0; j < PySequence_Fast_GET_SIZE(seq); j++) {
+        PyObject *key;
+        int uses, cls;
+        long long tick;
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, j), "OiLi", &key, &uses, &tick, &cls))
+            return -1;
+        if (!PyBytes_Check(key)) {
+            PyErr_SetString(PyExc_TypeError, "kv_restore: keys must be bytes");
+            return -1;
+        }
+        if (uses < 1 || uses > USE_BUCKETS || cls < 0 || cls >= KV_CLASSES || tick < 0 ||
+            tick > now) {
+            PyErr_SetString(PyExc_ValueError,
+                            "kv_restore: a row's uses, tick or class is out of range");
+            return -1;
+        }
+        int had = PySet_Contains(seen, key);
+        if (had < 0 || (!had && PySet_Add(seen, key) < 0)) return -1;
+        if (had) {
+            PyErr_SetString(PyExc_ValueError, "kv_restore: a key is listed twice");
+            return -1;
+        }
+    }
+    return 0;
+}
+
+static void kv_place_rows(Core *c, PyObject *seq, int resident_rows) {
+    for (Py_ssize_t j = 0; j < PySequence_Fast_GET_SIZE(seq); j++) {
+        PyObject *row = PySequence_Fast_GET_ITEM(seq, j);
+        PyObject *key = PyTuple_GET_ITEM(row, 0);
+        Py_hash_t h = bytes_hash(key);
+        int32_t i = node_new(c, key, h);
+        Node *nd = &c->nodes[i];
+        nd->freq = (uint8_t)PyLong_AsLong(PyTuple_GET_ITEM(row, 1));
+        nd->tick = (int64_t)PyLong_AsLongLong(PyTuple_GET_ITEM(row, 2));
+        nd->cls = (uint8_t)PyLong_AsLong(PyTuple_GET_ITEM(row, 3));
+        if (resident_rows) {
+            nd->slot = (int32_t)c->num_allocated++; /* an empty manager: fresh slots */
+            nd->ref = 0;
+            list_append(c, nd->cls, i);
+            c->num_ready++;
+            c->num_idle++;
+        } else {
+            list_append(c, KV_GHOST, i);
+        }
+    }
+}
+
+/* kv_restore(tick, inserts, last_victim, entered, reused, table, resident, ghost): an
+ * empty kv manager takes another kv's learned state, its resident rows (key, uses, tick,
+ * class) ready and idle, each class's in order of last use, and its ghost rows */
+static PyObject *Core_kv_restore(Core *c, PyObject *args) {
+    long long tick;
+    Py_ssize_t inserts;
+    double last_victim;
+    PyObject *entered, *reused, *table, *res_arg, *ghost_arg;
+    if (!PyArg_ParseTuple(args, "LndOOOOO", &tick, &inserts, &last_victim, &entered, &reused,
+                          &table, &res_arg, &ghost_arg))
+        return NULL;
+    if (!c->kv || c->live || c->num_allocated) {
+        PyErr_SetString(PyExc_ValueError, "kv_restore needs an empty kv manager");
+        return NULL;
+    }
+    if (tick < 0 || inserts < 0) {
+        PyErr_SetString(PyExc_ValueError, "kv_restore: tick and inserts must be >= 0");
+        return NULL;
+    }
+    KVState st = *c->kv;
+    PyObject *res = NULL, *ghost = NULL, *rows = NULL, *seen = NULL;
+    if (kv_read_doubles(entered, st.entered, KV_CLASSES, "entered") < 0) goto fail;
+    if (kv_read_doubles(reused, st.reused, KV_CLASSES * AGE_BINS, "reused") < 0) goto fail;
+    if (!(rows = PySequence_Fast(table, "kv_restore: table must be a sequence"))) goto fail;
+    if (PySequence_Fast_GET_SIZE(rows) != KV_CLASSES) {
+        PyErr_SetString(PyExc_ValueError, "kv_restore: table must have a row per class");
+        goto fail;
+    }
+    for (int k = 0; k < KV_CLASSES; k++)
+        if (kv_read_doubles(PySequence_Fast_GET_ITEM(rows, k), st.table[k], AGE_BINS,
+                            "table row") < 0)
+            goto fail;
+    if (!(res = PySequence_Fast(res_arg, "kv_restore: resident rows must be a sequence")))
+        goto fail;
+    if (!(ghost = PySequence_Fast(ghost_arg, "kv_restore: ghost rows must be a sequence")))
+        goto fail;
+    if (PySequence_Fast_GET_SIZE(res) > c->num_blocks) {
+        PyErr_SetString(PyExc_ValueError, "kv_restore: more resident rows than slots");
+        goto fail;
+    }
+    if (!(seen = PySet_New(NULL))) goto fail;
+    if (kv_check_rows(res, seen, tick) < 0 || kv_check_rows(ghost, seen, tick) < 0) goto fail;
+    if (nodes_reserve(c, PySet_GET_SIZE(seen)) < 0) goto fail;
+    /* nothing fails from here on */
+    st.tick = tick;
+    st.inserts = inserts;
+    st.last_victim = last_victim;
+    *c->kv = st;
+    kv_place_rows(c, res, 1);
+    kv_place_rows(c, ghost, 0);
+    kv_trim(c);
+    Py_DECREF(rows);
+    Py_DECREF(res);
+    Py_DECREF(ghost);
+    Py_DECREF(seen);
+    Py_RETURN_NONE;
+fail:
+    Py_XDECREF(rows);
+    Py_XDECREF(res);
+    Py_XDECREF(ghost);
+    Py_XDECREF(seen);
+    return NULL;
+}
+
+static PyObject *Core_kv_restore_guarded(Core *c, PyObject *args) {
+    if (enter(c) < 0) return NULL;
+    PyObject *out = Core_kv_restore(c, args);
+    c->busy = 0;
+    return out;
+}
+
 /* --- the type ----------------------------------------------------------------------- */
 
 static int Core_traverse(Core *c, visitproc visit, void *arg) {
@@ -2318,6 +2461,8 @@ static PyMethodDef Core_methods[] = {
     {"resident_keys", (PyCFunction)Core_resident_keys, METH_NOARGS,
      "Ready keys in policy order."},
     {"snapshot", (PyCFunction)Core_snapshot, METH_NOARGS, "The policy's lists, for tests."},
+    {"kv_restore", (PyCFunction)Core_kv_restore_guarded, METH_VARARGS,
+     "An empty kv manager takes another kv's state (auto's ghosts)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -10,8 +10,10 @@ ends if it stores nothing. Driven here as vLLM's connector drives a manager
 
 from __future__ import annotations
 
+import sys
 from collections import Counter
 from collections.abc import Sequence
+from pathlib import Path
 from typing import cast
 
 import pytest
@@ -25,6 +27,9 @@ from asyncoffload.manager import CPUOffloadingManager
 from asyncoffload.manager.policies import AdaptivePolicy
 from asyncoffload.replay import capacity_blocks
 from asyncoffload.workloads import families, summarize
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from policy_families import regime_change
 
 
 def test_auto_hears_each_request_once_through_vllms_calls(
@@ -51,3 +56,24 @@ def test_auto_hears_each_request_once_through_vllms_calls(
     policy = python.policy
     assert isinstance(policy, AdaptivePolicy)
     assert all(rate > 0 for rate in policy.scores().values())
+
+
+def test_through_vllms_calls_auto_reacts_to_a_change_of_leader() -> None:
+    # benchmarks/policy_families.py's regime change: kv leads for 2,000 requests (16
+    # capacities of 1,000 blocks), then LRU and ARC lead by 0.1-0.3. Driven as vLLM's
+    # connector drives the adapter (stores a step or two after the lookups, no touch),
+    # auto hears each request in time to leave kv within 2 capacities of the change.
+    requests = regime_change(2000, 1500)
+    prompts = [cast(list[OffloadKey], list(r.keys)) for r in requests]
+    cap = 1000
+    change = sum(len(p) for p in prompts[:2000])
+    manager = AsyncOffloadManager(cap, "auto")
+    replay_like_connector(prompts, [manager], check=False)
+    python = manager.manager
+    assert isinstance(python, CPUOffloadingManager)
+    policy = python.policy
+    assert isinstance(policy, AdaptivePolicy)
+    assert policy.timeline, (repr(policy), installed_api().version)
+    at, old, new = policy.timeline[0]
+    assert old == "kv" and new in ("lru", "arc"), policy.timeline
+    assert change < at <= change + 2 * cap, (at - change) / cap

@@ -21,7 +21,7 @@ keeps ``auto`` within 1.5x LRU's manager time (one ghost fewer). While nothing h
 switched, the real tier's score and its ghost's are the same number
 (tests/test_policy_adaptive.py). A new leader is scored by its ghost, which ran while
 another led and is warm, until ``warmup`` capacities of prompt blocks have gone by:
-the real tier behind it starts cold, and judging it by that would switch straight back.
+the real tier behind it is still the old leader's.
 
 Feed. Under a manager that does not track requests (the engine's and the replay's),
 the request arrives with ``lookup_prefix`` (``on_request``; the engine's ``alookup``
@@ -30,20 +30,35 @@ request's touch at its first store. ``touch`` and every other call go straight t
 leader (rebound methods, no indirection), so every :class:`CachePolicy` guarantee is
 the leader's own.
 
-Leader. Scores are prompt blocks hit against blocks seen, twice: over a window halved
-every epoch of ``epoch * capacity`` (4x) blocks, and since the last switch. At an
-epoch's end the tier switches to the best candidate once it leads the leader by more
-than ``margin`` (0.005) in both, at ``patience`` (2) epoch ends in a row; while the
-leader learns online (``kv``: its table starts empty, and its ghost's too) and fewer
-than ``warmup`` (12) capacities have gone by, only a lead of 4x the margin counts. It
-starts as ``initial`` (``kv``). A switch starts every score again.
+Leader (issue 40). After each request every rival (a candidate not leading) adds to its
+*surplus* its prefix hits less the leader's, less ``margin`` (0.005) per prompt block,
+floored at 0: a CUSUM (Page, 1954) of its lead, which forgets everything before the
+lead last fell to nothing. So no past lead of the leader holds off a sustained change:
+the rule of before compared hit rates since the last switch, and on a trace where kv led
+for 16 capacities and then trailed LRU and ARC by 0.08 it never switched. At every
+epoch end (``epoch``: a quarter capacity of prompt blocks) the tier switches once a
+rival's surplus is at least ``surplus`` (0.1) capacities of blocks and ``confidence``
+(2.5) times the root of the summed squares of its per-request differences over the run
+(a lead made by a few large requests is noise until more agree: one request of the
+Claude Code sessions is a capacity at 1%). A sustained lead of d reaches the first bar
+``surplus / (d - margin)`` capacities after it shows (1.3 for 0.08). The bar says when
+to leave; where to, the largest surplus says, cleared or not (a rival behind a noisier
+run may be further ahead). While a leader that learns as it goes
+(``kv``) is in its first 12 capacities of traffic, the bar is 4 times higher: its
+deficit then overstates what it loses. It starts as ``initial`` (``kv``). A switch
+starts every score again.
 
 Switching hands every tracked block, ready or being stored, to the new candidate (reset
 first), in recency order (the old candidate's ``items()`` order; ``kv``'s by last use):
 the block records are shared, so reference counts and slots are untouched, and nothing
-is lost or duplicated. ARC starts where its ghost is (T1's target, its ghost lists, T2
-for the blocks its ghost has in T2); the others start with no history. The old leader's
-ghost runs again from where it stopped, stale until the traffic refreshes it.
+is lost or duplicated. The new leader starts where its ghost is: ARC with T1's target,
+its ghost lists and T2 for the blocks its ghost has in T2; kv with its ghost's table,
+counts and clock and what it knows of each block (:meth:`KVPolicy.adopt`: a kv started
+empty would learn again for capacities, and switching into it cost 0.08-0.22
+capacities of hits on ``mixed`` at 10%; adopted, 0-0.05). The old leader's ghost, which
+waited, starts again from the real tier (:meth:`Ghost.restart`: kv with what the real
+kv learned, ARC with its T2, not its target or ghost lists), so that a return to it is
+judged by what it would hold.
 
 Why full-size ghosts and not a sample. Until issue 24 the candidates ran as miniature
 tiers (1/16 of the capacity) on a 1/16 sample of the requests (SHARDS, Waldspurger et
@@ -62,6 +77,8 @@ set and learn from its evictions, and they must rank blocks they did not choose,
 
 from __future__ import annotations
 
+import math
+from collections import deque
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from itertools import repeat
 from typing import Any
@@ -71,12 +88,33 @@ from asyncoffload.keys import OffloadKey
 from asyncoffload.manager.base import BlockStatus, LookupResult
 from asyncoffload.manager.policies.arc import ARCPolicy
 from asyncoffload.manager.policies.base import CachePolicy, get_policy_cls, register_policy
+from asyncoffload.manager.policies.kv import KVPolicy, adoption
 
 __all__ = ["AdaptivePolicy", "Ghost"]
 
 
 #: Candidates, in order of preference on equal scores.
 CANDIDATES = ("lru", "arc", "kv")
+#: The switch rule's defaults (see :class:`AdaptivePolicy`; chosen on the tuning traces
+#: of docs/policies.md).
+EPOCH = 0.25
+MARGIN = 0.005
+SURPLUS = 0.1
+CONFIDENCE = 2.5
+PATIENCE = 1
+WARMUP = 2.0
+#: The scores' window: they halve every WINDOW capacities of traffic (or every epoch,
+#: if longer), at an epoch's end.
+WINDOW = 4.0
+#: While a leader that learns online is in the first LEARNING capacities of traffic
+#: (since the start or ``clear``), the surplus it must be beaten by is LEARNING_STRAIN
+#: times higher.
+LEARNING = 12.0
+LEARNING_STRAIN = 4.0
+#: kv's ghost list, in capacities (KVPolicy's default ``ghost_factor``, the C core's).
+KV_GHOST_FACTOR = 4.0
+#: Switches that ``AdaptivePolicy.timeline`` remembers.
+TIMELINE = 256
 _RESULTS = (LookupResult.MISS, LookupResult.HIT, LookupResult.HIT_PENDING)
 
 
@@ -94,10 +132,13 @@ class Ghost:
         "capacity",
         "core",
         "hits",
+        "last",
         "name",
         "native",
         "policy",
         "request",
+        "spread",
+        "surplus",
         "total",
     )
 
@@ -107,6 +148,12 @@ class Ghost:
         #: Prefix hits, decayed with the epochs, and since the start (or ``clear``).
         self.hits = 0.0
         self.total = 0
+        #: The last request's prefix hits.
+        self.last = 0
+        #: Hits gained over the leader less the margin, since that was last 0 (blocks),
+        #: and the squares of the per-request differences summed over that run.
+        self.surplus = 0.0
+        self.spread = 0.0
         self.core: Any = None
         self.policy: CachePolicy | None = None
         mgrcore = load_mgrcore() if native is not False else None
@@ -167,6 +214,44 @@ class Ghost:
         assert self.policy is not None
         return _state(self.policy)
 
+    def restart(self, policy: CachePolicy, keys: Sequence[OffloadKey]) -> None:
+        """Start again where a real tier running ``policy`` (this ghost's candidate) is:
+        holding ``keys`` (least recently used first), with kv's learned state and ARC's
+        T2 membership (not its ghost lists or target: they start empty)."""
+        self.clear()
+        if isinstance(policy, KVPolicy):
+            state = policy.snapshot()
+            if self.core is None:
+                assert isinstance(self.policy, KVPolicy)
+                self.policy.adopt(state, [(key, self.block) for key in keys])
+                return
+            held, gone = adoption(state, keys, int(self.capacity * KV_GHOST_FACTOR))
+            self.core.kv_restore(
+                int(state["tick"]),
+                int(state["inserts"]),
+                float(state["last_victim"]),
+                state["entered"],
+                state["reused"],
+                state["table"],
+                held,
+                gone,
+            )
+            return
+        request = self.request
+        for key in keys:
+            request((key,))  # a miss, stored: in this order
+        if isinstance(policy, ARCPolicy):
+            for key in policy.t2:
+                request((key,))  # a second use: into T2, in T2's order
+
+    def kv_state(self) -> dict[str, Any]:
+        """A kv ghost's state, as :meth:`KVPolicy.snapshot` gives it."""
+        if self.core is not None:
+            state: dict[str, Any] = self.core.snapshot()["kv"]
+            return state
+        assert isinstance(self.policy, KVPolicy)
+        return self.policy.snapshot()
+
     def clear(self) -> None:
         """Forget everything, history (ghost lists, learned values) included."""
         if self.core is not None:
@@ -177,6 +262,8 @@ class Ghost:
             self.policy.clear()
         self.hits = 0.0
         self.total = 0
+        self.last = 0
+        self.surplus = self.spread = 0.0
 
 
 @register_policy("auto")
@@ -193,20 +280,26 @@ class AdaptivePolicy(CachePolicy):
         *,
         candidates: Sequence[str] = CANDIDATES,
         initial: str = "kv",
-        epoch: float = 4.0,
-        margin: float = 0.005,
-        patience: int = 2,
-        warmup: float = 12.0,
+        epoch: float = EPOCH,
+        margin: float = MARGIN,
+        surplus: float = SURPLUS,
+        confidence: float = CONFIDENCE,
+        patience: int = PATIENCE,
+        warmup: float = WARMUP,
         native: bool | None = None,
     ) -> None:
         """``candidates`` name registered policies (not ``auto``); ``initial`` is the
-        first leader. Every ``epoch`` capacities of prompt blocks the scores halve and
-        the leader may change, to a ghost whose hit rate beats the leader's by more than
-        ``margin``, over the decayed window and since the start, at ``patience`` epoch
-        ends in a row (4 times ``margin`` while the leader learns online, as ``kv`` does,
-        and fewer than ``warmup`` capacities of prompt blocks have gone by).
-        ``native`` runs the ghosts on the C core (``True``: or raise; ``False``: in
-        Python; ``None``: where it builds)."""
+        first leader. After each request every rival adds its prefix hits less the
+        leader's, less ``margin`` per prompt block, to its surplus (floored at 0). At
+        the end of every ``epoch`` capacities of prompt blocks the tier switches once a
+        rival's surplus is at least ``surplus`` capacities of blocks (4 times that while
+        a leader that learns online is in its first 12 capacities) and ``confidence``
+        times the root of the summed squares of its per-request differences, at
+        ``patience`` epoch ends in a row, to the rival with the largest surplus. The
+        scores (:meth:`scores`) halve every 4 capacities or every epoch, whichever is
+        longer. A new leader is scored by its ghost for ``warmup``
+        capacities of prompt blocks. ``native`` runs the ghosts on the C core (``True``:
+        or raise; ``False``: in Python; ``None``: where it builds)."""
         super().__init__(capacity)
         names = list(dict.fromkeys(candidates))
         if not names:
@@ -220,6 +313,10 @@ class AdaptivePolicy(CachePolicy):
             raise ValueError(f"epoch must be positive, got {epoch}")
         if not margin >= 0:
             raise ValueError(f"margin must be >= 0, got {margin}")
+        if not surplus >= 0:
+            raise ValueError(f"surplus must be >= 0, got {surplus}")
+        if not confidence >= 0:
+            raise ValueError(f"confidence must be >= 0, got {confidence}")
         if patience < 1:
             raise ValueError(f"patience must be >= 1, got {patience}")
         if not warmup >= 0:
@@ -227,19 +324,27 @@ class AdaptivePolicy(CachePolicy):
         self.candidates = tuple(names)
         self.initial = initial
         self.margin = margin
+        self.confidence = confidence
         self.patience = patience
+        self._surplus_blocks = surplus * capacity
         self._epoch_blocks = max(1.0, epoch * capacity)
+        self._window_blocks = max(epoch, WINDOW) * capacity
+        self._learning_blocks = LEARNING * capacity
         self._warmup_blocks = warmup * capacity
         self.ghosts = [Ghost(name, capacity, native=native) for name in names]
         self._policies: dict[str, CachePolicy] = {}
         self._seen = 0.0
         self._epoch_seen = 0.0
+        self._window_seen = 0.0
         self._total = 0
         #: The ghost that beat the leader at the last epoch ends, and how many in a row.
         self._challenger: str | None = None
         self._streak = 0
-        #: Leader changes since creation or the last ``clear``.
+        #: Leader changes since creation or the last ``clear``, and the last
+        #: :data:`TIMELINE` of them: ``(prompt blocks seen before it, from, to)``.
         self.switches = 0
+        self.timeline: deque[tuple[int, str, str]] = deque(maxlen=TIMELINE)
+        self._traffic = 0
         self._leader: CachePolicy = self._policy_for(initial)
         self._bind()
         self._pause_lead()  # the real tier is the initial leader from the start
@@ -268,10 +373,12 @@ class AdaptivePolicy(CachePolicy):
             "leader": self.leader,
             "blocks": [(key, block.block_id, block.ref_cnt) for key, block in self.items()],
             "leader_state": _state(self._leader),
-            "ghosts": [(g.name, g.hits, g.state()) for g in self.ghosts],
+            "ghosts": [(g.name, g.hits, g.surplus, g.spread, g.state()) for g in self.ghosts],
             "seen": (self._seen, self._epoch_seen),
+            "window_seen": self._window_seen,
             "challenger": (self._challenger, self._streak),
             "switches": self.switches,
+            "timeline": list(self.timeline),
         }
 
     def _policy_for(self, name: str) -> CachePolicy:
@@ -285,6 +392,7 @@ class AdaptivePolicy(CachePolicy):
         leader = self._leader
         self._leader_get = leader.get
         self._lead = next(g for g in self.ghosts if g.name == leader.name)
+        self._rivals = [g for g in self.ghosts if g is not self._lead]
         # A new leader is scored by its ghost (warm: it ran while another led) through
         # the warm-up, then by the real tier, and its ghost waits (see the module doc).
         self._running = list(self.ghosts)
@@ -312,11 +420,21 @@ class AdaptivePolicy(CachePolicy):
         if old.name == name:
             return
         blocks = _recency_order(old)
+        if self._lead_paused:
+            # The old leader's ghost waited while the real tier ran its policy: it starts
+            # again from the real tier (stale or, for an initial leader, empty, it would
+            # judge that candidate by a tier it no longer is).
+            self._lead.restart(old, [key for key, _ in blocks])
         new = self._policy_for(name)
         new.clear()
+        ghost = next(g for g in self.ghosts if g.name == name)
         if isinstance(new, ARCPolicy):
             # ARC starts where its ghost is: T1's target, the ghost lists, T2 membership.
-            _adopt_arc(new, next(g for g in self.ghosts if g.name == name), blocks)
+            _adopt_arc(new, ghost, blocks)
+        elif isinstance(new, KVPolicy):
+            # kv too: its ghost's table, counts and clock, and what it knows of each
+            # block (a kv started empty would learn again for capacities).
+            new.adopt(ghost.kv_state(), blocks)
         else:
             insert = new.insert
             for key, block in blocks:
@@ -327,35 +445,44 @@ class AdaptivePolicy(CachePolicy):
         self._leader = new
         self._challenger, self._streak = None, 0
         self.switches += 1
+        self.timeline.append((self._traffic, old.name, name))
         self._bind()
-        # Every score starts again: the real tier is now another candidate's, and the
-        # old leader's ghost runs again from where it stopped (stale until it catches
-        # up). The warm-up counts again too.
+        # Every score starts again: the real tier is now another candidate's. The
+        # warm-up counts again too.
         self._reset_scores()
 
     def _reset_scores(self) -> None:
         for g in self.ghosts:
             g.hits = 0.0
             g.total = 0
-        self._seen = self._epoch_seen = 0.0
+            g.surplus = g.spread = 0.0
+        self._seen = self._epoch_seen = self._window_seen = 0.0
         self._total = 0
 
     def _end_epoch(self) -> None:
-        seen = self._seen
-        lead = best = self._lead
-        for s in self.ghosts:
-            if s.hits > best.hits:
-                best = s
-        # A leader that learns as it goes (kv) is left early on only for a clear lead:
-        # its ghost is learning too, and a cold start of it costs more than it shows.
-        margin = self.margin
-        if self._leader.learns_online and self._total < self._warmup_blocks:
-            margin *= 4
-        if (
-            best is not lead
-            and best.hits - lead.hits > margin * seen
-            and best.total - lead.total > margin * self._total
-        ):
+        # The bar: ``surplus`` capacities of blocks (four times that while a leader that
+        # learns as it goes, kv, is in its first LEARNING capacities: its deficit then
+        # overstates what it loses), and ``confidence`` times the root of the summed
+        # squares of the run's per-request differences.
+        bar = self._surplus_blocks
+        if self._leader.learns_online and self._traffic < self._learning_blocks:
+            bar *= LEARNING_STRAIN
+        z = self.confidence
+        best = None
+        for g in self._rivals:
+            if (
+                g.surplus > 0.0
+                and g.surplus >= bar
+                and g.surplus >= z * math.sqrt(g.spread)
+                and (best is None or g.surplus > best.surplus)
+            ):
+                best = g
+        if best is not None:
+            # The bar says when to leave; where to, the largest surplus says, cleared or
+            # not (a rival behind a noisier run may be further ahead).
+            for g in self._rivals:
+                if g.surplus > best.surplus:
+                    best = g
             if best.name == self._challenger:
                 self._streak += 1
             else:
@@ -365,10 +492,12 @@ class AdaptivePolicy(CachePolicy):
                 return
         else:
             self._challenger, self._streak = None, 0
-        self._seen = seen * 0.5
-        for g in self.ghosts:
-            g.hits *= 0.5
         self._epoch_seen = 0.0
+        if self._window_seen >= self._window_blocks:
+            self._window_seen = 0.0
+            self._seen *= 0.5
+            for g in self.ghosts:
+                g.hits *= 0.5
 
     # --- CachePolicy ------------------------------------------------------------------
 
@@ -379,25 +508,39 @@ class AdaptivePolicy(CachePolicy):
             # A request-scoped touch lists its loaded keys, then all it offers.
             keys = list(dict.fromkeys(keys))
         for ghost in self._running:
-            n = ghost.request(keys)
+            n = ghost.last = ghost.request(keys)
             if n:
                 ghost.hits += n
                 ghost.total += n
         k = len(keys)
         self._seen += k
         self._total += k
+        self._traffic += k
         lead = self._lead
         if self._lead_paused:
             # The leader's own: the real tier's prefix of blocks present (ready or being
             # stored, as a ghost's stores complete at once).
             found = list(map(self._leader_get, keys))
-            n = found.index(None) if None in found else len(found)
+            n = lead.last = found.index(None) if None in found else len(found)
             if n:
                 lead.hits += n
                 lead.total += n
         elif self._total >= self._warmup_blocks:
             self._pause_lead()
+        # Each rival's surplus over the leader: a CUSUM of the per-request lead less the
+        # margin, which forgets everything before the lead last fell to nothing.
+        n = lead.last
+        toll = self.margin * k
+        for ghost in self._rivals:
+            x = ghost.last - n
+            gain = ghost.surplus + x - toll
+            if gain > 0.0:
+                ghost.surplus = gain
+                ghost.spread += x * x
+            elif ghost.surplus:
+                ghost.surplus = ghost.spread = 0.0
         self._epoch_seen += k
+        self._window_seen += k
         if self._epoch_seen >= self._epoch_blocks:
             self._end_epoch()
 
@@ -443,6 +586,8 @@ class AdaptivePolicy(CachePolicy):
         self._reset_scores()
         self._challenger, self._streak = None, 0
         self.switches = 0
+        self.timeline.clear()
+        self._traffic = 0
         self._leader = self._policy_for(self.initial)
         self._bind()
         self._pause_lead()

@@ -55,7 +55,7 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from collections.abc import Collection, Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from asyncoffload._native import load_kvcore
@@ -63,7 +63,7 @@ from asyncoffload.keys import OffloadKey
 from asyncoffload.manager.base import BlockStatus
 from asyncoffload.manager.policies.base import CachePolicy, register_policy
 
-__all__ = ["KVPolicy", "class_of", "size_bucket"]
+__all__ = ["KVPolicy", "adoption", "class_of", "size_bucket"]
 
 #: Use-count buckets: 1, 2, 3, 4+.
 USE_BUCKETS = 4
@@ -98,6 +98,39 @@ def class_of(uses: int, size: int, last: bool = False) -> int:
     if uses <= 1 and last:
         return TAIL + size
     return (min(uses, USE_BUCKETS) - 1) * SIZE_BUCKETS + size
+
+
+Row = tuple[OffloadKey, int, int, int]
+
+
+def adoption(
+    state: Mapping[str, Any], keys: Sequence[OffloadKey], ghost_cap: int
+) -> tuple[list[Row], list[Row]]:
+    """What a kv that holds ``keys`` (least recently used first) takes of another kv's
+    ``state`` (its :meth:`KVPolicy.snapshot`): rows ``(key, uses, last use, class)`` of
+    the keys held, in order of last use, then of recency, and of the keys to remember.
+
+    A key the state knows keeps its uses, last use and class; one it does not know is
+    taken as used once (short request, not last) at the time of its oldest memory.
+    Remembered: the state's ghost list in its order, then what it held or had just seen
+    and ``keys`` lack (more recent than any ghost), by last use; the most recent
+    ``ghost_cap``. The table, counts and clock are taken as they are."""
+    known: dict[OffloadKey, tuple[int, int, int]] = {}
+    for rows in (*state["queues"], state["fresh"], state["ghost"]):
+        for key, uses, tick, cls in rows:
+            known[key] = (uses, tick, cls)
+    oldest = min((row[1] for row in known.values()), default=int(state["tick"]))
+    held: list[tuple[int, int, Row]] = []
+    for order, key in enumerate(keys):
+        uses, tick, cls = known.pop(key, (1, oldest, 0))
+        held.append((tick, order, (key, uses, tick, cls)))
+    held.sort(key=lambda item: (item[0], item[1]))
+    remembered = [row[0] for row in state["ghost"] if row[0] in known]
+    listed = set(remembered)
+    rest = sorted((key for key in known if key not in listed), key=lambda key: known[key][1])
+    gone = [(key, *known[key]) for key in remembered + rest]
+    gone = gone[max(0, len(gone) - ghost_cap) :] if ghost_cap else []
+    return [row for _, _, row in held], gone
 
 
 @register_policy("kv")
@@ -266,6 +299,46 @@ class KVPolicy(CachePolicy):
             table: list[list[float]] = self._core.table()
             return table
         return [row[:] for row in self._table]
+
+    def adopt(
+        self,
+        state: Mapping[str, Any],
+        blocks: Sequence[tuple[OffloadKey, BlockStatus]],
+    ) -> None:
+        """Start again on ``blocks`` (least recently used first) with what another kv of
+        the same capacity and settings learned: ``state`` is its :meth:`snapshot` (an
+        ``auto`` ghost's, when ``auto`` switches to kv). See :func:`adoption`. Tracked
+        blocks before are forgotten."""
+        held, gone = adoption(state, [key for key, _ in blocks], self._ghost_cap)
+        block_of = dict(blocks)
+        now = int(state["tick"])
+        if self._core is not None:
+            self._core.restore(
+                now,
+                int(state["inserts"]),
+                float(state["last_victim"]),
+                state["entered"],
+                state["reused"],
+                state["table"],
+                [(key, block_of[key], uses, tick, cls) for key, uses, tick, cls in held],
+                gone,
+            )
+            return
+        self.clear()
+        self._tick = now
+        self._inserts = int(state["inserts"])
+        self._last_victim = float(state["last_victim"])
+        self._entered = [float(x) for x in state["entered"]]
+        self._reused = [float(x) for x in state["reused"]]
+        self._table = [[float(x) for x in row] for row in state["table"]]
+        meta_of, queues = self._meta, self._queues
+        for key, uses, tick, cls in held:
+            meta = meta_of[key] = [uses, tick, cls]
+            self._blocks[key] = block_of[key]
+            queues[cls][key] = meta
+        for key, uses, tick, cls in gone:
+            meta_of[key] = [uses, tick, cls]
+            self._ghost[key] = None
 
     # --- learning ---------------------------------------------------------------------
 
