@@ -67,7 +67,8 @@ class ReqContext:
     stored events of its keys describe them too; ``extra`` is free for policies and
     integrations. ``tenant`` (a cache salt) keeps the request's blocks apart from other
     tenants' in every tier: the engine files them under :func:`~asyncoffload.tenant_key`
-    of each key.
+    of each key. ``session`` names the conversation or agent run the request continues
+    (the ``session`` policy keeps a session due back soon; others ignore it).
     """
 
     req_id: str
@@ -75,6 +76,7 @@ class ReqContext:
     extra: dict[str, Any] = field(default_factory=dict)
     tokens: BlockTokens | None = None
     tenant: str | None = None
+    session: str | None = None
 
 
 class BlockStatus:
