@@ -26,12 +26,13 @@ from pathlib import Path
 from typing import Any
 
 from asyncoffload.manager.policies import CachePolicy, SessionPolicy
-from asyncoffload.replay import FamilySource, replay
+from asyncoffload.replay import FamilySource, ReplayResult, replay
 from asyncoffload.replay.result import capacity_blocks
 from asyncoffload.workloads import Request, load_block_trace, load_mooncake, summarize
 
 TRACES = Path(
-    os.environ.get("ASYNCOFFLOAD_TRACE_DIR") or Path(__file__).resolve().parents[2] / "shared" / "traces"
+    os.environ.get("ASYNCOFFLOAD_TRACE_DIR")
+    or Path(__file__).resolve().parents[2] / "shared" / "traces"
 )
 CLAUDE = TRACES / "claude_code_sessions.jsonl.gz"
 CONVERSATION = TRACES / "conversation_trace.jsonl"
@@ -45,18 +46,17 @@ HELD_OUT = {"agent": 8_000, "diurnal": 25_000}
 
 def session_run(
     requests: Sequence[Request], cap: int, unique: int, share: float, admission: bool = True
-) -> float:
-    """``session``'s block hit rate, on the trace's clock."""
+) -> ReplayResult:
+    """``session`` replayed on the trace's clock."""
     now = [0.0]
     policy: CachePolicy = SessionPolicy(cap, clock=lambda: now[0], admission=admission)
 
     def before(i: int) -> None:
         now[0] = requests[i].arrival_s
 
-    res = replay(
+    return replay(
         requests, cap, policy=policy, unique_blocks=unique, share=share, before_request=before
     )
-    return res.block_hit_rate
 
 
 def measure(
@@ -67,33 +67,41 @@ def measure(
     t0 = time.perf_counter()
     for share in shares:
         cap = capacity_blocks(share, unique)
-        row = {
-            spec: replay(
-                requests, cap, policy=spec, unique_blocks=unique, share=share
-            ).block_hit_rate
+        runs = {
+            spec: replay(requests, cap, policy=spec, unique_blocks=unique, share=share)
             for spec in NAMED
         }
-        row["session"] = session_run(requests, cap, unique, share)
+        runs["session"] = session_run(requests, cap, unique, share)
         if ablation:
-            row["session-noadm"] = session_run(requests, cap, unique, share, admission=False)
+            runs["session-noadm"] = session_run(requests, cap, unique, share, admission=False)
+        row = {spec: res.block_hit_rate for spec, res in runs.items()}
+        # Manager time per block against LRU's (same process, one run each).
+        row["session cost"] = runs["session"].us_per_block / runs["lru"].us_per_block
         rows[f"{share:g}"] = row
         print(name, f"{share:.0%}", " ".join(f"{k}={v:.4f}" for k, v in row.items()), flush=True)
-    return {"requests": len(requests), "unique": unique, "rows": rows,
-            "seconds": time.perf_counter() - t0}
+    return {
+        "requests": len(requests),
+        "unique": unique,
+        "rows": rows,
+        "seconds": time.perf_counter() - t0,
+    }
 
 
 def table(name: str, measured: dict[str, Any]) -> str:
     rows = measured["rows"]
-    specs = list(next(iter(rows.values())))
+    specs = [s for s in next(iter(rows.values())) if not s.endswith("cost")]
     lines = [
         f"{name}: {measured['requests']:,} requests, {measured['unique']:,} unique blocks",
-        "| capacity | " + " | ".join(specs) + " | session - best(lru, arc) |",
-        "|---|" + "---|" * (len(specs) + 1),
+        "| capacity | " + " | ".join(specs) + " | session - best(lru, arc) | cost / lru |",
+        "|---|" + "---|" * (len(specs) + 2),
     ]
     for share, row in rows.items():
         best = max(row["lru"], row["arc"])
         cells = " | ".join(f"{row[s]:.3f}" for s in specs)
-        lines.append(f"| {float(share):.0%} | {cells} | {row['session'] - best:+.3f} |")
+        margin = row["session"] - best
+        lines.append(
+            f"| {float(share):.0%} | {cells} | {margin:+.3f} | {row['session cost']:.2f}x |"
+        )
     return "\n".join(lines)
 
 

@@ -216,11 +216,11 @@ def test_a_turn_is_found_by_its_prefix_when_unnamed() -> None:
 
 
 def warm(m: ao.CPUOffloadingManager, clock: Clock) -> None:
-    """Measure WARM_GAPS gaps of a named one-block session, 1 s apart."""
+    """Measure WARM_GAPS gaps of a named one-block session, 10 s apart."""
     w = keys("w", 1)
-    for _ in range(WARM_GAPS + 1):
+    for i in range(WARM_GAPS + 1):
+        clock.now = 10.0 * i
         by_prefix(m, w, ctx("w"))
-        clock.now += 1.0
 
 
 def test_a_session_never_pushes_out_its_own_prefix_for_its_tail() -> None:
@@ -228,8 +228,9 @@ def test_a_session_never_pushes_out_its_own_prefix_for_its_tail() -> None:
     m = manager(8, clock)
     warm(m, clock)
     a = keys("a", 10)
+    clock.now += 8.5
     by_prefix(m, a[:6], ctx())
-    clock.now += 0.5  # w (a turn a second) is due now; A's next turn in 0.5 s
+    clock.now += 1.0  # w is due in 0.5 s, A (a turn a second) in 1 s
     skipped = m.stats().store_skipped
     assert by_prefix(m, a, ctx()) == 6
     # One free slot: a6 is stored; a7-a9 would have pushed out a0-a5 or w (due first).

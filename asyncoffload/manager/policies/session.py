@@ -41,8 +41,8 @@ from __future__ import annotations
 import math
 import time
 from collections import OrderedDict, deque
-from itertools import repeat
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
+from itertools import repeat
 from typing import Any
 
 from asyncoffload.keys import OffloadKey
@@ -103,7 +103,7 @@ class SessionPolicy(CachePolicy):
         capacity: int,
         *,
         clock: Callable[[], float] | None = None,
-        overdue: float = 2.0,
+        overdue: float = 1.0,
         history: int = 8,
         max_sessions: int | None = None,
         admission: bool = True,
