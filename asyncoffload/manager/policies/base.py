@@ -138,6 +138,12 @@ class CachePolicy(ABC):
         the call. The default does nothing."""
         return None
 
+    def use_clock(self, clock: Callable[[], float]) -> None:
+        """Read the time (seconds) from ``clock`` from now on: the replays pass the
+        trace's arrival times. The default ignores it (no built-in policy but
+        ``session`` weighs time)."""
+        return None
+
     def on_store_miss(self, keys: Sequence[OffloadKey]) -> None:
         """A request offers ``keys`` (not tracked) to a store, before they are inserted;
         each key is reported once per request. The default does nothing."""

@@ -113,8 +113,6 @@ class SessionPolicy(CachePolicy):
         remembered, those holding blocks included (default: ``max(1024, capacity)``;
         past it the longest-away session with no block is forgotten)."""
         super().__init__(capacity)
-        if clock is not None and not callable(clock):
-            raise TypeError(f"clock must be callable, got {clock!r}")
         if (
             isinstance(overdue, bool)
             or not isinstance(overdue, (int, float))
@@ -128,7 +126,9 @@ class SessionPolicy(CachePolicy):
             max_sessions = max(1024, capacity)
         if isinstance(max_sessions, bool) or not isinstance(max_sessions, int) or max_sessions < 1:
             raise ValueError(f"max_sessions must be an int >= 1, got {max_sessions!r}")
-        self._clock: Callable[[], float] = clock if clock is not None else time.monotonic
+        self._clock: Callable[[], float] = time.monotonic
+        if clock is not None:
+            self.use_clock(clock)
         self.overdue = float(overdue)
         self.history = history
         self.max_sessions = max_sessions
@@ -183,6 +183,13 @@ class SessionPolicy(CachePolicy):
         return None if s is None else self._wait(s, self._time())
 
     # --- time and sessions ------------------------------------------------------------
+
+    def use_clock(self, clock: Callable[[], float]) -> None:
+        """Read the time from ``clock`` (seconds) from now on; ``TypeError`` if it is
+        not callable."""
+        if not callable(clock):
+            raise TypeError(f"clock must be callable, got {clock!r}")
+        self._clock = clock
 
     def _time(self, advance: bool = False) -> float:
         """The clock now; one that goes back reads as the latest time a request came
