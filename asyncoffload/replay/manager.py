@@ -81,8 +81,8 @@ def replay(
     weighs time reads the trace's (each request's arrival, ``CachePolicy.use_clock``).
     ``share`` is the capacity share to report (default: ``capacity`` over the unique
     blocks). ``progress`` is called as ``progress(done, total)`` every few hundred
-    requests; ``before_request(i)``
-    before request ``i`` (the offline bound uses it to advance its clock).
+    requests; ``before_request(i)`` before request ``i`` (the offline bound uses it to
+    advance its clock).
 
     ``disk_capacity`` (blocks) adds a disk tier below the CPU tier, with its own
     ``disk_policy`` and ``disk_admission`` (see :func:`parse_disk_admission`; default: write a
