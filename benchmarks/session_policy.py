@@ -11,7 +11,7 @@ request's arrival time), and ``session-noadm`` (Claude Code only) without its ad
 to show what that part is worth. Block hit rates; counts, not times.
 
     python benchmarks/session_policy.py [--scale 0.5] [--seeds 0] [--no-families]
-        [--json PATH]
+        [--no-claude] [--json PATH]
 """
 
 from __future__ import annotations
@@ -110,12 +110,15 @@ def main() -> None:
     ap.add_argument("--scale", type=float, default=0.5, help="family requests x this (0.5)")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0])
     ap.add_argument("--no-families", action="store_true")
+    ap.add_argument("--no-claude", action="store_true", help="skip the Claude Code trace")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
     if not args.scale > 0:
         ap.error("--scale must be positive")
     out: dict[str, Any] = {}
-    if CLAUDE.exists():
+    if args.no_claude:
+        pass
+    elif CLAUDE.exists():
         out["claude-code"] = measure(
             "claude-code", load_block_trace(CLAUDE), CLAUDE_SHARES, ablation=True
         )
