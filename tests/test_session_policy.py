@@ -347,3 +347,20 @@ def test_registered_and_bounded_in_sessions() -> None:
     assert isinstance(policy, SessionPolicy)
     assert len(policy._sessions) <= 8
     assert len(policy) == 4
+
+
+def test_a_new_session_is_never_the_one_forgotten() -> None:
+    """With every other session holding blocks, the limit forgets none rather than the
+    session just made: its blocks must stay evictable (and listed)."""
+    clock = Clock()
+    m = manager(6, clock, max_sessions=2)
+    for i in range(5):
+        clock.now = float(i)
+        by_prefix(m, keys(f"s{i}-", 2), ctx())
+    policy = m.policy
+    assert isinstance(policy, SessionPolicy)
+    held = {key for key, _ in policy.items()}
+    assert len(held) == len(policy) == 6
+    assert {policy.session_of(k) for k in held} <= set(policy._sessions)
+    by_prefix(m, keys("t", 6), ctx())  # evicts every other block: all are reachable
+    assert present(m, keys("t", 6)) == [True] * 6

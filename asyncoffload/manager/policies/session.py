@@ -231,13 +231,16 @@ class SessionPolicy(CachePolicy):
         if name is not None:
             self._named[name] = s
         if len(self._sessions) > self.max_sessions:
-            self._forget_sessions()
+            self._forget_sessions(s)
         return s
 
-    def _forget_sessions(self) -> None:
-        """Forget the longest-away sessions that hold no block, below the limit."""
+    def _forget_sessions(self, new: _Session) -> None:
+        """Forget the longest-away sessions that hold no block (never ``new``), below
+        the limit."""
         extra = len(self._sessions) - self.max_sessions + self.max_sessions // 8
-        idle = sorted((s for s in self._sessions.values() if not s.blocks), key=_last)
+        idle = sorted(
+            (s for s in self._sessions.values() if not s.blocks and s is not new), key=_last
+        )
         for s in idle[:extra]:
             self._drop(s)
 
