@@ -38,6 +38,7 @@ feeds it, as it feeds ``auto``); a touch without one keeps each block in its ses
 
 from __future__ import annotations
 
+import heapq
 import math
 import time
 from collections import OrderedDict, deque
@@ -63,7 +64,7 @@ SESSION_PARAM = "session_id"
 class _Session:
     """One session: its blocks (evicted from the front), its latest turn and gaps."""
 
-    __slots__ = ("blocks", "gap", "gaps", "last", "marks", "name", "seq")
+    __slots__ = ("blocks", "gap", "gaps", "last", "marks", "name", "seq", "version")
 
     def __init__(self, seq: int, name: str | None, now: float) -> None:
         self.seq = seq
@@ -75,6 +76,8 @@ class _Session:
         self.gap = -1.0
         #: The last blocks of its latest prompt (how a next turn finds it).
         self.marks: tuple[OffloadKey, ...] = ()
+        #: Turns heard (its entries in the policy's heap of due sessions are this one's).
+        self.version = 0
 
     def __repr__(self) -> str:
         label = self.name if self.name is not None else f"#{self.seq}"
@@ -144,6 +147,12 @@ class SessionPolicy(CachePolicy):
         self.get = self._blocks.get  # type: ignore[method-assign,assignment]
         #: Sessions by number (the order they came in).
         self._sessions: dict[int, _Session] = {}
+        #: The sessions holding blocks, by their latest turn, the longest away first.
+        self._recency: OrderedDict[int, _Session] = OrderedDict()
+        #: A heap of ``(-(last turn + gap), seq, version)``: the due session whose next
+        #: turn is furthest comes first. Entries of another version, of a session gone
+        #: idle or holding no block are stale (skipped, dropped at the next request).
+        self._due: list[tuple[float, int, int]] = []
         self._named: dict[str, _Session] = {}
         #: The last blocks of each session's latest prompt.
         self._marks: dict[OffloadKey, _Session] = {}
@@ -295,6 +304,11 @@ class SessionPolicy(CachePolicy):
         if s.marks or s.gaps:
             self._turn(s, now)
         s.last = now
+        s.version += 1
+        if s.blocks:
+            self._recency.move_to_end(s.seq)
+            heapq.heappush(self._due, (-(now + self._gap(s)), s.seq, s.version))
+        self._clean_due(now)
         marks = self._marks
         for key in s.marks:
             if marks.get(key) is s:
@@ -324,6 +338,10 @@ class SessionPolicy(CachePolicy):
                 held.blocks.move_to_end(key)
             else:
                 del held.blocks[key]
+                if not held.blocks:
+                    del self._recency[held.seq]
+                if not s.blocks:
+                    self._holding(s)
                 s.blocks[key] = blocks[key]
                 owner[key] = s
 
@@ -354,10 +372,14 @@ class SessionPolicy(CachePolicy):
             if s is not None and s.seq in self._sessions:
                 # Heard in its request: deeper than the request's blocks already held.
                 owner[key] = s
+                if not s.blocks:
+                    self._holding(s)
                 s.blocks[key] = block
                 s.blocks.move_to_end(key, last=False)
             else:
                 unheard.append((key, block))
+        if unheard and not default.blocks:
+            self._holding(default)
         for key, block in reversed(unheard):  # after the session's blocks, deepest first
             owner[key] = default
             default.blocks[key] = block
@@ -365,15 +387,87 @@ class SessionPolicy(CachePolicy):
     def remove(self, key: OffloadKey) -> None:
         if self._blocks.pop(key, None) is None:
             return
-        del self._owner.pop(key).blocks[key]
+        s = self._owner.pop(key)
+        del s.blocks[key]
+        if not s.blocks:
+            del self._recency[s.seq]
 
-    def _ranked(self, now: float) -> list[_Session]:
-        """Sessions holding blocks, the first victim first: the furthest next turn,
-        then the longest away."""
-        wait = self._wait
-        holding = [s for s in self._sessions.values() if s.blocks]
-        holding.sort(key=lambda s: (-wait(s, now), s.last))
-        return holding
+    # --- ranking ----------------------------------------------------------------------
+
+    def _gap(self, s: _Session) -> float:
+        return s.gap if s.gap >= 0 else self._prior
+
+    def _holding(self, s: _Session) -> None:
+        """``s``, which held no block, gets one."""
+        self._recency[s.seq] = s
+        heapq.heappush(self._due, (-(s.last + self._gap(s)), s.seq, s.version))
+
+    def _clean_due(self, now: float) -> None:
+        """Drop stale entries from the top of the heap of due sessions, and rebuild it
+        when most of it is stale."""
+        due, recency, overdue = self._due, self._recency, self.overdue
+        while due:
+            _, seq, version = due[0]
+            s = recency.get(seq)
+            if s is not None and s.version == version and now - s.last < overdue * self._gap(s):
+                break
+            heapq.heappop(due)
+        if len(due) > 2 * len(recency) + 64:
+            due[:] = [
+                (-(s.last + self._gap(s)), s.seq, s.version)
+                for s in recency.values()
+                if now - s.last < overdue * self._gap(s)
+            ]
+            heapq.heapify(due)
+
+    def _idle(self, now: float) -> Iterator[tuple[float, _Session]]:
+        """Idle sessions holding blocks with their expected wait (their time away),
+        the longest away first."""
+        overdue = self.overdue
+        for s in self._recency.values():
+            away = now - s.last
+            if away >= overdue * self._gap(s):
+                yield away, s
+
+    def _due_now(self, now: float) -> Iterator[tuple[float, _Session]]:
+        """Due sessions holding blocks with their expected wait, the furthest first:
+        the heap walked in order without changing it."""
+        due, recency, overdue = self._due, self._recency, self.overdue
+        if not due:
+            return
+        frontier = [(due[0], 0)]
+        seen: set[int] = set()
+        size = len(due)
+        while frontier:
+            (_, seq, version), i = heapq.heappop(frontier)
+            for j in (2 * i + 1, 2 * i + 2):
+                if j < size:
+                    heapq.heappush(frontier, (due[j], j))
+            s = recency.get(seq)
+            if s is None or s.version != version or seq in seen:
+                continue
+            gap = self._gap(s)
+            away = now - s.last
+            if away < overdue * gap:
+                seen.add(seq)
+                yield (gap - away if gap > away else 0.0), s
+
+    def _ranked(self, now: float) -> Iterator[_Session]:
+        """Sessions holding blocks, the first victim first: the furthest next turn
+        (ties: the longest away). Idle sessions come in order of their last turn, due
+        ones from the heap; the two streams merge."""
+        idle, due = self._idle(now), self._due_now(now)
+        a, b = next(idle, None), next(due, None)
+        while a is not None or b is not None:
+            if b is None or (
+                a is not None and (a[0] > b[0] or (a[0] == b[0] and a[1].last <= b[1].last))
+            ):
+                assert a is not None
+                yield a[1]
+                a = next(idle, None)
+            else:
+                yield b[1]
+                b = next(due, None)
 
     def admissible(self, keys: list[OffloadKey], full: bool) -> list[OffloadKey]:
         """When storing would evict, the request's deepest blocks that could only go in
@@ -387,12 +481,15 @@ class SessionPolicy(CachePolicy):
         room = self.capacity - len(self._blocks)
         now = self._time()
         mine = self._wait(s, now)
+        want = len(keys)
         for victim in self._ranked(now):
             if victim is s or self._wait(victim, now) < mine:
                 break
-            room += sum(1 for block in victim.blocks.values() if block.ref_cnt == 0)
-            if room >= len(keys):
-                return keys
+            for block in victim.blocks.values():
+                if block.ref_cnt == 0:
+                    room += 1
+                    if room >= want:
+                        return keys
         return keys[: max(room, 0)]
 
     def evict(
@@ -411,8 +508,11 @@ class SessionPolicy(CachePolicy):
                 break
         else:
             return None
-        blocks, owner = self._blocks, self._owner
+        blocks, owner, recency = self._blocks, self._owner, self._recency
         for key, _ in victims:
             del blocks[key]
-            del owner.pop(key).blocks[key]
+            s = owner.pop(key)
+            del s.blocks[key]
+            if not s.blocks:
+                del recency[s.seq]
         return victims
