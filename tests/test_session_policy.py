@@ -364,3 +364,26 @@ def test_a_new_session_is_never_the_one_forgotten() -> None:
     assert {policy.session_of(k) for k in held} <= set(policy._sessions)
     by_prefix(m, keys("t", 6), ctx())  # evicts every other block: all are reachable
     assert present(m, keys("t", 6)) == [True] * 6
+
+
+def test_a_block_two_sessions_use_is_shared_and_kept_while_used() -> None:
+    """A system prompt used by every session must not go with the session that used
+    it last: it leaves for the shared queue, ranked by its own last use."""
+    clock = Clock()
+    m = manager(12, clock)
+    system = keys("sys", 2)
+    a = system + keys("a", 3)
+    b = system + keys("b", 3)
+    by_prefix(m, a, ctx())
+    clock.now = 1.0
+    by_prefix(m, b, ctx())  # B uses A's system prompt: shared from now on
+    policy = m.policy
+    assert isinstance(policy, SessionPolicy)
+    assert policy.session_of(system[0]) == policy.session_of(system[1]) == 0
+    assert policy.session_of(b[2]) not in (0, policy.session_of(a[2]))
+    clock.now = 2.0
+    # B, seen last, has the furthest next turn (its full gap): its own blocks go first,
+    # from its tail; the system prompt, just used, stays.
+    by_prefix(m, keys("c", 6), ctx())  # 2 slots short
+    assert present(m, system) == [True, True]
+    assert present(m, b) == [True, True, True, False, False]

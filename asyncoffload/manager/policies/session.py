@@ -23,8 +23,9 @@ Sessions. A request names its session with :attr:`ReqContext.session` or
 :meth:`SessionPolicy.on_context`). Otherwise the policy derives it: a request continues
 the session whose latest prompt ended with one of the request's blocks (the last two
 blocks of each session's latest prompt are remembered: the last one is often partial
-and rewritten by the next turn), else it starts a new one. A block shared by sessions
-belongs to the last one that used it.
+and rewritten by the next turn), else it starts a new one. A block that a second
+session uses (a system prompt) leaves its session for a queue of shared blocks, least
+recently used first, ranked like a session away since its last use.
 
 Admission. A session's new blocks never evict its own older ones, nor the blocks of a
 session due sooner: when storing all of them would, the deepest are declined (they
@@ -159,6 +160,9 @@ class SessionPolicy(CachePolicy):
         #: Keys of heard requests not stored yet, with their session.
         self._fresh: dict[OffloadKey, _Session] = {}
         self._current: _Session | None = None
+        #: Blocks more than one session used (a system prompt): by their last use.
+        self._shared = _Session(0, None, -math.inf)
+        self._sessions[0] = self._shared
         self._pending_name: str | None = None
         self._recent_gaps: deque[float] = deque(maxlen=256)
         self._prior = DEFAULT_GAP
@@ -179,8 +183,8 @@ class SessionPolicy(CachePolicy):
         return len(self._blocks)
 
     def session_of(self, key: OffloadKey) -> str | int | None:
-        """The session a tracked block belongs to: its name, else its number (for
-        inspection and tests); ``None`` if the block is not tracked."""
+        """The session a tracked block belongs to: its name, else its number (0: shared
+        by sessions; for inspection and tests); ``None`` if the block is not tracked."""
         s = self._owner.get(key)
         if s is None:
             return None
@@ -213,8 +217,10 @@ class SessionPolicy(CachePolicy):
         return float(now)
 
     def _wait(self, s: _Session, now: float) -> float:
-        """Expected seconds until ``s``'s next turn."""
+        """Expected seconds until ``s``'s next turn (shared blocks: since their use)."""
         away = now - s.last
+        if s is self._shared:
+            return away
         gap = s.gap if s.gap >= 0 else self._prior
         if away < self.overdue * gap:
             return gap - away if gap > away else 0.0
@@ -248,7 +254,8 @@ class SessionPolicy(CachePolicy):
         the limit."""
         extra = len(self._sessions) - self.max_sessions + self.max_sessions // 8
         idle = sorted(
-            (s for s in self._sessions.values() if not s.blocks and s is not new), key=_last
+            (s for s in self._sessions.values() if not s.blocks and s.seq and s is not new),
+            key=_last,
         )
         for s in idle[:extra]:
             self._drop(s)
@@ -324,9 +331,10 @@ class SessionPolicy(CachePolicy):
                 del fresh[key]
 
     def touch(self, keys: Sequence[OffloadKey]) -> None:
-        """Each block becomes the last of its session to go (``keys[0]`` the very last),
-        joining the session of the request that uses it, if one was heard."""
-        owner, blocks, fresh = self._owner, self._blocks, self._fresh
+        """Each block becomes the last of its session to go (``keys[0]`` the very last);
+        a block the request of another session uses is shared from then on."""
+        owner, blocks, fresh, shared = self._owner, self._blocks, self._fresh, self._shared
+        used = False
         for key in reversed(keys):
             if not isinstance(key, bytes):
                 raise TypeError(f"keys must be bytes, got {type(key).__name__}")
@@ -336,14 +344,20 @@ class SessionPolicy(CachePolicy):
             s = fresh.pop(key, held) if fresh else held
             if s is held or s.seq not in self._sessions:
                 held.blocks.move_to_end(key)
+                if held is shared:
+                    used = True
             else:
+                used = True
                 del held.blocks[key]
                 if not held.blocks:
                     del self._recency[held.seq]
-                if not s.blocks:
-                    self._holding(s)
-                s.blocks[key] = blocks[key]
-                owner[key] = s
+                if not shared.blocks:
+                    self._recency[0] = shared
+                shared.blocks[key] = blocks[key]
+                owner[key] = shared
+        if used:
+            shared.last = self._time()
+            self._recency.move_to_end(0)
 
     def insert(self, key: OffloadKey, block: BlockStatus) -> None:
         self.insert_many(((key, block),))
@@ -416,17 +430,17 @@ class SessionPolicy(CachePolicy):
             due[:] = [
                 (-(s.last + self._gap(s)), s.seq, s.version)
                 for s in recency.values()
-                if now - s.last < overdue * self._gap(s)
+                if now - s.last < overdue * self._gap(s) and s.seq
             ]
             heapq.heapify(due)
 
     def _idle(self, now: float) -> Iterator[tuple[float, _Session]]:
         """Idle sessions holding blocks with their expected wait (their time away),
         the longest away first."""
-        overdue = self.overdue
+        overdue, shared = self.overdue, self._shared
         for s in self._recency.values():
             away = now - s.last
-            if away >= overdue * self._gap(s):
+            if away >= overdue * self._gap(s) or s is shared:
                 yield away, s
 
     def _due_now(self, now: float) -> Iterator[tuple[float, _Session]]:
