@@ -301,7 +301,7 @@ class CPUOffloadingManager(OffloadingManager):
 
     def lookup(self, key: OffloadKey, ctx: ReqContext | None = None) -> LookupResult:
         """Whether ``key`` is stored (``HIT``), being stored (``HIT_PENDING``) or not
-        (``MISS``); never changes recency (a later ``touch`` tells the policy: :class:`Walks`)."""
+        (``MISS``); never changes recency (a policy hears of the walk at a later ``touch``)."""
         self._lookups += 1
         block = self._policy.get(key)
         self._walks.look(key, block is not None and block.ref_cnt >= 0)
