@@ -77,6 +77,8 @@ class ReqContext:
     opts the request out of caching: it stores nothing in any tier (counted as
     ``ManagerStats.opted_out``); ``kv_transfer_params={"asyncoffload_no_store": True}``
     says the same.
+    ``session`` names the conversation or agent run the request continues (the
+    ``session`` policy keeps a session due back soon; others ignore it).
     """
 
     req_id: str
@@ -85,6 +87,7 @@ class ReqContext:
     tokens: BlockTokens | None = None
     tenant: str | None = None
     no_store: bool = False
+    session: str | None = None
 
 
 class BlockStatus:

@@ -206,9 +206,8 @@ class CPUOffloadingManager(OffloadingManager):
         self._event_sink = event_sink if enable_events else None
         self._seq = 0
         self._requests: dict[str, _RequestLog] | None = {} if request_scoped else None
-        #: Request-scoped: a ``request_ranked`` policy hears each request's first uses
-        #: and inserts (vLLM 0.34's LRU), and ``store_threshold`` counts a key once per
-        #: request (``count_once_per_request``, vLLM 0.34's rule).
+        #: Request-scoped: a ``request_ranked`` policy hears each request's first uses and
+        #: inserts, ``store_threshold`` counts a key once per request (vLLM 0.34's rules).
         self._ranked = request_scoped and self._policy.request_ranked
         self._count_once = request_scoped and count_once_per_request
         #: Slots the last ``prepare_store`` asked for, whether it got them or not.
@@ -311,8 +310,7 @@ class CPUOffloadingManager(OffloadingManager):
 
     def lookup(self, key: OffloadKey, ctx: ReqContext | None = None) -> LookupResult:
         """Whether ``key`` is stored (``HIT``), being stored (``HIT_PENDING``) or not
-        (``MISS``). Does not change recency; a policy that observes requests hears of a
-        request looked up key by key at a later ``touch`` (see :class:`Walks`)."""
+        (``MISS``); never changes recency (a policy hears of the walk at a later ``touch``)."""
         self._lookups += 1
         block = self._policy.get(key)
         self._walks.look(key, block is not None and block.ref_cnt >= 0)
@@ -329,6 +327,7 @@ class CPUOffloadingManager(OffloadingManager):
         Under a manager that does not track requests, a policy that ``observes_requests``
         learns of the request here (its ``on_request``), unless ``observe`` is false: a
         caller that looks a request up more than once passes it on all but one lookup."""
+        self._policy.on_context(ctx)
         get = self._policy.get
         n = 0
         for key in keys:
@@ -404,6 +403,7 @@ class CPUOffloadingManager(OffloadingManager):
     def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext | None = None) -> None:
         """Mark ``keys`` recently used (``keys[0]`` the most recently), after telling a
         policy that observes requests of those looked up key by key (:meth:`lookup`)."""
+        self._policy.on_context(ctx)
         self._walks.touched(keys)
         self._policy.touch(keys)
         if self._admission is not None:
@@ -440,6 +440,7 @@ class CPUOffloadingManager(OffloadingManager):
         reject_duplicates(keys, "prepare_store")
         who = tenancy(ctx)
         self._walks.end()
+        self._policy.on_context(ctx)
         get = self._policy.get
         requests = self._requests
         log: _RequestLog | None = None

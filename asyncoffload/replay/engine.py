@@ -45,7 +45,10 @@ async def replay_engine(
     mismatches = too_large = 0
     clock = time.perf_counter
     async with AsyncOffloadEngine(cache.kv_caches, config) as engine:
+        now = [0.0]  # the trace's time, for a policy that weighs time
+        engine.manager.policy.use_clock(lambda: now[0])
         for req in requests:
+            now[0] = req.arrival_s
             keys = list(req.keys)
             ids = list(range(len(keys)))
             t0 = clock()

@@ -77,10 +77,12 @@ def replay(
 ) -> ReplayResult:
     """Replay ``requests`` in order through a manager of ``capacity`` slots.
 
-    Tokens per block are each request's own (``Request.block_tokens``). ``share`` is the
-    capacity share to report (default: ``capacity`` over the unique blocks). ``progress`` is
-    called as ``progress(done, total)`` every few hundred requests; ``before_request(i)``
-    before request ``i`` (the offline bound uses it to advance its clock).
+    Tokens per block are each request's own (``Request.block_tokens``); a policy that
+    weighs time reads the trace's (each request's arrival, ``CachePolicy.use_clock``).
+    ``share`` is the capacity share to report (default: ``capacity`` over the unique
+    blocks). ``progress`` is called as ``progress(done, total)`` every few hundred
+    requests; ``before_request(i)`` before request ``i`` (the offline bound uses it to
+    advance its clock).
 
     ``disk_capacity`` (blocks) adds a disk tier below the CPU tier, with its own
     ``disk_policy`` and ``disk_admission`` (see :func:`parse_disk_admission`; default: write a
@@ -114,6 +116,8 @@ def replay(
         admission=admission,
     )
     tally = _Tally(len(requests), progress)
+    now = [0.0]  # the trace's time, for a policy that weighs time
+    manager.policy.use_clock(lambda: now[0])
     lookup, touch = manager.lookup_prefix, manager.touch
     prepare_load, complete_load = manager.prepare_load, manager.complete_load
     prepare_store, complete_store = manager.prepare_store, manager.complete_store
@@ -121,6 +125,7 @@ def replay(
     for i, req in enumerate(requests):
         if before_request is not None:
             before_request(i)
+        now[0] = req.arrival_s
         keys = req.keys
         t0 = clock()
         # The engine's calls, with its default touch_on_load and touch_on_store.
@@ -187,8 +192,12 @@ def _replay_tiers(
         disk_capacity, disk_policy, threshold, enable_events=False, admission=disk_filter
     )
     tally = _Tally(len(requests), progress)
+    now = [0.0]  # the trace's time, for policies that weigh time
+    cpu.policy.use_clock(lambda: now[0])
+    disk.policy.use_clock(lambda: now[0])
     clock = time.perf_counter
     for req in requests:
+        now[0] = req.arrival_s
         t0 = clock()
         n, from_disk, stored, written = _serve_tiered(cpu, disk, req.keys, tally)
         tally.add(req, n, stored, clock() - t0, from_disk, written)

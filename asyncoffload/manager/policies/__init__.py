@@ -16,6 +16,7 @@ from asyncoffload.manager.policies.kv import KVPolicy
 from asyncoffload.manager.policies.lru import LRUPolicy
 from asyncoffload.manager.policies.lru_ranked import RankedLRUPolicy
 from asyncoffload.manager.policies.s3fifo import S3FIFOPolicy
+from asyncoffload.manager.policies.session import SessionPolicy
 from asyncoffload.manager.policies.sieve import SIEVEPolicy
 
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
     "RequestScope",
     "S3FIFOPolicy",
     "SIEVEPolicy",
+    "SessionPolicy",
     "available_policies",
     "get_policy_cls",
     "register_policy",

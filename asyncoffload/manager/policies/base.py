@@ -31,7 +31,7 @@ from typing import ClassVar, TypeVar
 
 from asyncoffload._registry import Registry
 from asyncoffload.keys import OffloadKey
-from asyncoffload.manager.base import BlockStatus
+from asyncoffload.manager.base import BlockStatus, ReqContext
 
 __all__ = [
     "CachePolicy",
@@ -130,6 +130,18 @@ class CachePolicy(ABC):
     def on_request(self, keys: Sequence[OffloadKey]) -> None:
         """A request arrives with prompt ``keys``, head first (see the module docstring
         for when). It must not evict or drop a tracked block. The default does nothing."""
+        return None
+
+    def on_context(self, ctx: ReqContext | None) -> None:
+        """The request context of the manager call that follows (``lookup_prefix``,
+        ``touch``, ``prepare_store``; ``None``: none given), before the policy hears of
+        the call. The default does nothing."""
+        return None
+
+    def use_clock(self, clock: Callable[[], float]) -> None:
+        """Read the time (seconds) from ``clock`` from now on: the replays pass the
+        trace's arrival times. The default ignores it (no built-in policy but
+        ``session`` weighs time)."""
         return None
 
     def on_store_miss(self, keys: Sequence[OffloadKey]) -> None:
