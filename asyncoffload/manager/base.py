@@ -27,6 +27,7 @@ from typing import Any, NamedTuple
 
 from asyncoffload.errors import DuplicateKeyError
 from asyncoffload.keys import BlockTokens, OffloadKey
+from asyncoffload.manager.retention import Retention
 
 __all__ = [
     "BlockStatus",
@@ -67,7 +68,8 @@ class ReqContext:
     stored events of its keys describe them too; ``extra`` is free for policies and
     integrations. ``tenant`` (a cache salt) keeps the request's blocks apart from other
     tenants' in every tier: the engine files them under :func:`~asyncoffload.tenant_key`
-    of each key.
+    of each key. ``retention`` pins the blocks the request stores or hits, in every
+    tier, and ranks them (:class:`~asyncoffload.Retention`, docs/policies.md).
     """
 
     req_id: str
@@ -75,6 +77,7 @@ class ReqContext:
     extra: dict[str, Any] = field(default_factory=dict)
     tokens: BlockTokens | None = None
     tenant: str | None = None
+    retention: Retention | None = None
 
 
 class BlockStatus:
@@ -123,6 +126,9 @@ class OffloadingEvent:
     ``AsyncOffloadEngine.events``) carry ``snapshot=True`` and the ``seq`` of the last
     live event they include. A stored event carries the :class:`~asyncoffload.BlockTokens`
     of the store's request context, when it had one (keys it does not describe have none).
+    A pin change (``retention``: ``"pinned"``, ``"expired"`` or ``"unpinned"``, see
+    :mod:`asyncoffload.manager.pins`) is not a store: ``removed`` is False and the blocks
+    were, and stay, stored; a consumer that indexes blocks skips it.
     """
 
     keys: tuple[OffloadKey, ...]
@@ -132,6 +138,7 @@ class OffloadingEvent:
     ts: float
     snapshot: bool = False
     tokens: BlockTokens | None = None
+    retention: str | None = None
 
 
 class ManagerStats(NamedTuple):

@@ -39,6 +39,8 @@ from asyncoffload.manager.base import (
     reject_duplicates,
 )
 from asyncoffload.manager.offers import OfferCounts
+from asyncoffload.manager.pins import PinTable
+from asyncoffload.manager.retention import DEFAULT_PIN_BUDGET
 from asyncoffload.manager.policies import CachePolicy, RequestScope, get_policy_cls
 from asyncoffload.manager.walks import Walks
 
@@ -121,6 +123,29 @@ def _group_keys(
     return out
 
 
+def _unpin_counted(
+    get: Callable[[OffloadKey], BlockStatus | None], keys: Sequence[OffloadKey]
+) -> int:
+    """``complete_load`` of keys listed more than once, or unknown ones: count, then
+    check (``ValueError``, changing nothing, for one not pinned that often), then unpin;
+    how many blocks became idle."""
+    need: dict[OffloadKey, int] = {}
+    for key in keys:
+        need[key] = need.get(key, 0) + 1
+    pinned: list[BlockStatus] = []
+    for key, count in need.items():
+        maybe = get(key)
+        if maybe is None or maybe.ref_cnt < count:
+            raise ValueError(f"complete_load: key {key.hex()} is not being loaded")
+        pinned.append(maybe)
+    idle = 0
+    for block, count in zip(pinned, need.values()):
+        block.ref_cnt -= count
+        if block.ref_cnt == 0:
+            idle += 1
+    return idle
+
+
 def _partition(
     get: Callable[[OffloadKey], BlockStatus | None], keys: Sequence[OffloadKey]
 ) -> tuple[list[OffloadKey], list[OffloadKey], bool]:
@@ -164,6 +189,8 @@ class CPUOffloadingManager(OffloadingManager):
         request_scoped: bool = False,
         count_once_per_request: bool = False,
         event_sink: EventSink | None = None,
+        pin_budget: float = DEFAULT_PIN_BUDGET,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
             raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
@@ -213,6 +240,9 @@ class CPUOffloadingManager(OffloadingManager):
         self._observe_lookups = self._policy.observes_requests and not request_scoped
         #: Requests looked up key by key that the policy has not heard of yet (``lookup``).
         self._walks = Walks(self._policy.on_request if self._observe_lookups else None)
+        #: Retention pins and classes (asyncoffload.manager.pins), ``pin_budget`` of the tier.
+        self.pins = PinTable(num_blocks, self._policy.get, pin_budget, clock=clock)
+        self.pins.emit = lambda keys, change: self._emit(keys, False, None, change)
         self._reset_slots()
         self._stored = self._store_failed = self._loaded = self._evicted = 0
         self._store_skipped = self._lookups = self._hits = 0
@@ -279,17 +309,17 @@ class CPUOffloadingManager(OffloadingManager):
         return ids
 
     def _emit(
-        self, keys: list[OffloadKey], removed: bool, tokens: BlockTokens | None = None
+        self, keys: list[OffloadKey], removed: bool, tokens: BlockTokens | None = None, change: str = ""
     ) -> None:
         if self._event_sink is not None:
-            if keys:
+            if keys and not change:  # a sink takes (keys, removed): pin changes are not its
                 self._event_sink(keys, removed)
             return
         if self._events is not None and keys:
             self._seq += 1
             self._events.append(
                 OffloadingEvent(
-                    tuple(keys), self.medium, removed, self._seq, time.time(), tokens=tokens
+                    tuple(keys), self.medium, removed, self._seq, time.time(), tokens=tokens, retention=change or None
                 )
             )
 
@@ -327,6 +357,8 @@ class CPUOffloadingManager(OffloadingManager):
             if block is None or block.ref_cnt < 0:
                 break
             n += 1
+        if self.pins or ctx is not None:
+            self.pins.hit(keys[:n], ctx)
         if self._observe_lookups and observe and keys:
             self._walks.prefix_lookup()  # walks not heard yet first
             self._policy.on_request(keys)
@@ -351,6 +383,7 @@ class CPUOffloadingManager(OffloadingManager):
         blocks = cast(list[BlockStatus], found)
         self._pin_blocks(blocks)
         self._loaded += len(blocks)
+        self.pins.hit(keys, ctx)
         self._walks.end()
         if self._requests is not None and ctx is not None and keys:
             loaded = tuple(keys)
@@ -396,6 +429,7 @@ class CPUOffloadingManager(OffloadingManager):
         """Mark ``keys`` recently used (``keys[0]`` the most recently), after telling a
         policy that observes requests of those looked up key by key (:meth:`lookup`)."""
         self._walks.touched(keys)
+        self.pins.hit(keys, ctx)
         self._policy.touch(keys)
         if self._admission is not None:
             self._admission.on_touch(keys)
@@ -416,21 +450,7 @@ class CPUOffloadingManager(OffloadingManager):
                     idle += 1
             self._num_idle += idle
             return
-        # Keys listed more than once, or unknown ones: count, then check.
-        need: dict[OffloadKey, int] = {}
-        for key in keys:
-            need[key] = need.get(key, 0) + 1
-        get = self._policy.get
-        pinned: list[BlockStatus] = []
-        for key, count in need.items():
-            maybe = get(key)
-            if maybe is None or maybe.ref_cnt < count:
-                raise ValueError(f"complete_load: key {key.hex()} is not being loaded")
-            pinned.append(maybe)
-        for block, count in zip(pinned, need.values()):
-            block.ref_cnt -= count
-            if block.ref_cnt == 0:
-                self._num_idle += 1
+        self._num_idle += _unpin_counted(self._policy.get, keys)
 
     def prepare_store(
         self, keys: Sequence[OffloadKey], ctx: ReqContext | None = None
@@ -484,6 +504,7 @@ class CPUOffloadingManager(OffloadingManager):
         if not to_store:
             if counted is None:
                 self._record_offers(offered, to_store)
+            self.pins.offer(keys, (), ctx)
             return PrepareStoreOutput([], _EMPTY_SPEC, [])
 
         # A refused call (``None``) changes no slot, offer counts included.
@@ -502,6 +523,7 @@ class CPUOffloadingManager(OffloadingManager):
         else:
             self._policy.insert_many(items)
         self._num_pending += len(to_store)
+        self.pins.offer(keys, to_store, ctx)
         if log is not None:
             calls = log.calls
             seen, reused, _ = calls[-1]
@@ -543,7 +565,7 @@ class CPUOffloadingManager(OffloadingManager):
         if shortfall > 0:
             if shortfall > self._num_idle:
                 return None
-            victims = self._policy.evict(shortfall, set(protect))
+            victims = self.pins.evict(self._policy, shortfall, protect, self._num_idle)
             if victims is None:
                 return None
             free_list = self._free_list
@@ -643,6 +665,7 @@ class CPUOffloadingManager(OffloadingManager):
             self._emit(done, removed=False, tokens=ctx.tokens if ctx is not None else None)
         else:
             self._store_failed += len(done)
+        self.pins.stored(done, success)
 
     # --- requests (request_scoped) --------------------------------------------------------
 
@@ -705,6 +728,7 @@ class CPUOffloadingManager(OffloadingManager):
         )
 
     def take_events(self) -> list[OffloadingEvent]:
+        self.pins.expire()
         if not self._events:
             return []
         events, self._events = self._events, []
@@ -736,5 +760,6 @@ class CPUOffloadingManager(OffloadingManager):
         if self._requests is not None:
             self._requests.clear()
         self._walks.clear()
+        self.pins.clear()
         self._reset_slots()
         self._emit(removed, removed=True)

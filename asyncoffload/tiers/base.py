@@ -157,6 +157,7 @@ class TierManager(CPUOffloadingManager):
         block = self._policy.get(key)
         assert block is not None and block.ref_cnt == 0
         self._policy.remove(key)
+        self.pins.forget((key,))
         self._free_list.append(block.block_id)
         self._num_ready -= 1
         if idle:
