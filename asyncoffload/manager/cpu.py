@@ -17,6 +17,7 @@ comes, as vLLM's own manager does (see :mod:`asyncoffload.manager.policies.base`
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from itertools import compress, repeat
@@ -40,8 +41,8 @@ from asyncoffload.manager.base import (
 )
 from asyncoffload.manager.offers import OfferCounts
 from asyncoffload.manager.pins import PinTable
-from asyncoffload.manager.retention import DEFAULT_PIN_BUDGET
 from asyncoffload.manager.policies import CachePolicy, RequestScope, get_policy_cls
+from asyncoffload.manager.retention import DEFAULT_PIN_BUDGET
 from asyncoffload.manager.walks import Walks
 
 __all__ = ["CPUOffloadingManager", "ManagerStats", "reject_duplicates"]
@@ -242,7 +243,7 @@ class CPUOffloadingManager(OffloadingManager):
         self._walks = Walks(self._policy.on_request if self._observe_lookups else None)
         #: Retention pins and classes (asyncoffload.manager.pins), ``pin_budget`` of the tier.
         self.pins = PinTable(num_blocks, self._policy.get, pin_budget, clock=clock)
-        self.pins.emit = lambda keys, change: self._emit(keys, False, None, change)
+        self.pins.emit = functools.partial(_pin_event, self)
         self._reset_slots()
         self._stored = self._store_failed = self._loaded = self._evicted = 0
         self._store_skipped = self._lookups = self._hits = 0
@@ -309,17 +310,17 @@ class CPUOffloadingManager(OffloadingManager):
         return ids
 
     def _emit(
-        self, keys: list[OffloadKey], removed: bool, tokens: BlockTokens | None = None, change: str = ""
+        self, keys: list[OffloadKey], removed: bool, tokens: BlockTokens | None = None
     ) -> None:
         if self._event_sink is not None:
-            if keys and not change:  # a sink takes (keys, removed): pin changes are not its
+            if keys:
                 self._event_sink(keys, removed)
             return
         if self._events is not None and keys:
             self._seq += 1
             self._events.append(
                 OffloadingEvent(
-                    tuple(keys), self.medium, removed, self._seq, time.time(), tokens=tokens, retention=change or None
+                    tuple(keys), self.medium, removed, self._seq, time.time(), tokens=tokens
                 )
             )
 
@@ -763,3 +764,16 @@ class CPUOffloadingManager(OffloadingManager):
         self.pins.clear()
         self._reset_slots()
         self._emit(removed, removed=True)
+
+
+def _pin_event(manager: CPUOffloadingManager, keys: list[OffloadKey], change: str) -> None:
+    """Publish a pin change of ``manager``'s blocks (``retention``: ``change``); an
+    ``event_sink`` takes stores and removals only, so none goes there."""
+    events = manager._events
+    if events is not None and manager._event_sink is None and keys:
+        manager._seq += 1
+        events.append(
+            OffloadingEvent(
+                tuple(keys), manager.medium, False, manager._seq, time.time(), retention=change
+            )
+        )

@@ -15,7 +15,7 @@ expires it is an ordinary block again (an ``"expired"`` event). Expiry is lazy b
 never late for an eviction: each eviction, hit, ``take_events`` and ``stats`` first
 expires what is due on the table's clock (``time.monotonic`` unless given; the tier
 core gives its lower tiers' tables the time its drivers hand it, and expires them at
-its deadlines).
+its deadlines). The module reads no clock itself: the tier core imports it.
 
 **The budget.** At most ``floor(pin_budget * num_blocks)`` blocks are pinned at once
 (``pin_budget`` in (0, 1]). A pin past it is refused, block by block in the order
@@ -39,9 +39,8 @@ is said by its removed event.
 from __future__ import annotations
 
 import heapq
-import time
 from collections.abc import Callable, Collection, Iterable, Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple, Protocol
 
 from asyncoffload.keys import OffloadKey
 from asyncoffload.manager.base import BlockStatus, ReqContext
@@ -53,14 +52,24 @@ from asyncoffload.manager.retention import (
     check_pin_budget,
 )
 
-if TYPE_CHECKING:
-    from asyncoffload.manager.policies import CachePolicy
-
 __all__ = ["PinStats", "PinTable", "carry_pins"]
 
 #: Called with (keys, change) for each pin event: "pinned", "expired" or "unpinned".
 PinSink = Callable[[list[OffloadKey], str], None]
 _Victims = list[tuple[OffloadKey, BlockStatus]]
+
+
+class _Policy(Protocol):
+    """What eviction asks of a tier's ``CachePolicy`` (not imported: the tier core
+    imports this module, and the policies reach native code)."""
+
+    def get(self, key: OffloadKey) -> BlockStatus | None: ...
+
+    def remove(self, key: OffloadKey) -> None: ...
+
+    def insert_many(self, items: _Victims) -> None: ...
+
+    def evict(self, n: int, protected: Collection[OffloadKey]) -> _Victims | None: ...
 
 
 class PinStats(NamedTuple):
@@ -95,7 +104,7 @@ class PinTable:
         get: Callable[[OffloadKey], BlockStatus | None],
         pin_budget: float = DEFAULT_PIN_BUDGET,
         *,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float],
         emit: PinSink | None = None,
         setting: str = "pin_budget",
     ) -> None:
@@ -335,7 +344,7 @@ class PinTable:
     # --- eviction ------------------------------------------------------------------
 
     def evict(
-        self, policy: CachePolicy, n: int, protect: Collection[OffloadKey], num_idle: int
+        self, policy: _Policy, n: int, protect: Collection[OffloadKey], num_idle: int
     ) -> _Victims | None:
         """``n`` victims for the manager (``num_idle``: its idle ready blocks), never a
         pinned one nor one of ``protect``: low-class ones first, then normal ones,

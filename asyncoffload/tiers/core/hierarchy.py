@@ -45,6 +45,7 @@ from collections.abc import Callable, Mapping, Sequence
 from asyncoffload.errors import KeyNotReadyError, UnknownKeyError
 from asyncoffload.keys import OffloadKey
 from asyncoffload.manager.base import OffloadingEvent, ReqContext, reject_duplicates
+from asyncoffload.manager.pins import carry_pins
 from asyncoffload.tiers.core.requests import (
     NEVER,
     Delete,
@@ -202,7 +203,8 @@ class TierHierarchy:
         for key, cpu_slot in zip(keys, out.store_spec.block_ids):
             by_tier.setdefault(sources[key], []).append((key, cpu_slot))
         for tier, pairs in by_tier.items():
-            tier_slots = tier.index.prepare_load([key for key, _ in pairs]).block_ids
+            tier_slots = tier.index.prepare_load(held := [k for k, _ in pairs], ctx).block_ids
+            carry_pins(tier.index, self.cpu, held)  # a pin below holds the copy above too
             if lookup:
                 tier.counters.lookup_hits += len(pairs)
             tier.batch.extend(
@@ -444,7 +446,9 @@ class TierHierarchy:
         """Decide what is due at ``now``: promotions whose read outlived its tier's
         deadline plus the grace fail (returned; their slots stay held until the read
         ends, and their keys are misses meanwhile: :meth:`stalled`), and questions
-        unanswered by their deadline count as failed."""
+        unanswered by their deadline count as failed; the lower tiers' pins due expire."""
+        for tier in self.tiers:
+            tier.index.pins.expire(now)  # (lazy otherwise: at evictions, hits, events)
         stalls = self._stalls
         out: list[Promotion] = []
         while stalls and stalls[0][0] <= now:
@@ -494,6 +498,7 @@ class TierHierarchy:
             chosen = list(out.keys_to_store)
             if not chosen:
                 continue
+            carry_pins(self.cpu, tier.index, chosen)  # the CPU tier's pins hold below too
             spec = self.cpu.pin(chosen)
             tier.counters.writes += 1
             slots = list(out.store_spec.block_ids)
