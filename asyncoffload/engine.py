@@ -104,9 +104,9 @@ class AsyncOffloadEngine(LoopBinding):
             cfg.cpu_blocks,
             cfg.policy,
             cfg.store_threshold,
-            enable_events=True,
             max_tracker_size=cfg.max_tracker_size,
             admission=cfg.admission,
+            pin_budget=cfg.pin_budget,
         )
         if backend is None:
             backend = make_backend(kv_caches, self.layout, cfg)

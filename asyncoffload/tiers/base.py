@@ -185,6 +185,8 @@ class SharedSettings(Protocol):
     def admission(self) -> str | None: ...
     @property
     def min_offers(self) -> int: ...
+    @property
+    def pin_budget(self) -> float: ...
 
 
 def shared_index_spec(config: SharedSettings) -> IndexSpec:
@@ -193,7 +195,14 @@ def shared_index_spec(config: SharedSettings) -> IndexSpec:
     name: that filter; None: every block)."""
     threshold = config.min_offers if config.admission == "frequency" else 0
     admission = config.admission if config.admission not in (None, "frequency") else None
-    return IndexSpec(config.index_blocks, Medium.REMOTE, config.policy, threshold, admission)
+    return IndexSpec(
+        config.index_blocks,
+        Medium.REMOTE,
+        config.policy,
+        threshold,
+        admission,
+        pin_budget=config.pin_budget,
+    )
 
 
 def new_index(spec: IndexSpec) -> TierManager:
