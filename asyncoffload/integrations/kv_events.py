@@ -287,6 +287,8 @@ def wire_events(event: OffloadingEvent, block_size: int = 0) -> list[WireEvent]:
     keys = event.keys
     medium = event.medium.value
     out: list[WireEvent] = []
+    if event.retention is not None:  # a pin change: vLLM's events have none (the blocks stay)
+        return out
     if event.removed:
         for start, stop, _ in _runs(keys, None):
             run = keys[start:stop]

@@ -287,6 +287,7 @@ class CPUOffloadingManager(OffloadingManager):
             store_skipped=self._store_skipped,
             lookups=self._lookups,
             hits=self._hits,
+            pins=self.pins.stats(),
         )
 
     def __repr__(self) -> str:
@@ -358,8 +359,7 @@ class CPUOffloadingManager(OffloadingManager):
             if block is None or block.ref_cnt < 0:
                 break
             n += 1
-        if self.pins or ctx is not None:
-            self.pins.hit(keys[:n], ctx)
+        self.pins.hit(keys[:n], ctx)
         if self._observe_lookups and observe and keys:
             self._walks.prefix_lookup()  # walks not heard yet first
             self._policy.on_request(keys)
