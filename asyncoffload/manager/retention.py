@@ -20,9 +20,12 @@ __all__ = [
     "DEFAULT_PIN_BUDGET",
     "MAX_TTL_S",
     "RETENTION_CLASSES",
+    "RETENTION_PARAM",
     "Retention",
     "check_pin_budget",
+    "check_ttl",
     "class_rank",
+    "retention_from_params",
 ]
 
 #: The longest pin a hint may ask for: a day. A longer one is a mistake (milliseconds
@@ -115,3 +118,16 @@ class Retention:
             None if ttl is None else check_ttl(ttl, f"{what}.ttl_s"),
             RETENTION_CLASSES[class_rank(klass, f"{what}.retention_class")],
         )
+
+
+#: The key of a request's ``kv_transfer_params`` (vLLM) that carries its hint, as
+#: :meth:`Retention.parse` reads it: ``{"asyncoffload_retention": {"ttl_s": 30}}``.
+RETENTION_PARAM = "asyncoffload_retention"
+
+
+def retention_from_params(params: object) -> Retention | None:
+    """The hint in a request's ``kv_transfer_params`` (:data:`RETENTION_PARAM`), or
+    ``None`` if it has none; ``ValueError`` naming the key for a malformed one."""
+    if not isinstance(params, dict) or params.get(RETENTION_PARAM) is None:
+        return None
+    return Retention.parse(params[RETENTION_PARAM], f"kv_transfer_params[{RETENTION_PARAM!r}]")

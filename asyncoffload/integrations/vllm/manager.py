@@ -50,6 +50,7 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from asyncoffload.integrations.vllm.hints import RequestHints
 from asyncoffload.keys import OffloadKey as OurOffloadKey
 from asyncoffload.manager import CPUOffloadingManager, ManagerStats
 from asyncoffload.manager import LookupResult as OurLookupResult
@@ -63,6 +64,7 @@ from asyncoffload.manager.native import (
     native_unsupported,
 )
 from asyncoffload.manager.policies.lru_ranked import RankedLRUPolicy
+from asyncoffload.manager.retention import DEFAULT_PIN_BUDGET
 
 if TYPE_CHECKING:
     from asyncoffload.integrations.vllm.tiers import SchedulerTiers
@@ -96,6 +98,10 @@ TIER_WRITE_FAILURES = _OURS + "tier_write_failures"
 TIER_READ_FAILURES = _OURS + "tier_read_failures"
 TIER_SKIPPED = _OURS + "tier_skipped"
 TIER_READY_BLOCKS = _OURS + "tier_ready_blocks"
+# Retention pins of the CPU tier (kv_transfer_params' asyncoffload_retention).
+PINNED_BLOCKS = _OURS + "pinned_blocks"
+PINS_REFUSED = _OURS + "pins_refused"
+PINS_EXPIRED = _OURS + "pins_expired"
 
 # Counter metric -> the ManagerStats field it reports (as increments).
 _COUNTERS: dict[str, str] = {
@@ -156,6 +162,14 @@ def metric_definitions(
         LOOKUP_HITS: OffloadingCounterMetadata("lookup calls that found the block."),
         READY_BLOCKS: OffloadingGaugeMetadata("Loadable blocks in the CPU tier."),
         FREE_BLOCKS: OffloadingGaugeMetadata("Free slots of the CPU tier."),
+        PINNED_BLOCKS: OffloadingGaugeMetadata(
+            "CPU-tier blocks held by retention pins (kv_transfer_params' asyncoffload_retention)."
+        ),
+        PINS_REFUSED: OffloadingCounterMetadata(
+            "Retention pins refused: over pin_budget (the block is stored unpinned), or "
+            "a request's hint refused whole (retention off: no pin_budget; or malformed)."
+        ),
+        PINS_EXPIRED: OffloadingCounterMetadata("Retention pins that expired."),
     }
     if tiers:
         definitions.update(
@@ -304,6 +318,7 @@ class AsyncOffloadManager(OffloadingManager):
         host_pool: tuple[str | os.PathLike[str] | Sequence[str | os.PathLike[str]], int]
         | None = None,
         unlink_pools: bool = True,
+        pin_budget: float | None = None,
     ) -> None:
         self.medium = Medium.CPU
         self.store_threshold = store_threshold
@@ -319,6 +334,10 @@ class AsyncOffloadManager(OffloadingManager):
             if host_pool is None:
                 raise ValueError("lower tiers need host_pool=(path, slot_bytes)")
             why_not = why_not or "lower tiers run on the Python manager"
+        if pin_budget is not None:
+            why_not = why_not or "retention pins run on the Python manager"
+        #: Requests' retention hints (kv_transfer_params), with pin_budget set.
+        self.hints = RequestHints(pin_budget is not None)
         if native and why_not is not None:
             raise ValueError(why_not)
         if native and not native_manager_available():
@@ -342,6 +361,7 @@ class AsyncOffloadManager(OffloadingManager):
                 request_scoped=True,
                 count_once_per_request=VLLM.count_once,
                 event_sink=lambda keys, removed: events.append((list(keys), removed)),
+                pin_budget=pin_budget if pin_budget is not None else DEFAULT_PIN_BUDGET,
             )
             calls = _PythonCalls(self._manager, events)
         self._calls = calls
@@ -412,6 +432,7 @@ class AsyncOffloadManager(OffloadingManager):
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         self._tick()
+        self.hints.start(self._manager, req_context)
         self._calls.on_new_request(req_context)
         return RequestOffloadingContext()
 
@@ -419,6 +440,7 @@ class AsyncOffloadManager(OffloadingManager):
         self._tick()
         positions = getattr(req_context, "_offload_key_positions", None)
         self._calls.on_request_finished(req_context, positions or None)
+        self.hints.end(self._manager, req_context)
 
     # --- lookups and loads ---------------------------------------------------------
 
@@ -639,6 +661,7 @@ class AsyncOffloadManager(OffloadingManager):
                 stats.increase_counter(name, delta)
         if self.store_threshold >= 2:
             stats.increase_counter(STORES_SKIPPED, now.store_skipped - before.store_skipped)
+        self.hints.report(stats, now, before, (PINNED_BLOCKS, PINS_REFUSED, PINS_EXPIRED))
         self._reported = now
         if self._tiers is not None:
             tier_stats = self._tiers.stats()

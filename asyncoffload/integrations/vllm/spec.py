@@ -155,6 +155,7 @@ class AsyncOffloadSpec(OffloadingSpec):
                 tiers=self._open_tiers() if s.tiers else (),
                 host_pool=(self.host_pool_paths(), self.chunk_bytes) if s.tiers else None,
                 unlink_pools=not self.replicated_layout,
+                pin_budget=s.pin_budget,
             )
         return self._manager
 
