@@ -125,6 +125,9 @@ class PinTable:
         #: Hints of requests that cannot carry one on their context (vLLM's).
         self._requests: dict[str, Retention] = {}
         self._counts = [0, 0, 0, 0, 0]  # pins, refreshed, refused, expired, released
+        #: The request (its context's or hint's id) whose refusals were counted last,
+        #: and those keys: a block is refused once per request, not once per call.
+        self._refusals: tuple[int, set[OffloadKey]] = (0, set())
 
     def __bool__(self) -> bool:
         """Whether anything is pinned, ranked or waiting to be."""
@@ -241,7 +244,7 @@ class PinTable:
             self._set_rank(key, hint.rank, fresh)
         self._counts[1] += refreshed
         if new and ttl is not None:
-            self._pin(new, ttl, now)
+            self._pin(new, ttl, now, id(ctx) if ctx is not None else id(hint))
         if len(self._heap) > 2 * len(pins) + 1024:
             self._compact()
 
@@ -255,10 +258,17 @@ class PinTable:
         else:
             ranks[key] = rank
 
-    def _pin(self, keys: list[OffloadKey], ttl: float, now: float) -> None:
+    def _pin(self, keys: list[OffloadKey], ttl: float, now: float, request: int) -> None:
         room = self.limit - len(self._pins)
         take = keys if room >= len(keys) else keys[: max(room, 0)]
-        self._counts[2] += len(keys) - len(take)
+        if len(take) < len(keys):
+            token, counted = self._refusals
+            if token != request:
+                counted = set()
+                self._refusals = (request, counted)
+            refused = [key for key in keys[len(take) :] if key not in counted]
+            counted.update(refused)
+            self._counts[2] += len(refused)
         if not take:
             return
         until = now + ttl
