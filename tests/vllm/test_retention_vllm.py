@@ -4,15 +4,17 @@ vLLM's own request contexts, read by the scheduler's manager (issue 40)."""
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
 import pytest
 from vllm.v1.kv_offload.base import OffloadKey, ReqContext
+from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
 from asyncoffload.integrations.vllm import AsyncOffloadManager, AsyncOffloadSpec
 from asyncoffload.manager import CPUOffloadingManager
 from asyncoffload.manager.retention import RETENTION_PARAM, Retention, retention_from_params
-from tests.vllm.test_spec import _config, _extra, _keys, _spec
+from tests.vllm.test_spec import _caches, _config, _extra, _keys, _spec
 
 
 class _Clock:
@@ -152,3 +154,38 @@ def test_a_hint_is_held_for_its_request_only() -> None:
     assert inner.pins.retention_of(ctx) == Retention(5.0, "high")
     manager.on_request_finished(ctx)
     assert inner.pins.retention_of(ctx) is None
+
+
+def test_a_hinted_requests_blocks_are_pinned_on_disk_and_vllm_sees_no_pin_event(
+    tmp_path: Path,
+) -> None:
+    from tests.vllm.test_tiers_vllm import CHUNK, _store, _tier
+
+    (tmp_path / "shm").mkdir()
+    extra = _extra(
+        cpu_bytes_to_use=4 * CHUNK,
+        tiers=[_tier(tmp_path / "disk", pin_budget=0.5)],
+        host_pool_dir=str(tmp_path / "shm"),
+        pin_budget=0.5,
+    )
+    spec = OffloadingSpecFactory.create_spec(_config(extra))
+    assert isinstance(spec, AsyncOffloadSpec)
+    worker = spec.get_worker(_caches(num_blocks=16))
+    manager = spec.get_manager()
+    assert isinstance(manager, AsyncOffloadManager) and manager.tiers is not None
+    try:
+        kept = _keys("a", "b")
+        ctx = _hinted("r", {"ttl_s": 60, "retention_class": "high"})
+        manager.on_new_request(ctx)
+        _store(manager, worker, kept, [0, 1], ctx)  # vLLM completes stores without a hint
+        manager.on_request_finished(ctx)
+        index = manager.tiers.core.tiers[0].index
+        assert all(key in index.pins for key in kept)  # carried down from the CPU tier
+        assert index.pins.retention_of_key(kept[0]) == Retention(60.0, "high")
+        events = list(manager.take_events())
+        assert events and all(not getattr(e, "retention", None) for e in events)
+        stored = {k for e in events if not e.removed for k in e.keys}
+        assert set(kept) <= stored
+    finally:
+        worker.shutdown()
+        manager.shutdown()
