@@ -302,6 +302,10 @@ class AsyncOffloadManager(OffloadingManager):
     ``True`` requires it (``ValueError`` for a configuration it does not run,
     ``RuntimeError`` where it cannot be built), ``False`` never uses it, ``None`` uses it
     where it can. The decisions are the same either way.
+
+    ``pin_budget`` turns retention on (requests' ``kv_transfer_params``
+    ``asyncoffload_retention``, see :mod:`asyncoffload.integrations.vllm.hints`), on the
+    Python manager; ``None`` leaves it off and refuses hints, counted.
     """
 
     def __init__(
