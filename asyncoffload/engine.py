@@ -455,7 +455,7 @@ class AsyncOffloadEngine(LoopBinding):
             stores_rejected=self._stores_rejected,
             copies=self._copies,
             hub=self._hub,
-            manager=self._manager.stats(),
+            manager=self._manager,
             tiers=self._tiers.stats() if self._tiers is not None else (),
         )
 

@@ -171,8 +171,7 @@ def _expected(
         for cause, n in t.failures.items():
             put("tier_failed_blocks_total", n, medium=medium, cause=cause)
         put("tier_dropped_blocks_total", t.dropped, medium=medium)
-    for medium, ms in (("CPU", m), *((t.medium, t.manager) for t in s.tiers)):
-        p = ms.pins
+    for medium, p in (("CPU", s.pins), *((t.medium, t.pins) for t in s.tiers)):
         assert p is not None  # every tier of the engine has retention pins
         put("retention_pinned_blocks", p.pinned, medium=medium)
         put("retention_pin_limit_blocks", p.limit, medium=medium)

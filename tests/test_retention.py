@@ -301,6 +301,30 @@ def test_a_pin_and_a_class_are_carried_to_another_tier() -> None:
     assert below.pins.retention_of_key(keys[0]) == Retention(7.0, "high")
 
 
+def test_a_lower_tiers_pin_holds_while_the_cpu_tier_still_pins_the_block() -> None:
+    from asyncoffload.manager.pins import carry_pins, hold_below
+
+    above, clock = manager()
+    below, _ = manager()
+    below.pins.clock = clock
+    hold_below(above, [below])
+    keys = make_keys(2)
+    serve(above, keys, hinted(10.0))
+    out = below.prepare_store(keys)
+    assert out is not None
+    carry_pins(above, below, keys)
+    below.complete_store(keys)
+    clock.now += 8.0
+    above.touch(keys)  # hits in the CPU tier alone refresh its pins
+    clock.now += 4.0  # the pins below are due, the ones above are not
+    flood(below, 30)
+    assert set(keys) <= resident(below)
+    clock.now += 6.0  # both over
+    flood(below, 30, b"g")
+    assert not set(keys) & resident(below)
+    assert below.pins.stats().expired == 2
+
+
 # --- bad input ------------------------------------------------------------------------
 
 

@@ -36,7 +36,7 @@ from prometheus_client.utils import floatToGoString
 from asyncoffload.engine import AsyncOffloadEngine, EngineStats
 from asyncoffload.histogram import HistogramSnapshot
 from asyncoffload.integrations.kv_events import PublisherStats
-from asyncoffload.manager import ManagerStats
+from asyncoffload.manager.pins import PinStats
 
 __all__ = ["EngineMetrics", "PublisherLike"]
 
@@ -211,20 +211,19 @@ def _engine_samples(s: EngineStats, medium: str) -> dict[str, Sequence[_Sample]]
     }
     for name, rows in _tier_samples(s).items():
         out[name] = [*out.get(name, ()), *rows]
-    pin_rows = _pin_samples([(medium, m), *((t.medium, t.manager) for t in s.tiers)])
+    pin_rows = _pin_samples([(medium, s.pins), *((t.medium, t.pins) for t in s.tiers)])
     out.update(pin_rows)
     return out
 
 
-def _pin_samples(tiers: Sequence[tuple[str, ManagerStats]]) -> dict[str, list[_Sample]]:
+def _pin_samples(tiers: Sequence[tuple[str, PinStats | None]]) -> dict[str, list[_Sample]]:
     """Each tier's retention pins (those of a manager that has them)."""
     out: dict[str, list[_Sample]] = {
         "retention_pinned_blocks": [],
         "retention_pin_limit_blocks": [],
         "retention_pins": [],
     }
-    for medium, m in tiers:
-        p = m.pins
+    for medium, p in tiers:
         if p is None:
             continue
         out["retention_pinned_blocks"].append(((medium,), p.pinned))

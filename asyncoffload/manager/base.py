@@ -23,14 +23,11 @@ import enum
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 from asyncoffload.errors import DuplicateKeyError
 from asyncoffload.keys import BlockTokens, OffloadKey
 from asyncoffload.manager.retention import Retention
-
-if TYPE_CHECKING:
-    from asyncoffload.manager.pins import PinStats
 
 __all__ = [
     "BlockStatus",
@@ -171,9 +168,6 @@ class ManagerStats(NamedTuple):
     #: ``lookup`` calls, and those that found the key (ready or pending).
     lookups: int
     hits: int
-    #: Retention pins and classes (``asyncoffload.manager.pins``); ``None`` from a
-    #: manager that has none (the C core).
-    pins: PinStats | None = None
 
 
 def reject_duplicates(keys: Sequence[OffloadKey], what: str) -> None:

@@ -287,7 +287,6 @@ class CPUOffloadingManager(OffloadingManager):
             store_skipped=self._store_skipped,
             lookups=self._lookups,
             hits=self._hits,
-            pins=self.pins.stats(),
         )
 
     def __repr__(self) -> str:

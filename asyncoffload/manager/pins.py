@@ -29,6 +29,10 @@ first (oldest ranked first), then ``"normal"`` ones in the policy's own order, t
 ``"high"`` ones in the policy's order: the policy's ``evict`` with the higher classes
 protected, and ``remove`` for the low ones, so every registered policy honours it.
 
+**Tiers.** The tier core gives each lower tier's table the CPU tier's as ``upstream``:
+a block pinned above stays pinned below until its pin above ends (the engine's loads
+hit the CPU tier alone), and a promotion refreshes the pin where it reads.
+
 **Events.** New pins publish a ``"pinned"`` event, expiry an ``"expired"`` one and
 :meth:`PinTable.release` an ``"unpinned"`` one (an ``OffloadingEvent`` whose
 ``retention`` names the change; ``removed`` is False and the blocks stay stored). A
@@ -52,7 +56,7 @@ from asyncoffload.manager.retention import (
     check_pin_budget,
 )
 
-__all__ = ["PinStats", "PinTable", "carry_pins"]
+__all__ = ["PinStats", "PinTable", "carry_pins", "expire_pins", "hold_below"]
 
 #: Called with (keys, change) for each pin event: "pinned", "expired" or "unpinned".
 PinSink = Callable[[list[OffloadKey], str], None]
@@ -125,6 +129,9 @@ class PinTable:
         #: Hints of requests that cannot carry one on their context (vLLM's).
         self._requests: dict[str, Retention] = {}
         self._counts = [0, 0, 0, 0, 0]  # pins, refreshed, refused, expired, released
+        #: The table of the tier above (the CPU tier's, for a lower tier's): a block it
+        #: still pins keeps its pin here too (hits there refresh only that tier's).
+        self.upstream: PinTable | None = None
         #: The request (its context's or hint's id) whose refusals were counted last,
         #: and those keys: a block is refused once per request, not once per call.
         self._refusals: tuple[int, set[OffloadKey]] = (0, set())
@@ -290,11 +297,17 @@ class PinTable:
         if heap[0][0] > now:
             return []
         pins = self._pins
+        above = self.upstream._pins if self.upstream is not None else {}
         gone: list[OffloadKey] = []
         while heap and heap[0][0] <= now:
             until, key = heapq.heappop(heap)
             pin = pins.get(key)
             if pin is not None and pin[0] == until:
+                held = above.get(key)
+                if held is not None and held[0] > now:  # pinned above: held here too
+                    pins[key] = (held[0], pin[1])
+                    heapq.heappush(heap, (held[0], key))
+                    continue
                 del pins[key]
                 gone.append(key)
         if gone:
@@ -434,3 +447,21 @@ def carry_pins(src: object, dst: object, keys: Iterable[OffloadKey]) -> None:
             hint = of(key)
             if hint is not None:
                 pending[key] = hint
+
+
+def hold_below(cpu: object, indices: Iterable[object]) -> None:
+    """The tables of ``indices`` (lower tiers) keep a pin while ``cpu``'s table (the
+    CPU tier's, where it has one) still pins the block (:attr:`PinTable.upstream`)."""
+    above: PinTable | None = getattr(cpu, "pins", None)
+    for index in indices:
+        table: PinTable | None = getattr(index, "pins", None)
+        if table is not None:
+            table.upstream = above
+
+
+def expire_pins(indices: Iterable[object], now: float) -> None:
+    """Let go of the pins due at ``now`` in each of ``indices``' tables."""
+    for index in indices:
+        table: PinTable | None = getattr(index, "pins", None)
+        if table is not None:
+            table.expire(now)

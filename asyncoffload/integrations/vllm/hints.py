@@ -23,7 +23,8 @@ import logging
 import time
 from typing import Any
 
-from asyncoffload.manager import CPUOffloadingManager, ManagerStats, NativeManager
+from asyncoffload.manager import CPUOffloadingManager, NativeManager
+from asyncoffload.manager.pins import PinStats
 from asyncoffload.manager.retention import retention_from_params
 
 __all__ = ["RequestHints"]
@@ -42,6 +43,7 @@ class RequestHints:
         #: Requests whose hint was refused whole (retention off, or malformed).
         self.refused = 0
         self._reported = 0
+        self._pins = PinStats(0, 0, 0, 0, 0, 0, 0, 0, 0)  # as last reported
         self._warned_at: float | None = None
 
     def start(self, manager: CPUOffloadingManager | NativeManager, ctx: Any) -> None:
@@ -78,19 +80,22 @@ class RequestHints:
             log.warning("retention hint refused (%d so far): %s", self.refused, why)
 
     def report(
-        self, stats: Any, now: ManagerStats, before: ManagerStats, names: tuple[str, str, str]
+        self,
+        stats: Any,
+        manager: CPUOffloadingManager | NativeManager,
+        names: tuple[str, str, str],
     ) -> None:
         """Report the pins to vLLM's ``stats`` (``names``: the pinned gauge, the refused
-        and expired counters): increments since ``before``."""
+        and expired counters): increments since the last report."""
         pinned, refused, expired = names
-        pins, was = now.pins, before.pins
         refused_now = self.refused - self._reported
         self._reported = self.refused
-        if pins is not None:
+        if isinstance(manager, CPUOffloadingManager):
+            pins, was = manager.pins.stats(), self._pins
+            self._pins = pins
             stats.set_gauge(pinned, pins.pinned)
-            if was is not None:
-                refused_now += pins.refused - was.refused
-                if pins.expired - was.expired:
-                    stats.increase_counter(expired, pins.expired - was.expired)
+            refused_now += pins.refused - was.refused
+            if pins.expired - was.expired:
+                stats.increase_counter(expired, pins.expired - was.expired)
         if refused_now:
             stats.increase_counter(refused, refused_now)

@@ -665,7 +665,7 @@ class AsyncOffloadManager(OffloadingManager):
                 stats.increase_counter(name, delta)
         if self.store_threshold >= 2:
             stats.increase_counter(STORES_SKIPPED, now.store_skipped - before.store_skipped)
-        self.hints.report(stats, now, before, (PINNED_BLOCKS, PINS_REFUSED, PINS_EXPIRED))
+        self.hints.report(stats, self._manager, (PINNED_BLOCKS, PINS_REFUSED, PINS_EXPIRED))
         self._reported = now
         if self._tiers is not None:
             tier_stats = self._tiers.stats()

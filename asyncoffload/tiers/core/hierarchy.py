@@ -45,7 +45,7 @@ from collections.abc import Callable, Mapping, Sequence
 from asyncoffload.errors import KeyNotReadyError, UnknownKeyError
 from asyncoffload.keys import OffloadKey
 from asyncoffload.manager.base import OffloadingEvent, ReqContext, reject_duplicates
-from asyncoffload.manager.pins import carry_pins
+from asyncoffload.manager.pins import carry_pins, expire_pins, hold_below
 from asyncoffload.tiers.core.requests import (
     NEVER,
     Delete,
@@ -115,6 +115,7 @@ class TierHierarchy:
         self._late: list[tuple[TierIo, Callable[[], None]]] = []
         self._reap_at = NEVER
         self.closed = False
+        hold_below(cpu, [tier.index for tier in self.tiers])  # a CPU pin holds them too
 
     # --- which tier holds a key ------------------------------------------------------
 
@@ -447,8 +448,7 @@ class TierHierarchy:
         deadline plus the grace fail (returned; their slots stay held until the read
         ends, and their keys are misses meanwhile: :meth:`stalled`), and questions
         unanswered by their deadline count as failed; the lower tiers' pins due expire."""
-        for tier in self.tiers:
-            tier.index.pins.expire(now)  # (lazy otherwise: at evictions, hits, events)
+        expire_pins([tier.index for tier in self.tiers], now)  # else lazily, at evictions
         stalls = self._stalls
         out: list[Promotion] = []
         while stalls and stalls[0][0] <= now:
@@ -714,6 +714,7 @@ def _stats(tier: TierState, info: Callable[[TierState], dict[str, object]] | Non
         blocks_present=c.blocks_present,
         delete_failures=c.delete_failures,
         declined_above=c.declined_above,
+        pins=m.pins.stats(),
     )
 
 

@@ -23,7 +23,7 @@ from asyncoffload.manager.base import (
     PrepareStoreOutput,
     ReqContext,
 )
-from asyncoffload.manager.pins import PinTable
+from asyncoffload.manager.pins import PinStats, PinTable
 from asyncoffload.manager.retention import DEFAULT_PIN_BUDGET
 
 __all__ = [
@@ -193,6 +193,8 @@ class TierStats:
     #: they were never offered here. Not failures; the CPU tier counts them too
     #: (``ManagerStats.store_skipped``).
     declined_above: int = 0
+    #: The tier's retention pins (``asyncoffload.manager.pins``).
+    pins: PinStats | None = None
 
 
 _CAUSES = {
