@@ -17,6 +17,7 @@ from asyncoffload._native import load_mgrcore
 from asyncoffload.errors import BlockIdError, LengthMismatchError
 from asyncoffload.keys import GROUP_IDX_BYTES, BlockTokens, IntArray, OffloadKey, tenant_key
 from asyncoffload.manager import ReqContext
+from asyncoffload.manager.quotas import tenancy
 from asyncoffload.manager.retention import Retention
 
 __all__ = [
@@ -98,6 +99,8 @@ def check_ctx(ctx: object, what: str) -> ReqContext:
             f"{what}: ctx.retention must be an asyncoffload.Retention or None, got "
             f"{type(ctx.retention).__name__}"
         )
+    if ctx.tenant is not None or ctx.no_store or ctx.kv_transfer_params:
+        tenancy(ctx)  # a bad tenant or opt-out raises here, before anything changes
     return ctx
 
 

@@ -26,6 +26,7 @@ from pydantic_settings import (
     InitSettingsSource,
 )
 
+from asyncoffload.manager.quotas import check_quota_table, resolve_quotas
 from asyncoffload.manager.retention import DEFAULT_PIN_BUDGET, check_pin_budget
 from asyncoffload.tiers.disk import DiskTier
 from asyncoffload.tiers.settings import known_admission, known_policy
@@ -164,6 +165,17 @@ class EngineConfig(BaseModel):
         description="Tenant of this engine (a cache salt): lower-tier blocks of other "
         "tenants are never read. Per request: ReqContext.tenant.",
     )
+    tenants: list[str] = Field(
+        default_factory=list,
+        description="The tenants (ReqContext.tenant) that quota tables may name.",
+    )
+    quotas: dict[str, int | str] = Field(
+        default_factory=dict,
+        description="Tenant quotas of the CPU tier, {tenant: quota}: blocks (an int), a "
+        "share ('25%') or bytes ('512MiB', in KV blocks of the layout). Over its quota a "
+        "tenant's store evicts its own blocks, never another's; what does not fit is "
+        "refused and counted. Each tier of tiers takes its own quotas.",
+    )
     log_summary_s: float | None = Field(
         None,
         gt=0,
@@ -245,6 +257,15 @@ class EngineConfig(BaseModel):
                 )
         if self.rank >= self.world_size:
             raise ValueError(f"rank {self.rank} is outside world_size {self.world_size}")
+        return self
+
+    @model_validator(mode="after")
+    def _quota_tables(self) -> EngineConfig:
+        check_quota_table(self.quotas, self.tenants, "quotas")
+        for i, tier in enumerate(self.tiers):
+            check_quota_table(tier.quotas, self.tenants, f"tiers[{i}].quotas")
+        if self.cpu_bytes is None:  # in blocks: a quota larger than the tier is known now
+            resolve_quotas(self.quotas, self.cpu_blocks, 0, "quotas")
         return self
 
     @field_validator("admission", mode="before")

@@ -44,6 +44,7 @@ from asyncoffload.hostmem import format_bytes
 from asyncoffload.keys import BlockTokens, OffloadKey
 from asyncoffload.layout import KVLayout
 from asyncoffload.manager import CPUOffloadingManager, ReqContext
+from asyncoffload.manager.quotas import resolve_quotas
 from asyncoffload.stats import EngineStats, Summary, TierStats, engine_stats
 from asyncoffload.tiers.base import LowerTier
 from asyncoffload.tiers.format import Namespace
@@ -100,14 +101,7 @@ class AsyncOffloadEngine(LoopBinding):
         self.layout = layout if layout is not None else KVLayout.infer(kv_caches)
         # cpu_bytes -> cpu_blocks for this layout's blocks: self.config is the resolved copy.
         self.config = cfg = _resolved(config, self.layout.block_bytes)
-        self._manager = manager = CPUOffloadingManager(
-            cfg.cpu_blocks,
-            cfg.policy,
-            cfg.store_threshold,
-            max_tracker_size=cfg.max_tracker_size,
-            admission=cfg.admission,
-            pin_budget=cfg.pin_budget,
-        )
+        self._manager = manager = _cpu_manager(cfg, self.layout.block_bytes)
         if backend is None:
             backend = make_backend(kv_caches, self.layout, cfg)
         elif backend.num_host_blocks < cfg.cpu_blocks:
@@ -482,6 +476,20 @@ def _resolved(config: EngineConfig, block_bytes: int) -> EngineConfig:
             block_bytes,
         )
     return cfg
+
+
+def _cpu_manager(cfg: EngineConfig, block_bytes: int) -> CPUOffloadingManager:
+    """The CPU tier's index, its quotas in blocks of ``block_bytes``."""
+    return CPUOffloadingManager(
+        cfg.cpu_blocks,
+        cfg.policy,
+        cfg.store_threshold,
+        enable_events=True,
+        max_tracker_size=cfg.max_tracker_size,
+        admission=cfg.admission,
+        quotas=resolve_quotas(cfg.quotas, cfg.cpu_blocks, block_bytes, "quotas"),
+        pin_budget=cfg.pin_budget,
+    )
 
 
 def _check_capacity(manager: CPUOffloadingManager, keys: list[OffloadKey]) -> None:

@@ -690,6 +690,40 @@ async def secrets_(port: int) -> dict[str, Any]:
     return out
 
 
+async def quotas(port: int) -> dict[str, Any]:
+    """Two tenants, one flooding and one steady (tests/quota_flood.py), with CPU, disk,
+    Valkey and Mooncake tiers, without and with the flood."""
+    import tempfile
+
+    from tests import quota_flood
+    from tests.servers import ValkeyServer
+
+    out: dict[str, Any] = {}
+    limits = {"flood": 4, "steady": "50%"}
+    with tempfile.TemporaryDirectory() as tmp:
+        server = ValkeyServer(Path(tmp))
+        try:
+            for name, flood in (("calm", False), ("flood", True)):
+                server.command("FLUSHALL")
+                tiers = [
+                    ao.DiskTier(Path(tmp) / name, "1MiB", "slab", admission=None, quotas=limits),
+                    ao.RemoteTier(url=server.url, index_blocks=64, timeout_s=5.0, quotas=limits),
+                    ao.MooncakeTier(
+                        f"127.0.0.1:{port}",
+                        segment_bytes=64 << 20,
+                        timeout_s=5.0,
+                        index_blocks=64,
+                        admission=None,
+                        quotas=limits,
+                        prefix=name,
+                    ),
+                ]
+                out[name] = await quota_flood.run(tiers, flood)
+        finally:
+            server.stop()
+    return out
+
+
 SCENARIOS = {
     "share": share,
     "reader": reader,
@@ -700,6 +734,7 @@ SCENARIOS = {
     "slices": slices,
     "stopped": stopped,
     "secrets": secrets_,
+    "quotas": quotas,
 }
 
 

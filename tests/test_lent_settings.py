@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from asyncoffload.integrations.sglang.settings import SglangStorageSettings
 from asyncoffload.integrations.vllm.secondary_settings import SecondaryTierSettings
 from asyncoffload.tiers.disk import DiskTier
@@ -34,3 +36,16 @@ def test_a_disk_tier_under_a_framework_admits_every_block_unless_told(tmp_path: 
     chosen = dict(disk, admission="frequency")
     assert SecondaryTierSettings.from_config({"tier": chosen}).tier.admission == "frequency"
     assert sglang(chosen).tiers[0].admission == "frequency"
+
+
+def test_a_lent_tiers_quota_names_the_deployments_tenant(tmp_path: Path) -> None:
+    disk: dict[str, object] = {"kind": "disk", "path": str(tmp_path), "capacity": "1MiB"}
+    capped = {**disk, "quotas": {"team-a": "25%"}}
+    tier = SecondaryTierSettings.from_config({"tier": capped, "tenant": "team-a"}).tier
+    assert tier.quotas == {"team-a": "25%"}
+    with pytest.raises(ValueError, match=r"tier\.quotas: 'team-a' is not a known tenant"):
+        SecondaryTierSettings.from_config({"tier": capped, "tenant": "team-b"})
+    with pytest.raises(ValueError, match=r"tiers\[0\]\.quotas: 'team-a' is not a known tenant"):
+        sglang(capped)
+    with pytest.raises(ValueError, match=r"a share must be above 0%"):
+        sglang({**disk, "quotas": {"x": "0%"}})

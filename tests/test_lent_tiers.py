@@ -303,3 +303,24 @@ def test_a_job_says_what_it_moved_and_how_long_it_took(
     assert again.written == [True] * 6
     for job in (first, again, load):
         assert 0 < job.submitted <= job.finished
+
+
+def test_the_deployments_tenant_is_capped_by_each_tiers_quota(tmp_path: Path) -> None:
+    host = Host()
+    capacity = 64 * (BLOCK + HEADER_BYTES)
+    settings = DiskTier(tmp_path / "disk", capacity, "slab", admission=None, quotas={"t": 3})
+    tiers = LentTiers(open_tiers([settings], NAMESPACE), host.address, tenant="t")
+    try:
+        for i in range(5):
+            host.fill(i, i)
+        job = done(tiers, tiers.store([key(i) for i in range(5)], list(range(5))))
+        assert job.written == [True] * 3 + [False] * 2  # the head fits the quota
+        (stats,) = tiers.stats()
+        assert stats.manager.quota_refused == 2
+        assert stats.manager.tenants[0].refused == 2 and stats.manager.tenants[0].held == 3
+        # The next store evicts the tenant's own blocks, oldest first, to fit.
+        host.fill(5, 5)
+        job = done(tiers, tiers.store([key(5)], [5]))
+        assert job.written == [True] and tiers.lookup(key(0)) == "miss"
+    finally:
+        tiers.close()

@@ -43,6 +43,20 @@ def _scenario(name: str) -> dict[str, Any]:
     return result
 
 
+def test_quotas_hold_in_every_tier_mooncake_and_valkey_included() -> None:
+    """Two tenants, one flooding and one steady, with CPU, disk, Valkey and Mooncake
+    tiers (tests/quota_flood.py): tests/test_quota_tiers.py's checks, every tier."""
+    from tests.servers import valkey_binary
+    from tests.test_quota_tiers import check_flood_and_steady
+
+    if not valkey_binary().exists():
+        pytest.skip("valkey-server is not installed")
+    seen = _scenario("quotas")
+    names = list(seen["flood"]["tiers"])
+    assert len(names) == 4 and names[0] == "CPU"
+    check_flood_and_steady(seen["calm"], seen["flood"], names)
+
+
 @pytest.fixture(scope="module")
 def share() -> dict[str, Any]:
     return _scenario("share")

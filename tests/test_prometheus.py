@@ -31,7 +31,8 @@ _COUNTERS = {
     "store_skipped_blocks", "stores_rejected", "transfers", "transfers_failed",
     "store_failed_blocks", "lookups", "lookup_blocks", "lookup_hit_blocks",
     "events_published", "events_dropped", "tier_lookup_hit_blocks", "tier_io_bytes",
-    "tier_failed_blocks", "tier_dropped_blocks", "retention_pins",
+    "tier_failed_blocks", "tier_dropped_blocks", "retention_pins", "quota_refused_blocks",
+    "opted_out_blocks",
 }  # fmt: skip
 _GAUGES = {
     "tier_capacity_blocks", "tier_blocks", "transfers_in_flight", "event_subscribers",
@@ -183,6 +184,10 @@ def _expected(
             ("released", p.released),
         ):
             put("retention_pins_total", n, medium=medium, outcome=outcome)
+    for tier, tm in (("CPU", m), *((t.name, t.manager) for t in s.tiers)):
+        for tenant in tm.tenants:
+            put("quota_refused_blocks_total", tenant.refused, tier=tier, tenant=tenant.tenant)
+        put("opted_out_blocks_total", tm.opted_out, tier=tier)
     return out
 
 
@@ -528,3 +533,28 @@ async def test_describe_names_every_family_collect_yields() -> None:
             collected = {(f.name, f.type) for f in metrics.collect()}
             assert described == collected
             assert all(not f.samples for f in metrics.describe())
+
+
+async def test_quota_refusals_and_opt_outs_are_scraped_per_tier_and_tenant(tmp_path: Path) -> None:
+    kv = [torch.randint(0, 256, (16, 4096), dtype=torch.uint8) for _ in range(2)]
+    disk = ao.DiskTier(tmp_path, 64 * 12288, admission=None, quotas={"a": 1})
+    cfg = ao.EngineConfig(cpu_blocks=8, tenants=["a"], quotas={"a": 2}, tiers=[disk])
+    async with ao.AsyncOffloadEngine(kv, cfg) as engine:
+        keys = [ao.make_offload_key(bytes([i]) * 16) for i in range(5)]
+        handle = await engine.prepare_store(keys[:3], [0, 1, 2], ao.ReqContext("r", tenant="a"))
+        assert handle is not None and len(handle.declined_keys) == 1
+        await handle
+        opted = ao.ReqContext("o", no_store=True)
+        handle = await engine.prepare_store(keys[3:], [3, 4], opted)
+        assert handle is not None and handle.keys_to_store == []
+        await engine.flush()
+        with EngineMetrics(engine) as metrics:
+            text = generate_latest(metrics.registry).decode()
+            stats = engine.stats()
+    scraped = _parse(text)
+    assert scraped == _expected(stats)
+    name = stats.tiers[0].name
+    refused = "asyncoffload_quota_refused_blocks_total"
+    assert scraped[_key(refused, {"tier": "CPU", "tenant": "a"})] == 1
+    assert scraped[_key(refused, {"tier": name, "tenant": "a"})] == 1  # 2 written through
+    assert scraped[_key("asyncoffload_opted_out_blocks_total", {"tier": "CPU"})] == 2

@@ -87,6 +87,20 @@ _ENGINE_SPECS: tuple[_Spec, ...] = (
         "Offered blocks held back by store_threshold, the admission filter or the policy.",
     ),
     _Spec(_C, "stores_rejected", (), "prepare_store calls refused for lack of evictable room."),
+    _Spec(
+        _C,
+        "quota_refused_blocks",
+        ("tier", "tenant"),
+        "Blocks a tier refused a tenant over its quota (what did not fit once the tenant's "
+        "own idle, unpinned blocks were evicted), per tier (CPU or a lower tier's name) and "
+        "tenant.",
+    ),
+    _Spec(
+        _C,
+        "opted_out_blocks",
+        ("tier",),
+        "Blocks a tier did not store because their request opted out (ReqContext.no_store).",
+    ),
     _Spec(_C, "transfers", ("direction",), "Copies submitted, per direction."),
     _Spec(_C, "transfers_failed", (), "Copies that failed, both directions."),
     _Spec(_C, "store_failed_blocks", _M, "Blocks dropped because their store failed."),
@@ -209,7 +223,7 @@ def _engine_samples(s: EngineStats, medium: str) -> dict[str, Sequence[_Sample]]
         ],
         "completion_callback_latency_seconds": [((), s.callback_latency)],
     }
-    for name, rows in _tier_samples(s).items():
+    for name, rows in (*_tier_samples(s).items(), *_tenant_samples(s).items()):
         out[name] = [*out.get(name, ()), *rows]
     pin_rows = _pin_samples([(medium, s.pins), *((t.medium, t.pins) for t in s.tiers)])
     out.update(pin_rows)
@@ -236,6 +250,16 @@ def _pin_samples(tiers: Sequence[tuple[str, PinStats | None]]) -> dict[str, list
             ((medium, "released"), p.released),
         ]
     return out
+
+
+def _tenant_samples(s: EngineStats) -> dict[str, list[_Sample]]:
+    """Each tier's quota refusals per tenant with a quota there, and its opt-outs."""
+    refused: list[_Sample] = []
+    opted: list[_Sample] = []
+    for tier, m in (("CPU", s.manager), *((t.name, t.manager) for t in s.tiers)):
+        refused += [((tier, t.tenant), t.refused) for t in m.tenants]
+        opted.append(((tier,), m.opted_out))
+    return {"quota_refused_blocks": refused, "opted_out_blocks": opted}
 
 
 def _tier_samples(s: EngineStats) -> dict[str, list[_Sample]]:

@@ -30,6 +30,7 @@ from asyncoffload.keys import BlockTokens, OffloadKey
 from asyncoffload.manager.retention import Retention
 
 __all__ = [
+    "NO_STORE_KEY",
     "BlockStatus",
     "CPULoadStoreSpec",
     "LookupResult",
@@ -39,6 +40,7 @@ __all__ = [
     "OffloadingManager",
     "PrepareStoreOutput",
     "ReqContext",
+    "TenantStats",
     "reject_duplicates",
 ]
 
@@ -59,6 +61,10 @@ class LookupResult(enum.Enum):
     HIT_PENDING = enum.auto()
 
 
+#: The ``kv_transfer_params`` key that opts a request out of caching (a bool).
+NO_STORE_KEY = "asyncoffload_no_store"
+
+
 @dataclass(slots=True)
 class ReqContext:
     """Per-request context handed to every manager call.
@@ -68,7 +74,10 @@ class ReqContext:
     stored events of its keys describe them too; ``extra`` is free for policies and
     integrations. ``tenant`` (a cache salt) keeps the request's blocks apart from other
     tenants' in every tier: the engine files them under :func:`~asyncoffload.tenant_key`
-    of each key. ``retention`` pins the blocks the request stores or hits, in every
+    of each key, and a tier's quota (``quotas``) counts them as the tenant's. ``no_store``
+    opts the request out of caching: it stores nothing in any tier (counted as
+    ``ManagerStats.opted_out``); ``kv_transfer_params={"asyncoffload_no_store": True}``
+    says the same. ``retention`` pins the blocks the request stores or hits, in every
     tier, and ranks them (:class:`~asyncoffload.Retention`, docs/policies.md).
     """
 
@@ -78,6 +87,7 @@ class ReqContext:
     tokens: BlockTokens | None = None
     tenant: str | None = None
     retention: Retention | None = None
+    no_store: bool = False
 
 
 class BlockStatus:
@@ -141,6 +151,23 @@ class OffloadingEvent:
     retention: str | None = None
 
 
+class TenantStats(NamedTuple):
+    """One tenant with a quota in one tier; the counters run from the tier's creation."""
+
+    tenant: str
+    #: The tenant's cap, in blocks of this tier.
+    quota: int
+    #: Blocks the tenant holds here (ready or being stored).
+    held: int
+    #: Blocks refused: its stores (and promotions) that did not fit its quota even after
+    #: its own idle, unpinned blocks were evicted.
+    refused: int
+    #: Its own blocks evicted to make room under its quota.
+    evicted: int
+    #: Blocks its opted-out requests (``ReqContext.no_store``) did not store here.
+    opted_out: int
+
+
 class ManagerStats(NamedTuple):
     """State and counters of a manager; the counters run from its creation."""
 
@@ -168,6 +195,12 @@ class ManagerStats(NamedTuple):
     #: ``lookup`` calls, and those that found the key (ready or pending).
     lookups: int
     hits: int
+    #: Blocks refused by a tenant's quota, all tenants together (see ``tenants``).
+    quota_refused: int = 0
+    #: Blocks not stored because their request opted out (``ReqContext.no_store``).
+    opted_out: int = 0
+    #: Each tenant with a quota here, by name.
+    tenants: tuple[TenantStats, ...] = ()
 
 
 def reject_duplicates(keys: Sequence[OffloadKey], what: str) -> None:

@@ -42,6 +42,7 @@ from asyncoffload.manager.base import (
 from asyncoffload.manager.offers import OfferCounts
 from asyncoffload.manager.pins import PinTable
 from asyncoffload.manager.policies import CachePolicy, RequestScope, get_policy_cls
+from asyncoffload.manager.quotas import Tenants, tenancy
 from asyncoffload.manager.retention import DEFAULT_PIN_BUDGET
 from asyncoffload.manager.walks import Walks
 
@@ -50,6 +51,9 @@ __all__ = ["CPUOffloadingManager", "ManagerStats", "reject_duplicates"]
 _EMPTY_SPEC = CPULoadStoreSpec(())
 _ref_cnt = attrgetter("ref_cnt")
 _block_id = attrgetter("block_id")
+
+#: Blocks a policy evicts.
+_Victims = list[tuple[OffloadKey, BlockStatus]]
 
 #: Called with (keys, removed) for each event, instead of keeping OffloadingEvents.
 EventSink = Callable[[list[OffloadKey], bool], None]
@@ -147,6 +151,39 @@ def _unpin_counted(
     return idle
 
 
+def _checked_parts(
+    num_blocks: int,
+    policy: str | CachePolicy,
+    store_threshold: int,
+    max_tracker_size: int,
+    admission: str | AdmissionFilter | None,
+) -> tuple[CachePolicy, AdmissionFilter | None]:
+    """A manager's arguments checked (``ValueError`` / ``TypeError`` naming the one that
+    is wrong), and its policy and admission filter built from them."""
+    if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
+        raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
+    if store_threshold < 0:
+        raise ValueError(f"store_threshold must be >= 0, got {store_threshold}")
+    if max_tracker_size <= 0:
+        raise ValueError(f"max_tracker_size must be positive, got {max_tracker_size}")
+    if admission is not None and store_threshold >= 2:
+        raise ValueError("use either store_threshold or an admission filter, not both")
+    if isinstance(policy, CachePolicy):
+        if policy.capacity != num_blocks:
+            raise ValueError(
+                f"policy capacity {policy.capacity} differs from num_blocks {num_blocks}"
+            )
+        if len(policy):
+            raise ValueError("the policy instance already tracks blocks")
+    else:
+        policy = get_policy_cls(policy)(num_blocks)
+    if isinstance(admission, str):
+        admission = get_admission_cls(admission)(num_blocks)
+    elif admission is not None and not isinstance(admission, AdmissionFilter):
+        raise TypeError(f"admission must be a name or an AdmissionFilter, got {admission!r}")
+    return policy, admission
+
+
 def _partition(
     get: Callable[[OffloadKey], BlockStatus | None], keys: Sequence[OffloadKey]
 ) -> tuple[list[OffloadKey], list[OffloadKey], bool]:
@@ -174,6 +211,7 @@ class CPUOffloadingManager(OffloadingManager):
     on first offer. ``admission`` names a registered
     :class:`~asyncoffload.manager.admission.AdmissionFilter` (``"ghost"``,
     ``"adaptive"``) or is one; it cannot be combined with ``store_threshold``.
+    ``quotas`` caps tenants at that many blocks each (:mod:`~asyncoffload.manager.quotas`).
     """
 
     medium = Medium.CPU
@@ -192,33 +230,14 @@ class CPUOffloadingManager(OffloadingManager):
         event_sink: EventSink | None = None,
         pin_budget: float = DEFAULT_PIN_BUDGET,
         clock: Callable[[], float] = time.monotonic,
+        quotas: Mapping[str, int] | None = None,
     ) -> None:
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
-            raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
-        if store_threshold < 0:
-            raise ValueError(f"store_threshold must be >= 0, got {store_threshold}")
-        if max_tracker_size <= 0:
-            raise ValueError(f"max_tracker_size must be positive, got {max_tracker_size}")
-        if admission is not None and store_threshold >= 2:
-            raise ValueError("use either store_threshold or an admission filter, not both")
-        if isinstance(policy, CachePolicy):
-            if policy.capacity != num_blocks:
-                raise ValueError(
-                    f"policy capacity {policy.capacity} differs from num_blocks {num_blocks}"
-                )
-            if len(policy):
-                raise ValueError("the policy instance already tracks blocks")
-            self._policy: CachePolicy = policy
-        else:
-            self._policy = get_policy_cls(policy)(num_blocks)
-        if isinstance(admission, str):
-            admission = get_admission_cls(admission)(num_blocks)
-        elif admission is not None and not isinstance(admission, AdmissionFilter):
-            raise TypeError(f"admission must be a name or an AdmissionFilter, got {admission!r}")
-        self._admission: AdmissionFilter | None = admission
+        self._policy, self._admission = _checked_parts(
+            num_blocks, policy, store_threshold, max_tracker_size, admission
+        )
         self.num_blocks = num_blocks
         self.policy_name = self._policy.name or type(self._policy).__name__
-        self.admission_name = admission.name if admission is not None else None
+        self.admission_name = self._admission.name if self._admission is not None else None
         self.store_threshold = store_threshold
         self.max_tracker_size = max_tracker_size
         self._offers: OfferCounts | None = None
@@ -244,6 +263,9 @@ class CPUOffloadingManager(OffloadingManager):
         #: Retention pins and classes (asyncoffload.manager.pins), ``pin_budget`` of the tier.
         self.pins = PinTable(num_blocks, self._policy.get, pin_budget, clock=clock)
         self.pins.emit = functools.partial(_pin_event, self)
+        #: Tenant quotas (asyncoffload.manager.quotas): own evictions honour the pins.
+        self.tenants = Tenants(self._policy, self._evict, self.pins)
+        self.tenants.set_caps(quotas or {}, num_blocks)
         self._reset_slots()
         self._stored = self._store_failed = self._loaded = self._evicted = 0
         self._store_skipped = self._lookups = self._hits = 0
@@ -287,6 +309,7 @@ class CPUOffloadingManager(OffloadingManager):
             store_skipped=self._store_skipped,
             lookups=self._lookups,
             hits=self._hits,
+            **self.tenants.totals(),
         )
 
     def __repr__(self) -> str:
@@ -463,6 +486,7 @@ class CPUOffloadingManager(OffloadingManager):
         request-scoped manager still records the request's offer (as vLLM's does).
         """
         reject_duplicates(keys, "prepare_store")
+        who = tenancy(ctx)
         self._walks.end()
         get = self._policy.get
         requests = self._requests
@@ -496,6 +520,9 @@ class CPUOffloadingManager(OffloadingManager):
                 to_store = offers.admissible(to_store)
             elif admission is not None:
                 to_store = admission.admissible(to_store, full)
+        own: list[OffloadKey] = []  # a tenant's blocks evicted for its quota
+        if who.no_store or (to_store and self.tenants.caps):
+            to_store, own = self.tenants.admit(who, to_store, keys)
         if counted is not None:
             counted.update(keys)
         if log is not None:
@@ -510,7 +537,11 @@ class CPUOffloadingManager(OffloadingManager):
         # A refused call (``None``) changes no slot, offer counts included.
         evicted = self._make_room(len(to_store), keys)
         if evicted is None:
-            return None
+            if not own:
+                return None
+            to_store = to_store[: self.num_free]  # what the tenant's own room holds
+            evicted = []
+        evicted = own + evicted if own else evicted
 
         if counted is None:
             self._record_offers(offered, to_store)
@@ -522,6 +553,7 @@ class CPUOffloadingManager(OffloadingManager):
             self._policy.insert_ranked(items, log.scope)
         else:
             self._policy.insert_many(items)
+        self.tenants.added(to_store, who)
         self._num_pending += len(to_store)
         self.pins.offer(keys, to_store, ctx)
         if log is not None:
@@ -531,14 +563,14 @@ class CPUOffloadingManager(OffloadingManager):
         return PrepareStoreOutput(to_store, CPULoadStoreSpec(tuple(ids)), evicted)
 
     def reserve(
-        self, keys: Sequence[OffloadKey], protect: Sequence[OffloadKey] = ()
+        self, keys: Sequence[OffloadKey], protect: Sequence[OffloadKey] = (), ctx: object = None
     ) -> PrepareStoreOutput | None:
         """Take slots for ``keys``, none of which may be present, evicting idle blocks as
         needed (one removed event), never one of ``protect`` (the rest of the request's
         prefix): the way a promotion from a lower tier comes in. It skips admission and
-        offer counting (the block earned its place when it was stored). ``None``,
-        changing nothing, when too few idle blocks can be evicted. Finish it with
-        :meth:`complete_store` like a store."""
+        offer counting (the block earned its place when it was stored), not ``ctx``'s
+        tenant's quota. ``None``, changing nothing, when too few idle blocks can be
+        evicted. Finish it with :meth:`complete_store` like a store."""
         reject_duplicates(keys, "reserve")
         get = self._policy.get
         for key in keys:
@@ -547,35 +579,40 @@ class CPUOffloadingManager(OffloadingManager):
         to_store = list(keys)
         if not to_store:
             return PrepareStoreOutput([], _EMPTY_SPEC, [])
-        evicted = self._make_room(len(to_store), [*keys, *protect] if protect else keys)
+        kept = [*keys, *protect] if protect else keys
+        who, own = self.tenants.promotion(ctx, len(to_store), kept)  # own: for its quota
+        evicted = None if own is None else self._make_room(len(to_store), kept)
         if evicted is None:
             return None
+        evicted = own + evicted if own else evicted
         if self._admission is not None and evicted:
             self._admission.on_evict(evicted)
         ids = self._allocate(len(to_store))
         self._policy.insert_many(list(zip(to_store, map(BlockStatus, ids))))
+        self.tenants.added(to_store, who)
         self._num_pending += len(to_store)
         return PrepareStoreOutput(to_store, CPULoadStoreSpec(tuple(ids)), evicted)
 
     def _make_room(self, n: int, protect: Sequence[OffloadKey]) -> list[OffloadKey] | None:
         """Evict idle blocks (never one of ``protect``) until ``n`` slots are free; the
         evicted keys (one removed event), or ``None``, changing nothing, if it can't."""
-        evicted: list[OffloadKey] = []
         shortfall = n - self.num_free
-        if shortfall > 0:
-            if shortfall > self._num_idle:
-                return None
-            victims = self.pins.evict(self._policy, shortfall, protect, self._num_idle)
-            if victims is None:
-                return None
-            free_list = self._free_list
-            for key, block in victims:
-                free_list.append(block.block_id)
-                evicted.append(key)
-            self._num_idle -= len(victims)
-            self._num_ready -= len(victims)
-            self._evicted += len(victims)
-            self._emit(evicted, removed=True)
+        if shortfall <= 0:
+            return []
+        if shortfall > self._num_idle:
+            return None
+        victims = self.pins.evict(self._policy, shortfall, protect, self._num_idle)
+        return None if victims is None else self._evict(victims)
+
+    def _evict(self, victims: _Victims) -> list[OffloadKey]:
+        """Free the slots of the idle ``victims``, with one removed event."""
+        evicted = [key for key, _ in victims]
+        self._free_list.extend(block.block_id for _, block in victims)
+        self._num_idle -= len(victims)
+        self._num_ready -= len(victims)
+        self._evicted += len(victims)
+        self.tenants.removed(evicted)
+        self._emit(evicted, removed=True)
         return evicted
 
     def _log_store(
@@ -657,6 +694,7 @@ class CPUOffloadingManager(OffloadingManager):
             for key, block in zip(done, blocks):
                 remove(key)
                 free_list.append(block.block_id)
+            self.tenants.removed(done)
         self._num_pending -= len(done)
         if success:
             self._num_ready += len(done)
@@ -708,18 +746,7 @@ class CPUOffloadingManager(OffloadingManager):
                     policy.on_request(_whole_request(log, touched))
                 policy.touch(touched)
             return
-        seen_order: dict[OffloadKey, None] = {}
-        inserted: set[OffloadKey] = set()
-        reused: set[OffloadKey] = set()
-        for seen, ready, stored in log.calls:
-            seen_order.update(dict.fromkeys(seen))
-            if ready:
-                if inserted:
-                    reused.update(key for key in ready if key not in inserted)
-                else:
-                    reused.update(ready)
-            if stored:
-                inserted.update(stored)
+        seen_order, inserted, reused = _fold(log)
         if not seen_order:
             return
         key_groups = _group_keys(list(seen_order), positions)
@@ -761,6 +788,7 @@ class CPUOffloadingManager(OffloadingManager):
             self._requests.clear()
         self._walks.clear()
         self.pins.clear()
+        self.tenants.clear()
         self._reset_slots()
         self._emit(removed, removed=True)
 
@@ -776,3 +804,23 @@ def _pin_event(manager: CPUOffloadingManager, keys: list[OffloadKey], change: st
                 tuple(keys), manager.medium, False, manager._seq, time.time(), retention=change
             )
         )
+
+
+def _fold(
+    log: _RequestLog,
+) -> tuple[dict[OffloadKey, None], set[OffloadKey], set[OffloadKey]]:
+    """What a finished request did: the keys it used (first use first), those it
+    inserted, and those it found ready (before inserting them itself)."""
+    seen_order: dict[OffloadKey, None] = {}
+    inserted: set[OffloadKey] = set()
+    reused: set[OffloadKey] = set()
+    for seen, ready, stored in log.calls:
+        seen_order.update(dict.fromkeys(seen))
+        if ready:
+            if inserted:
+                reused.update(key for key in ready if key not in inserted)
+            else:
+                reused.update(ready)
+        if stored:
+            inserted.update(stored)
+    return seen_order, inserted, reused

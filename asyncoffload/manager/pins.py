@@ -28,6 +28,8 @@ lowers one). Among the idle, unpinned blocks an eviction may take, ``"low"`` one
 first (oldest ranked first), then ``"normal"`` ones in the policy's own order, then
 ``"high"`` ones in the policy's order: the policy's ``evict`` with the higher classes
 protected, and ``remove`` for the low ones, so every registered policy honours it.
+A tenant over its quota (:mod:`~asyncoffload.manager.quotas`) evicts among its own
+blocks by the same rules (:meth:`PinTable.evict_among`).
 
 **Tiers.** The tier core gives each lower tier's table the CPU tier's as ``upstream``:
 a block pinned above stays pinned below until its pin above ends (the engine's loads
@@ -43,7 +45,7 @@ is said by its removed event.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from typing import NamedTuple, Protocol
 
 from asyncoffload.keys import OffloadKey
@@ -74,6 +76,25 @@ class _Policy(Protocol):
     def insert_many(self, items: _Victims) -> None: ...
 
     def evict(self, n: int, protected: Collection[OffloadKey]) -> _Victims | None: ...
+
+
+class _Either(Collection[OffloadKey]):
+    """Keys in ``first`` or in ``second``, for membership tests (what a policy's
+    ``evict`` asks of its ``protected``)."""
+
+    __slots__ = ("first", "second")
+
+    def __init__(self, first: Collection[OffloadKey], second: Collection[OffloadKey]) -> None:
+        self.first, self.second = first, second
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.first or key in self.second
+
+    def __iter__(self) -> Iterator[OffloadKey]:  # pragma: no cover - policies test membership
+        return iter({*self.first, *self.second})
+
+    def __len__(self) -> int:  # pragma: no cover
+        return len({*self.first, *self.second})
 
 
 class PinStats(NamedTuple):
@@ -409,6 +430,61 @@ class PinTable:
                 policy.insert_many(victims)
                 return None
             victims += got
+        for key, _ in victims:
+            ranks.pop(key, None)
+        return victims
+
+    def evict_among(
+        self,
+        policy: _Policy,
+        n: int,
+        guard: Collection[OffloadKey],
+        among: Callable[[], Iterable[OffloadKey]],
+        partial: bool,
+    ) -> _Victims | None:
+        """``n`` victims for a tenant's quota: idle blocks outside ``guard`` (tested for
+        membership only: every block but the tenant's own, and the call's), never a
+        pinned one; low-class ones first, then normal ones, then high ones, each class
+        in its own order. ``among`` lists the tenant's keys, scanned only when the
+        policy's pick falls short. ``partial``: as many as there are (maybe none), else
+        all ``n`` or ``None``; ``None`` changes nothing."""
+        if self._heap:
+            self.expire()
+        pins, ranks = self._pins, self._rank
+        skip: Collection[OffloadKey] = _Either(guard, pins) if pins else guard
+        get = policy.get
+
+        def idle(key: OffloadKey) -> bool:
+            block = get(key)
+            return block is not None and block.ref_cnt == 0
+
+        lows = [k for k, r in ranks.items() if r < NORMAL and k not in skip and idle(k)]
+        highs = {k for k, r in ranks.items() if r > NORMAL and k not in skip and idle(k)}
+        take = lows[:n]
+        rest = n - len(take)
+        normal = _Either(skip, highs.union(lows)) if lows or highs else skip
+        got = policy.evict(rest, normal) if rest > 0 else []
+        if got is None:  # fewer normal blocks than ``rest``: count them
+            normals = sum(1 for key in among() if key not in normal and idle(key))
+            if not partial and len(take) + normals + len(highs) < n:
+                return None
+            got = policy.evict(normals, normal) if normals else []
+            more = min(rest - normals, len(highs))
+            if got is not None and more:  # the rest from the high ones (lows: in take)
+                high = policy.evict(more, _Either(skip, set(lows)))
+                if high is None:  # a policy that broke its contract: put the others back
+                    policy.insert_many(got)
+                    return None
+                got += high
+            if got is None:
+                return None
+        victims: _Victims = []
+        for key in take:
+            block = get(key)
+            assert block is not None
+            policy.remove(key)
+            victims.append((key, block))
+        victims += got
         for key, _ in victims:
             ranks.pop(key, None)
         return victims

@@ -76,6 +76,7 @@ class TierManager(CPUOffloadingManager):
             clock=clock,
         )
         self.medium = medium
+        self.tenants.tier = medium.value
         #: Keys found bad while other reads still pin them: gone for lookups, freed when
         #: the last pin goes.
         self._bad: set[OffloadKey] = set()
@@ -165,6 +166,7 @@ class TierManager(CPUOffloadingManager):
         self._policy.remove(key)
         self.pins.forget((key,))
         self._free_list.append(block.block_id)
+        self.tenants.removed((key,))
         self._num_ready -= 1
         if idle:
             self._num_idle -= 1

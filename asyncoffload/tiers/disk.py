@@ -100,6 +100,11 @@ class DiskTier(TierSettings):
     capacity: ByteSize = Field(description="Bytes of disk the tier may use.")
     mode: Literal["slab", "files"] = "slab"
     policy: str = Field("lru", description="Eviction policy of the tier's index.")
+    quotas: dict[str, int | str] = Field(
+        default_factory=dict,
+        description="Tenant quotas of this tier, {tenant: quota}: blocks (an int), a share "
+        "('25%') or bytes ('512MiB'); each tenant must be one of the engine's tenants.",
+    )
     admission: str | None = Field(
         "frequency", description="'frequency' (min_offers), None, or a filter name."
     )

@@ -90,7 +90,7 @@ class LentSlots:
         return CPULoadStoreSpec(tuple(self._lent[key] for key in keys))
 
     def reserve(
-        self, keys: Sequence[OffloadKey], protect: Sequence[OffloadKey] = ()
+        self, keys: Sequence[OffloadKey], protect: Sequence[OffloadKey] = (), ctx: object = None
     ) -> PrepareStoreOutput | None:
         return PrepareStoreOutput(list(keys), self._slots(keys), [])
 
@@ -151,9 +151,12 @@ class LentJob:
 class LentTiers(PolledTiers):
     """The tiers ``stores`` (opened ports, highest first) under a framework whose slot
     ``slot`` starts at host address ``address(slot)`` and holds one block of the tiers'
-    ``block_bytes``."""
+    ``block_bytes``. ``tenant``: the deployment's, whose quota in each tier (its
+    settings' ``quotas``) every store counts in."""
 
-    def __init__(self, stores: Sequence[LowerTier], address: Callable[[int], int]) -> None:
+    def __init__(
+        self, stores: Sequence[LowerTier], address: Callable[[int], int], tenant: str = ""
+    ) -> None:
         sizes = {store.block_bytes for store in stores}
         if len(sizes) > 1:
             raise ValueError(f"the tiers hold blocks of different sizes: {sorted(sizes)} B")
@@ -174,6 +177,7 @@ class LentTiers(PolledTiers):
             os.close(self._wake)
             raise
         self.block_bytes = sizes.pop() if sizes else 0
+        self._ctx = ReqContext("", tenant=tenant) if tenant else None
 
     # --- entering ---------------------------------------------------------------------
 
@@ -244,7 +248,7 @@ class LentTiers(PolledTiers):
                 job._fail([key for key in job.keys if len(key) > MAX_KEY_BYTES])
                 job.causes.append(f"a key over {MAX_KEY_BYTES} bytes")
             with self.slots.lending(job.keys, job.slots):
-                core.write_through(fit, None, blocked=self._blocked())
+                core.write_through(fit, self._ctx, blocked=self._blocked())
                 requests = core.take_io(time.monotonic(), batched=False)
             writes = [r for r in requests if isinstance(r, TierIo) and r.write]
             self._own(job, writes)

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from typing import Protocol, cast
 
 from asyncoffload.keys import OffloadKey
+from asyncoffload.manager.quotas import resolve_quotas
 from asyncoffload.tiers.base import LowerTier, new_index, outcomes
 from asyncoffload.tiers.core import Delete, Outcome, TierHierarchy, TierIo, TierState
 from asyncoffload.tiers.format import Namespace
@@ -116,18 +117,33 @@ def close_tiers(stores: Sequence[LowerTier]) -> None:
 
 def tier_states(stores: Sequence[LowerTier]) -> list[TierState]:
     """The core's view of each port: what it is, and its index (built here, the core's
-    from then on)."""
-    return [
-        TierState(
-            name=store.name,
-            medium=store.medium,
-            block_bytes=store.block_bytes,
-            deadline_s=store.deadline_s,
-            index=new_index(store.index_spec),
-            shared=callable(getattr(store, "exists", None)),
+    from then on), with the tenant quotas of its settings (``quotas``, in the tier's
+    blocks). A quota that does not fit its tier is a ``ValueError`` naming
+    ``tiers[i].quotas``, every tier closed."""
+    states = []
+    for i, store in enumerate(stores):
+        index = new_index(store.index_spec)
+        table = getattr(getattr(store, "config", None), "quotas", None)
+        if table:
+            n = index.num_blocks
+            try:
+                caps = resolve_quotas(table, n, store.block_bytes, f"tiers[{i}].quotas")
+            except ValueError:
+                close_tiers(stores)
+                raise
+            index.tenants.set_caps(caps, n)
+            index.tenants.tier = store.name
+        states.append(
+            TierState(
+                name=store.name,
+                medium=store.medium,
+                block_bytes=store.block_bytes,
+                deadline_s=store.deadline_s,
+                index=index,
+                shared=callable(getattr(store, "exists", None)),
+            )
         )
-        for store in stores
-    ]
+    return states
 
 
 def submit(store: LowerTier, io: TierIo, host: Sequence[int]) -> CopyJob:

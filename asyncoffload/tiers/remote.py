@@ -132,6 +132,11 @@ class RemoteTier(TierSettings):
     )
     index_blocks: int = Field(1 << 20, gt=0, description="Blocks the local index tracks.")
     policy: str = "lru"
+    quotas: dict[str, int | str] = Field(
+        default_factory=dict,
+        description="Tenant quotas of this tier, {tenant: quota}: blocks (an int), a share "
+        "('25%') or bytes ('512MiB'); each tenant must be one of the engine's tenants.",
+    )
     admission: str | None = None
     min_offers: int = Field(2, ge=1)
     max_connections: int = Field(32, gt=0, le=1024)

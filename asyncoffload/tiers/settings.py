@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretBytes, field_validator
 
 from asyncoffload.manager.admission import available_admissions
 from asyncoffload.manager.policies import available_policies
+from asyncoffload.manager.quotas import parse_quota
 from asyncoffload.manager.retention import DEFAULT_PIN_BUDGET, check_pin_budget
 from asyncoffload.tiers.format import check_mac_key
 from asyncoffload.validators import known_name, optional_name
@@ -88,6 +89,13 @@ class TierSettings(BaseModel):
     @classmethod
     def _pin_budget(cls, value: object) -> float:
         return check_pin_budget(value, f"{cls.__name__}.pin_budget")
+
+    @field_validator("quotas", check_fields=False)
+    @classmethod
+    def _quotas(cls, value: dict[str, int | str]) -> dict[str, int | str]:
+        for tenant, quota in value.items():
+            parse_quota(quota, f"quotas[{tenant!r}]")
+        return value
 
     @field_validator("policy", check_fields=False)
     @classmethod

@@ -59,7 +59,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 class RunVLLM(Protocol):
     def __call__(
         self,
-        rounds: Sequence[Sequence[Sequence[int]]],
+        rounds: Sequence[Sequence[Sequence[int] | dict[str, Any]]],
         *,
         name: str,
         kv_transfer_config: dict[str, Any] | None = None,
@@ -91,7 +91,7 @@ def run_vllm(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> RunV
     counter = itertools.count()
 
     def run(
-        rounds: Sequence[Sequence[Sequence[int]]],
+        rounds: Sequence[Sequence[Sequence[int] | dict[str, Any]]],
         *,
         name: str,
         kv_transfer_config: dict[str, Any] | None = None,
@@ -103,7 +103,7 @@ def run_vllm(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> RunV
     ) -> dict[str, Any]:
         payload = {
             "model": str(tiny_model),
-            "rounds": [[list(p) for p in r] for r in rounds],
+            "rounds": [[p if isinstance(p, dict) else list(p) for p in r] for r in rounds],
             "kv_transfer_config": kv_transfer_config,
             "num_gpu_blocks": num_gpu_blocks,
             "block_size": BLOCK_SIZE,

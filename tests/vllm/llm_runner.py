@@ -9,7 +9,9 @@ ARGS.json (only ``model`` and ``rounds`` are required)::
 
     {
       "model": "/path/to/checkpoint",          # e.g. written by tests.vllm.tiny_model
-      "rounds": [[[1, 2, 3, ...], ...], ...],  # rounds of prompts; a prompt is token ids
+      "rounds": [[[1, 2, 3, ...], ...], ...],  # rounds of prompts; a prompt is token ids,
+                                               # or {"prompt_token_ids": [...],
+                                               #     "cache_salt": "a"} (a tenant)
       "max_tokens": 8,                         # greedy (temperature 0, ignore_eos)
       "logprobs": 5,                           # top-k logprobs per generated token
       "num_gpu_blocks": 32,                    # num_gpu_blocks_override
@@ -21,6 +23,7 @@ ARGS.json (only ``model`` and ``rounds`` are required)::
       "settle_s": 0,                           # > 0: after each round, settle (below)
       "dtype": "float32", "enforce_eager": true,
       "llm_kwargs": {},                        # any other vllm.LLM keyword arguments
+      "kv_transfer_params": null,              # every round's requests carry these
       "env": {}                                # env vars set before vllm is imported
     }
 
@@ -182,6 +185,11 @@ class _EventSubscriber:
         return batches, missing
 
 
+def _tokens(prompt: Any) -> list[int]:
+    """A prompt's token ids (a prompt is a list of them, or a dict with a cache salt)."""
+    return list(prompt["prompt_token_ids"] if isinstance(prompt, dict) else prompt)
+
+
 def _jsonable(value: Any) -> Any:
     if isinstance(value, bytes):
         return value.hex()
@@ -307,6 +315,11 @@ def run(args: dict[str, Any]) -> dict[str, Any]:
             logprobs=int(args.get("logprobs", 5)),
             ignore_eos=True,
             seed=0,
+            extra_args=(
+                {"kv_transfer_params": args["kv_transfer_params"]}
+                if args.get("kv_transfer_params")
+                else None
+            ),
         )
         warmup_len = int(args.get("warmup_prompt_len", 40))
         if warmup_len > 0:
@@ -330,7 +343,12 @@ def run(args: dict[str, Any]) -> dict[str, Any]:
                 sub.set_round(r)
             t = time.perf_counter()
             outputs = llm.generate(
-                [{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False
+                [
+                    dict(p) if isinstance(p, dict) else {"prompt_token_ids": list(p)}
+                    for p in prompts
+                ],
+                params,
+                use_tqdm=False,
             )
             rounds.append(
                 {"index": r, "wall_s": time.perf_counter() - t, "num_requests": len(prompts)}
@@ -344,7 +362,7 @@ def run(args: dict[str, Any]) -> dict[str, Any]:
                         "round": r,
                         "index": i,
                         "request_id": out.request_id,
-                        "prompt_len": len(prompts[i]),
+                        "prompt_len": len(_tokens(prompts[i])),
                         "token_ids": list(comp.token_ids),
                         "logprobs": chosen,
                         "top_logprobs": tops,

@@ -12,8 +12,16 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
+from asyncoffload.manager.quotas import check_quota_table
 from asyncoffload.tiers.specs import TIER_KINDS, TierSpec, lent_tier_specs
 from asyncoffload.validators import not_bool
 
@@ -70,6 +78,14 @@ class SglangStorageSettings(BaseModel):
     @classmethod
     def _tiers_list(cls, value: object) -> object:
         return lent_tier_specs(value)
+
+    @model_validator(mode="after")
+    def _quota_tables(self) -> SglangStorageSettings:
+        # The deployment stores for its one tenant: a quota caps what it writes to a tier.
+        known = [self.tenant] if self.tenant else []
+        for i, tier in enumerate(self.tiers):
+            check_quota_table(tier.quotas, known, f"tiers[{i}].quotas")
+        return self
 
     @classmethod
     def from_extra_config(cls, extra_config: Mapping[str, Any] | None) -> SglangStorageSettings:

@@ -127,7 +127,7 @@ class AsyncOffloadStorage(HiCacheStorage):
             if len(deltas) > 1:
                 for store in stores:
                     store.set_segments(deltas)
-            self.tiers = LentTiers(stores, address)
+            self.tiers = LentTiers(stores, address, self.settings.tenant)
         except BaseException:
             close_tiers(stores)
             self._close_staging()

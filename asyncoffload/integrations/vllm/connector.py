@@ -386,6 +386,17 @@ class AsyncOffloadConnector(OffloadingConnector):
                 replace: Any = config._replace
                 scheduler.config = replace(sync_load_budget_bytes=0)
 
+    # --- scheduler side ----------------------------------------------------------------
+
+    def on_new_request(self, request: Request) -> None:
+        """A request's ``cache_salt`` is its tenant: our manager learns it before vLLM
+        makes the request's context (which has no salt), for tenant quotas."""
+        scheduler = self.connector_scheduler
+        expect = getattr(getattr(scheduler, "manager", None), "expect_request", None)
+        if expect is not None:
+            expect(request.request_id, getattr(request, "cache_salt", None))
+        super().on_new_request(request)
+
     # --- worker side -------------------------------------------------------------------
 
     @property

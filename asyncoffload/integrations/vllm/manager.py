@@ -18,6 +18,7 @@ builds vLLM's objects from that.
 # ruff: noqa: E402
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, cast
@@ -64,6 +65,7 @@ from asyncoffload.manager.native import (
     native_unsupported,
 )
 from asyncoffload.manager.policies.lru_ranked import RankedLRUPolicy
+from asyncoffload.manager.quotas import Tenancy, no_store_param, tenancy
 from asyncoffload.manager.retention import DEFAULT_PIN_BUDGET
 
 if TYPE_CHECKING:
@@ -87,6 +89,8 @@ BLOCKS_LOADED = _OURS + "blocks_loaded"
 BLOCKS_EVICTED = _OURS + "blocks_evicted"
 BLOCKS_STORE_FAILED = _OURS + "blocks_store_failed"
 BLOCKS_DECLINED = _OURS + "blocks_declined"
+BLOCKS_QUOTA_REFUSED = _OURS + "blocks_quota_refused"
+BLOCKS_OPTED_OUT = _OURS + "blocks_opted_out"
 LOOKUPS = _OURS + "lookups"
 LOOKUP_HITS = _OURS + "lookup_hits"
 READY_BLOCKS = _OURS + "ready_blocks"
@@ -110,6 +114,8 @@ _COUNTERS: dict[str, str] = {
     BLOCKS_EVICTED: "evicted",
     BLOCKS_STORE_FAILED: "store_failed",
     BLOCKS_DECLINED: "store_skipped",
+    BLOCKS_QUOTA_REFUSED: "quota_refused",
+    BLOCKS_OPTED_OUT: "opted_out",
     LOOKUPS: "lookups",
     LOOKUP_HITS: "hits",
 }
@@ -127,6 +133,7 @@ _LOCALITY = getattr(_vllm_base, "Locality", None)
 _PENDING = LookupResult.HIT_PENDING
 _MISS = LookupResult.MISS
 _NO_REQUEST = ReqContext(req_id="")
+log = logging.getLogger("asyncoffload.vllm")
 
 
 def metric_definitions(
@@ -157,6 +164,12 @@ def metric_definitions(
         BLOCKS_DECLINED: OffloadingCounterMetadata(
             "Blocks offered to a store and held back by the policy, the admission "
             "filter or store_threshold."
+        ),
+        BLOCKS_QUOTA_REFUSED: OffloadingCounterMetadata(
+            "Blocks refused by a tenant's (cache_salt's) quota in the CPU tier."
+        ),
+        BLOCKS_OPTED_OUT: OffloadingCounterMetadata(
+            "Blocks not stored because their request opted out (asyncoffload_no_store)."
         ),
         LOOKUPS: OffloadingCounterMetadata("lookup calls."),
         LOOKUP_HITS: OffloadingCounterMetadata("lookup calls that found the block."),
@@ -323,6 +336,7 @@ class AsyncOffloadManager(OffloadingManager):
         | None = None,
         unlink_pools: bool = True,
         pin_budget: float | None = None,
+        quotas: Mapping[str, int] | None = None,
     ) -> None:
         self.medium = Medium.CPU
         self.store_threshold = store_threshold
@@ -342,6 +356,8 @@ class AsyncOffloadManager(OffloadingManager):
             why_not = why_not or "retention pins run on the Python manager"
         #: Requests' retention hints (kv_transfer_params), with pin_budget set.
         self.hints = RequestHints(pin_budget is not None)
+        if quotas:
+            why_not = why_not or "tenant quotas run on the Python manager"
         if native and why_not is not None:
             raise ValueError(why_not)
         if native and not native_manager_available():
@@ -366,6 +382,7 @@ class AsyncOffloadManager(OffloadingManager):
                 count_once_per_request=VLLM.count_once,
                 event_sink=lambda keys, removed: events.append((list(keys), removed)),
                 pin_budget=pin_budget if pin_budget is not None else DEFAULT_PIN_BUDGET,
+                quotas=quotas,
             )
             calls = _PythonCalls(self._manager, events)
         self._calls = calls
@@ -380,6 +397,10 @@ class AsyncOffloadManager(OffloadingManager):
         if not (self._v033_events and enable_events):
             self.complete_store = calls.complete_store  # type: ignore[method-assign]
         self._allocation_sizes: list[int] = []
+        #: Each new request's cache salt, from the connector (:meth:`expect_request`).
+        self._salts: dict[str, str] = {}
+        #: Blocks that opted-out requests did not store, under the native core.
+        self._opted_native = 0
         self._reported = self._manager.stats()
         self._tiers: SchedulerTiers | None = None
         #: The current lookup walk: a request id and the keys it looked up, in order.
@@ -434,14 +455,24 @@ class AsyncOffloadManager(OffloadingManager):
 
     # --- requests ------------------------------------------------------------------
 
+    def expect_request(self, req_id: str, cache_salt: str | None) -> None:
+        """The connector saw request ``req_id`` arrive with ``cache_salt``: its tenant,
+        which its ``on_new_request`` context carries from then on (vLLM's context has
+        no salt). The salt already keeps its blocks apart (vLLM mixes it into the
+        first block's hash); here it is what tenant quotas count."""
+        if cache_salt:
+            self._salts[req_id] = cache_salt
+
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         self._tick()
+        _carry_tenancy(req_context, self._salts.pop(req_context.req_id, None))
         self.hints.start(self._manager, req_context)
         self._calls.on_new_request(req_context)
         return RequestOffloadingContext()
 
     def on_request_finished(self, req_context: ReqContext) -> None:
         self._tick()
+        self._salts.pop(req_context.req_id, None)  # one whose on_new_request never came
         positions = getattr(req_context, "_offload_key_positions", None)
         self._calls.on_request_finished(req_context, positions or None)
         self.hints.end(self._manager, req_context)
@@ -468,7 +499,7 @@ class AsyncOffloadManager(OffloadingManager):
         if result is LookupResult.MISS:
             allow = _tier_filter(req_context)
             protect = list(walk[1])
-            if tiers.promote(ours, protect, allow):
+            if tiers.promote(ours, protect, allow, ctx=_tenant_ctx(req_context)):
                 result = LookupResult.HIT_PENDING
                 if not tiers.waits_for_slot(ours):  # no slot for it, none for later keys
                     self._promote_ahead(ours, req_context, protect, allow)
@@ -503,9 +534,10 @@ class AsyncOffloadManager(OffloadingManager):
         later = sorted((pos, k) for k, pos in positions.items() if pos > at and k[-4:] == group)
         held = [*protect, key, *(k for _, k in later)]
         lookup = self._calls.lookup
+        ctx = _tenant_ctx(req_context)
         for _, nxt in later[:_LOOKAHEAD]:
             missing = lookup(cast(OffloadKey, nxt), req_context) is LookupResult.MISS
-            if missing and not tiers.promote(nxt, held, allow, ask=False):
+            if missing and not tiers.promote(nxt, held, allow, ask=False, ctx=ctx):
                 return
 
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
@@ -530,6 +562,10 @@ class AsyncOffloadManager(OffloadingManager):
     ) -> PrepareStoreOutput | None:
         self._tick()
         calls = self._calls
+        opted_out = tenancy(req_context).no_store
+        if opted_out and self.native:  # the C core knows no tenancy: nothing to store
+            self._opted_native += sum(calls.lookup(k, req_context) is _MISS for k in keys)
+            return PrepareStoreOutput([], CPULoadStoreSpec([]), [])
         out = calls.prepare_store(keys, req_context)
         size = calls.last_store_size
         if size:  # as vLLM's: every allocation asked for, refused or not
@@ -537,7 +573,7 @@ class AsyncOffloadManager(OffloadingManager):
         if out is None:
             return None
         to_store, slots, evicted = out
-        if self._tiers is not None:  # the keys the CPU tier holds already go down again
+        if self._tiers is not None and not opted_out:  # the keys held go down again
             self._tiers.reoffer(cast(list[OurOffloadKey], _seq(keys)), to_store)
         return PrepareStoreOutput(
             keys_to_store=cast(list[OffloadKey], to_store),
@@ -646,6 +682,8 @@ class AsyncOffloadManager(OffloadingManager):
     def get_stats(self) -> OffloadingConnectorStats:
         self._tick()
         now = self._manager.stats()
+        if self._opted_native:
+            now = now._replace(opted_out=self._opted_native)
         stats = OffloadingConnectorStats()
         num = now.num_blocks
         write = now.write_pending / num
@@ -716,6 +754,28 @@ def _tier_filter(req_context: ReqContext) -> Callable[[TierState], bool] | None:
         return bool(allows(Medium.STORAGE, where))
 
     return allow
+
+
+def _carry_tenancy(req_context: ReqContext, salt: str | None) -> None:
+    """A new request's tenant (its cache salt) and opt-out (``kv_transfer_params``'
+    :data:`~asyncoffload.manager.quotas.NO_STORE_KEY`), kept in its context's state,
+    where the manager reads them (:func:`~asyncoffload.manager.quotas.tenancy`). A bad
+    opt-out value is logged and opts the request out: never store what a caller may
+    have asked not to be stored."""
+    try:
+        no_store = no_store_param(req_context.kv_transfer_params)
+    except ValueError as exc:
+        log.warning("asyncoffload: request %s: %s; it is not cached", req_context.req_id, exc)
+        no_store = True
+    set_state = getattr(req_context, "set_state", None)
+    if (salt or no_store) and set_state is not None:
+        set_state(Tenancy(salt or None, no_store))
+
+
+def _tenant_ctx(req_context: ReqContext) -> OurReqContext | None:
+    """Our context for a promotion of the request's blocks: its tenant, if it has one."""
+    tenant = tenancy(req_context).tenant
+    return None if tenant is None else OurReqContext(req_context.req_id, tenant=tenant)
 
 
 def _ours(req_context: ReqContext) -> OurReqContext:

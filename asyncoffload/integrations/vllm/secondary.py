@@ -311,7 +311,7 @@ class AsyncOffloadTier(SecondaryTierManager):
             for region in regions or ():
                 os.close(region.fd)  # the tier keeps its own
         try:
-            return LentTiers(stores, self._rows.address)
+            return LentTiers(stores, self._rows.address, self.settings.tenant)
         except BaseException:
             close_tiers(stores)
             raise

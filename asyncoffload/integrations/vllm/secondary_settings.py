@@ -17,8 +17,16 @@ from collections.abc import Mapping
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
+from asyncoffload.manager.quotas import check_quota_table
 from asyncoffload.tiers.specs import TIER_KINDS, TierSpec, lent_tier_specs
 
 __all__ = ["SecondaryTierSettings"]
@@ -62,6 +70,12 @@ class SecondaryTierSettings(BaseModel):
         if isinstance(value, dict):
             (value,) = lent_tier_specs([value])  # type: ignore[misc]  # a list in, a list out
         return value
+
+    @model_validator(mode="after")
+    def _quota_table(self) -> SecondaryTierSettings:
+        # This engine stores for its one tenant: a quota caps what it writes to the tier.
+        check_quota_table(self.tier.quotas, [self.tenant] if self.tenant else [], "tier.quotas")
+        return self
 
     @field_validator("locality", mode="before")
     @classmethod

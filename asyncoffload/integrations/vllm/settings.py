@@ -11,8 +11,16 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
+from asyncoffload.manager.quotas import check_quota_table
 from asyncoffload.manager.retention import check_pin_budget
 from asyncoffload.tiers.settings import known_admission, known_policy
 from asyncoffload.tiers.specs import TIER_KINDS, TierSpec, tier_specs
@@ -102,6 +110,16 @@ class VllmOffloadSettings(BaseModel):
         "(each lower tier has its own, in its spec). Runs the Python manager. None: "
         "retention off, hints refused and counted.",
     )
+    tenants: list[str] = Field(
+        default_factory=list,
+        description="The tenants that quota tables may name: requests' cache_salt values "
+        "(AsyncOffloadConnector gives the manager each request's salt).",
+    )
+    quotas: dict[str, int | str] = Field(
+        default_factory=dict,
+        description="Tenant quotas of the CPU tier, {cache_salt: quota}: chunks (an int), "
+        "a share ('25%') or bytes ('512MiB'); each tier of tiers takes its own.",
+    )
     # vLLM's own keys, accepted so that strictness stays useful.
     spec_name: str | None = None
     spec_module_path: str | None = None
@@ -156,6 +174,13 @@ class VllmOffloadSettings(BaseModel):
     @classmethod
     def _tiers_list(cls, value: object) -> object:
         return tier_specs(value)  # a JSON list, as EngineConfig takes from the environment
+
+    @model_validator(mode="after")
+    def _quota_tables(self) -> VllmOffloadSettings:
+        check_quota_table(self.quotas, self.tenants, "quotas")
+        for i, tier in enumerate(self.tiers):
+            check_quota_table(tier.quotas, self.tenants, f"tiers[{i}].quotas")
+        return self
 
     @field_validator("canonical_layout")
     @classmethod

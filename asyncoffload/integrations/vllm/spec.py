@@ -30,6 +30,7 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from asyncoffload.integrations.vllm.manager import AsyncOffloadManager, metric_definitions
 from asyncoffload.integrations.vllm.settings import VllmOffloadSettings
 from asyncoffload.integrations.vllm.worker import AsyncOffloadWorker
+from asyncoffload.manager.quotas import resolve_quotas
 from asyncoffload.tiers.base import LowerTier
 from asyncoffload.tiers.format import Namespace
 from asyncoffload.tiers.ports import open_tiers
@@ -156,6 +157,7 @@ class AsyncOffloadSpec(OffloadingSpec):
                 host_pool=(self.host_pool_paths(), self.chunk_bytes) if s.tiers else None,
                 unlink_pools=not self.replicated_layout,
                 pin_budget=s.pin_budget,
+                quotas=resolve_quotas(s.quotas, self.num_chunks, self.chunk_bytes, "quotas"),
             )
         return self._manager
 

@@ -60,7 +60,7 @@ from pathlib import Path
 
 from asyncoffload.integrations.vllm.host_pools import HostPools, host_pool_path
 from asyncoffload.keys import OffloadKey
-from asyncoffload.manager import CPUOffloadingManager
+from asyncoffload.manager import CPUOffloadingManager, ReqContext
 from asyncoffload.tiers import ports
 from asyncoffload.tiers._io import keep_until_ended
 from asyncoffload.tiers.base import LowerTier
@@ -131,15 +131,17 @@ class SchedulerTiers(PolledTiers):
         allow: Callable[[TierState], bool] | None = None,
         *,
         ask: bool = True,
+        ctx: ReqContext | None = None,
     ) -> bool:
         """``key`` is absent from the CPU tier: True if it answers ``HIT_PENDING`` (see
         :meth:`TierHierarchy.promote_key`: its read is queued, it waits for a CPU slot
         or the shared tiers are asked about it). ``allow``: the tiers the request may
         load from (vLLM's per-request ``kv_load_tiers``); ``ask=False``: a lookahead
-        promotion, which neither asks nor waits."""
+        promotion, which neither asks nor waits; ``ctx``: the request's tenant, whose
+        quota in the CPU tier the promoted block counts in."""
         core = self.core
         pending = core.promote_key(
-            key, time.monotonic(), protect, allow, ask=ask, blocked=self._blocked()
+            key, time.monotonic(), protect, allow, ask=ask, blocked=self._blocked(), ctx=ctx
         )
         if core.io_due:
             self.flush()

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import functools
 import heapq
+import itertools
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
@@ -56,6 +57,7 @@ from asyncoffload.tiers.core.requests import (
     TierState,
 )
 from asyncoffload.tiers.core.shared import Questions
+from asyncoffload.tiers.core.tenants import by_tenant, opted_out, track_tenants
 from asyncoffload.tiers.core.types import (
     MAX_KEY_BYTES,
     CpuIndex,
@@ -94,6 +96,7 @@ class TierHierarchy:
     def __init__(self, cpu: CpuIndex, tiers: Sequence[TierState]) -> None:
         self.cpu = cpu
         self.tiers = list(tiers)
+        track_tenants(cpu, self.tiers)
         self.shared_tiers = [tier for tier in self.tiers if tier.shared]
         #: Seconds a tier operation may wait to start (the slowest tier's).
         self.deadline_s = max((t.deadline_s for t in self.tiers), default=0.0)
@@ -193,7 +196,7 @@ class TierHierarchy:
         key counts as a lookup hit of its tier (a driver whose lookups promote);
         ``count_no_slot=False``: the caller counts the skip itself, once it gives up."""
         keys = list(sources)
-        out = self.cpu.reserve(keys, protect)
+        out = self.cpu.reserve(keys, protect, ctx)
         if out is None:
             if count_no_slot:
                 for tier in dict.fromkeys(sources.values()):
@@ -226,6 +229,7 @@ class TierHierarchy:
         *,
         ask: bool = True,
         blocked: str = "",
+        ctx: ReqContext | None = None,
     ) -> bool:
         """``key`` is absent from the CPU tier (a driver whose lookups promote, one key
         at a time): True if it is pending now. If a lower tier (of those ``allow``
@@ -246,7 +250,7 @@ class TierHierarchy:
         if blocked:
             self.skip(tier, blocked, 1)
             return False
-        if self.promote({key: tier}, None, protect, lookup=True, count_no_slot=False) is None:
+        if self.promote({key: tier}, ctx, protect, lookup=True, count_no_slot=False) is None:
             if not ask:
                 return False  # a lookahead: the walk reaches the key itself, waits or counts
             if self.wait_for_slot(key, now):
@@ -476,20 +480,15 @@ class TierHierarchy:
         written from their CPU slots (queued for :meth:`take_io`), pinned until
         :meth:`write_done`. ``blocked``: no tier can be written now, for this cause
         (counted per tier, nothing offered)."""
-        get = self.cpu.block_of
-        ready = [
-            key
-            for key in dict.fromkeys(keys)
-            if len(key) <= MAX_KEY_BYTES and (b := get(key)) is not None and b.ref_cnt >= 0
-        ]
+        ready = _writable(self.cpu, keys)
         if not ready or self.closed:
             return
         if blocked:
             for tier in self.tiers:
                 self.skip(tier, blocked, len(ready))
             return
-        for tier in self.tiers:
-            out = tier.index.prepare_store(ready, ctx)
+        for tier, (who, group) in itertools.product(self.tiers, by_tenant(self.cpu, ready, ctx)):
+            out = tier.index.prepare_store(group, who)
             if out is None:  # the tier is full of blocks being read or written
                 self.skip(tier, "full", 1)
                 continue
@@ -502,7 +501,7 @@ class TierHierarchy:
             spec = self.cpu.pin(chosen)
             tier.counters.writes += 1
             slots = list(out.store_spec.block_ids)
-            self._outbox.append(TierIo(tier, True, chosen, slots, list(spec.block_ids), ctx))
+            self._outbox.append(TierIo(tier, True, chosen, slots, list(spec.block_ids), who))
 
     def reoffer(
         self,
@@ -517,7 +516,7 @@ class TierHierarchy:
         absent from it, which its admission declined, cannot be written (a tier is
         written from the CPU tier's slots): each tier counts them (``declined_above``),
         and its admission counts their offer (``TierManager.count_offers``)."""
-        if len(stored) >= len(keys):
+        if len(stored) >= len(keys) or opted_out(ctx):  # an opted-out request: nothing below
             return
         fresh = set(stored)
         rest = [k for k in dict.fromkeys(keys) if k not in fresh]
@@ -716,6 +715,17 @@ def _stats(tier: TierState, info: Callable[[TierState], dict[str, object]] | Non
         declined_above=c.declined_above,
         pins=m.pins.stats(),
     )
+
+
+def _writable(cpu: CpuIndex, keys: Sequence[OffloadKey]) -> list[OffloadKey]:
+    """The keys of ``keys`` a lower tier can take: ready in the CPU tier, and short
+    enough for every tier's key format (``MAX_KEY_BYTES``); once each, in order."""
+    get = cpu.block_of
+    return [
+        key
+        for key in dict.fromkeys(keys)
+        if len(key) <= MAX_KEY_BYTES and (b := get(key)) is not None and b.ref_cnt >= 0
+    ]
 
 
 def _delete_failed(req: Delete, outcome: Outcome, now: float) -> None:

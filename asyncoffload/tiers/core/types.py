@@ -51,7 +51,7 @@ class CpuIndex(Protocol):
     def block_of(self, key: OffloadKey) -> BlockStatus | None: ...
 
     def reserve(
-        self, keys: Sequence[OffloadKey], protect: Sequence[OffloadKey] = ()
+        self, keys: Sequence[OffloadKey], protect: Sequence[OffloadKey] = (), ctx: object = None
     ) -> PrepareStoreOutput | None: ...
 
     def complete_store(
