@@ -465,7 +465,7 @@ class PinTable:
         normal = _Either(skip, highs.union(lows)) if lows or highs else skip
         got = policy.evict(rest, normal) if rest > 0 else []
         if got is None:  # fewer normal blocks than ``rest``: count them
-            normals = sum(1 for key in among() if key not in normal and idle(key))
+            normals = min(rest, sum(1 for key in among() if key not in normal and idle(key)))
             if not partial and len(take) + normals + len(highs) < n:
                 return None
             got = policy.evict(normals, normal) if normals else []

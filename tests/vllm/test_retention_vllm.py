@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from vllm.v1.kv_offload.base import OffloadKey, ReqContext
@@ -14,7 +14,7 @@ from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 from asyncoffload.integrations.vllm import AsyncOffloadManager, AsyncOffloadSpec
 from asyncoffload.manager import CPUOffloadingManager
 from asyncoffload.manager.retention import RETENTION_PARAM, Retention, retention_from_params
-from tests.vllm.test_spec import _caches, _config, _extra, _keys, _spec
+from tests.vllm.test_spec import _caches, _config, _extra, _keys, _spec, _worker
 
 
 class _Clock:
@@ -23,6 +23,18 @@ class _Clock:
 
     def __call__(self) -> float:
         return self.now
+
+
+def _manager(**settings: Any) -> AsyncOffloadManager:
+    manager = _spec(**settings).get_manager()
+    assert isinstance(manager, AsyncOffloadManager)
+    return manager
+
+
+def _counters(manager: AsyncOffloadManager) -> dict[str, Any]:
+    stats = manager.get_stats()
+    assert stats is not None
+    return stats.reduce()
 
 
 def _hinted(req_id: str, hint: Any) -> ReqContext:
@@ -45,7 +57,7 @@ def _resident(manager: AsyncOffloadManager) -> set[bytes]:
 
 
 def test_a_hinted_requests_blocks_outlive_a_flood_until_their_ttl() -> None:
-    manager = _spec(pin_budget=0.5).get_manager()
+    manager = _manager(pin_budget=0.5)
     assert isinstance(manager, AsyncOffloadManager) and not manager.native
     inner = manager.manager
     assert isinstance(inner, CPUOffloadingManager)
@@ -56,19 +68,19 @@ def test_a_hinted_requests_blocks_outlive_a_flood_until_their_ttl() -> None:
     for i in range(0, len(flood), 4):
         _serve(manager, ReqContext(req_id=f"f{i}"), flood[i : i + 4])
     assert set(kept) <= _resident(manager)  # LRU would have evicted them first
-    values = manager.get_stats().reduce()
+    values = _counters(manager)
     assert values["vllm:asyncoffload_pinned_blocks"] == 2
     clock.now += 31  # past the TTL: the pins expire, the blocks are ordinary again
     for i in range(0, len(flood), 4):
         _serve(manager, ReqContext(req_id=f"g{i}"), _keys(*(f"g{i}.{j}" for j in range(4))))
     assert not set(kept) & _resident(manager)
-    later = manager.get_stats().reduce()
+    later = _counters(manager)
     assert later["vllm:asyncoffload_pins_expired"] == 2
     assert later["vllm:asyncoffload_pinned_blocks"] == 0
 
 
 def test_a_load_of_a_hinted_request_refreshes_the_pin() -> None:
-    manager = _spec(pin_budget=0.5).get_manager()
+    manager = _manager(pin_budget=0.5)
     inner = manager.manager
     assert isinstance(inner, CPUOffloadingManager)
     clock = inner.pins.clock = _Clock()
@@ -89,14 +101,14 @@ def test_a_load_of_a_hinted_request_refreshes_the_pin() -> None:
 def test_without_a_pin_budget_a_hint_is_refused_and_counted(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    manager = _spec().get_manager()  # retention off: the C core where it builds
+    manager = _manager()  # retention off: the C core where it builds
     assert isinstance(manager, AsyncOffloadManager)
     with caplog.at_level(logging.WARNING, "asyncoffload"):
         _serve(manager, _hinted("r", {"ttl_s": 30}), _keys("a"))
     assert "set pin_budget in kv_connector_extra_config" in caplog.text
-    values = manager.get_stats().reduce()
+    values = _counters(manager)
     assert values["vllm:asyncoffload_pins_refused"] == 1
-    assert "vllm:asyncoffload_pins_refused" not in manager.get_stats().reduce()  # increments
+    assert "vllm:asyncoffload_pins_refused" not in _counters(manager)  # increments
 
 
 @pytest.mark.parametrize(
@@ -116,7 +128,7 @@ def test_a_malformed_hint_is_refused_by_name_and_the_request_runs(
 ) -> None:
     with pytest.raises(ValueError, match=message):  # what a server can check first
         retention_from_params({RETENTION_PARAM: hint})
-    manager = _spec(pin_budget=0.5).get_manager()
+    manager = _manager(pin_budget=0.5)
     inner = manager.manager
     assert isinstance(inner, CPUOffloadingManager)
     with caplog.at_level(logging.WARNING, "asyncoffload"):
@@ -124,19 +136,19 @@ def test_a_malformed_hint_is_refused_by_name_and_the_request_runs(
     assert "retention hint refused" in caplog.text and "request r:" in caplog.text
     assert set(_keys("a")) <= _resident(manager)  # stored all the same, unpinned
     assert inner.pins.stats().pinned == 0
-    assert manager.get_stats().reduce()["vllm:asyncoffload_pins_refused"] == 1
+    assert _counters(manager)["vllm:asyncoffload_pins_refused"] == 1
 
 
 def test_the_pin_budget_refuses_pins_past_it_and_counts_them() -> None:
-    manager = _spec(pin_budget=0.05).get_manager()  # 3 of 64 slots
+    manager = _manager(pin_budget=0.05)  # 3 of 64 slots
     inner = manager.manager
     assert isinstance(inner, CPUOffloadingManager)
     assert inner.pins.limit == 3
     _serve(manager, _hinted("r", {"ttl_s": 30}), _keys(*"abcde"))
     stats = inner.pins.stats()
     assert (stats.pinned, stats.refused) == (3, 2)
-    assert set(inner.pins._pins) == set(_keys(*"abc"))  # the prompt's head first
-    assert manager.get_stats().reduce()["vllm:asyncoffload_pins_refused"] == 2
+    assert set(inner.pins._pins) == set(cast(Any, _keys(*"abc")))  # the prompt's head first
+    assert _counters(manager)["vllm:asyncoffload_pins_refused"] == 2
 
 
 @pytest.mark.parametrize("budget", [0, -0.5, 1.5, True, "half"])
@@ -146,14 +158,14 @@ def test_a_pin_budget_outside_0_1_names_the_key(budget: object) -> None:
 
 
 def test_a_hint_is_held_for_its_request_only() -> None:
-    manager = _spec(pin_budget=1.0).get_manager()
+    manager = _manager(pin_budget=1.0)
     inner = manager.manager
     assert isinstance(inner, CPUOffloadingManager)
     ctx = _hinted("r", {"ttl_s": 5, "retention_class": "high"})
     manager.on_new_request(ctx)
-    assert inner.pins.retention_of(ctx) == Retention(5.0, "high")
+    assert inner.pins.retention_of(cast(Any, ctx)) == Retention(5.0, "high")
     manager.on_request_finished(ctx)
-    assert inner.pins.retention_of(ctx) is None
+    assert inner.pins.retention_of(cast(Any, ctx)) is None
 
 
 def test_a_hinted_requests_blocks_are_pinned_on_disk_and_vllm_sees_no_pin_event(
@@ -170,7 +182,7 @@ def test_a_hinted_requests_blocks_are_pinned_on_disk_and_vllm_sees_no_pin_event(
     )
     spec = OffloadingSpecFactory.create_spec(_config(extra))
     assert isinstance(spec, AsyncOffloadSpec)
-    worker = spec.get_worker(_caches(num_blocks=16))
+    worker = _worker(spec, _caches(num_blocks=16))
     manager = spec.get_manager()
     assert isinstance(manager, AsyncOffloadManager) and manager.tiers is not None
     try:
@@ -181,7 +193,7 @@ def test_a_hinted_requests_blocks_are_pinned_on_disk_and_vllm_sees_no_pin_event(
         manager.on_request_finished(ctx)
         index = manager.tiers.core.tiers[0].index
         assert all(key in index.pins for key in kept)  # carried down from the CPU tier
-        assert index.pins.retention_of_key(kept[0]) == Retention(60.0, "high")
+        assert index.pins.retention_of_key(cast(Any, kept[0])) == Retention(60.0, "high")
         events = list(manager.take_events())
         assert events and all(not getattr(e, "retention", None) for e in events)
         stored = {k for e in events if not e.removed for k in e.keys}

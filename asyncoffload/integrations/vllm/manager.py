@@ -318,7 +318,10 @@ class AsyncOffloadManager(OffloadingManager):
 
     ``pin_budget`` turns retention on (requests' ``kv_transfer_params``
     ``asyncoffload_retention``, see :mod:`asyncoffload.integrations.vllm.hints`), on the
-    Python manager; ``None`` leaves it off and refuses hints, counted.
+    Python manager; ``None`` leaves it off and refuses hints, counted. ``quotas`` caps
+    tenants (requests' ``cache_salt``, :meth:`expect_request`) at that many chunks each,
+    on the Python manager too (:mod:`asyncoffload.manager.quotas`); a tenant's pinned
+    chunks count in its quota and are never evicted for it.
     """
 
     def __init__(
