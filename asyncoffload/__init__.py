@@ -72,7 +72,9 @@ from asyncoffload.manager.admission import (
     available_admissions,
     register_admission,
 )
+from asyncoffload.manager.pins import PinStats
 from asyncoffload.manager.policies.kv import KVPolicy
+from asyncoffload.manager.retention import RETENTION_CLASSES, Retention
 from asyncoffload.tiers.disk import DiskTier
 from asyncoffload.tiers.format import Namespace
 from asyncoffload.tiers.mooncake import MooncakeTier
@@ -87,6 +89,7 @@ from asyncoffload.transfer import (
 )
 
 __all__ = [
+    "RETENTION_CLASSES",
     "AdmissionFilter",
     "AsyncOffloadEngine",
     "AsyncOffloadError",
@@ -122,10 +125,12 @@ __all__ = [
     "OffloadKey",
     "OffloadingEvent",
     "OffloadingManager",
+    "PinStats",
     "PrepareStoreOutput",
     "PromotionError",
     "RemoteTier",
     "ReqContext",
+    "Retention",
     "SubscriptionStats",
     "TierStats",
     "Transfer",

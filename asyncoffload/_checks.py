@@ -18,6 +18,7 @@ from asyncoffload.errors import BlockIdError, LengthMismatchError
 from asyncoffload.keys import GROUP_IDX_BYTES, BlockTokens, IntArray, OffloadKey, tenant_key
 from asyncoffload.manager import ReqContext
 from asyncoffload.manager.quotas import tenancy
+from asyncoffload.manager.retention import Retention
 
 __all__ = [
     "BlockIds",
@@ -92,6 +93,11 @@ def check_ctx(ctx: object, what: str) -> ReqContext:
     if not isinstance(ctx, ReqContext):
         raise TypeError(
             f"{what}: ctx must be an asyncoffload.ReqContext or None, got {type(ctx).__name__}"
+        )
+    if ctx.retention is not None and not isinstance(ctx.retention, Retention):
+        raise TypeError(
+            f"{what}: ctx.retention must be an asyncoffload.Retention or None, got "
+            f"{type(ctx.retention).__name__}"
         )
     if ctx.tenant is not None or ctx.no_store or ctx.kv_transfer_params:
         tenancy(ctx)  # a bad tenant or opt-out raises here, before anything changes

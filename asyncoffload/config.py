@@ -27,6 +27,7 @@ from pydantic_settings import (
 )
 
 from asyncoffload.manager.quotas import check_quota_table, resolve_quotas
+from asyncoffload.manager.retention import DEFAULT_PIN_BUDGET, check_pin_budget
 from asyncoffload.tiers.disk import DiskTier
 from asyncoffload.tiers.settings import known_admission, known_policy
 from asyncoffload.tiers.specs import TierSpec, tier_specs
@@ -70,6 +71,12 @@ class EngineConfig(BaseModel):
     )
     store_threshold: int = Field(
         0, ge=0, description="Store a key only from its n-th offer (0 or 1: always store)."
+    )
+    pin_budget: float = Field(
+        DEFAULT_PIN_BUDGET,
+        description="The largest share of the CPU tier, in (0, 1], that retention pins "
+        "(ReqContext.retention) may hold at once; a pin past it is refused and counted. "
+        "Each lower tier has its own (DiskTier(pin_budget=...), ...).",
     )
     event_buffer: int = Field(
         4096, gt=0, description="Default per-subscription event buffer (events, not keys)."
@@ -181,6 +188,11 @@ class EngineConfig(BaseModel):
     @classmethod
     def _known_policy(cls, value: str) -> str:
         return known_policy(value)
+
+    @field_validator("pin_budget", mode="before")
+    @classmethod
+    def _pin_budget(cls, value: object) -> float:
+        return check_pin_budget(value, "EngineConfig.pin_budget")
 
     @field_validator(
         "cpu_blocks",

@@ -449,7 +449,7 @@ class AsyncOffloadEngine(LoopBinding):
             stores_rejected=self._stores_rejected,
             copies=self._copies,
             hub=self._hub,
-            manager=self._manager.stats(),
+            manager=self._manager,
             tiers=self._tiers.stats() if self._tiers is not None else (),
         )
 
@@ -488,6 +488,7 @@ def _cpu_manager(cfg: EngineConfig, block_bytes: int) -> CPUOffloadingManager:
         max_tracker_size=cfg.max_tracker_size,
         admission=cfg.admission,
         quotas=resolve_quotas(cfg.quotas, cfg.cpu_blocks, block_bytes, "quotas"),
+        pin_budget=cfg.pin_budget,
     )
 
 

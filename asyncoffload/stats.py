@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from asyncoffload.copies import Copies
 from asyncoffload.events import EventHub, SubscriptionStats
 from asyncoffload.histogram import LATENCY_BUCKETS_S, Histogram, HistogramSnapshot
-from asyncoffload.manager import ManagerStats
+from asyncoffload.manager import CPUOffloadingManager, ManagerStats
+from asyncoffload.manager.pins import PinStats
 from asyncoffload.tiers.core import TierStats
 from asyncoffload.transfer import CompletionBridge, TransferBackend
 
@@ -72,6 +73,8 @@ class EngineStats:
     subscriptions: tuple[SubscriptionStats, ...]
     #: Each tier below the CPU tier, highest first.
     tiers: tuple[TierStats, ...] = ()
+    #: The CPU tier's retention pins (each lower tier's: ``TierStats.pins``).
+    pins: PinStats | None = None
 
 
 class Summary:
@@ -162,7 +165,7 @@ def engine_stats(
     stores_rejected: int,
     copies: Copies,
     hub: EventHub,
-    manager: ManagerStats,
+    manager: CPUOffloadingManager,
     tiers: tuple[TierStats, ...],
 ) -> EngineStats:
     """An engine's :class:`EngineStats` from its parts (``lookups``: calls, keys asked,
@@ -171,6 +174,8 @@ def engine_stats(
     store_duration = copies.store_hist.snapshot()
     load_duration = copies.load_hist.snapshot()
     subs = hub.subscribers
+    pins = manager.pins.stats()
+    manager_stats: ManagerStats = manager.stats()
     return EngineStats(
         backend=backend.name,
         backend_info=backend.describe(),
@@ -182,9 +187,9 @@ def engine_stats(
         loads=copies.loads,
         stores_rejected=stores_rejected,
         transfers_failed=copies.failed,
-        blocks_stored=manager.stored,
-        blocks_loaded=manager.loaded,
-        blocks_evicted=manager.evicted,
+        blocks_stored=manager_stats.stored,
+        blocks_loaded=manager_stats.loaded,
+        blocks_evicted=manager_stats.evicted,
         bytes_stored=copies.bytes_stored,
         bytes_loaded=copies.bytes_loaded,
         store_seconds=store_duration.total,
@@ -195,7 +200,7 @@ def engine_stats(
         events_published=hub.published,
         events_dropped=hub.dropped,
         subscribers=len(subs),
-        manager=manager,
+        manager=manager_stats,
         store_duration=store_duration,
         load_duration=load_duration,
         store_throughput=copies.store_rate.snapshot(),
@@ -205,4 +210,5 @@ def engine_stats(
         ).snapshot(),
         subscriptions=tuple(sub.statistics() for sub in subs),
         tiers=tiers,
+        pins=pins,
     )

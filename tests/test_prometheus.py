@@ -31,11 +31,13 @@ _COUNTERS = {
     "store_skipped_blocks", "stores_rejected", "transfers", "transfers_failed",
     "store_failed_blocks", "lookups", "lookup_blocks", "lookup_hit_blocks",
     "events_published", "events_dropped", "tier_lookup_hit_blocks", "tier_io_bytes",
-    "tier_failed_blocks", "tier_dropped_blocks", "quota_refused_blocks", "opted_out_blocks",
+    "tier_failed_blocks", "tier_dropped_blocks", "retention_pins", "quota_refused_blocks",
+    "opted_out_blocks",
 }  # fmt: skip
 _GAUGES = {
     "tier_capacity_blocks", "tier_blocks", "transfers_in_flight", "event_subscribers",
     "event_subscriber_lag_max_events", "event_subscriber_lag_events",
+    "retention_pinned_blocks", "retention_pin_limit_blocks",
 }  # fmt: skip
 _HISTOGRAMS = {
     "transfer_duration_seconds", "transfer_throughput_bytes_per_second",
@@ -170,6 +172,18 @@ def _expected(
         for cause, n in t.failures.items():
             put("tier_failed_blocks_total", n, medium=medium, cause=cause)
         put("tier_dropped_blocks_total", t.dropped, medium=medium)
+    for medium, p in (("CPU", s.pins), *((t.medium, t.pins) for t in s.tiers)):
+        assert p is not None  # every tier of the engine has retention pins
+        put("retention_pinned_blocks", p.pinned, medium=medium)
+        put("retention_pin_limit_blocks", p.limit, medium=medium)
+        for outcome, n in (
+            ("pinned", p.pins),
+            ("refreshed", p.refreshed),
+            ("refused", p.refused),
+            ("expired", p.expired),
+            ("released", p.released),
+        ):
+            put("retention_pins_total", n, medium=medium, outcome=outcome)
     for tier, tm in (("CPU", m), *((t.name, t.manager) for t in s.tiers)):
         for tenant in tm.tenants:
             put("quota_refused_blocks_total", tenant.refused, tier=tier, tenant=tenant.tenant)

@@ -27,6 +27,9 @@ routers that index vLLM servers (llm-d, Dynamo, ...) index asyncoffload's tiers 
   counted), a reply waits in ZMQ for at most ``replay_hwm`` messages per peer (the rest
   is sent as the peer reads), and the warnings peers cause are rate-limited.
 
+A pin change of the engine's stream (``OffloadingEvent.retention``: pinned, expired,
+unpinned) is not published: vLLM's events have no such type, and the blocks stay stored.
+
 What goes in the events:
 
 - ``medium`` is the tier (``"CPU"``); ``block_hashes`` the block-hash part of each
@@ -287,6 +290,8 @@ def wire_events(event: OffloadingEvent, block_size: int = 0) -> list[WireEvent]:
     keys = event.keys
     medium = event.medium.value
     out: list[WireEvent] = []
+    if event.retention is not None:  # a pin change: vLLM's events have none (the blocks stay)
+        return out
     if event.removed:
         for start, stop, _ in _runs(keys, None):
             run = keys[start:stop]

@@ -36,6 +36,7 @@ from prometheus_client.utils import floatToGoString
 from asyncoffload.engine import AsyncOffloadEngine, EngineStats
 from asyncoffload.histogram import HistogramSnapshot
 from asyncoffload.integrations.kv_events import PublisherStats
+from asyncoffload.manager.pins import PinStats
 
 __all__ = ["EngineMetrics", "PublisherLike"]
 
@@ -91,7 +92,8 @@ _ENGINE_SPECS: tuple[_Spec, ...] = (
         "quota_refused_blocks",
         ("tier", "tenant"),
         "Blocks a tier refused a tenant over its quota (what did not fit once the tenant's "
-        "own idle blocks were evicted), per tier (CPU or a lower tier's name) and tenant.",
+        "own idle, unpinned blocks were evicted), per tier (CPU or a lower tier's name) and "
+        "tenant.",
     ),
     _Spec(
         _C,
@@ -134,6 +136,16 @@ _ENGINE_SPECS: tuple[_Spec, ...] = (
         "short, missing, timeout, or an errno name); each failed read is a miss.",
     ),
     _Spec(_C, "tier_dropped_blocks", _M, "Blocks dropped from a lower tier after a failed check."),
+    _Spec(_G, "retention_pinned_blocks", _M, "Blocks held by retention pins now."),
+    _Spec(_G, "retention_pin_limit_blocks", _M, "The most blocks pins may hold (pin_budget)."),
+    _Spec(
+        _C,
+        "retention_pins",
+        ("medium", "outcome"),
+        "Retention pins by outcome: pinned (new), refreshed (a hit), refused (over the pin "
+        "budget: the block is stored unpinned), expired, released (unpinned, or the block "
+        "left the tier).",
+    ),
     _Spec(_G, "transfers_in_flight", (), "Copies submitted and not yet completed."),
     _Spec(_G, "event_subscribers", (), "Live event subscriptions."),
     _Spec(_G, "event_subscriber_lag_max_events", (), "Most events buffered by one subscription."),
@@ -213,6 +225,30 @@ def _engine_samples(s: EngineStats, medium: str) -> dict[str, Sequence[_Sample]]
     }
     for name, rows in (*_tier_samples(s).items(), *_tenant_samples(s).items()):
         out[name] = [*out.get(name, ()), *rows]
+    pin_rows = _pin_samples([(medium, s.pins), *((t.medium, t.pins) for t in s.tiers)])
+    out.update(pin_rows)
+    return out
+
+
+def _pin_samples(tiers: Sequence[tuple[str, PinStats | None]]) -> dict[str, list[_Sample]]:
+    """Each tier's retention pins (those of a manager that has them)."""
+    out: dict[str, list[_Sample]] = {
+        "retention_pinned_blocks": [],
+        "retention_pin_limit_blocks": [],
+        "retention_pins": [],
+    }
+    for medium, p in tiers:
+        if p is None:
+            continue
+        out["retention_pinned_blocks"].append(((medium,), p.pinned))
+        out["retention_pin_limit_blocks"].append(((medium,), p.limit))
+        out["retention_pins"] += [
+            ((medium, "pinned"), p.pins),
+            ((medium, "refreshed"), p.refreshed),
+            ((medium, "refused"), p.refused),
+            ((medium, "expired"), p.expired),
+            ((medium, "released"), p.released),
+        ]
     return out
 
 

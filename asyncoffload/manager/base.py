@@ -27,6 +27,7 @@ from typing import Any, NamedTuple
 
 from asyncoffload.errors import DuplicateKeyError
 from asyncoffload.keys import BlockTokens, OffloadKey
+from asyncoffload.manager.retention import Retention
 
 __all__ = [
     "NO_STORE_KEY",
@@ -76,7 +77,8 @@ class ReqContext:
     of each key, and a tier's quota (``quotas``) counts them as the tenant's. ``no_store``
     opts the request out of caching: it stores nothing in any tier (counted as
     ``ManagerStats.opted_out``); ``kv_transfer_params={"asyncoffload_no_store": True}``
-    says the same.
+    says the same. ``retention`` pins the blocks the request stores or hits, in every
+    tier, and ranks them (:class:`~asyncoffload.Retention`, docs/policies.md).
     ``session`` names the conversation or agent run the request continues (the
     ``session`` policy keeps a session due back soon; others ignore it).
     """
@@ -86,6 +88,7 @@ class ReqContext:
     extra: dict[str, Any] = field(default_factory=dict)
     tokens: BlockTokens | None = None
     tenant: str | None = None
+    retention: Retention | None = None
     no_store: bool = False
     session: str | None = None
 
@@ -136,6 +139,9 @@ class OffloadingEvent:
     ``AsyncOffloadEngine.events``) carry ``snapshot=True`` and the ``seq`` of the last
     live event they include. A stored event carries the :class:`~asyncoffload.BlockTokens`
     of the store's request context, when it had one (keys it does not describe have none).
+    A pin change (``retention``: ``"pinned"``, ``"expired"`` or ``"unpinned"``, see
+    :mod:`asyncoffload.manager.pins`) is not a store: ``removed`` is False and the blocks
+    were, and stay, stored; a consumer that indexes blocks skips it.
     """
 
     keys: tuple[OffloadKey, ...]
@@ -145,6 +151,7 @@ class OffloadingEvent:
     ts: float
     snapshot: bool = False
     tokens: BlockTokens | None = None
+    retention: str | None = None
 
 
 class TenantStats(NamedTuple):
@@ -156,7 +163,7 @@ class TenantStats(NamedTuple):
     #: Blocks the tenant holds here (ready or being stored).
     held: int
     #: Blocks refused: its stores (and promotions) that did not fit its quota even after
-    #: its own idle blocks were evicted.
+    #: its own idle, unpinned blocks were evicted.
     refused: int
     #: Its own blocks evicted to make room under its quota.
     evicted: int

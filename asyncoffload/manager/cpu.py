@@ -17,6 +17,7 @@ comes, as vLLM's own manager does (see :mod:`asyncoffload.manager.policies.base`
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from itertools import compress, repeat
@@ -39,8 +40,10 @@ from asyncoffload.manager.base import (
     reject_duplicates,
 )
 from asyncoffload.manager.offers import OfferCounts
+from asyncoffload.manager.pins import PinTable
 from asyncoffload.manager.policies import CachePolicy, RequestScope, get_policy_cls
 from asyncoffload.manager.quotas import Tenants, tenancy
+from asyncoffload.manager.retention import DEFAULT_PIN_BUDGET
 from asyncoffload.manager.walks import Walks
 
 __all__ = ["CPUOffloadingManager", "ManagerStats", "reject_duplicates"]
@@ -125,6 +128,62 @@ def _group_keys(
     return out
 
 
+def _unpin_counted(
+    get: Callable[[OffloadKey], BlockStatus | None], keys: Sequence[OffloadKey]
+) -> int:
+    """``complete_load`` of keys listed more than once, or unknown ones: count, then
+    check (``ValueError``, changing nothing, for one not pinned that often), then unpin;
+    how many blocks became idle."""
+    need: dict[OffloadKey, int] = {}
+    for key in keys:
+        need[key] = need.get(key, 0) + 1
+    pinned: list[BlockStatus] = []
+    for key, count in need.items():
+        maybe = get(key)
+        if maybe is None or maybe.ref_cnt < count:
+            raise ValueError(f"complete_load: key {key.hex()} is not being loaded")
+        pinned.append(maybe)
+    idle = 0
+    for block, count in zip(pinned, need.values()):
+        block.ref_cnt -= count
+        if block.ref_cnt == 0:
+            idle += 1
+    return idle
+
+
+def _checked_parts(
+    num_blocks: int,
+    policy: str | CachePolicy,
+    store_threshold: int,
+    max_tracker_size: int,
+    admission: str | AdmissionFilter | None,
+) -> tuple[CachePolicy, AdmissionFilter | None]:
+    """A manager's arguments checked (``ValueError`` / ``TypeError`` naming the one that
+    is wrong), and its policy and admission filter built from them."""
+    if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
+        raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
+    if store_threshold < 0:
+        raise ValueError(f"store_threshold must be >= 0, got {store_threshold}")
+    if max_tracker_size <= 0:
+        raise ValueError(f"max_tracker_size must be positive, got {max_tracker_size}")
+    if admission is not None and store_threshold >= 2:
+        raise ValueError("use either store_threshold or an admission filter, not both")
+    if isinstance(policy, CachePolicy):
+        if policy.capacity != num_blocks:
+            raise ValueError(
+                f"policy capacity {policy.capacity} differs from num_blocks {num_blocks}"
+            )
+        if len(policy):
+            raise ValueError("the policy instance already tracks blocks")
+    else:
+        policy = get_policy_cls(policy)(num_blocks)
+    if isinstance(admission, str):
+        admission = get_admission_cls(admission)(num_blocks)
+    elif admission is not None and not isinstance(admission, AdmissionFilter):
+        raise TypeError(f"admission must be a name or an AdmissionFilter, got {admission!r}")
+    return policy, admission
+
+
 def _partition(
     get: Callable[[OffloadKey], BlockStatus | None], keys: Sequence[OffloadKey]
 ) -> tuple[list[OffloadKey], list[OffloadKey], bool]:
@@ -169,34 +228,16 @@ class CPUOffloadingManager(OffloadingManager):
         request_scoped: bool = False,
         count_once_per_request: bool = False,
         event_sink: EventSink | None = None,
+        pin_budget: float = DEFAULT_PIN_BUDGET,
+        clock: Callable[[], float] = time.monotonic,
         quotas: Mapping[str, int] | None = None,
     ) -> None:
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
-            raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
-        if store_threshold < 0:
-            raise ValueError(f"store_threshold must be >= 0, got {store_threshold}")
-        if max_tracker_size <= 0:
-            raise ValueError(f"max_tracker_size must be positive, got {max_tracker_size}")
-        if admission is not None and store_threshold >= 2:
-            raise ValueError("use either store_threshold or an admission filter, not both")
-        if isinstance(policy, CachePolicy):
-            if policy.capacity != num_blocks:
-                raise ValueError(
-                    f"policy capacity {policy.capacity} differs from num_blocks {num_blocks}"
-                )
-            if len(policy):
-                raise ValueError("the policy instance already tracks blocks")
-            self._policy: CachePolicy = policy
-        else:
-            self._policy = get_policy_cls(policy)(num_blocks)
-        if isinstance(admission, str):
-            admission = get_admission_cls(admission)(num_blocks)
-        elif admission is not None and not isinstance(admission, AdmissionFilter):
-            raise TypeError(f"admission must be a name or an AdmissionFilter, got {admission!r}")
-        self._admission: AdmissionFilter | None = admission
+        self._policy, self._admission = _checked_parts(
+            num_blocks, policy, store_threshold, max_tracker_size, admission
+        )
         self.num_blocks = num_blocks
         self.policy_name = self._policy.name or type(self._policy).__name__
-        self.admission_name = admission.name if admission is not None else None
+        self.admission_name = self._admission.name if self._admission is not None else None
         self.store_threshold = store_threshold
         self.max_tracker_size = max_tracker_size
         self._offers: OfferCounts | None = None
@@ -218,7 +259,11 @@ class CPUOffloadingManager(OffloadingManager):
         self._observe_lookups = self._policy.observes_requests and not request_scoped
         #: Requests looked up key by key that the policy has not heard of yet (``lookup``).
         self._walks = Walks(self._policy.on_request if self._observe_lookups else None)
-        self.tenants = Tenants(self._policy, self._evict)  # its evictions: in our output
+        #: Retention pins and classes (asyncoffload.manager.pins), ``pin_budget`` of the tier.
+        self.pins = PinTable(num_blocks, self._policy.get, pin_budget, clock=clock)
+        self.pins.emit = functools.partial(_pin_event, self)
+        #: Tenant quotas (asyncoffload.manager.quotas): own evictions honour the pins.
+        self.tenants = Tenants(self._policy, self._evict, self.pins)
         self.tenants.set_caps(quotas or {}, num_blocks)
         self._reset_slots()
         self._stored = self._store_failed = self._loaded = self._evicted = 0
@@ -335,6 +380,7 @@ class CPUOffloadingManager(OffloadingManager):
             if block is None or block.ref_cnt < 0:
                 break
             n += 1
+        self.pins.hit(keys[:n], ctx)
         if self._observe_lookups and observe and keys:
             self._walks.prefix_lookup()  # walks not heard yet first
             self._policy.on_request(keys)
@@ -359,6 +405,7 @@ class CPUOffloadingManager(OffloadingManager):
         blocks = cast(list[BlockStatus], found)
         self._pin_blocks(blocks)
         self._loaded += len(blocks)
+        self.pins.hit(keys, ctx)
         self._walks.end()
         if self._requests is not None and ctx is not None and keys:
             loaded = tuple(keys)
@@ -405,6 +452,7 @@ class CPUOffloadingManager(OffloadingManager):
         policy that observes requests of those looked up key by key (:meth:`lookup`)."""
         self._policy.on_context(ctx)
         self._walks.touched(keys)
+        self.pins.hit(keys, ctx)
         self._policy.touch(keys)
         if self._admission is not None:
             self._admission.on_touch(keys)
@@ -484,6 +532,7 @@ class CPUOffloadingManager(OffloadingManager):
         if not to_store:
             if counted is None:
                 self._record_offers(offered, to_store)
+            self.pins.offer(keys, (), ctx)
             return PrepareStoreOutput([], _EMPTY_SPEC, [])
 
         # A refused call (``None``) changes no slot, offer counts included.
@@ -507,6 +556,7 @@ class CPUOffloadingManager(OffloadingManager):
             self._policy.insert_many(items)
         self.tenants.added(to_store, who)
         self._num_pending += len(to_store)
+        self.pins.offer(keys, to_store, ctx)
         if log is not None:
             calls = log.calls
             seen, reused, _ = calls[-1]
@@ -531,9 +581,7 @@ class CPUOffloadingManager(OffloadingManager):
         if not to_store:
             return PrepareStoreOutput([], _EMPTY_SPEC, [])
         kept = [*keys, *protect] if protect else keys
-        own: list[OffloadKey] | None = []  # a tenant's blocks evicted for its quota
-        if (who := tenancy(ctx)).tenant in self.tenants.caps:
-            own = self.tenants.admit_all(who, len(to_store), kept)
+        who, own = self.tenants.promotion(ctx, len(to_store), kept)  # own: for its quota
         evicted = None if own is None else self._make_room(len(to_store), kept)
         if evicted is None:
             return None
@@ -554,7 +602,7 @@ class CPUOffloadingManager(OffloadingManager):
             return []
         if shortfall > self._num_idle:
             return None
-        victims = self._policy.evict(shortfall, set(protect))
+        victims = self.pins.evict(self._policy, shortfall, protect, self._num_idle)
         return None if victims is None else self._evict(victims)
 
     def _evict(self, victims: _Victims) -> list[OffloadKey]:
@@ -656,6 +704,7 @@ class CPUOffloadingManager(OffloadingManager):
             self._emit(done, removed=False, tokens=ctx.tokens if ctx is not None else None)
         else:
             self._store_failed += len(done)
+        self.pins.stored(done, success)
 
     # --- requests (request_scoped) --------------------------------------------------------
 
@@ -707,6 +756,7 @@ class CPUOffloadingManager(OffloadingManager):
         )
 
     def take_events(self) -> list[OffloadingEvent]:
+        self.pins.expire()
         if not self._events:
             return []
         events, self._events = self._events, []
@@ -738,9 +788,23 @@ class CPUOffloadingManager(OffloadingManager):
         if self._requests is not None:
             self._requests.clear()
         self._walks.clear()
+        self.pins.clear()
         self.tenants.clear()
         self._reset_slots()
         self._emit(removed, removed=True)
+
+
+def _pin_event(manager: CPUOffloadingManager, keys: list[OffloadKey], change: str) -> None:
+    """Publish a pin change of ``manager``'s blocks (``retention``: ``change``); an
+    ``event_sink`` takes stores and removals only, so none goes there."""
+    events = manager._events
+    if events is not None and manager._event_sink is None and keys:
+        manager._seq += 1
+        events.append(
+            OffloadingEvent(
+                tuple(keys), manager.medium, False, manager._seq, time.time(), retention=change
+            )
+        )
 
 
 def _fold(
@@ -761,26 +825,3 @@ def _fold(
         if stored:
             inserted.update(stored)
     return seen_order, inserted, reused
-
-
-def _unpin_counted(
-    get: Callable[[OffloadKey], BlockStatus | None], keys: Sequence[OffloadKey]
-) -> int:
-    """``complete_load``'s slow path (keys listed more than once, or unknown ones):
-    count, check every key (``ValueError``, changing nothing), then unpin; how many
-    blocks became idle."""
-    need: dict[OffloadKey, int] = {}
-    for key in keys:
-        need[key] = need.get(key, 0) + 1
-    pinned: list[BlockStatus] = []
-    for key, count in need.items():
-        maybe = get(key)
-        if maybe is None or maybe.ref_cnt < count:
-            raise ValueError(f"complete_load: key {key.hex()} is not being loaded")
-        pinned.append(maybe)
-    idle = 0
-    for block, count in zip(pinned, need.values()):
-        block.ref_cnt -= count
-        if block.ref_cnt == 0:
-            idle += 1
-    return idle

@@ -4,7 +4,8 @@ A tier may cap each tenant (``ReqContext.tenant``; under vLLM, the request's
 ``cache_salt``) at a quota of its blocks. A quota is a cap, never a reservation:
 
 - a tenant's store or promotion that would take it over its quota first evicts the
-  tenant's own idle blocks, in the policy's order, never one of the call's keys;
+  tenant's own idle blocks, in the policy's order, never one of the call's keys nor a
+  pinned one (retention classes weigh as in any eviction: :mod:`~asyncoffload.manager.pins`);
 - another tenant's block is never evicted for it;
 - what still does not fit is refused: the trailing keys of a store (the head of a prompt
   is worth more than its tail), a promotion whole. Refusals are counted per tenant
@@ -28,7 +29,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
 
 from asyncoffload.keys import OffloadKey
@@ -215,8 +216,24 @@ Evict = Callable[[list[tuple[OffloadKey, BlockStatus]]], list[OffloadKey]]
 
 class _Policy(Protocol):
     def get(self, key: OffloadKey) -> BlockStatus | None: ...
+    def remove(self, key: OffloadKey) -> None: ...
+    def insert_many(self, items: list[tuple[OffloadKey, BlockStatus]]) -> None: ...
     def evict(
         self, n: int, protected: Collection[OffloadKey]
+    ) -> list[tuple[OffloadKey, BlockStatus]] | None: ...
+
+
+class _Pins(Protocol):
+    """The tier's retention pins (:class:`~asyncoffload.manager.pins.PinTable`), which
+    choose a tenant's own victims: never a pinned block, low classes first."""
+
+    def evict_among(
+        self,
+        policy: _Policy,
+        n: int,
+        guard: Collection[OffloadKey],
+        among: Callable[[], Iterable[OffloadKey]],
+        partial: bool,
     ) -> list[tuple[OffloadKey, BlockStatus]] | None: ...
 
 
@@ -226,9 +243,10 @@ class Tenants:
     every tenant once ``track`` is set (a lower tier has quotas and learns each block's
     tenant from here: :meth:`owner`)."""
 
-    def __init__(self, policy: _Policy, evict: Evict, tier: str = "CPU") -> None:
+    def __init__(self, policy: _Policy, evict: Evict, pins: _Pins, tier: str = "CPU") -> None:
         self._policy = policy
         self._evict = evict
+        self._pins = pins
         #: The tier's name in log lines.
         self.tier = tier
         self.caps: dict[str, int] = {}
@@ -293,6 +311,14 @@ class Tenants:
                 return to_store[: max(room, 0)], evicted
         return to_store, evicted
 
+    def promotion(
+        self, ctx: object, n: int, keep: Sequence[OffloadKey]
+    ) -> tuple[Tenancy, list[OffloadKey] | None]:
+        """A promotion of ``n`` blocks for ``ctx``'s request: its tenancy, and
+        :meth:`admit_all`'s answer (``[]`` for a tenant without a quota)."""
+        who = tenancy(ctx)
+        return who, (self.admit_all(who, n, keep) if who.tenant in self.caps else [])
+
     def admit_all(
         self,
         who: Tenancy,
@@ -320,21 +346,21 @@ class Tenants:
     def _evict_own(
         self, tenant: str, need: int, keep: Sequence[OffloadKey], whole: bool
     ) -> list[OffloadKey]:
-        """Evict ``need`` of ``tenant``'s idle blocks outside ``keep``, in the policy's
-        order, or as many as there are (``whole``: all or none); the keys evicted."""
-        owner, policy = self._owner, self._policy
-        protected = _NotOwn(owner, tenant, set(keep))
-        victims = policy.evict(need, protected) if need > 0 else []
-        if victims is None and not whole:
-            # Fewer idle blocks of its own than it needs: take those there are (a scan
-            # of the tier's tracked keys, only on this path).
-            get, spare = policy.get, protected.keep
-            idle = 0
-            for key, who in owner.items():
-                if who == tenant and key not in spare:
-                    block = get(key)
-                    idle += block is not None and block.ref_cnt == 0
-            victims = policy.evict(idle, protected) if idle else None
+        """Evict ``need`` of ``tenant``'s idle, unpinned blocks outside ``keep``, in the
+        order of their retention class and then the policy's, or as many as there are
+        (``whole``: all or none); the keys evicted."""
+        if need <= 0:
+            return []
+        owner = self._owner
+        victims = self._pins.evict_among(
+            self._policy,
+            need,
+            _NotOwn(owner, tenant, set(keep)),
+            # Fewer idle blocks of its own than it needs: a scan of the tier's tracked
+            # keys counts those there are (only on this path).
+            lambda: [key for key, who in owner.items() if who == tenant],
+            partial=not whole,
+        )
         if not victims:
             return []
         self._evicted[tenant] = self._evicted.get(tenant, 0) + len(victims)

@@ -11,8 +11,9 @@ move bytes and signal the completion bridge.
 from __future__ import annotations
 
 import logging
+import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
 from asyncoffload.keys import OffloadKey
@@ -20,6 +21,7 @@ from asyncoffload.manager.admission import AdmissionFilter
 from asyncoffload.manager.base import Medium
 from asyncoffload.manager.cpu import CPUOffloadingManager
 from asyncoffload.manager.policies import CachePolicy
+from asyncoffload.manager.retention import DEFAULT_PIN_BUDGET
 from asyncoffload.tiers.core.types import (
     IndexSpec,
     TierCounters,
@@ -60,6 +62,8 @@ class TierManager(CPUOffloadingManager):
         *,
         admission: str | AdmissionFilter | None = None,
         max_tracker_size: int = 64_000,
+        pin_budget: float = DEFAULT_PIN_BUDGET,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         super().__init__(
             num_blocks,
@@ -68,6 +72,8 @@ class TierManager(CPUOffloadingManager):
             enable_events=True,
             max_tracker_size=max_tracker_size,
             admission=admission,
+            pin_budget=pin_budget,
+            clock=clock,
         )
         self.medium = medium
         self.tenants.tier = medium.value
@@ -158,6 +164,7 @@ class TierManager(CPUOffloadingManager):
         block = self._policy.get(key)
         assert block is not None and block.ref_cnt == 0
         self._policy.remove(key)
+        self.pins.forget((key,))
         self._free_list.append(block.block_id)
         self.tenants.removed((key,))
         self._num_ready -= 1
@@ -180,6 +187,8 @@ class SharedSettings(Protocol):
     def admission(self) -> str | None: ...
     @property
     def min_offers(self) -> int: ...
+    @property
+    def pin_budget(self) -> float: ...
 
 
 def shared_index_spec(config: SharedSettings) -> IndexSpec:
@@ -188,14 +197,26 @@ def shared_index_spec(config: SharedSettings) -> IndexSpec:
     name: that filter; None: every block)."""
     threshold = config.min_offers if config.admission == "frequency" else 0
     admission = config.admission if config.admission not in (None, "frequency") else None
-    return IndexSpec(config.index_blocks, Medium.REMOTE, config.policy, threshold, admission)
+    return IndexSpec(
+        config.index_blocks,
+        Medium.REMOTE,
+        config.policy,
+        threshold,
+        admission,
+        pin_budget=config.pin_budget,
+    )
 
 
 def new_index(spec: IndexSpec) -> TierManager:
     """The index a tier's ``spec`` describes, holding the blocks it found at open (ready,
     oldest first; no event: a subscriber's snapshot shows them)."""
     index = TierManager(
-        spec.num_blocks, spec.medium, spec.policy, spec.store_threshold, admission=spec.admission
+        spec.num_blocks,
+        spec.medium,
+        spec.policy,
+        spec.store_threshold,
+        admission=spec.admission,
+        pin_budget=spec.pin_budget,
     )
     if spec.recovered:
         keys = list(spec.recovered)

@@ -250,7 +250,12 @@ class DiskStore(LowerTier):
         threshold = config.min_offers if config.admission == "frequency" else 0
         admission = config.admission if config.admission not in (None, "frequency") else None
         self.index_spec = IndexSpec(
-            num_blocks, Medium.DISK, config.policy, threshold, admission=admission
+            num_blocks,
+            Medium.DISK,
+            config.policy,
+            threshold,
+            admission=admission,
+            pin_budget=config.pin_budget,
         )
         self._closed = False
         #: Files mode: removals submitted (:meth:`forget`), oldest first, until they ended.
@@ -420,6 +425,7 @@ class DiskStore(LowerTier):
                 spec.store_threshold,
                 spec.admission,
                 recovered=tuple(key for _, key in keep),
+                pin_budget=spec.pin_budget,
             )
         if removed:
             log.warning(

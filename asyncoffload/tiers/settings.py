@@ -16,11 +16,12 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, SecretBytes, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretBytes, field_validator
 
 from asyncoffload.manager.admission import available_admissions
 from asyncoffload.manager.policies import available_policies
 from asyncoffload.manager.quotas import parse_quota
+from asyncoffload.manager.retention import DEFAULT_PIN_BUDGET, check_pin_budget
 from asyncoffload.tiers.format import check_mac_key
 from asyncoffload.validators import known_name, optional_name
 
@@ -50,6 +51,13 @@ class TierSettings(BaseModel):
     # Validation errors never show their input: it may be a password or the MAC key.
     model_config = ConfigDict(frozen=True, extra="forbid", hide_input_in_errors=True)
 
+    #: Every tier's: the most of it that retention pins may hold (docs/policies.md).
+    pin_budget: float = Field(
+        DEFAULT_PIN_BUDGET,
+        description="The largest share of the tier, in (0, 1], that retention pins may "
+        "hold at once; a pin past it is refused and counted.",
+    )
+
     #: Fields the constructor takes positionally, in order.
     _positional: ClassVar[tuple[str, ...]] = ()
     #: How a TypeError words them: ``"{cls} takes {words} positionally"``.
@@ -76,6 +84,11 @@ class TierSettings(BaseModel):
         if value is not None:
             check_mac_key(value.get_secret_value())
         return value
+
+    @field_validator("pin_budget", mode="before")
+    @classmethod
+    def _pin_budget(cls, value: object) -> float:
+        return check_pin_budget(value, f"{cls.__name__}.pin_budget")
 
     @field_validator("quotas", check_fields=False)
     @classmethod

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 
 import pytest
-from vllm.v1.kv_offload.base import ReqContext
+from vllm.v1.kv_offload.base import OffloadKey, ReqContext
 
 from asyncoffload.integrations.vllm.manager import (
     BLOCKS_OPTED_OUT,
@@ -18,8 +18,8 @@ from asyncoffload.manager.native import native_manager_available
 from asyncoffload.manager.quotas import NO_STORE_KEY
 
 
-def keys(tag: int, n: int) -> list[bytes]:
-    return [bytes([tag, i]) * 16 + b"\0\0\0\0" for i in range(n)]
+def keys(tag: int, n: int) -> list[OffloadKey]:
+    return [OffloadKey(bytes([tag, i]) * 16 + b"\0\0\0\0") for i in range(n)]
 
 
 def request(m: AsyncOffloadManager, req_id: str, salt: str | None, **params: object) -> ReqContext:
@@ -35,7 +35,7 @@ def counter(m: AsyncOffloadManager, name: str) -> int:
     return sum(values.get(name, {}).values())
 
 
-def store(m: AsyncOffloadManager, ks: list[bytes], ctx: ReqContext) -> list[bytes]:
+def store(m: AsyncOffloadManager, ks: list[OffloadKey], ctx: ReqContext) -> list[OffloadKey]:
     out = m.prepare_store(ks, ctx)
     assert out is not None
     m.complete_store(out.keys_to_store, ctx)

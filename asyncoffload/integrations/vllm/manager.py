@@ -51,6 +51,7 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from asyncoffload.integrations.vllm.hints import RequestHints
 from asyncoffload.keys import OffloadKey as OurOffloadKey
 from asyncoffload.manager import CPUOffloadingManager, ManagerStats
 from asyncoffload.manager import LookupResult as OurLookupResult
@@ -65,6 +66,7 @@ from asyncoffload.manager.native import (
 )
 from asyncoffload.manager.policies.lru_ranked import RankedLRUPolicy
 from asyncoffload.manager.quotas import Tenancy, no_store_param, tenancy
+from asyncoffload.manager.retention import DEFAULT_PIN_BUDGET
 
 if TYPE_CHECKING:
     from asyncoffload.integrations.vllm.tiers import SchedulerTiers
@@ -100,6 +102,10 @@ TIER_WRITE_FAILURES = _OURS + "tier_write_failures"
 TIER_READ_FAILURES = _OURS + "tier_read_failures"
 TIER_SKIPPED = _OURS + "tier_skipped"
 TIER_READY_BLOCKS = _OURS + "tier_ready_blocks"
+# Retention pins of the CPU tier (kv_transfer_params' asyncoffload_retention).
+PINNED_BLOCKS = _OURS + "pinned_blocks"
+PINS_REFUSED = _OURS + "pins_refused"
+PINS_EXPIRED = _OURS + "pins_expired"
 
 # Counter metric -> the ManagerStats field it reports (as increments).
 _COUNTERS: dict[str, str] = {
@@ -169,6 +175,14 @@ def metric_definitions(
         LOOKUP_HITS: OffloadingCounterMetadata("lookup calls that found the block."),
         READY_BLOCKS: OffloadingGaugeMetadata("Loadable blocks in the CPU tier."),
         FREE_BLOCKS: OffloadingGaugeMetadata("Free slots of the CPU tier."),
+        PINNED_BLOCKS: OffloadingGaugeMetadata(
+            "CPU-tier blocks held by retention pins (kv_transfer_params' asyncoffload_retention)."
+        ),
+        PINS_REFUSED: OffloadingCounterMetadata(
+            "Retention pins refused: over pin_budget (the block is stored unpinned), or "
+            "a request's hint refused whole (retention off: no pin_budget; or malformed)."
+        ),
+        PINS_EXPIRED: OffloadingCounterMetadata("Retention pins that expired."),
     }
     if tiers:
         definitions.update(
@@ -301,6 +315,13 @@ class AsyncOffloadManager(OffloadingManager):
     ``True`` requires it (``ValueError`` for a configuration it does not run,
     ``RuntimeError`` where it cannot be built), ``False`` never uses it, ``None`` uses it
     where it can. The decisions are the same either way.
+
+    ``pin_budget`` turns retention on (requests' ``kv_transfer_params``
+    ``asyncoffload_retention``, see :mod:`asyncoffload.integrations.vllm.hints`), on the
+    Python manager; ``None`` leaves it off and refuses hints, counted. ``quotas`` caps
+    tenants (requests' ``cache_salt``, :meth:`expect_request`) at that many chunks each,
+    on the Python manager too (:mod:`asyncoffload.manager.quotas`); a tenant's pinned
+    chunks count in its quota and are never evicted for it.
     """
 
     def __init__(
@@ -317,6 +338,7 @@ class AsyncOffloadManager(OffloadingManager):
         host_pool: tuple[str | os.PathLike[str] | Sequence[str | os.PathLike[str]], int]
         | None = None,
         unlink_pools: bool = True,
+        pin_budget: float | None = None,
         quotas: Mapping[str, int] | None = None,
     ) -> None:
         self.medium = Medium.CPU
@@ -333,6 +355,10 @@ class AsyncOffloadManager(OffloadingManager):
             if host_pool is None:
                 raise ValueError("lower tiers need host_pool=(path, slot_bytes)")
             why_not = why_not or "lower tiers run on the Python manager"
+        if pin_budget is not None:
+            why_not = why_not or "retention pins run on the Python manager"
+        #: Requests' retention hints (kv_transfer_params), with pin_budget set.
+        self.hints = RequestHints(pin_budget is not None)
         if quotas:
             why_not = why_not or "tenant quotas run on the Python manager"
         if native and why_not is not None:
@@ -358,6 +384,7 @@ class AsyncOffloadManager(OffloadingManager):
                 request_scoped=True,
                 count_once_per_request=VLLM.count_once,
                 event_sink=lambda keys, removed: events.append((list(keys), removed)),
+                pin_budget=pin_budget if pin_budget is not None else DEFAULT_PIN_BUDGET,
                 quotas=quotas,
             )
             calls = _PythonCalls(self._manager, events)
@@ -442,6 +469,7 @@ class AsyncOffloadManager(OffloadingManager):
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         self._tick()
         _carry_tenancy(req_context, self._salts.pop(req_context.req_id, None))
+        self.hints.start(self._manager, req_context)
         self._calls.on_new_request(req_context)
         return RequestOffloadingContext()
 
@@ -450,6 +478,7 @@ class AsyncOffloadManager(OffloadingManager):
         self._salts.pop(req_context.req_id, None)  # one whose on_new_request never came
         positions = getattr(req_context, "_offload_key_positions", None)
         self._calls.on_request_finished(req_context, positions or None)
+        self.hints.end(self._manager, req_context)
 
     # --- lookups and loads ---------------------------------------------------------
 
@@ -677,6 +706,7 @@ class AsyncOffloadManager(OffloadingManager):
                 stats.increase_counter(name, delta)
         if self.store_threshold >= 2:
             stats.increase_counter(STORES_SKIPPED, now.store_skipped - before.store_skipped)
+        self.hints.report(stats, self._manager, (PINNED_BLOCKS, PINS_REFUSED, PINS_EXPIRED))
         self._reported = now
         if self._tiers is not None:
             tier_stats = self._tiers.stats()

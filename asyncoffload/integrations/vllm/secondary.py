@@ -403,6 +403,8 @@ class AsyncOffloadTier(SecondaryTierManager):
             return ()
         out: list[OffloadingEvent] = []
         for event in events:
+            if event.retention is not None:  # a pin change: vLLM's events have none
+                continue
             groups: dict[int, tuple[ReqContext | None, list[OffloadKey]]] = {}
             for key in event.keys:
                 ctx = None if event.removed else stored_by.get(key)

@@ -21,6 +21,7 @@ from pydantic import (
 )
 
 from asyncoffload.manager.quotas import check_quota_table
+from asyncoffload.manager.retention import check_pin_budget
 from asyncoffload.tiers.settings import known_admission, known_policy
 from asyncoffload.tiers.specs import TIER_KINDS, TierSpec, tier_specs
 from asyncoffload.validators import not_bool
@@ -102,6 +103,13 @@ class VllmOffloadSettings(BaseModel):
     tenant: str = Field(
         "", description="With tiers: this engine's tenant, part of the blocks' identity."
     )
+    pin_budget: float | None = Field(
+        None,
+        description="Retention on: the largest share of the CPU tier, in (0, 1], that "
+        "requests' retention pins (kv_transfer_params' asyncoffload_retention) may hold "
+        "(each lower tier has its own, in its spec). Runs the Python manager. None: "
+        "retention off, hints refused and counted.",
+    )
     tenants: list[str] = Field(
         default_factory=list,
         description="The tenants that quota tables may name: requests' cache_salt values "
@@ -131,6 +139,11 @@ class VllmOffloadSettings(BaseModel):
         description="vLLM's parallelism-free host layout; asyncoffload keeps a per-worker "
         "layout, so True is refused.",
     )
+
+    @field_validator("pin_budget", mode="before")
+    @classmethod
+    def _pin_budget(cls, value: object) -> float | None:
+        return None if value is None else check_pin_budget(value, "pin_budget")
 
     @field_validator(
         "cpu_bytes_to_use",

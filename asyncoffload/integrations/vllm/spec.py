@@ -156,6 +156,7 @@ class AsyncOffloadSpec(OffloadingSpec):
                 tiers=self._open_tiers() if s.tiers else (),
                 host_pool=(self.host_pool_paths(), self.chunk_bytes) if s.tiers else None,
                 unlink_pools=not self.replicated_layout,
+                pin_budget=s.pin_budget,
                 quotas=resolve_quotas(s.quotas, self.num_chunks, self.chunk_bytes, "quotas"),
             )
         return self._manager

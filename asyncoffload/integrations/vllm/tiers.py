@@ -169,8 +169,9 @@ class SchedulerTiers(PolledTiers):
 
     def take_events(self) -> list[tuple[list[OffloadKey], bool]]:
         """Each tier's stored / removed events since the last call, as ``(keys,
-        removed)``."""
-        return [(list(event.keys), event.removed) for event in self.core.take_events()]
+        removed)`` (vLLM's events have no pin changes: those are counted only)."""
+        events = self.core.take_events()
+        return [(list(e.keys), e.removed) for e in events if e.retention is None]
 
     def _info(self, tier: TierState) -> dict[str, object]:
         return {**self._ports[tier].describe(), **self.pools.describe()}

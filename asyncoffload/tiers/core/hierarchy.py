@@ -46,6 +46,7 @@ from collections.abc import Callable, Mapping, Sequence
 from asyncoffload.errors import KeyNotReadyError, UnknownKeyError
 from asyncoffload.keys import OffloadKey
 from asyncoffload.manager.base import OffloadingEvent, ReqContext, reject_duplicates
+from asyncoffload.manager.pins import carry_pins, expire_pins, hold_below
 from asyncoffload.tiers.core.requests import (
     NEVER,
     Delete,
@@ -117,6 +118,7 @@ class TierHierarchy:
         self._late: list[tuple[TierIo, Callable[[], None]]] = []
         self._reap_at = NEVER
         self.closed = False
+        hold_below(cpu, [tier.index for tier in self.tiers])  # a CPU pin holds them too
 
     # --- which tier holds a key ------------------------------------------------------
 
@@ -205,7 +207,8 @@ class TierHierarchy:
         for key, cpu_slot in zip(keys, out.store_spec.block_ids):
             by_tier.setdefault(sources[key], []).append((key, cpu_slot))
         for tier, pairs in by_tier.items():
-            tier_slots = tier.index.prepare_load([key for key, _ in pairs]).block_ids
+            tier_slots = tier.index.prepare_load(held := [k for k, _ in pairs], ctx).block_ids
+            carry_pins(tier.index, self.cpu, held)  # a pin below holds the copy above too
             if lookup:
                 tier.counters.lookup_hits += len(pairs)
             tier.batch.extend(
@@ -448,7 +451,8 @@ class TierHierarchy:
         """Decide what is due at ``now``: promotions whose read outlived its tier's
         deadline plus the grace fail (returned; their slots stay held until the read
         ends, and their keys are misses meanwhile: :meth:`stalled`), and questions
-        unanswered by their deadline count as failed."""
+        unanswered by their deadline count as failed; the lower tiers' pins due expire."""
+        expire_pins([tier.index for tier in self.tiers], now)  # else lazily, at evictions
         stalls = self._stalls
         out: list[Promotion] = []
         while stalls and stalls[0][0] <= now:
@@ -476,12 +480,7 @@ class TierHierarchy:
         written from their CPU slots (queued for :meth:`take_io`), pinned until
         :meth:`write_done`. ``blocked``: no tier can be written now, for this cause
         (counted per tier, nothing offered)."""
-        get = self.cpu.block_of
-        ready = [
-            key
-            for key in dict.fromkeys(keys)
-            if len(key) <= MAX_KEY_BYTES and (b := get(key)) is not None and b.ref_cnt >= 0
-        ]
+        ready = _writable(self.cpu, keys)
         if not ready or self.closed:
             return
         if blocked:
@@ -498,6 +497,7 @@ class TierHierarchy:
             chosen = list(out.keys_to_store)
             if not chosen:
                 continue
+            carry_pins(self.cpu, tier.index, chosen)  # the CPU tier's pins hold below too
             spec = self.cpu.pin(chosen)
             tier.counters.writes += 1
             slots = list(out.store_spec.block_ids)
@@ -713,7 +713,19 @@ def _stats(tier: TierState, info: Callable[[TierState], dict[str, object]] | Non
         blocks_present=c.blocks_present,
         delete_failures=c.delete_failures,
         declined_above=c.declined_above,
+        pins=m.pins.stats(),
     )
+
+
+def _writable(cpu: CpuIndex, keys: Sequence[OffloadKey]) -> list[OffloadKey]:
+    """The keys of ``keys`` a lower tier can take: ready in the CPU tier, and short
+    enough for every tier's key format (``MAX_KEY_BYTES``); once each, in order."""
+    get = cpu.block_of
+    return [
+        key
+        for key in dict.fromkeys(keys)
+        if len(key) <= MAX_KEY_BYTES and (b := get(key)) is not None and b.ref_cnt >= 0
+    ]
 
 
 def _delete_failed(req: Delete, outcome: Outcome, now: float) -> None:

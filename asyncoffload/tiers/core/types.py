@@ -23,6 +23,8 @@ from asyncoffload.manager.base import (
     PrepareStoreOutput,
     ReqContext,
 )
+from asyncoffload.manager.pins import PinStats, PinTable
+from asyncoffload.manager.retention import DEFAULT_PIN_BUDGET
 
 __all__ = [
     "MAX_KEY_BYTES",
@@ -71,6 +73,9 @@ class TierIndex(CpuIndex, Protocol):
     what a driver's event stream reads of it (``medium``, ``last_seq``,
     ``resident_keys``)."""
 
+    #: The tier's retention pins and classes.
+    pins: PinTable
+
     @property
     def medium(self) -> Medium: ...
 
@@ -104,7 +109,8 @@ class IndexSpec:
     """How a tier's index is built (a backend says it; the index is the core's):
     ``num_blocks`` slots of ``medium``, its ``policy``, ``store_threshold`` (the
     ``min_offers``-th offer is written) and ``admission`` filter, and the keys a tier
-    found at open (``recovered``: a files-mode disk tier's blocks, oldest first)."""
+    found at open (``recovered``: a files-mode disk tier's blocks, oldest first), and
+    its ``pin_budget``."""
 
     num_blocks: int
     medium: Medium
@@ -112,6 +118,8 @@ class IndexSpec:
     store_threshold: int = 0
     admission: str | None = None
     recovered: tuple[OffloadKey, ...] = ()
+    #: The most of the tier that retention pins may hold, in (0, 1].
+    pin_budget: float = DEFAULT_PIN_BUDGET
 
 
 class Outcome(NamedTuple):
@@ -185,6 +193,8 @@ class TierStats:
     #: they were never offered here. Not failures; the CPU tier counts them too
     #: (``ManagerStats.store_skipped``).
     declined_above: int = 0
+    #: The tier's retention pins (``asyncoffload.manager.pins``).
+    pins: PinStats | None = None
 
 
 _CAUSES = {
