@@ -64,6 +64,7 @@ from asyncoffload.replay import (
     replay,
     replay_matrix,
 )
+from asyncoffload.replay.manager import serve_request
 from asyncoffload.workloads import Request, families, load_block_trace, load_mooncake, summarize
 
 #: ``$ASYNCOFFLOAD_TRACE_DIR`` (where the Mooncake traces are), else ``../shared/traces``.
@@ -458,21 +459,6 @@ def timelines() -> list[tuple[str, float, list[Request]]]:
     return out
 
 
-def _serve(m: CPUOffloadingManager, keys: Sequence[OffloadKey]) -> int:
-    """One request, as the replay and the engine serve it; its prefix hits."""
-    n = m.lookup_prefix(keys)
-    if n:
-        m.prepare_load(keys[:n])
-        m.touch(keys[:n])
-        m.complete_load(keys[:n])
-    if n < len(keys):
-        m.touch(keys[n:])
-    out = m.prepare_store(keys[n:])
-    if out is not None and out.keys_to_store:
-        m.complete_store(out.keys_to_store)
-    return n
-
-
 def switch_timeline(requests: Sequence[Request], share: float, width: float = 1.0) -> str:
     """Markdown: ``auto`` on ``requests`` at ``share``, a row per ``width`` capacities of
     traffic: each candidate's hit rate at full size over the row (a tier of its own),
@@ -509,7 +495,7 @@ def switch_timeline(requests: Sequence[Request], share: float, width: float = 1.
         keys = req.keys
         for i, ghost in enumerate(ghosts):
             window[1 + i] += ghost.request(keys)
-        window[-1] += _serve(m, keys)
+        window[-1] += serve_request(m, keys)
         window[0] += len(keys)
         seen += len(keys)
         if window[0] >= width * cap:

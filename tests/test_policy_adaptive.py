@@ -26,6 +26,7 @@ from asyncoffload.manager.policies.adaptive import Ghost, _recency_order
 from asyncoffload.manager.policies.arc import ARCPolicy
 from asyncoffload.manager.policies.kv import KVPolicy, adoption
 from asyncoffload.replay import capacity_blocks, replay
+from asyncoffload.replay.manager import serve_request
 from asyncoffload.workloads import Request, families, summarize, synthetic_sessions
 
 KEYS = [ao.make_offload_key(bytes([i]) * 8) for i in range(24)]
@@ -339,18 +340,7 @@ def drive_each(
     each; each request's prefix hits."""
     out = []
     for req in requests:
-        keys = req.keys
-        n = m.lookup_prefix(keys)
-        out.append(n)
-        if n:
-            m.prepare_load(keys[:n])
-            m.touch(keys[:n])
-            m.complete_load(keys[:n])
-        if n < len(keys):
-            m.touch(keys[n:])
-        store_out = m.prepare_store(keys[n:])
-        if store_out is not None and store_out.keys_to_store:
-            m.complete_store(store_out.keys_to_store)
+        out.append(serve_request(m, req.keys))
         if check is not None:
             check()
     return out

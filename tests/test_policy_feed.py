@@ -21,6 +21,7 @@ import asyncoffload as ao
 from asyncoffload.keys import OffloadKey
 from asyncoffload.manager.policies import AdaptivePolicy
 from asyncoffload.replay import capacity_blocks
+from asyncoffload.replay.manager import serve_request
 from asyncoffload.workloads import Request, families, summarize
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -46,23 +47,9 @@ def listening(monkeypatch: pytest.MonkeyPatch) -> Heard:
     return heard
 
 
-def serve(m: ao.CPUOffloadingManager, keys: Sequence[OffloadKey], n: int) -> None:
-    """The rest of the engine's calls for a request whose first ``n`` keys hit: the load's
-    touch of the hits, the store's touch of the rest, the store."""
-    if n:
-        m.prepare_load(keys[:n])
-        m.touch(keys[:n])
-        m.complete_load(keys[:n])
-    if n < len(keys):
-        m.touch(keys[n:])
-    out = m.prepare_store(keys[n:])
-    if out is not None and out.keys_to_store:
-        m.complete_store(out.keys_to_store)
-
-
 def by_prefix(m: ao.CPUOffloadingManager, keys: Sequence[OffloadKey]) -> int:
     n = m.lookup_prefix(keys)
-    serve(m, keys, n)
+    serve_request(m, keys, n)
     return n
 
 
@@ -73,7 +60,7 @@ def key_by_key(m: ao.CPUOffloadingManager, keys: Sequence[OffloadKey]) -> int:
         if m.lookup(key) is not ao.LookupResult.HIT:
             break
         n += 1
-    serve(m, keys, n)
+    serve_request(m, keys, n)
     return n
 
 

@@ -21,11 +21,33 @@ from asyncoffload.replay.result import (
 )
 from asyncoffload.workloads import Request, summarize
 
-__all__ = ["DISK_ADMISSION", "parse_disk_admission", "replay"]
+__all__ = ["DISK_ADMISSION", "parse_disk_admission", "replay", "serve_request"]
 
 #: Default admission of the disk tier: a block is written to disk on its second offer
 #: (like Dynamo KVBM's frequency filter). ``"frequencyN"`` writes on the N-th offer.
 DISK_ADMISSION = "frequency2"
+
+
+def serve_request(
+    manager: CPUOffloadingManager, keys: Sequence[OffloadKey], n: int | None = None
+) -> int:
+    """One request through ``manager`` as the engine serves it (its default
+    touch_on_load and touch_on_store), the way :func:`replay` does: look up the prefix
+    (unless ``n``, its hits, is given), load and touch the hits, touch the rest, store
+    it. Returns the prefix hits. The replay's own loop makes the same calls inline."""
+    if n is None:
+        n = manager.lookup_prefix(keys)
+    if n:
+        hits = keys[:n]
+        manager.prepare_load(hits)
+        manager.touch(hits)
+        manager.complete_load(hits)
+    if n < len(keys):
+        manager.touch(keys[n:])
+    out = manager.prepare_store(keys[n:])
+    if out is not None and out.keys_to_store:
+        manager.complete_store(out.keys_to_store)
+    return n
 
 
 def parse_disk_admission(spec: str | None) -> tuple[int, str | None]:
