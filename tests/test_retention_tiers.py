@@ -5,21 +5,18 @@ their pin expires. The pins' clocks are fake where a test lets time pass."""
 
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 import asyncoffload as ao
 from asyncoffload.manager.base import Medium
 from asyncoffload.tiers.disk import DiskTier
 from asyncoffload.tiers.remote import RemoteTier
 from tests.helpers import tier_index
-from tests.test_tiers import SLOT, block, keys, kv_caches
+from tests.test_tiers import SLOT, block, engine, keys, kv_caches
 
 HINT = ao.ReqContext("hinted", retention=ao.Retention(60.0))
 
@@ -32,17 +29,6 @@ class Clock:
 
     def __call__(self) -> float:
         return time.monotonic() + self.offset
-
-
-@contextlib.asynccontextmanager
-async def engine(
-    cfg: ao.EngineConfig, kv: list[torch.Tensor] | None = None
-) -> AsyncIterator[ao.AsyncOffloadEngine]:
-    eng = ao.AsyncOffloadEngine(kv if kv is not None else kv_caches(), cfg)
-    try:
-        yield eng
-    finally:
-        await eng.aclose()
 
 
 def disk_config(path: Path, **kw: Any) -> ao.EngineConfig:
