@@ -35,6 +35,7 @@ import asyncoffload as ao
 from asyncoffload.manager.base import Medium
 from asyncoffload.tiers.format import HEADER_BYTES, Namespace, pack_header
 from asyncoffload.tiers.mooncake import MooncakeStore
+from tests.helpers import tier_index
 from tests.mooncake_probe import loopback_up, start_master
 
 NUM_KV = 32
@@ -724,6 +725,41 @@ async def quotas(port: int) -> dict[str, Any]:
     return out
 
 
+async def pins(port: int) -> dict[str, Any]:
+    """Retention pins in a Mooncake tier's index (issue 40): two hinted blocks and two
+    plain ones stored, then a flood of plain blocks past the tier's 16-block index: the
+    hinted pair stays ready and pinned there, the plain pair goes; a promotion of the
+    hinted pair (a promotion) refreshes its pin below."""
+    hint = ao.ReqContext("hinted", retention=ao.Retention(600.0))
+    # The CPU tier's budget (a fifth of 4 slots) holds no pin: the blocks leave it, and
+    # the load is a promotion, a hit in the Mooncake tier.
+    cfg = config(port, cpu_blocks=4, pin_budget=0.2, tier={"index_blocks": 16, "admission": None})
+    out: dict[str, Any] = {}
+    async with ao.AsyncOffloadEngine(kv_caches(), cfg) as eng:
+        kept, plain = keys(2), keys(2, 100)
+        handle = await eng.prepare_store(kept, [0, 1], hint)
+        assert handle is not None
+        await asyncio.wait_for(handle, WAIT_S)
+        await store(eng, plain, [2, 3])
+        for i in range(0, 40, 2):
+            await store(eng, keys(2, 1000 + i), [30, 31])
+        index = tier_index(eng)
+        out["medium"] = index.medium.name
+        out["kept_in_cpu"] = [eng.manager.block_of(k) is not None for k in kept]
+        out["kept_ready"] = [index.ready(k) for k in kept]
+        out["kept_pinned"] = [k in index.pins for k in kept]
+        out["plain_ready"] = [index.ready(k) for k in plain]
+        pins = eng.stats().tiers[0].pins
+        assert pins is not None
+        out["lookup_kept"] = eng.lookup(kept, hint)
+        out["load_kept"] = await load(eng, kept, [8, 9])
+        after = eng.stats().tiers[0].pins
+        assert after is not None
+        out["pinned"], out["refreshed"] = after.pinned, after.refreshed - pins.refreshed
+        out["still_pinned"] = [k in index.pins for k in kept]
+    return out
+
+
 SCENARIOS = {
     "share": share,
     "reader": reader,
@@ -735,6 +771,7 @@ SCENARIOS = {
     "stopped": stopped,
     "secrets": secrets_,
     "quotas": quotas,
+    "pins": pins,
 }
 
 

@@ -257,3 +257,17 @@ def test_a_block_in_tensor_parallel_slices_is_one_object_checked_whole() -> None
     assert seen["replanted"][-1] == 0
     assert seen["damaged_read"] == [-errno.EBADMSG]
     assert "2 slices (first delta 5)" in seen["set_segments_bad"]
+
+
+def test_a_hinted_store_is_pinned_in_a_mooncake_tiers_index_through_a_flood() -> None:
+    """Retention in the Mooncake tier too (issue 40; disk and Valkey in
+    tests/test_retention_tiers.py): the hinted pair outlives a flood past the tier's
+    index, the plain pair stored beside it does not, and hits keep the pins."""
+    seen = _scenario("pins")
+    assert seen["medium"] == "REMOTE"
+    assert seen["kept_in_cpu"] == [False, False]
+    assert seen["kept_ready"] == [True, True] and seen["kept_pinned"] == [True, True]
+    assert seen["plain_ready"] == [False, False]
+    assert seen["lookup_kept"] == 2 and seen["load_kept"] == "ok"
+    assert seen["refreshed"] >= 2  # the promotion's hits below
+    assert seen["pinned"] == 2 and seen["still_pinned"] == [True, True]
