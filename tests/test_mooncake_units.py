@@ -214,6 +214,72 @@ def test_pieces_that_do_not_make_a_block_are_refused() -> None:
         blocks().run(False, [p.at], [b"key-1"], [p.list()[:2]], None)
 
 
+# --- the helper's order of requests (issue 41) -----------------------------------------------
+
+
+def _request(job: int, op: int) -> tuple[int, int, int, bytes]:
+    return (job, op, 1, b"")
+
+
+def _ops(taken: list[tuple[tuple[int, int, int, bytes], bool] | None]) -> list[int]:
+    return [t[0][0] if t is not None else -1 for t in taken]
+
+
+def test_a_read_goes_ahead_of_queued_writes() -> None:
+    """Gets and existence checks are taken before the puts and removals queued ahead
+    of them: a read never waits behind queued write-through."""
+    queue = helper._Requests(workers=2)
+    for job in range(20):
+        queue.put(_request(job, helper.OP_PUT if job % 2 else helper.OP_REMOVE))
+    queue.put(_request(100, helper.OP_GET))
+    queue.put(_request(101, helper.OP_EXISTS))
+    first, second = queue.get(), queue.get()
+    assert _ops([first, second]) == [100, 101]
+    assert first is not None and not first[1]  # a read: no done() owed
+
+
+def test_writes_still_go_while_reads_keep_coming() -> None:
+    """No starvation: once READS_PER_WRITE reads were taken while a write waited, the
+    write is next, and every write is taken in the end, in order."""
+    queue = helper._Requests(workers=2)
+    for job in range(3):
+        queue.put(_request(job, helper.OP_PUT))
+    taken = []
+    for round_ in range(3):
+        for job in range(helper.READS_PER_WRITE + 2):  # more reads than the guard lets by
+            queue.put(_request(1000 * (round_ + 1) + job, helper.OP_GET))
+        got = [queue.get() for _ in range(helper.READS_PER_WRITE + 1)]
+        taken += got
+        write = got[-1]
+        assert write is not None and write[1], _ops(got)  # the write, after the reads
+        queue.done()
+    writes = [t[0][0] for t in taken if t is not None and t[1]]
+    assert writes == [0, 1, 2]
+
+
+def test_writes_leave_a_worker_for_reads() -> None:
+    """With 3 workers, writes run on 2 at most: the third is there for a read."""
+    queue = helper._Requests(workers=3)
+    for job in range(5):
+        queue.put(_request(job, helper.OP_PUT))
+    assert _ops([queue.get(), queue.get()]) == [0, 1]
+    queue.put(_request(50, helper.OP_GET))
+    assert _ops([queue.get()]) == [50]  # not write 2: two are running
+    queue.done()
+    assert _ops([queue.get()]) == [2]
+
+
+def test_workers_stop_once_what_they_may_take_is_done() -> None:
+    queue = helper._Requests(workers=2)
+    queue.put(_request(1, helper.OP_PUT))
+    queue.put(_request(2, helper.OP_GET))
+    queue.stop(2)
+    assert _ops([queue.get(), queue.get()]) == [2, 1]
+    assert queue.get() is None  # the other worker: the write running is not its to take
+    queue.done()
+    assert queue.get() is None
+
+
 # --- host memory another process maps -------------------------------------------------------
 
 
