@@ -8,6 +8,8 @@ import ctypes
 import errno
 import mmap
 import os
+import socket
+import time
 from pathlib import Path
 from typing import Any
 
@@ -278,6 +280,80 @@ def test_workers_stop_once_what_they_may_take_is_done() -> None:
     assert queue.get() is None  # the other worker: the write running is not its to take
     queue.done()
     assert queue.get() is None
+
+
+# --- the helper's watch on the master (issue 41) -----------------------------------------
+
+
+class _Store:
+    """What the helper's probe asks of Mooncake's client: an existence check."""
+
+    def __init__(self) -> None:
+        self.asked = 0
+
+    def batch_is_exist(self, names: list[str]) -> list[int]:
+        self.asked += 1
+        return [0] * len(names)
+
+
+def _until(check: Any, what: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, f"not within {timeout_s:g} s: {what}"
+        time.sleep(0.01)
+
+
+def _listen(port: int = 0) -> socket.socket:
+    server = socket.socket()
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    server.bind(("127.0.0.1", port))
+    server.listen()
+    return server
+
+
+def test_the_master_closing_its_connection_marks_it_down_until_it_answers_again() -> None:
+    """The helper watches the master over a connection of its own: the master's exit
+    closes it, and every request fails at once from then (no call of the client, which
+    would block seconds while it reconnects), until the master listens again and the
+    client answers the probe's existence check."""
+    server = _listen()
+    port = server.getsockname()[1]
+    store = _Store()
+    master = helper._Master(store, f"127.0.0.1:{port}")
+    try:
+        watch, _ = server.accept()  # the helper's watch connection
+        assert master.up and store.asked == 0
+        server.close()
+        watch.close()  # the master exits
+        _until(lambda: not master.up, "the master marked down")
+        assert master.downs == 1 and store.asked == 0  # refused: the client not asked
+        server = _listen(port)  # back
+        _until(lambda: master.up, "the master found again")
+        assert store.asked == 1
+        server.accept()[0].close()  # its watch again, closed at once: down again
+        _until(lambda: master.downs == 2, "the master marked down again")
+    finally:
+        master.close()
+        master.thread.join(10)
+        server.close()
+    assert not master.thread.is_alive()
+
+
+def test_a_call_that_failed_marks_the_master_down_until_the_probe_finds_it() -> None:
+    server = _listen()
+    port = server.getsockname()[1]
+    store = _Store()
+    master = helper._Master(store, f"127.0.0.1:{port}")
+    try:
+        master.failed()  # a call got RPC_FAIL
+        assert not master.up
+        _until(lambda: master.up, "the master found again")
+        assert store.asked == 1 and master.downs == 1
+    finally:
+        master.close()
+        master.thread.join(10)
+        server.close()
+    assert not master.thread.is_alive()
 
 
 # --- host memory another process maps -------------------------------------------------------

@@ -61,6 +61,7 @@ import errno
 import json
 import mmap
 import os
+import select
 import signal
 import socket
 import struct
@@ -199,78 +200,123 @@ class _Blocks:
 class _Master:
     """Whether the master answers, as this process last saw it.
 
-    A call that failed with RPC_FAIL marks it down; then every request fails at once
-    (RPC_FAIL, without a call: Mooncake's client blocks each call about 4.3 s while it
-    reconnects), and a probe thread, off the request path, looks for it with backoff
-    (``PROBE_FIRST_S`` doubling to ``PROBE_MAX_S``): a TCP connect to its address, then,
-    once that connects, an existence check through the client, which reconnects it. The
-    first answer marks it up again: requests go to the store again, with no restart."""
+    Mooncake's client blocks each call about 4.3 s while it reconnects to a master that
+    went away, and it starts reconnecting on its own (its pings fail) whether a call came
+    or not; so the master's death is watched here, off the request path: a thread holds
+    a TCP connection of its own to the master, idle (it never sends), which the master's
+    exit closes (a dead host: TCP keepalive, a few seconds). When it closes, or when a
+    call failed with RPC_FAIL, the master is down: every request
+    fails at once (RPC_FAIL, without a call), and the thread looks for it with backoff
+    (``PROBE_FIRST_S`` doubling to ``PROBE_MAX_S``): a TCP connect, then, once that
+    connects, an existence check through the client, which reconnects it. The first
+    answer marks it up again: requests go to the store again, with no restart."""
 
     def __init__(self, store: Any, address: str) -> None:
         self.store = store
         host, _, port = address.rpartition(":")
         self.address = (host.strip("[]"), int(port))
-        self.cond = threading.Condition()
+        self.lock = threading.Lock()
         self.up = True
         self.closing = False
         #: Whether the probe is inside a call of the client now.
         self.calling = False
         #: Times it went down.
         self.downs = 0
-        self.thread = threading.Thread(target=self._probe, name="mooncake-probe", daemon=True)
+        #: Wakes the thread from its select (a call failed, or closing).
+        self.wake_r, self.wake_w = socket.socketpair()
+        self.wake_w.setblocking(False)
+        self.thread = threading.Thread(target=self._run, name="mooncake-master", daemon=True)
         self.thread.start()
 
     def failed(self) -> None:
-        """A call failed with RPC_FAIL: the master is down until the probe finds it."""
-        with self.cond:
+        """The master is down until the probe finds it (a call failed with RPC_FAIL, or
+        the watch closed)."""
+        with self.lock:
             if self.up:
                 self.up = False
                 self.downs += 1
-                self.cond.notify_all()
+        self._wake()
 
     def close(self) -> None:
-        with self.cond:
-            self.closing = True
-            self.cond.notify_all()
+        self.closing = True
+        self._wake()
 
-    def _probe(self) -> None:
+    def _wake(self) -> None:
+        with contextlib.suppress(OSError):  # full: a wake-up is pending already
+            self.wake_w.send(b"\0")
+
+    def _wait(self, sockets: list[socket.socket], timeout: float | None) -> list[Any]:
+        """Wait for ``sockets`` or a wake-up, at most ``timeout``; those readable."""
+        ready, _, _ = select.select([self.wake_r, *sockets], [], [], timeout)
+        if self.wake_r in ready:
+            with contextlib.suppress(OSError):
+                self.wake_r.recv(4096)
+        return [s for s in ready if s is not self.wake_r]
+
+    def _run(self) -> None:
+        watch: socket.socket | None = None
         try:
-            while True:
-                with self.cond:
-                    while self.up and not self.closing:
-                        self.cond.wait()
-                wait = PROBE_FIRST_S
-                while True:
-                    with self.cond:
-                        if self.closing:
-                            return
-                        self.cond.wait(wait)
-                        if self.closing:
-                            return
-                    if self._answers():
-                        break
-                    wait = min(2 * wait, PROBE_MAX_S)
-                with self.cond:
-                    self.up = True
+            while not self.closing:
+                if self.up:
+                    if watch is None:
+                        watch = self._connect()
+                        if watch is None:
+                            self.failed()
+                            continue
+                    if self._wait([watch], None):  # closed (or, never asked for, data)
+                        watch.close()
+                        watch = None
+                        # Down, even if a new master listens already: the client has to
+                        # reconnect, which the probe's existence check does, not a request.
+                        self.failed()
+                    continue
+                if watch is not None:
+                    watch.close()
+                watch = self._find()
         except BaseException:
             traceback.print_exc()
             os._exit(EXIT_DEFECT)
+        finally:
+            if watch is not None:
+                watch.close()
+
+    def _find(self) -> socket.socket | None:
+        """Down: look for the master with backoff until it answers (then it is up: the
+        watch connection, returned) or this process closes (None)."""
+        wait = PROBE_FIRST_S
+        while True:
+            self._wait([], wait)
+            if self.closing:
+                return None
+            watch = self._connect()
+            if watch is not None:
+                if self._answers():
+                    with self.lock:
+                        self.up = True
+                    return watch
+                watch.close()
+            wait = min(2 * wait, PROBE_MAX_S)
+
+    def _connect(self) -> socket.socket | None:
+        """A connection to the master, with keepalive probes every second after a
+        second of silence (a host that died closes nothing); None if refused."""
+        try:
+            sock = socket.create_connection(self.address, PROBE_CONNECT_S)
+        except OSError:
+            return None
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for option, value in (("TCP_KEEPIDLE", 1), ("TCP_KEEPINTVL", 1), ("TCP_KEEPCNT", 3)):
+            if hasattr(socket, option):
+                sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
+        return sock
 
     def _answers(self) -> bool:
-        try:
-            with socket.create_connection(self.address, PROBE_CONNECT_S):
-                pass
-        except OSError:
-            return False  # refused, unreachable: not worth a call that blocks for seconds
-        with self.cond:
-            if self.closing:
-                return False
-            self.calling = True
+        """Whether the client answers an existence check (it reconnects for it)."""
+        self.calling = True
         try:
             return int(self.store.batch_is_exist([PROBE_NAME])[0]) != RPC_FAIL
         finally:
-            with self.cond:
-                self.calling = False
+            self.calling = False
 
 
 class _Remover:
@@ -299,8 +345,11 @@ class _Remover:
             for name in names:
                 if name in self.doomed or len(self.doomed) < MAX_DOOMED:
                     self.doomed[name] = give_up
-                else:
-                    self.dropped += 1
+                    continue
+                if not self.dropped:
+                    print(f"mooncake helper: over {MAX_DOOMED} damaged objects to remove: "
+                          "dropping the others (left in the store)", file=sys.stderr)  # fmt: skip
+                self.dropped += 1
             self.cond.notify_all()
 
     def finish(self, within_s: float) -> None:
