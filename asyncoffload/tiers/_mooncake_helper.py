@@ -205,8 +205,8 @@ class _Master:
     or not; so the master's death is watched here, off the request path: a thread holds
     a TCP connection of its own to the master, idle (it never sends), which the master's
     exit closes (a dead host: TCP keepalive, a few seconds). When it closes, or when a
-    call failed with RPC_FAIL, the master is down: every request
-    fails at once (RPC_FAIL, without a call), and the thread looks for it with backoff
+    call failed with RPC_FAIL, the master is down: every request fails at once
+    (RPC_FAIL, without a call), and the thread looks for it with backoff
     (``PROBE_FIRST_S`` doubling to ``PROBE_MAX_S``): a TCP connect, then, once that
     connects, an existence check through the client, which reconnects it. The first
     answer marks it up again: requests go to the store again, with no restart."""
@@ -447,7 +447,7 @@ class _Requests:
                     self.passed = 0
                     self.writing += 1
                     return self.writes.popleft(), True
-                if self.stops and not self.reads and (not self.writes or self.writing):
+                if self.stops and not self.reads:  # writes left: others run (it is at cap)
                     self.stops -= 1
                     return None
                 self.cond.wait()
