@@ -29,8 +29,18 @@ one ``mooncake_master`` on 127.0.0.1, started here. Mooncake's client and master
 on every interface, so the script runs inside a private network namespace: it re-runs
 itself under ``unshare --net`` (root) unless ``--in-netns`` says it already is in one.
 
+``--dead-master`` measures instead what each call costs while the master is dead
+(issue 41): the master is killed (``SIGKILL``), then the lane gets ``--calls`` requests,
+one every ``--gap-ms``, gets, puts, existence checks and removals in turn, each timed
+from submission to its reply; then the master is restarted and the seconds until a put
+succeeds again are timed. Then the engine's own run of tests/mooncake_engines.py
+``dead`` (per-call seconds of stores, questions and loads, flush() and aclose() with the
+master dead) and ``damaged_steady`` (``--removals`` times: how long a damaged object
+found under steady traffic stays in the store), each against its own master.
+
 Run (root, Linux, ``pip install 'asyncoffload[mooncake]'`` and Debian's libibverbs1,
-libnl-3-200 and libnl-route-3-200): ``.venv/bin/python benchmarks/mooncake_busy.py``
+libnl-3-200 and libnl-route-3-200): ``.venv/bin/python benchmarks/mooncake_busy.py
+[--dead-master]``
 """
 
 from __future__ import annotations
@@ -41,17 +51,26 @@ import functools
 import mmap
 import os
 import platform
+import select
 import sys
 import time
 from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any
 
-from disk_busy import BridgeReader, Reader, Row, measure, now_ns, run_on, table
+from disk_busy import BridgeReader, Reader, Row, measure, now_ns, percentile, run_on, table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the master
 
-from asyncoffload.tiers._mooncake import OP_GET, OP_PUT, Block, MooncakeJob, MooncakeLane
+from asyncoffload.tiers._mooncake import (
+    OP_EXISTS,
+    OP_GET,
+    OP_PUT,
+    OP_REMOVE,
+    Block,
+    MooncakeJob,
+    MooncakeLane,
+)
 from asyncoffload.transfer.base import CopyJob
 from tests.mooncake_probe import lane_settings as settings
 from tests.mooncake_probe import loopback_up, rerun_in_netns, start_master, unshadow
@@ -171,6 +190,135 @@ class ProcessReader(BridgeReader):
         os.close(self.memfd)
 
 
+def _ms(values: list[float]) -> str:
+    """p50 / p99 / max of ``values`` (seconds), in ms."""
+    if not values:
+        return "-"
+    return "/".join(f"{percentile(values, q) * 1e3:.2f}" for q in (50, 99, 100))
+
+
+def _reply(lane: MooncakeLane, job: MooncakeJob, budget_s: float) -> float:
+    """Seconds until ``job`` is answered (read off the lane's socket), at most
+    ``budget_s`` (then the budget)."""
+    started = time.perf_counter()
+    deadline = started + budget_s
+    while not job.query():
+        left = deadline - time.perf_counter()
+        if left <= 0:
+            return budget_s
+        select.select([lane.fileno()], [], [], min(left, 0.05))
+    return time.perf_counter() - started
+
+
+def dead_master_lane(args: argparse.Namespace) -> None:
+    """Per-call seconds of the lane's requests with the master dead, then how long
+    until a put succeeds once it is back."""
+    port = MASTER_PORT
+    master_proc = start_master(port, lease_ms=200)
+    block = 64 << 10
+    memfd = os.memfd_create("mooncake-dead", os.MFD_CLOEXEC)
+    os.ftruncate(memfd, 8 * block)
+    buf = mmap.mmap(memfd, 8 * block)
+    buf[:] = os.urandom(8 * block)
+    lane = MooncakeLane(settings(f"127.0.0.1:{port}"), identity=IDENTITY, payload_len=block)
+    procs = [master_proc]
+    try:
+        lane.wait_started()
+        budget = 30.0
+        _reply(lane, lane.map([(memfd, 8 * block)]), budget)
+        put = [Block(key(i), ((0, i * block, block),)) for i in range(4)]
+        _reply(lane, lane.submit(OP_PUT, put), budget)
+        master_proc.kill()
+        master_proc.wait(10)
+        calls: list[tuple[str, Any]] = [
+            ("get", lambda i: lane.submit(OP_GET, [Block(key(i % 4), ((0, 5 * block, block),))])),
+            ("put", lambda i: lane.submit(OP_PUT, [Block(key(100 + i), ((0, 0, block),))])),
+            ("exists", lambda i: lane.submit(OP_EXISTS, [key(i % 4)])),
+            ("remove", lambda i: lane.submit(OP_REMOVE, [key(200 + i)])),
+        ]
+        seconds: dict[str, list[float]] = {name: [] for name, _ in calls}
+        codes: dict[str, set[int]] = {name: set() for name, _ in calls}
+        ended = time.perf_counter() + args.dead_s
+        for i in range(args.calls):
+            if time.perf_counter() > ended:
+                break
+            name, call = calls[i % len(calls)]
+            job = call(i)
+            seconds[name].append(_reply(lane, job, budget))
+            codes[name].update(job.results)
+            time.sleep(args.gap_ms / 1e3)
+        every = [s for values in seconds.values() for s in values]
+        print(
+            f"lane, master dead: {len(every)} calls, one every {args.gap_ms:g} ms, "
+            f"p50/p99/max {_ms(every)} ms; over 100 ms: {sum(s > 0.1 for s in every)}",
+            flush=True,
+        )
+        for name, values in seconds.items():
+            print(f"  {name:>7}: {len(values)} calls, p50/p99/max {_ms(values)} ms, "
+                  f"codes {sorted(codes[name])}", flush=True)  # fmt: skip
+        procs.append(start_master(port, lease_ms=200))
+        back = time.perf_counter()
+        while time.perf_counter() - back < 60:
+            job = lane.submit(OP_PUT, [Block(key(300), ((0, 0, block),))])
+            _reply(lane, job, budget)
+            if job.results == [0]:
+                print(f"master restarted: a put succeeds after {time.perf_counter() - back:.2f} s")
+                break
+            time.sleep(0.05)
+        else:
+            print("master restarted: no put succeeded within 60 s")
+    finally:
+        lane.close()
+        buf.close()
+        os.close(memfd)
+        for proc in procs:
+            proc.kill()
+            proc.wait(10)
+
+
+def dead_master_engine(args: argparse.Namespace) -> None:
+    """tests/mooncake_engines.py's ``dead`` and ``damaged_steady`` on the engine."""
+    from tests import mooncake_engines as engines
+
+    seen = asyncio.run(engines.dead(MASTER_PORT + 2))
+    for phase in ("up", "down", "down_again"):
+        calls = seen[phase]["seconds"]
+        print(
+            f"engine, master {'up' if phase == 'up' else 'dead'} ({phase}): stores landed "
+            f"{seen[phase]['landed']}/{len(calls['store'])}; p50/p99/max ms: "
+            + ", ".join(f"{kind} {_ms(values)}" for kind, values in calls.items()),
+            flush=True,
+        )
+    print(
+        f"engine, master dead: flush {seen['flush_s']:.3f} s, again {seen['flush_again_s']:.3f}"
+        f" s, aclose {seen['aclose_s']:.3f} s; master back: written again after "
+        f"{seen['rejoined_s']:.2f} s, helper starts {seen['starts']}",
+        flush=True,
+    )
+    removed: list[float] = []
+    for _ in range(args.removals):
+        master_proc = start_master(MASTER_PORT + 4, lease_ms=200)
+        try:
+            steady = asyncio.run(engines.damaged_steady(MASTER_PORT + 4))
+        finally:
+            master_proc.kill()
+            master_proc.wait(10)
+        value = steady["removed_s"]
+        removed.append(engines.STEADY_S if value is None else value)
+        what = (
+            f"still there after {engines.STEADY_S:g} s"
+            if value is None
+            else f"removed after {value:.3f} s"
+        )
+        print(f"damaged object under steady traffic ({steady['traffic_calls']} questions): {what}")
+    if removed:
+        print(
+            f"removal, lease 200 ms: p50/p99/max {_ms(removed)} ms over {len(removed)} runs "
+            f"(the first check, {engines.CHECK_EVERY_S:g} s after the read, found it gone: "
+            "no finer, a check renews the lease)"
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--block-bytes", type=int, default=256 << 10)
@@ -180,11 +328,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--loops", default="asyncio,uvloop")
     parser.add_argument("--paths", default="process,executor")
     parser.add_argument("--in-netns", action="store_true", help="already in a private netns")
+    parser.add_argument("--dead-master", action="store_true", help="calls with the master dead")
+    parser.add_argument("--calls", type=int, default=400, help="--dead-master: lane calls")
+    parser.add_argument("--gap-ms", type=float, default=10.0, help="--dead-master: between calls")
+    parser.add_argument("--dead-s", type=float, default=60.0, help="--dead-master: at most")
+    parser.add_argument("--removals", type=int, default=5, help="--dead-master: damaged runs")
     args = parser.parse_args(argv)
     unshadow(Path(__file__).resolve().parent)  # benchmarks/mooncake.py: not the package
     if not args.in_netns:
         return rerun_in_netns(__file__, argv or sys.argv[1:])
     loopback_up()
+    if args.dead_master:
+        print(
+            f"{platform.node()} | {os.cpu_count()} CPUs | python {platform.python_version()}",
+            flush=True,
+        )
+        dead_master_lane(args)
+        dead_master_engine(args)
+        return 0
     from mooncake.store import MooncakeDistributedStore
 
     print(

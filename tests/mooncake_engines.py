@@ -393,6 +393,248 @@ async def restart(port: int) -> dict[str, Any]:
     return out
 
 
+async def dead_master_calls(
+    eng: ao.AsyncOffloadEngine, rounds: int, on_tier: list[ao.OffloadKey], fresh: int
+) -> dict[str, Any]:
+    """Calls to an engine whose tier's master may be dead (issue 41), as serving makes
+    them: three streams at once, ``rounds`` calls each, ``GAP_S`` apart: stores of 2
+    fresh blocks (write-through goes on after each), ``alookup`` of a key the tier does
+    not know (a question to the store), and loads of the blocks of ``on_tier`` (reads
+    from the store). Per kind, each call's seconds; how many stores landed in the CPU
+    tier (a handle, not None); the loads' results. Fresh keys start at ``fresh``."""
+    seconds: dict[str, list[float]] = {"store": [], "alookup": [], "load": []}
+    landed = [0]
+    results: set[str] = set()
+
+    async def stores() -> None:
+        for i in range(rounds):
+            started = time.monotonic()
+            ids = [2 * (i % 8), 2 * (i % 8) + 1]
+            handle = await eng.prepare_store(keys(2, start=fresh + 2 * i), ids)
+            if handle is not None:
+                landed[0] += 1
+                await asyncio.wait_for(handle, WAIT_S)
+            seconds["store"].append(time.monotonic() - started)
+            await asyncio.sleep(GAP_S)
+
+    async def alookups() -> None:
+        for i in range(rounds):
+            started = time.monotonic()
+            await asyncio.wait_for(eng.alookup(keys(1, start=fresh + 1_000 + i)), WAIT_S)
+            seconds["alookup"].append(time.monotonic() - started)
+            await asyncio.sleep(GAP_S)
+
+    async def loads() -> None:
+        for i in range(rounds):
+            started = time.monotonic()
+            results.add((await load(eng, on_tier[i : i + 1], [24 + i % 8]))[:20])
+            seconds["load"].append(time.monotonic() - started)
+            await asyncio.sleep(GAP_S)
+
+    await asyncio.gather(stores(), alookups(), loads())
+    return {"seconds": seconds, "landed": landed[0], "load_results": sorted(results)}
+
+
+#: Between the calls of a stream of dead_master_calls: 24 calls span past the tier's
+#: retry_s (1 s), so calls reach the helper, not only the tier's own fail-at-once window.
+GAP_S = 0.15
+
+
+async def _on_tier_only(eng: ao.AsyncOffloadEngine, start: int, n: int) -> list[ao.OffloadKey]:
+    """``n`` blocks (keys from ``start``, GPU blocks 0, 1, ... 7, 0, ...) written to a
+    16-block CPU tier's Mooncake tier, then pushed out of the CPU tier by 16 others."""
+    ks = keys(n, start=start)
+    for at in range(0, n, 8):
+        await store(eng, ks[at : at + 8], list(range(len(ks[at : at + 8]))))
+    await store(eng, keys(16, start=start + 5_000), list(range(16)))
+    return ks
+
+
+async def _write_and_flush(eng: ao.AsyncOffloadEngine, start: int) -> float:
+    """Once the tier's own fail-at-once window is over (write-through goes to the
+    helper), 2 fresh blocks stored: the seconds flush() takes then."""
+    tier = the_tier(eng)
+    for _ in range(int(WAIT_S / 0.02)):  # the window lasts retry_s (1 s)
+        if not tier.unavailable():
+            break
+        await asyncio.sleep(0.02)
+    handle = await eng.prepare_store(keys(2, start=start), [0, 1])
+    assert handle is not None
+    await asyncio.wait_for(handle, WAIT_S)
+    return await _timed(eng.flush(), 120)
+
+
+async def dead(port: int) -> dict[str, Any]:
+    """The master killed (SIGKILL) mid-run, then restarted (issue 41): every call fails
+    well before Mooncake's own ~4 s reconnect, not only the first after the kill; stores
+    into a 16-block CPU tier all land (write-through does not hold their slots);
+    flush() and aclose() end within 2 s; with the master back, the same helper writes
+    and reads again."""
+    out: dict[str, Any] = {}
+    masters = [start_master(port, 200)]
+    kv = kv_caches()
+    # Every block offered is written through (no admission), with the master's death
+    # noticed by Mooncake's client, not by a deadline of ours.
+    cfg = config(port, cpu_blocks=16, tier={"admission": None})
+    eng = ao.AsyncOffloadEngine(kv, cfg)
+    try:
+        tier = the_tier(eng)
+        on_tier = await _on_tier_only(eng, 50_000, 48)
+        out["up"] = await dead_master_calls(eng, 24, on_tier[:24], 100_000)
+        await asyncio.wait_for(eng.flush(), WAIT_S)
+        masters[-1].kill()
+        masters[-1].wait(10)
+        out["down"] = await dead_master_calls(eng, 24, on_tier[24:], 110_000)
+        out["flush_s"] = await _write_and_flush(eng, 130_000)
+        out["down_failures"] = eng.stats().tiers[0].failures
+        out["cpu_pinned"] = eng.stats().manager.pinned
+        # Leases of 5 s (Mooncake's default): the removal of a damaged object below waits.
+        masters.append(start_master(port, 5000))
+        restarted = time.monotonic()
+        out["rejoined"] = await _written_again(eng, 80_000)
+        out["rejoined_s"] = time.monotonic() - restarted
+        back = await _on_tier_only(eng, 90_000, 12)
+        out["load_after"] = await load(eng, back[:2], [20, 21])
+        out["load_equal"] = [block(kv, 20 + j) == block(kv, j) for j in range(2)]
+        out["starts"] = tier.starts
+        # A damaged object found by a read: its removal waits for the read's lease.
+        raw, buf, at = _raw_client(port)
+        name = tier.object_name(back[3])
+        whole = HEADER_BYTES + BLOCK
+        out["raw_get"] = list(raw.batch_get_into([name], [at], [whole]))
+        value = bytearray(buf[:whole])
+        value[HEADER_BYTES + 5] ^= 1
+        out["planted"] = _replace(raw, buf, at, name, bytes(value))
+        raw.close()
+        out["damaged_load"] = await load(eng, back[3:4], [28])
+        masters[-1].kill()
+        masters[-1].wait(10)
+        # Calls that come seconds later, once Mooncake's client has begun reconnecting
+        # on its own (its pings failed): even the first of them blocked 4.4 s.
+        await asyncio.sleep(3.0)
+        out["down_again"] = await dead_master_calls(eng, 8, back[4:], 140_000)
+        out["flush_again_s"] = await _write_and_flush(eng, 150_000)
+        out["aclose_s"] = await _timed(eng.aclose(), 120)
+    finally:
+        await asyncio.wait_for(eng.aclose(), 120)
+        for proc in masters:
+            with contextlib.suppress(Exception):
+                proc.kill()
+                proc.wait(10)
+    return out
+
+
+#: How long damaged_steady's traffic runs, at most, waiting for the removal; how often it
+#: checks (twice the 200 ms lease: a check renews it).
+STEADY_S = 10.0
+CHECK_EVERY_S = 0.4
+
+
+async def damaged_steady(port: int) -> dict[str, Any]:
+    """A damaged object found under steady traffic (a question to the store every 20
+    ms: the helper is never idle): removed once the lease of the read that found it
+    ends (200 ms here), while the traffic goes on (issue 41: removals waited for 0.5 s
+    of idle, so under traffic never, and put-if-absent kept the damaged object)."""
+    out: dict[str, Any] = {}
+    ks = keys(2, start=200_000)
+    async with ao.AsyncOffloadEngine(kv_caches(), config(port)) as a:
+        await store(a, ks, [0, 1])
+        names = [the_tier(a).object_name(k) for k in ks]
+        raw, buf, at = _raw_client(port)
+        whole = HEADER_BYTES + BLOCK
+        out["raw_get"] = list(raw.batch_get_into(names[:1], [at], [whole]))
+        value = bytearray(buf[:whole])
+        value[HEADER_BYTES + 9] ^= 1
+        out["planted"] = _replace(raw, buf, at, names[0], bytes(value))
+        async with ao.AsyncOffloadEngine(kv_caches(), config(port)) as b:
+            out["alookup"] = await b.alookup(ks)
+            stop = asyncio.Event()
+            calls = [0]
+
+            async def traffic() -> None:
+                while not stop.is_set():
+                    await b.alookup(keys(1, start=210_000 + calls[0]))
+                    calls[0] += 1
+                    await asyncio.sleep(0.02)
+
+            task = asyncio.create_task(traffic())
+            await asyncio.sleep(0.3)  # the traffic is going
+            out["load"] = await load(b, ks[:1], [20])
+            failed = time.monotonic()
+            out["removed_s"] = None
+            while time.monotonic() - failed < STEADY_S:
+                # An existence check renews the object's lease (as a get does), under
+                # which it cannot be removed: checked less often than the lease lasts.
+                await asyncio.sleep(CHECK_EVERY_S)
+                if not raw.batch_is_exist(names[:1])[0]:
+                    out["removed_s"] = time.monotonic() - failed
+                    break
+            out["traffic_running"] = not task.done()
+            stop.set()
+            await asyncio.wait_for(task, WAIT_S)
+            out["traffic_calls"] = calls[0]
+            out["good_left"] = list(raw.batch_is_exist(names[1:]))
+        raw.close()
+    return out
+
+
+async def loads_first(port: int) -> dict[str, Any]:
+    """48 puts of 8 blocks queued in the helper, then one get (issue 41): the get is
+    answered before most of the puts (reads go ahead of queued writes), and every put
+    is answered, written (writes still go)."""
+    from asyncoffload.tiers._mooncake import OP_GET, OP_PUT, Block, MooncakeJob, MooncakeLane
+    from tests.mooncake_probe import lane_settings
+
+    size, puts, per_put = 64 << 10, 48, 8
+    slots = puts * per_put + 1
+    memfd = os.memfd_create("loads-first", os.MFD_CLOEXEC)
+    os.ftruncate(memfd, slots * size)
+    region = mmap.mmap(memfd, slots * size)
+    region[:] = os.urandom(slots * size)
+    lane = MooncakeLane(lane_settings(f"127.0.0.1:{port}"), identity=bytes(16), payload_len=size)
+
+    def at(key: bytes, slot: int) -> Block:
+        return Block(key, ((0, slot * size, size),))
+
+    def wait(jobs: list[MooncakeJob]) -> None:
+        deadline = time.monotonic() + WAIT_S
+        while not all(job.query() for job in jobs):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{lane.pending} requests not answered in {WAIT_S:g} s")
+            time.sleep(0.002)
+
+    out: dict[str, Any] = {}
+    try:
+        lane.wait_started()
+        mapped = lane.map([(memfd, slots * size)])
+        read = lane.submit(OP_PUT, [at(b"read", slots - 1)], WAIT_S)
+        wait([mapped, read])
+        out["setup"] = [mapped.results, read.results]
+        os.kill(lane.pid, signal.SIGSTOP)  # everything below queues in the helper
+        try:
+            writes = [
+                lane.submit(
+                    OP_PUT,
+                    [at(b"w%d" % (i * per_put + j), i * per_put + j) for j in range(per_put)],
+                    WAIT_S,
+                )
+                for i in range(puts)
+            ]
+            get = lane.submit(OP_GET, [at(b"read", slots - 1)], WAIT_S)
+        finally:
+            os.kill(lane.pid, signal.SIGCONT)
+        wait([*writes, get])
+        out["get"] = get.results
+        out["put_results"] = sorted({r for job in writes for r in job.results})
+        out["writes_before_read"] = sum(job.finished_ns < get.finished_ns for job in writes)
+        out["writes"] = puts
+    finally:
+        lane.close()
+        region.close()
+        os.close(memfd)
+    return out
+
+
 async def demo(port: int) -> dict[str, Any]:
     """Two demo runs with ``--mooncake``, one after the other, beside a storage client
     (objects in a demo's own segment go when it ends; those in the storage client's
@@ -584,9 +826,9 @@ def _proc_file(pid: int, name: str) -> bytes:
     return Path(f"/proc/{pid}/{name}").read_bytes()
 
 
-async def _timed(awaitable: Any) -> float:
+async def _timed(awaitable: Any, wait_s: float = WAIT_S) -> float:
     started = time.monotonic()
-    await asyncio.wait_for(awaitable, WAIT_S)
+    await asyncio.wait_for(awaitable, wait_s)
     return time.monotonic() - started
 
 
@@ -769,6 +1011,9 @@ SCENARIOS = {
     "demo": demo,
     "slices": slices,
     "stopped": stopped,
+    "dead": dead,
+    "damaged_steady": damaged_steady,
+    "loads_first": loads_first,
     "secrets": secrets_,
     "quotas": quotas,
     "pins": pins,
@@ -779,12 +1024,12 @@ def main() -> int:
     port, scenario = int(sys.argv[1]), sys.argv[2]
     if scenario == "storage":
         return storage_node(port)
-    own_master = scenario not in ("reader", "restart")
+    own_master = scenario not in ("reader", "restart", "dead")
     master = None
     if own_master:
         loopback_up()
         master = start_master(port, 200)
-    elif scenario == "restart":
+    elif scenario in ("restart", "dead"):
         loopback_up()
     try:
         out = asyncio.run(SCENARIOS[scenario](port))

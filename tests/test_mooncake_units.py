@@ -8,6 +8,8 @@ import ctypes
 import errno
 import mmap
 import os
+import socket
+import time
 from pathlib import Path
 from typing import Any
 
@@ -212,6 +214,146 @@ def test_pieces_that_do_not_make_a_block_are_refused() -> None:
     p = Pieces()
     with pytest.raises(ValueError, match="do not make blocks"):
         blocks().run(False, [p.at], [b"key-1"], [p.list()[:2]], None)
+
+
+# --- the helper's order of requests (issue 41) -----------------------------------------------
+
+
+def _request(job: int, op: int) -> tuple[int, int, int, bytes]:
+    return (job, op, 1, b"")
+
+
+def _ops(taken: list[tuple[tuple[int, int, int, bytes], bool] | None]) -> list[int]:
+    return [t[0][0] if t is not None else -1 for t in taken]
+
+
+def test_a_read_goes_ahead_of_queued_writes() -> None:
+    """Gets and existence checks are taken before the puts and removals queued ahead
+    of them: a read never waits behind queued write-through."""
+    queue = helper._Requests(workers=2)
+    for job in range(20):
+        queue.put(_request(job, helper.OP_PUT if job % 2 else helper.OP_REMOVE))
+    queue.put(_request(100, helper.OP_GET))
+    queue.put(_request(101, helper.OP_EXISTS))
+    first, second = queue.get(), queue.get()
+    assert _ops([first, second]) == [100, 101]
+    assert first is not None and not first[1]  # a read: no done() owed
+
+
+def test_writes_still_go_while_reads_keep_coming() -> None:
+    """No starvation: once READS_PER_WRITE reads were taken while a write waited, the
+    write is next, and every write is taken in the end, in order."""
+    queue = helper._Requests(workers=2)
+    for job in range(3):
+        queue.put(_request(job, helper.OP_PUT))
+    taken = []
+    for round_ in range(3):
+        for job in range(helper.READS_PER_WRITE + 2):  # more reads than the guard lets by
+            queue.put(_request(1000 * (round_ + 1) + job, helper.OP_GET))
+        got = [queue.get() for _ in range(helper.READS_PER_WRITE + 1)]
+        taken += got
+        write = got[-1]
+        assert write is not None and write[1], _ops(got)  # the write, after the reads
+        queue.done()
+    writes = [t[0][0] for t in taken if t is not None and t[1]]
+    assert writes == [0, 1, 2]
+
+
+def test_writes_leave_a_worker_for_reads() -> None:
+    """With 3 workers, writes run on 2 at most: the third is there for a read."""
+    queue = helper._Requests(workers=3)
+    for job in range(5):
+        queue.put(_request(job, helper.OP_PUT))
+    assert _ops([queue.get(), queue.get()]) == [0, 1]
+    queue.put(_request(50, helper.OP_GET))
+    assert _ops([queue.get()]) == [50]  # not write 2: two are running
+    queue.done()
+    assert _ops([queue.get()]) == [2]
+
+
+def test_workers_stop_once_what_they_may_take_is_done() -> None:
+    queue = helper._Requests(workers=2)
+    queue.put(_request(1, helper.OP_PUT))
+    queue.put(_request(2, helper.OP_GET))
+    queue.stop(2)
+    assert _ops([queue.get(), queue.get()]) == [2, 1]
+    assert queue.get() is None  # the other worker: the write running is not its to take
+    queue.done()
+    assert queue.get() is None
+
+
+# --- the helper's watch on the master (issue 41) -----------------------------------------
+
+
+class _Store:
+    """What the helper's probe asks of Mooncake's client: an existence check."""
+
+    def __init__(self) -> None:
+        self.asked = 0
+
+    def batch_is_exist(self, names: list[str]) -> list[int]:
+        self.asked += 1
+        return [0] * len(names)
+
+
+def _until(check: Any, what: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, f"not within {timeout_s:g} s: {what}"
+        time.sleep(0.01)
+
+
+def _listen(port: int = 0) -> socket.socket:
+    server = socket.socket()
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    server.bind(("127.0.0.1", port))
+    server.listen()
+    return server
+
+
+def test_the_master_closing_its_connection_marks_it_down_until_it_answers_again() -> None:
+    """The helper watches the master over a connection of its own: the master's exit
+    closes it, and every request fails at once from then (no call of the client, which
+    would block seconds while it reconnects), until the master listens again and the
+    client answers the probe's existence check."""
+    server = _listen()
+    port = server.getsockname()[1]
+    store = _Store()
+    master = helper._Master(store, f"127.0.0.1:{port}")
+    try:
+        watch, _ = server.accept()  # the helper's watch connection
+        assert master.up and store.asked == 0
+        server.close()
+        watch.close()  # the master exits
+        _until(lambda: not master.up, "the master marked down")
+        assert master.downs == 1 and store.asked == 0  # refused: the client not asked
+        server = _listen(port)  # back
+        _until(lambda: master.up, "the master found again")
+        assert store.asked == 1
+        server.accept()[0].close()  # its watch again, closed at once: down again
+        _until(lambda: master.downs == 2, "the master marked down again")
+    finally:
+        master.close()
+        master.thread.join(10)
+        server.close()
+    assert not master.thread.is_alive()
+
+
+def test_a_call_that_failed_marks_the_master_down_until_the_probe_finds_it() -> None:
+    server = _listen()
+    port = server.getsockname()[1]
+    store = _Store()
+    master = helper._Master(store, f"127.0.0.1:{port}")
+    try:
+        master.failed()  # a call got RPC_FAIL
+        assert not master.up
+        _until(lambda: master.up, "the master found again")
+        assert store.asked == 1 and master.downs == 1
+    finally:
+        master.close()
+        master.thread.join(10)
+        server.close()
+    assert not master.thread.is_alive()
 
 
 # --- host memory another process maps -------------------------------------------------------

@@ -149,9 +149,9 @@ class MooncakeLane:
 
     ``settings`` are ``MooncakeDistributedStore.setup``'s: ``local_hostname``,
     ``metadata_server``, ``global_segment_bytes``, ``local_buffer_bytes``, ``protocol``,
-    ``device_name``, ``master``; and ``retry_s`` (after the master failed to answer,
-    requests fail at once for so long). ``library``, the native library's path, is
-    added here. Blocks are named ``<prefix>:<identity hex>:<key hex>``
+    ``device_name``, ``master`` (while it is down, the helper answers every request at
+    once, and looks for it off the request path). ``library``, the native library's
+    path, is added here. Blocks are named ``<prefix>:<identity hex>:<key hex>``
     and hold the block format for ``identity`` and ``payload_len`` (authenticated with
     ``mac_key``, if given). The helper starts in the background: requests queue behind its
     setup, and fail (``EHOSTDOWN``) if it fails; :meth:`wait_started` waits for it. Loop

@@ -11,7 +11,13 @@ one object, its 4096-byte header (in a buffer of this process) then its payload 
 where they are in the engine's slots. Before a put it writes each header, taking the
 payload's CRC32C (and MAC) in place; after a get it checks the header and the payload
 in place, so the engine is told a block was read only when it is this block, whole and
-unchanged. A damaged object is removed (when its lease allows), so a later put replaces it.
+unchanged. A damaged object is removed (when its lease allows), so a later put replaces it:
+on a thread of its own, bounded (:class:`_Remover`).
+
+Reads (gets, existence checks) go ahead of writes (puts, removals) queued before them, and
+writes still go (:class:`_Requests`). While the master is down every request fails at once
+(``RPC_FAIL``): Mooncake's client blocks each call about 4.3 s while it reconnects, so a
+probe off the request path looks for the master with backoff (:class:`_Master`).
 
 Messages (``SOCK_SEQPACKET``, one per request), each starting ``(job id, op, n)``:
 
@@ -48,13 +54,14 @@ loads the native library at the path the settings give.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import errno
 import json
 import mmap
 import os
-import queue
+import select
 import signal
 import socket
 import struct
@@ -109,13 +116,23 @@ DAMAGED = frozenset(
         errno.EMSGSIZE,
     )
 )
-#: Damaged objects waiting for their lease to end before removal: at most this many,
-#: tried this often, for this long.
+#: Damaged objects waiting for their lease to end before removal: at most this many
+#: (more are dropped, counted), tried this often, for this long.
 MAX_DOOMED = 4096
-REMOVE_EVERY_S = 0.5
+REMOVE_EVERY_S = 0.1
 REMOVE_FOR_S = 120.0
-#: ... and when the engine closes, for at most this long (it waits 5 s for the exit).
-REMOVE_AT_EXIT_S = 2.0
+#: ... and when the engine closes, for at most this long (it waits ``timeout_s``, 5 s by
+#: default, for the exit); none while the master is down.
+REMOVE_AT_EXIT_S = 1.0
+#: While the master is down: the probe's first wait and its longest (each doubles the
+#: last), and how long its TCP connect to the master may take.
+PROBE_FIRST_S = 0.05
+PROBE_MAX_S = 1.0
+PROBE_CONNECT_S = 0.5
+#: The name the probe asks the store about (held or not, an answer says the master is up).
+PROBE_NAME = "asyncoffload:probe"
+#: Reads a worker takes while a write waits, at most, before it takes the write.
+READS_PER_WRITE = 8
 #: Exit status after a defect of a worker thread.
 EXIT_DEFECT = 70
 #: Exit status after an unsettled code.
@@ -180,28 +197,290 @@ class _Blocks:
         return list(out[:n])
 
 
+class _Master:
+    """Whether the master answers, as this process last saw it.
+
+    Mooncake's client blocks each call about 4.3 s while it reconnects to a master that
+    went away, and it starts reconnecting on its own (its pings fail) whether a call came
+    or not; so the master's death is watched here, off the request path: a thread holds
+    a TCP connection of its own to the master, idle (it never sends), which the master's
+    exit closes (a dead host: TCP keepalive, a few seconds). When it closes, or when a
+    call failed with RPC_FAIL, the master is down: every request fails at once
+    (RPC_FAIL, without a call), and the thread looks for it with backoff
+    (``PROBE_FIRST_S`` doubling to ``PROBE_MAX_S``): a TCP connect, then, once that
+    connects, an existence check through the client, which reconnects it. The first
+    answer marks it up again: requests go to the store again, with no restart."""
+
+    def __init__(self, store: Any, address: str) -> None:
+        self.store = store
+        host, _, port = address.rpartition(":")
+        self.address = (host.strip("[]"), int(port))
+        self.lock = threading.Lock()
+        self.up = True
+        self.closing = False
+        #: Whether the probe is inside a call of the client now.
+        self.calling = False
+        #: Times it went down.
+        self.downs = 0
+        #: Wakes the thread from its select (a call failed, or closing).
+        self.wake_r, self.wake_w = socket.socketpair()
+        self.wake_w.setblocking(False)
+        self.thread = threading.Thread(target=self._run, name="mooncake-master", daemon=True)
+        self.thread.start()
+
+    def failed(self) -> None:
+        """The master is down until the probe finds it (a call failed with RPC_FAIL, or
+        the watch closed)."""
+        with self.lock:
+            if self.up:
+                self.up = False
+                self.downs += 1
+        self._wake()
+
+    def close(self) -> None:
+        self.closing = True
+        self._wake()
+
+    def _wake(self) -> None:
+        with contextlib.suppress(OSError):  # full: a wake-up is pending already
+            self.wake_w.send(b"\0")
+
+    def _wait(self, sockets: list[socket.socket], timeout: float | None) -> list[Any]:
+        """Wait for ``sockets`` or a wake-up, at most ``timeout``; those readable."""
+        ready, _, _ = select.select([self.wake_r, *sockets], [], [], timeout)
+        if self.wake_r in ready:
+            with contextlib.suppress(OSError):
+                self.wake_r.recv(4096)
+        return [s for s in ready if s is not self.wake_r]
+
+    def _run(self) -> None:
+        watch: socket.socket | None = None
+        try:
+            while not self.closing:
+                if self.up:
+                    if watch is None:
+                        watch = self._connect()
+                        if watch is None:
+                            self.failed()
+                            continue
+                    if self._wait([watch], None):  # closed (or, never asked for, data)
+                        watch.close()
+                        watch = None
+                        # Down, even if a new master listens already: the client has to
+                        # reconnect, which the probe's existence check does, not a request.
+                        self.failed()
+                    continue
+                if watch is not None:
+                    watch.close()
+                watch = self._find()
+        except BaseException:
+            traceback.print_exc()
+            os._exit(EXIT_DEFECT)
+        finally:
+            if watch is not None:
+                watch.close()
+
+    def _find(self) -> socket.socket | None:
+        """Down: look for the master with backoff until it answers (then it is up: the
+        watch connection, returned) or this process closes (None)."""
+        wait = PROBE_FIRST_S
+        while True:
+            self._wait([], wait)
+            if self.closing:
+                return None
+            watch = self._connect()
+            if watch is not None:
+                if self._answers():
+                    with self.lock:
+                        self.up = True
+                    return watch
+                watch.close()
+            wait = min(2 * wait, PROBE_MAX_S)
+
+    def _connect(self) -> socket.socket | None:
+        """A connection to the master, with keepalive probes every second after a
+        second of silence (a host that died closes nothing); None if refused."""
+        try:
+            sock = socket.create_connection(self.address, PROBE_CONNECT_S)
+        except OSError:
+            return None
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for option, value in (("TCP_KEEPIDLE", 1), ("TCP_KEEPINTVL", 1), ("TCP_KEEPCNT", 3)):
+            if hasattr(socket, option):
+                sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
+        return sock
+
+    def _answers(self) -> bool:
+        """Whether the client answers an existence check (it reconnects for it)."""
+        self.calling = True
+        try:
+            return int(self.store.batch_is_exist([PROBE_NAME])[0]) != RPC_FAIL
+        finally:
+            self.calling = False
+
+
+class _Remover:
+    """Damaged objects to remove, on a thread of their own: a get that found one took a
+    lease, under which its removal fails (-706) until the master's lease TTL passes. At
+    most ``MAX_DOOMED`` wait (more are dropped, counted in ``dropped``); each is tried
+    at once, then every ``REMOVE_EVERY_S`` whatever the traffic, for ``REMOVE_FOR_S``;
+    none while the master is down (deferred: never a call that blocks for seconds)."""
+
+    def __init__(self, store: Any, master: _Master) -> None:
+        self.store = store
+        self.master = master
+        self.cond = threading.Condition()
+        self.doomed: dict[str, float] = {}  # name: when to give up
+        #: When closing: the last moment to try (None: not closing).
+        self.finish_by: float | None = None
+        self.calling = False
+        self.removed = 0
+        self.dropped = 0
+        self.thread = threading.Thread(target=self._run, name="mooncake-remove", daemon=True)
+        self.thread.start()
+
+    def add(self, names: list[str]) -> None:
+        give_up = time.monotonic() + REMOVE_FOR_S
+        with self.cond:
+            for name in names:
+                if name in self.doomed or len(self.doomed) < MAX_DOOMED:
+                    self.doomed[name] = give_up
+                    continue
+                if not self.dropped:
+                    print(f"mooncake helper: over {MAX_DOOMED} damaged objects to remove: "
+                          "dropping the others (left in the store)", file=sys.stderr)  # fmt: skip
+                self.dropped += 1
+            self.cond.notify_all()
+
+    def finish(self, within_s: float) -> None:
+        """Stop, giving the objects left ``within_s`` more (none while the master is
+        down); waits for the thread no longer than that."""
+        with self.cond:
+            self.finish_by = time.monotonic() + within_s
+            self.cond.notify_all()
+        self.thread.join(within_s + 0.1)
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self.cond:
+                    while not self.doomed and self.finish_by is None:
+                        self.cond.wait()
+                if self.finish_by is not None and (
+                    not self.doomed or time.monotonic() >= self.finish_by
+                ):
+                    return
+                self._remove_due()
+                with self.cond:
+                    if self.doomed:
+                        self.cond.wait(REMOVE_EVERY_S)
+        except BaseException:
+            traceback.print_exc()
+            os._exit(EXIT_DEFECT)
+
+    def _remove_due(self) -> None:
+        with self.cond:
+            due = list(self.doomed.items())
+        for name, give_up in due:
+            finish_by = self.finish_by
+            if not self.master.up or (finish_by is not None and time.monotonic() >= finish_by):
+                return  # deferred while down; the engine is closing
+            with self.cond:
+                self.calling = True
+            try:
+                code = int(self.store.remove(name))
+            finally:
+                with self.cond:
+                    self.calling = False
+            if code == RPC_FAIL:
+                self.master.failed()
+                return
+            with self.cond:
+                if code != -706 or time.monotonic() > give_up:  # removed, gone, given up
+                    self.doomed.pop(name, None)
+                    self.removed += code == 0
+
+
+#: A request the workers run: (job id, op, item count, the message).
+Request = tuple[int, int, int, bytes]
+
+
+class _Requests:
+    """Requests waiting for a worker: reads (gets, existence checks) ahead of writes
+    (puts, removals), so a read never waits behind queued write-through; and writes still
+    go: once ``READS_PER_WRITE`` reads were taken while a write waited, the write is
+    next. With more than one worker, writes run on all but one at a time: a read that
+    comes finds a worker free, or one running a read."""
+
+    def __init__(self, workers: int) -> None:
+        self.cond = threading.Condition()
+        self.reads: collections.deque[Request] = collections.deque()
+        self.writes: collections.deque[Request] = collections.deque()
+        self.max_writing = max(1, workers - 1)
+        self.writing = 0
+        #: Reads taken since a write last went, while writes waited.
+        self.passed = 0
+        self.stops = 0
+
+    def put(self, item: Request) -> None:
+        with self.cond:
+            (self.reads if item[1] in (OP_GET, OP_EXISTS) else self.writes).append(item)
+            self.cond.notify()
+
+    def stop(self, workers: int) -> None:
+        """Each of ``workers`` ends once nothing is left that it may take."""
+        with self.cond:
+            self.stops += workers
+            self.cond.notify_all()
+
+    def get(self) -> tuple[Request, bool] | None:
+        """The next request and whether it is a write (then call :meth:`done` after it);
+        None: stop."""
+        with self.cond:
+            while True:
+                write_ok = bool(self.writes) and self.writing < self.max_writing
+                if self.reads and not (write_ok and self.passed >= READS_PER_WRITE):
+                    if self.writes:
+                        self.passed += 1
+                    return self.reads.popleft(), False
+                if write_ok:
+                    self.passed = 0
+                    self.writing += 1
+                    return self.writes.popleft(), True
+                if self.stops and not self.reads:  # writes left: others run (it is at cap)
+                    self.stops -= 1
+                    return None
+                self.cond.wait()
+
+    def done(self) -> None:
+        """A write ended."""
+        with self.cond:
+            self.writing -= 1
+            self.cond.notify_all()
+
+
 class Helper:
     """One client, its regions and its header buffers; :meth:`serve` reads requests and
-    ``workers`` threads run them, each with a header buffer of its own (their store calls
-    and checksums release the GIL, so one request's checksums overlap another's
-    transfer). Replies may come in another order than the requests."""
+    ``workers`` threads run them, reads first (:class:`_Requests`), each with a header
+    buffer of its own (their store calls and checksums release the GIL, so one request's
+    checksums overlap another's transfer). Replies may come in another order than the
+    requests. While the master is down (:class:`_Master`) requests fail at once; damaged
+    objects are removed on a thread of their own (:class:`_Remover`)."""
 
     def __init__(
         self,
         store: Any,
         sock: socket.socket,
         lib: Any,
-        retry_s: float = 1.0,
+        master: str,
         threads: int = 1,
         workers: int = 1,
     ) -> None:
         self.store = store
         self.threads = threads
         self.workers = max(1, workers)
-        #: After the master failed to answer (RPC_FAIL), requests fail at once until then:
-        #: those queued behind it would each wait for the master again.
-        self.down_until = 0.0
-        self.retry_s = retry_s
+        self.master = _Master(store, master)
+        self.remover = _Remover(store, self.master)
         self.sock = sock
         self.lib = lib
         self.regions: list[tuple[mmap.mmap, int, int]] = []  # (map, address, size)
@@ -209,34 +488,12 @@ class Helper:
         self.wake_fd = -1
         #: Sends and the wake-up fd (swapped by OP_WAKE) are shared by the threads.
         self.send_lock = threading.Lock()
-        #: Damaged objects to remove, with when to give up: the get that found them took
-        #: a lease, under which remove fails (-706) until the master's lease TTL passes.
-        self.doomed: dict[str, float] = {}
-        self.doomed_lock = threading.Lock()
-        self.queue: queue.SimpleQueue[tuple[int, int, int, bytes] | None] = queue.SimpleQueue()
+        self.queue = _Requests(self.workers)
         self.headers = mmap.mmap(-1, self.workers * MAX_ITEMS * HEADER)
         self.headers_at = ctypes.addressof(ctypes.c_char.from_buffer(self.headers))
 
     def register(self) -> int:
         return int(self.store.register_buffer(self.headers_at, len(self.headers)))
-
-    def remove_later(self, names: list[str]) -> None:
-        """Remove ``names`` once their leases let go (tried now, then every
-        ``REMOVE_EVERY_S`` between requests, for at most ``REMOVE_FOR_S``)."""
-        give_up = time.monotonic() + REMOVE_FOR_S
-        with self.doomed_lock:
-            for name in names:
-                if len(self.doomed) < MAX_DOOMED:
-                    self.doomed[name] = give_up
-        self.remove_due()
-
-    def remove_due(self) -> None:
-        now = time.monotonic()
-        with self.doomed_lock:
-            for name, give_up in list(self.doomed.items()):
-                code = int(self.store.remove(name))
-                if code != -706 or now > give_up:  # removed, gone, or given up on
-                    del self.doomed[name]
 
     def reply(self, job: int, results: list[int]) -> None:
         end = time.perf_counter_ns()
@@ -252,9 +509,13 @@ class Helper:
         one thread alone (its requests would never be answered)."""
         scratch = self.headers_at + index * MAX_ITEMS * HEADER
         try:
-            while (item := self.queue.get()) is not None:
-                job, op, n, data = item
-                results = self.request(data, op, n, scratch)
+            while (taken := self.queue.get()) is not None:
+                (job, op, n, data), write = taken
+                try:
+                    results = self.request(data, op, n, scratch)
+                finally:
+                    if write:
+                        self.queue.done()
                 with contextlib.suppress(OSError):  # the engine went away: nobody to answer
                     self.reply(job, results)
         except BaseException:
@@ -271,24 +532,22 @@ class Helper:
         try:
             self._read()
         finally:
-            for _ in workers:
-                self.queue.put(None)
+            self.queue.stop(len(workers))
             for worker in workers:
                 worker.join()
-            # Closing: the damaged objects still held by a lease get a last chance.
-            deadline = time.monotonic() + REMOVE_AT_EXIT_S
-            while self.doomed and time.monotonic() < deadline:
-                time.sleep(0.05)
-                self.remove_due()
+            # Closing: the damaged objects still held by a lease get a last chance (none
+            # while the master is down).
+            self.remover.finish(REMOVE_AT_EXIT_S if self.master.up else 0.0)
+            self.master.close()
+
+    def quiet(self) -> bool:
+        """Whether the client may be closed now: the master is up and no thread of ours
+        is inside one of its calls (one may be, blocked for seconds, where it is down)."""
+        return self.master.up and not self.master.calling and not self.remover.calling
 
     def _read(self) -> None:
         while True:
-            self.sock.settimeout(REMOVE_EVERY_S if self.doomed else None)
-            try:
-                data, fds, _flags, _addr = socket.recv_fds(self.sock, 1 << 20, 64)
-            except TimeoutError:
-                self.remove_due()
-                continue
+            data, fds, _flags, _addr = socket.recv_fds(self.sock, 1 << 20, 64)
             if not data:
                 return
             job, op, n = HEAD.unpack_from(data)
@@ -369,11 +628,11 @@ class Helper:
             keys.append(data[at : at + key_len])
             at += key_len
         names = [blocks.name(key) for key in keys]
-        if time.monotonic() < self.down_until:
+        if not self.master.up:  # at once: a call would block while the client reconnects
             return [RPC_FAIL] * n
         results = self.call(op, n, names, keys, pieces, inline, ok, scratch)
         if RPC_FAIL in results:
-            self.down_until = time.monotonic() + self.retry_s
+            self.master.failed()
         return results
 
     def call(
@@ -459,7 +718,7 @@ class Helper:
         got = blocks.run(True, heads_todo, keys_todo, pieces_todo, got)
         damaged = [name for name, r in zip(names_todo, got) if r in DAMAGED]
         if damaged:
-            self.remove_later(damaged)
+            self.remover.add(damaged)
         for i, r in zip(todo, got):
             results[i] = r
         return results
@@ -543,7 +802,7 @@ def main(argv: list[str]) -> int:
     lib = _library(settings["library"])
     threads = int(settings.get("check_threads", 1))
     workers = int(settings.get("in_flight", 1))
-    helper = Helper(store, sock, lib, float(settings.get("retry_s", 1.0)), threads, workers)
+    helper = Helper(store, sock, lib, settings["master"], threads, workers)
     if code == 0:
         code = helper.register()
     try:
@@ -554,6 +813,12 @@ def main(argv: list[str]) -> int:
     except (BrokenPipeError, ConnectionResetError):
         pass  # the engine went away: nothing to answer
     finally:
+        if not helper.quiet():
+            # The master is down, or a thread is in a call: closing the client would
+            # wait for it (seconds), and the engine waits for this exit.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
         store.close()
     return 0
 

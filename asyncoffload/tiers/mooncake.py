@@ -347,7 +347,6 @@ class MooncakeStore(LowerTier):
             "protocol": cfg.protocol,
             "device_name": cfg.device_name,
             "master": cfg.master,
-            "retry_s": cfg.retry_s,
             "check_threads": min(cfg.check_threads, os.cpu_count() or 1),
             "in_flight": cfg.in_flight,
         }
