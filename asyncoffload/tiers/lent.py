@@ -72,10 +72,9 @@ class LentSlots:
     it never evicts, and what it releases goes back to the framework through the job
     (:class:`LentJob`), not through this index."""
 
-    #: The framework's slots are not counted here: never short of room, so only a
-    #: tier's write lag sheds its write-through (``core.backpressure``).
+    #: The framework's slots are not counted here: only a tier's write lag sheds its
+    #: write-through (``core.backpressure``), not the share of slots it pins.
     num_blocks = 0
-    num_free = 1
 
     def __init__(self) -> None:
         self._lent: dict[OffloadKey, int] = {}

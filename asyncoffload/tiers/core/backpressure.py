@@ -9,15 +9,16 @@ measures its write lag, and past a bound new write-through to it is shed and cou
 never the CPU tier's own stores.
 
 What a tier measures (:class:`WritePressure`): the blocks it was handed to write and
-has not finished (``queued``: the CPU slots its write-through pins now), and an EMA of
-a write's time in flight (handed out to ended, ``lag_s``). What it decides, per offer
+has not finished (``queued``: the CPU slots its write-through pins now), and how long a
+write takes (:attr:`~WritePressure.lag`): the EMA of a write's time in flight, handed
+out to ended (``lag_s``), or the age of the oldest write still in flight if that is
+longer (a stalled disk has no write that ends). What it decides, per offer
 (:meth:`WritePressure.admit`), in three levels:
 
 - **calm**: every block offered goes to the tier's admission, as without backpressure;
-- **lagging**: the EMA passed ``write_lag_s`` (calm again below half of it), or the
-  tier's queued writes pin ``write_pin_share`` of the CPU tier's slots while the CPU
-  tier has no free slot and the EMA passed ``PINNING_LAG`` of ``write_lag_s`` (50 ms
-  at the default): only blocks offered before (a block stored, or asked for, again)
+- **lagging**: the lag passed ``write_lag_s`` (the EMA is calm again below half of
+  it), or the tier's queued writes pin ``write_pin_share`` of the CPU tier's slots
+  and the lag passed ``PINNING_LAG`` of ``write_lag_s`` (50 ms at the default): only blocks offered before (a block stored, or asked for, again)
   are written; first offers are shed. The value is the offer count, as a frequency
   admission's: a block that comes back is worth more than one seen once, whatever
   order they came in;
@@ -83,8 +84,8 @@ class Backpressure:
 
     ``write_lag_s``: the EMA of a write's time in flight past which the tier lags
     (calm again below half). ``write_pin_share``: the share of the CPU tier's slots, in
-    (0, 1], that the tier's queued writes may pin, while the CPU tier has no free slot,
-    before first offers are shed (twice it: every block). ``backpressure=False``:
+    (0, 1], that the tier's queued writes, once they lag ``PINNING_LAG`` of
+    ``write_lag_s``, may pin before first offers are shed (twice it: every block). ``backpressure=False``:
     nothing is shed, every offer goes to the tier's admission."""
 
     write_lag_s: float = 1.0
@@ -114,12 +115,9 @@ class Backpressure:
 
 
 class CpuRoom(Protocol):
-    """What backpressure reads of the CPU tier's index: its slots, and those never used."""
+    """What backpressure reads of the CPU tier's index: its slots (0: not counted)."""
 
     num_blocks: int
-
-    @property
-    def num_free(self) -> int: ...
 
 
 class WritePressure:
@@ -138,18 +136,24 @@ class WritePressure:
         self._unwarned = [0, 0, 0]
         self._warned_at: float | None = None
         self._offers: OrderedDict[OffloadKey, int] = OrderedDict()
+        #: When each write in flight was handed out, oldest first; the latest time seen.
+        self._writes: OrderedDict[int, float] = OrderedDict()
+        self._now = 0.0
 
     # --- what the tier does -----------------------------------------------------------
 
     def sent(self, io: TierIo, now: float) -> None:
         """``io`` was handed out at ``now``."""
-        io.sent = now
+        io.sent = self._now = now
         if io.write:
             self.queued += len(io.keys)
+            self._writes[io.seq] = now
 
     def ended(self, io: TierIo, now: float) -> None:
         """A write handed out ended at ``now``: its time in flight feeds the EMA."""
         self.queued = max(0, self.queued - len(io.keys))
+        self._writes.pop(io.seq, None)
+        self._now = max(self._now, now)
         took = max(0.0, now - io.sent)
         self.lag_s = took if self.lag_s == 0.0 else ALPHA * took + (1 - ALPHA) * self.lag_s
         lag = self.settings.write_lag_s
@@ -162,17 +166,25 @@ class WritePressure:
 
     # --- the rule ---------------------------------------------------------------------
 
+    @property
+    def lag(self) -> float:
+        """How long the tier's writes take: the EMA of those that ended, or the age of
+        the oldest still in flight (at the latest time seen) if that is longer."""
+        oldest = next(iter(self._writes.values()), self._now)
+        return max(self.lag_s, self._now - oldest)
+
     def level(self, cpu: CpuRoom) -> int:
         """:data:`CALM`, :data:`LAGGING` or :data:`FULL` (see the module docstring)."""
         settings = self.settings
         if not settings.backpressure or self.queued == 0:
             return CALM
+        lag = self.lag
         cap = settings.write_pin_share * cpu.num_blocks
-        # Pinning a full CPU tier's slots, writes lag from a shorter time in flight.
-        pinning = cpu.num_free == 0 and self.lag_s >= settings.write_lag_s * PINNING_LAG
+        # Pinning the CPU tier's slots, writes lag from a shorter time in flight.
+        pinning = cap > 0 and lag >= settings.write_lag_s * PINNING_LAG
         if pinning and self.queued >= 2 * cap:
             return FULL
-        if self.lagging or (pinning and self.queued >= cap):
+        if self.lagging or lag > settings.write_lag_s or (pinning and self.queued >= cap):
             return LAGGING
         return CALM
 

@@ -48,11 +48,8 @@ MAX_KEY_BYTES = 256
 class CpuIndex(Protocol):
     """What the core asks of the CPU tier's index (a ``CPUOffloadingManager``)."""
 
-    #: Its slots, and (``num_free``) those never used: backpressure reads them.
+    #: Its slots (backpressure reads them; 0: not counted here).
     num_blocks: int
-
-    @property
-    def num_free(self) -> int: ...
 
     def block_of(self, key: OffloadKey) -> BlockStatus | None: ...
 
