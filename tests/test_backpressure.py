@@ -225,8 +225,8 @@ async def _flood(tmp_path: Path, **tier: object) -> tuple[int, ao.TierStats]:
             await asyncio.wait_for(handle, 30)  # the CPU copy, not the disk write
             await asyncio.sleep(0.02)
         store._pool.set_delay(0)
-        async with asyncio.timeout(60):  # every write ends (each op now at full speed)
-            await engine.flush()
+        # Every write ends (each op now at full speed).
+        await asyncio.wait_for(engine.flush(), 60)
         (stats,) = engine.stats().tiers
     return refused, stats
 
