@@ -18,8 +18,9 @@ longer (a stalled disk has no write that ends). What it decides, per offer
 - **calm**: every block offered goes to the tier's admission, as without backpressure;
 - **lagging**: the lag passed ``write_lag_s`` (the EMA is calm again below half of
   it), or the tier's queued writes pin ``write_pin_share`` of the CPU tier's slots
-  and the lag passed ``PINNING_LAG`` of ``write_lag_s`` (50 ms at the default): only blocks offered before (a block stored, or asked for, again)
-  are written; first offers are shed. The value is the offer count, as a frequency
+  and the lag passed ``PINNING_LAG`` of ``write_lag_s`` (50 ms at the default): only
+  blocks offered before (a block stored, or asked for, again) are written; first
+  offers are shed. The value is the offer count, as a frequency
   admission's: a block that comes back is worth more than one seen once, whatever
   order they came in;
 - **full**: as the second case of lagging, with twice ``write_pin_share`` of the CPU
@@ -85,8 +86,8 @@ class Backpressure:
     ``write_lag_s``: the EMA of a write's time in flight past which the tier lags
     (calm again below half). ``write_pin_share``: the share of the CPU tier's slots, in
     (0, 1], that the tier's queued writes, once they lag ``PINNING_LAG`` of
-    ``write_lag_s``, may pin before first offers are shed (twice it: every block). ``backpressure=False``:
-    nothing is shed, every offer goes to the tier's admission."""
+    ``write_lag_s``, may pin before first offers are shed (twice it: every block).
+    ``backpressure=False``: nothing is shed, every offer goes to the tier's admission."""
 
     write_lag_s: float = 1.0
     write_pin_share: float = 0.25
