@@ -112,14 +112,15 @@ def test_a_write_stuck_in_flight_is_lag_before_it_ends() -> None:
 
 
 def test_writes_pinning_a_share_of_the_cpu_tier_shed_by_value_then_all() -> None:
-    # 16 CPU slots, write_pin_share 0.25: 4 slots pinned by lagging writes sheds first
-    # offers, 8 sheds every block.
+    # 16 CPU slots, write_pin_share 0.25: 4 slots pinned by writes lagging 5 ms sheds
+    # first offers, 8 sheds every block.
+    assert bp.PINNING_LAG * Backpressure().write_lag_s == pytest.approx(0.005)
     _, core, disk = setup(cpu_blocks=16)
     ios = write(core, [key(0), key(1), key(2), key(3)], 0.0)
-    # 4 queued, but the oldest is 10 ms old: not lagging (a fast tier is never shed).
-    ios += write(core, [key(4)], 0.01)
+    # 4 queued, but the oldest is 2 ms old: not lagging (a fast tier is never shed).
+    ios += write(core, [key(4)], 0.002)
     assert disk.counters.write_shed == 0
-    # 100 ms later (past 50 ms: a twentieth of write_lag_s) with 5 queued: first offers shed.
+    # 100 ms later (past 5 ms: PINNING_LAG of write_lag_s) with 5 queued: first offers shed.
     ios += write(core, [key(5)], 0.1)  # (handed out with the time the offer came)
     assert write(core, [key(6)], 0.1) == []
     assert disk.counters.write_shed == 1

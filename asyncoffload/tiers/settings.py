@@ -74,8 +74,8 @@ class TierSettings(BaseModel):
         le=1,
         allow_inf_nan=False,
         description="The share of the CPU tier's slots, in (0, 1], that the tier's queued "
-        "writes may pin, once they lag a twentieth of write_lag_s, before first offers are "
-        "shed; at twice it, every new block is shed until writes end.",
+        "writes may pin, once they lag 1/200 of write_lag_s, before first offers are shed; "
+        "at twice it, every new block is shed until writes end.",
     )
     backpressure: bool = Field(
         True, description="Shed write-through while the tier's writes lag (False: never)."

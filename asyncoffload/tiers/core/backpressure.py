@@ -17,10 +17,10 @@ longer (a stalled disk has no write that ends). What it decides, per offer
 
 - **calm**: every block offered goes to the tier's admission, as without backpressure;
 - **lagging**: the lag passed ``write_lag_s`` (the EMA is calm again below half of
-  it), or the tier's queued writes pin ``write_pin_share`` of the CPU tier's slots
-  and the lag passed ``PINNING_LAG`` of ``write_lag_s`` (50 ms at the default): only
-  blocks offered before (a block stored, or asked for, again) are written; first
-  offers are shed. The value is the offer count, as a frequency
+  it); or the tier's queued writes pin ``write_pin_share`` of the CPU tier's slots and
+  the lag passed ``PINNING_LAG`` of ``write_lag_s`` (5 ms at the default): only blocks
+  offered before (a block stored, or asked for, again) are written; first offers are
+  shed. The value is the offer count, as a frequency
   admission's: a block that comes back is worth more than one seen once, whatever
   order they came in;
 - **full**: as the second case of lagging, with twice ``write_pin_share`` of the CPU
@@ -72,10 +72,11 @@ OFFER_KEYS = 65_536
 WARN_EVERY_S = 10.0
 #: Weight of a write's newest time in flight in the EMA.
 ALPHA = 0.2
-#: While its queued writes pin ``write_pin_share`` of a full CPU tier, a tier lags from
-#: this share of ``write_lag_s`` (50 ms at the default): a write that fast frees its
-#: slots before they are missed; one this slow, many of them queued, does not.
-PINNING_LAG = 0.05
+#: While its queued writes pin ``write_pin_share`` of the CPU tier's slots, a tier lags
+#: from this share of ``write_lag_s`` (5 ms at the default): a slot pinned that long is
+#: missed by the stores and promotions that come meanwhile (issue 41: the demo's CPU
+#: tier refused them, its writes 13-39 ms in flight on a busy disk).
+PINNING_LAG = 0.005
 
 
 @dataclass(frozen=True)
@@ -85,8 +86,8 @@ class Backpressure:
 
     ``write_lag_s``: the EMA of a write's time in flight past which the tier lags
     (calm again below half). ``write_pin_share``: the share of the CPU tier's slots, in
-    (0, 1], that the tier's queued writes, once they lag ``PINNING_LAG`` of
-    ``write_lag_s``, may pin before first offers are shed (twice it: every block).
+    (0, 1], that the tier's queued writes may pin, once they lag ``PINNING_LAG`` of
+    ``write_lag_s``, before first offers are shed (twice it: every block).
     ``backpressure=False``: nothing is shed, every offer goes to the tier's admission."""
 
     write_lag_s: float = 1.0
@@ -181,11 +182,11 @@ class WritePressure:
             return CALM
         lag = self.lag
         cap = settings.write_pin_share * cpu.num_blocks
-        # Pinning the CPU tier's slots, writes lag from a shorter time in flight.
-        pinning = cap > 0 and lag >= settings.write_lag_s * PINNING_LAG
+        # Writes pinning a share of the CPU tier's slots lag from a far shorter time.
+        pinning = cap > 0 and self.queued >= cap and lag >= settings.write_lag_s * PINNING_LAG
         if pinning and self.queued >= 2 * cap:
             return FULL
-        if self.lagging or lag > settings.write_lag_s or (pinning and self.queued >= cap):
+        if pinning or self.lagging or lag > settings.write_lag_s:
             return LAGGING
         return CALM
 
