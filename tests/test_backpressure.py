@@ -115,7 +115,8 @@ def test_writes_pinning_a_share_of_the_cpu_tier_shed_by_value_then_all() -> None
     # 16 CPU slots, write_pin_share 0.25: 4 slots pinned by writes lagging 5 ms sheds
     # first offers, 8 sheds every block.
     assert bp.PINNING_LAG * Backpressure().write_lag_s == pytest.approx(0.005)
-    _, core, disk = setup(cpu_blocks=16)
+    cpu, core, disk = setup(cpu_blocks=16, write_pin_share=0.25)
+    assert cpu.num_free == 0  # full: its stores evict, and pinned slots are missed
     ios = write(core, [key(0), key(1), key(2), key(3)], 0.0)
     # 4 queued, but the oldest is 2 ms old: not lagging (a fast tier is never shed).
     ios += write(core, [key(4)], 0.002)
@@ -137,6 +138,20 @@ def test_writes_pinning_a_share_of_the_cpu_tier_shed_by_value_then_all() -> None
         done(core, io, 0.4)
     assert disk.pressure.queued == 0
     assert written(write(core, [key(9)], 0.5)) == [key(9)]
+
+
+def test_writes_pinning_a_cpu_tier_with_free_slots_are_not_shed() -> None:
+    cpu = CPUOffloadingManager(32, "lru", enable_events=True)
+    keys = [key(i) for i in range(16)]
+    assert cpu.prepare_store(keys) is not None
+    cpu.complete_store(keys)
+    disk = TierState("disk0", Medium.DISK, BLOCK, 30.0, TierManager(64, Medium.DISK))
+    disk.pressure = WritePressure(Backpressure(write_pin_share=0.25))
+    core = TierHierarchy(cpu, [disk])
+    write(core, keys[:8], 0.0)
+    write(core, keys[8:9], 0.5)  # 9 queued, 500 ms: but 16 slots were never used
+    assert written(write(core, keys[9:12], 0.6)) == keys[9:12]
+    assert disk.counters.write_shed == 0
 
 
 def test_backpressure_off_sheds_nothing() -> None:

@@ -17,12 +17,12 @@ longer (a stalled disk has no write that ends). What it decides, per offer
 
 - **calm**: every block offered goes to the tier's admission, as without backpressure;
 - **lagging**: the lag passed ``write_lag_s`` (the EMA is calm again below half of
-  it); or the tier's queued writes pin ``write_pin_share`` of the CPU tier's slots and
-  the lag passed ``PINNING_LAG`` of ``write_lag_s`` (5 ms at the default): only blocks
-  offered before (a block stored, or asked for, again) are written; first offers are
-  shed. The value is the offer count, as a frequency
-  admission's: a block that comes back is worth more than one seen once, whatever
-  order they came in;
+  it); or the CPU tier is full (no slot never used), the tier's queued writes pin
+  ``write_pin_share`` of its slots and the lag passed ``PINNING_LAG`` of
+  ``write_lag_s`` (5 ms at the default): only blocks offered before (a block stored,
+  or asked for, again) are written; first offers are shed. The value is the offer
+  count, as a frequency admission's: a block that comes back is worth more than one
+  seen once, whatever order they came in;
 - **full**: as the second case of lagging, with twice ``write_pin_share`` of the CPU
   slots pinned: every new block is shed until writes end.
 
@@ -91,7 +91,7 @@ class Backpressure:
     ``backpressure=False``: nothing is shed, every offer goes to the tier's admission."""
 
     write_lag_s: float = 1.0
-    write_pin_share: float = 0.25
+    write_pin_share: float = 0.1
     backpressure: bool = True
 
     def __post_init__(self) -> None:
@@ -117,9 +117,13 @@ class Backpressure:
 
 
 class CpuRoom(Protocol):
-    """What backpressure reads of the CPU tier's index: its slots (0: not counted)."""
+    """What backpressure reads of the CPU tier's index: its slots (0: not counted), and
+    those never used yet."""
 
     num_blocks: int
+
+    @property
+    def num_free(self) -> int: ...
 
 
 class WritePressure:
@@ -182,8 +186,13 @@ class WritePressure:
             return CALM
         lag = self.lag
         cap = settings.write_pin_share * cpu.num_blocks
-        # Writes pinning a share of the CPU tier's slots lag from a far shorter time.
-        pinning = cap > 0 and self.queued >= cap and lag >= settings.write_lag_s * PINNING_LAG
+        # Writes pinning a share of a full CPU tier's slots lag from a far shorter time.
+        pinning = (
+            cap > 0
+            and cpu.num_free == 0
+            and self.queued >= cap
+            and lag >= settings.write_lag_s * PINNING_LAG
+        )
         if pinning and self.queued >= 2 * cap:
             return FULL
         if pinning or self.lagging or lag > settings.write_lag_s:

@@ -48,8 +48,11 @@ MAX_KEY_BYTES = 256
 class CpuIndex(Protocol):
     """What the core asks of the CPU tier's index (a ``CPUOffloadingManager``)."""
 
-    #: Its slots (backpressure reads them; 0: not counted here).
+    #: Its slots (0: not counted here), and those never used: backpressure reads them.
     num_blocks: int
+
+    @property
+    def num_free(self) -> int: ...
 
     def block_of(self, key: OffloadKey) -> BlockStatus | None: ...
 
