@@ -74,7 +74,7 @@ class LentSlots:
 
     #: The framework's slots are not counted here: only a tier's write lag sheds its
     #: write-through (``core.backpressure``), not the share of slots it pins.
-    num_blocks = num_free = 0
+    num_blocks = no_room = 0
 
     def __init__(self) -> None:
         self._lent: dict[OffloadKey, int] = {}

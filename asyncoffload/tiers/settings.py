@@ -73,9 +73,9 @@ class TierSettings(BaseModel):
         gt=0,
         le=1,
         allow_inf_nan=False,
-        description="The share of a full CPU tier's slots, in (0, 1], that the tier's "
-        "queued writes may pin, once they lag 1/200 of write_lag_s, before first offers are "
-        "shed; at twice it, every new block is shed until writes end.",
+        description="The share of the CPU tier's slots, in (0, 1], that the tier's queued "
+        "writes may pin, once they lag 1/200 of write_lag_s and the CPU tier missed a slot, "
+        "before first offers are shed; at twice it, every new block is shed.",
     )
     backpressure: bool = Field(
         True, description="Shed write-through while the tier's writes lag (False: never)."

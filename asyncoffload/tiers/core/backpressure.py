@@ -17,10 +17,11 @@ longer (a stalled disk has no write that ends). What it decides, per offer
 
 - **calm**: every block offered goes to the tier's admission, as without backpressure;
 - **lagging**: the lag passed ``write_lag_s`` (the EMA is calm again below half of
-  it); or the CPU tier is full (no slot never used), the tier's queued writes pin
-  ``write_pin_share`` of its slots and the lag passed ``PINNING_LAG`` of
-  ``write_lag_s`` (5 ms at the default): only blocks offered before (a block stored,
-  or asked for, again) are written; first offers are shed. The value is the offer
+  it); or the CPU tier refused a store or a promotion for want of a slot in the last
+  ``MISSED_S``, the tier's queued writes pin ``write_pin_share`` of its slots and the
+  lag passed ``PINNING_LAG`` of ``write_lag_s`` (5 ms at the default): only blocks
+  offered before (a block stored, or asked for, again) are written; first offers are
+  shed. The value is the offer
   count, as a frequency admission's: a block that comes back is worth more than one
   seen once, whatever order they came in;
 - **full**: as the second case of lagging, with twice ``write_pin_share`` of the CPU
@@ -54,6 +55,7 @@ __all__ = [
     "CALM",
     "FULL",
     "LAGGING",
+    "MISSED_S",
     "OFFER_KEYS",
     "PINNING_LAG",
     "WARN_EVERY_S",
@@ -77,6 +79,9 @@ ALPHA = 0.2
 #: missed by the stores and promotions that come meanwhile (issue 41: the demo's CPU
 #: tier refused them, its writes 13-39 ms in flight on a busy disk).
 PINNING_LAG = 0.005
+#: ... for this long after the CPU tier last refused a store or a promotion for want of
+#: a slot (until then, the slots its writes pin are missed by no one).
+MISSED_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -118,12 +123,10 @@ class Backpressure:
 
 class CpuRoom(Protocol):
     """What backpressure reads of the CPU tier's index: its slots (0: not counted), and
-    those never used yet."""
+    how many stores and promotions it refused for want of one."""
 
     num_blocks: int
-
-    @property
-    def num_free(self) -> int: ...
+    no_room: int
 
 
 class WritePressure:
@@ -145,6 +148,9 @@ class WritePressure:
         #: When each write in flight was handed out, oldest first; the latest time seen.
         self._writes: OrderedDict[int, float] = OrderedDict()
         self._now = 0.0
+        #: The CPU tier's refusals for want of a slot seen, and when they last grew.
+        self._no_room = 0
+        self._missed_at = -math.inf
 
     # --- what the tier does -----------------------------------------------------------
 
@@ -186,10 +192,13 @@ class WritePressure:
             return CALM
         lag = self.lag
         cap = settings.write_pin_share * cpu.num_blocks
-        # Writes pinning a share of a full CPU tier's slots lag from a far shorter time.
+        if cpu.no_room != self._no_room:  # the CPU tier refused something: slots missed
+            self._no_room, self._missed_at = cpu.no_room, self._now
+        # Writes pinning a share of the CPU tier's slots while it misses slots lag from a
+        # far shorter time.
         pinning = (
             cap > 0
-            and cpu.num_free == 0
+            and self._now - self._missed_at <= MISSED_S
             and self.queued >= cap
             and lag >= settings.write_lag_s * PINNING_LAG
         )

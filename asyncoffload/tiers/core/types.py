@@ -48,11 +48,10 @@ MAX_KEY_BYTES = 256
 class CpuIndex(Protocol):
     """What the core asks of the CPU tier's index (a ``CPUOffloadingManager``)."""
 
-    #: Its slots (0: not counted here), and those never used: backpressure reads them.
+    #: Its slots (0: not counted here), and the stores and promotions it refused for want
+    #: of one: backpressure reads them.
     num_blocks: int
-
-    @property
-    def num_free(self) -> int: ...
+    no_room: int
 
     def block_of(self, key: OffloadKey) -> BlockStatus | None: ...
 
