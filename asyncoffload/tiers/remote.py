@@ -821,18 +821,17 @@ class RemoteStore(LowerTier):
         return found
 
     async def connect(self) -> None:
-        """Open the client's connections now, within ``timeout_s``: ``pipelines``
+        """Open the client's read connections now, within ``timeout_s``: ``pipelines``
         ``EXISTS`` of a name no block has, at once. A driver that steps the loop only
         now and then (vLLM's scheduler, once a call) then pays each connection's
         handshake round trips at start-up, not in the middle of a request."""
         probe = self.redis_key(OffloadKey(b"asyncoffload-connect"))
-        n = self.config.pipelines
         async with _deadline(self.config.timeout_s):
-            # Reads and writes have connections of their own (loads go ahead of stores):
-            # EXISTS opens the reads', DEL of the same absent name the writes'.
+            # The reads' connections (loads go ahead of stores on connections of their
+            # own): a request's questions and loads find them open; the writes' open with
+            # the first write-through, beside the request path.
             await asyncio.gather(
-                *(self._client.exists([probe]) for _ in range(n)),
-                *(self._client.delete([probe]) for _ in range(n)),
+                *(self._client.exists([probe]) for _ in range(self.config.pipelines))
             )
 
     def forget(self, keys: Sequence[OffloadKey]) -> None:
