@@ -32,12 +32,12 @@ _COUNTERS = {
     "store_failed_blocks", "lookups", "lookup_blocks", "lookup_hit_blocks",
     "events_published", "events_dropped", "tier_lookup_hit_blocks", "tier_io_bytes",
     "tier_failed_blocks", "tier_dropped_blocks", "retention_pins", "quota_refused_blocks",
-    "opted_out_blocks",
+    "opted_out_blocks", "tier_write_shed_blocks",
 }  # fmt: skip
 _GAUGES = {
     "tier_capacity_blocks", "tier_blocks", "transfers_in_flight", "event_subscribers",
     "event_subscriber_lag_max_events", "event_subscriber_lag_events",
-    "retention_pinned_blocks", "retention_pin_limit_blocks",
+    "retention_pinned_blocks", "retention_pin_limit_blocks", "tier_write_lag_seconds",
 }  # fmt: skip
 _HISTOGRAMS = {
     "transfer_duration_seconds", "transfer_throughput_bytes_per_second",
@@ -172,6 +172,8 @@ def _expected(
         for cause, n in t.failures.items():
             put("tier_failed_blocks_total", n, medium=medium, cause=cause)
         put("tier_dropped_blocks_total", t.dropped, medium=medium)
+        put("tier_write_shed_blocks_total", t.write_shed, medium=medium)
+        put("tier_write_lag_seconds", t.write_lag_s, medium=medium)
     for medium, p in (("CPU", s.pins), *((t.medium, t.pins) for t in s.tiers)):
         assert p is not None  # every tier of the engine has retention pins
         put("retention_pinned_blocks", p.pinned, medium=medium)

@@ -205,6 +205,9 @@ class TiersMachine(RuleBasedStateMachine):
             min_offers=2,
             policy="lru",
             io_threads=2,
+            # The model writes every block its admission takes: no write is shed because
+            # the tier's writes lag (tests/test_backpressure.py tests that rule).
+            backpressure=False,
         )
         config = ao.EngineConfig(
             cpu_blocks=cpu_blocks, tiers=[tier], model="tiers-model", event_buffer=1 << 20

@@ -136,6 +136,14 @@ _ENGINE_SPECS: tuple[_Spec, ...] = (
         "short, missing, timeout, or an errno name); each failed read is a miss.",
     ),
     _Spec(_C, "tier_dropped_blocks", _M, "Blocks dropped from a lower tier after a failed check."),
+    _Spec(
+        _C,
+        "tier_write_shed_blocks",
+        _M,
+        "Blocks of write-through a lower tier shed while its writes lagged (backpressure); "
+        "the CPU tier keeps them.",
+    ),
+    _Spec(_G, "tier_write_lag_seconds", _M, "EMA of a lower tier's write time in flight."),
     _Spec(_G, "retention_pinned_blocks", _M, "Blocks held by retention pins now."),
     _Spec(_G, "retention_pin_limit_blocks", _M, "The most blocks pins may hold (pin_budget)."),
     _Spec(
@@ -277,6 +285,8 @@ def _tier_samples(s: EngineStats) -> dict[str, list[_Sample]]:
         "tier_io_bytes",
         "tier_failed_blocks",
         "tier_dropped_blocks",
+        "tier_write_shed_blocks",
+        "tier_write_lag_seconds",
     )
     out: dict[str, list[_Sample]] = {name: [] for name in names}
     rows = out
@@ -303,6 +313,8 @@ def _tier_samples(s: EngineStats) -> dict[str, list[_Sample]]:
             ((medium, cause), n) for cause, n in sorted(t.failures.items())
         ]
         out["tier_dropped_blocks"].append(((medium,), t.dropped))
+        out["tier_write_shed_blocks"].append(((medium,), t.write_shed))
+        out["tier_write_lag_seconds"].append(((medium,), t.write_lag_s))
     return out
 
 

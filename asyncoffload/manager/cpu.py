@@ -268,6 +268,8 @@ class CPUOffloadingManager(OffloadingManager):
         self._reset_slots()
         self._stored = self._store_failed = self._loaded = self._evicted = 0
         self._store_skipped = self._lookups = self._hits = 0
+        #: Stores and promotions refused for want of a slot (read by tier backpressure).
+        self.no_room = 0
 
     def _reset_slots(self) -> None:
         self._num_allocated = 0
@@ -600,9 +602,12 @@ class CPUOffloadingManager(OffloadingManager):
         shortfall = n - self.num_free
         if shortfall <= 0:
             return []
-        if shortfall > self._num_idle:
-            return None
-        victims = self.pins.evict(self._policy, shortfall, protect, self._num_idle)
+        idle = self._num_idle
+        victims = (
+            None if shortfall > idle else self.pins.evict(self._policy, shortfall, protect, idle)
+        )
+        if victims is None:
+            self.no_room += 1
         return None if victims is None else self._evict(victims)
 
     def _evict(self, victims: _Victims) -> list[OffloadKey]:

@@ -4,6 +4,13 @@ Both complete on the event loop: redis-py's ``redis.asyncio`` reads its sockets 
 valkey-glide's native core hands finished requests to the loop through a pipe it reads
 there. Neither runs a Python thread.
 
+Loads go ahead of stores: each client keeps its reads (``get_prefixes``, ``exists``,
+``types``) on connections of their own, apart from its writes (``put_absent``,
+``delete``): a read never queues behind write-through on a connection, neither in a
+connection pool that writes have taken (redis-py) nor on a multiplexed connection whose
+writes the server has not answered yet (valkey-glide, one connection per client). The
+server interleaves the two sets of connections, so writes still make progress.
+
 A client answers per block where the server does: ``put_absent`` and ``get_prefixes``
 give one entry per name, an exception object where that name's request failed. A request
 that cannot be made at all (the server down, a timeout) raises. Reads are bounded: a
@@ -130,11 +137,21 @@ class RedisPyClient:
                 "the remote tier needs redis-py: pip install 'asyncoffload[remote]'"
             ) from None
         self.config = config
+        #: The write client, and the read client (connections of their own).
         self._client: Any = None
+        self._reader: Any = None
 
-    def _connect(self) -> Any:
-        if self._client is not None:
-            return self._client
+    def _connect(self, read: bool = False) -> Any:
+        client = self._reader if read else self._client
+        if client is None:
+            client = self._open()
+            if read:
+                self._reader = client
+            else:
+                self._client = client
+        return client
+
+    def _open(self) -> Any:
         cfg = self.config
         kwargs: dict[str, Any] = {
             "socket_timeout": cfg.timeout_s,
@@ -154,20 +171,16 @@ class RedisPyClient:
         if cfg.cluster:
             from redis.asyncio.cluster import RedisCluster
 
-            self._client = RedisCluster.from_url(
-                cfg.url, max_connections=cfg.max_connections, **kwargs
-            )
-        else:
-            from redis.asyncio import BlockingConnectionPool, Redis
+            return RedisCluster.from_url(cfg.url, max_connections=cfg.max_connections, **kwargs)
+        from redis.asyncio import BlockingConnectionPool, Redis
 
-            pool = BlockingConnectionPool.from_url(
-                cfg.url, max_connections=cfg.max_connections, timeout=cfg.timeout_s, **kwargs
-            )
-            self._client = Redis(connection_pool=pool)
-        return self._client
+        pool = BlockingConnectionPool.from_url(
+            cfg.url, max_connections=cfg.max_connections, timeout=cfg.timeout_s, **kwargs
+        )
+        return Redis(connection_pool=pool)
 
-    async def _pipelined(self, names: list[bytes], add: Any) -> list[Any]:
-        async with self._connect().pipeline(transaction=False) as pipe:
+    async def _pipelined(self, names: list[bytes], add: Any, read: bool = False) -> list[Any]:
+        async with self._connect(read).pipeline(transaction=False) as pipe:
             for i, name in enumerate(names):
                 add(pipe, i, name)
             return list(await pipe.execute(raise_on_error=False))
@@ -183,7 +196,7 @@ class RedisPyClient:
             # loop passes).
             from redis.exceptions import ResponseError
 
-            client = self._connect()
+            client = self._connect(read=True)
             try:
                 if end is None:
                     return [await client.get(names[0])]
@@ -192,12 +205,14 @@ class RedisPyClient:
                 return [exc]
         if end is None:
             if self.config.cluster:  # one pipeline, split per node
-                return await self._pipelined(names, lambda pipe, i, name: pipe.get(name))
+                return await self._pipelined(names, lambda pipe, i, name: pipe.get(name), True)
             # One command, one reply: less to parse than a pipeline of GETs.
-            return list(await self._connect().mget(names))
+            return list(await self._connect(read=True).mget(names))
         # A pipeline (split per node on a cluster). Not MGET: it reads values whole,
         # whatever their size.
-        return await self._pipelined(names, lambda pipe, i, name: pipe.getrange(name, 0, end))
+        return await self._pipelined(
+            names, lambda pipe, i, name: pipe.getrange(name, 0, end), read=True
+        )
 
     async def exists(self, names: list[bytes]) -> list[bool]:
         if self.config.cluster:  # keys of one command must share a slot
@@ -206,7 +221,7 @@ class RedisPyClient:
         # are missing is asked again name by name.
         step = 1024
         chunks = [names[i : i + step] for i in range(0, len(names), step)]
-        async with self._connect().pipeline(transaction=False) as pipe:
+        async with self._connect(read=True).pipeline(transaction=False) as pipe:
             for chunk in chunks:
                 pipe.exists(*chunk)
             counts = await pipe.execute()
@@ -219,21 +234,24 @@ class RedisPyClient:
         return out
 
     async def _each_exists(self, names: list[bytes]) -> list[Any]:
-        async with self._connect().pipeline(transaction=False) as pipe:
+        async with self._connect(read=True).pipeline(transaction=False) as pipe:
             for name in names:
                 pipe.exists(name)
             return list(await pipe.execute())
 
     async def types(self, names: list[bytes]) -> list[Any]:
-        replies = await self._pipelined(names, lambda pipe, i, name: pipe.type(name))
+        replies = await self._pipelined(names, lambda pipe, i, name: pipe.type(name), True)
         return [_type_name(reply) for reply in replies]
 
     async def delete(self, names: list[bytes]) -> None:
         await self._pipelined(names, lambda pipe, i, name: pipe.delete(name))
 
     async def aclose(self) -> None:
-        client, self._client = self._client, None
-        if client is not None:
+        clients = (self._client, self._reader)
+        self._client = self._reader = None
+        for client in clients:
+            if client is None:
+                continue
             with contextlib.suppress(Exception):
                 await client.aclose()
             # A Redis client closes only a pool it made itself; this one is ours.
@@ -318,19 +336,23 @@ class GlideClient:
             ) from None
         self.config = config
         self._settings, self._cluster = glide_settings(config)
+        #: The write client, and the read client (a multiplexed connection of its own).
         self._client: Any = None
+        self._reader: Any = None
 
-    async def _connect(self) -> Any:
-        if self._client is None:
+    async def _connect(self, read: bool = False) -> Any:
+        if (self._reader if read else self._client) is None:
             import glide
 
             kind = glide.GlideClusterClient if self._cluster else glide.GlideClient
             client = await kind.create(self._settings)
-            if self._client is None:
+            if (self._reader if read else self._client) is not None:
+                await client.close()  # another request connected meanwhile
+            elif read:
+                self._reader = client
+            else:
                 self._client = client
-            else:  # another request connected meanwhile
-                await client.close()
-        return self._client
+        return self._reader if read else self._client
 
     async def put_absent(self, names: list[bytes], values: list[Any], px: int | None) -> list[Any]:
         import glide
@@ -350,7 +372,7 @@ class GlideClient:
     async def get_prefixes(self, names: list[bytes], end: int | None) -> list[Any]:
         import glide
 
-        client = await self._connect()
+        client = await self._connect(read=True)
         if end is None:
             return list(await client.mget(names))
         batch = glide.ClusterBatch(is_atomic=False) if self._cluster else glide.Batch(False)
@@ -361,7 +383,7 @@ class GlideClient:
     async def exists(self, names: list[bytes]) -> list[bool]:
         import glide
 
-        client = await self._connect()
+        client = await self._connect(read=True)
         if await client.exists(names) == len(names):
             return [True] * len(names)
         batch = glide.ClusterBatch(is_atomic=False) if self._cluster else glide.Batch(False)
@@ -372,7 +394,7 @@ class GlideClient:
     async def types(self, names: list[bytes]) -> list[Any]:
         import glide
 
-        client = await self._connect()
+        client = await self._connect(read=True)
         batch = glide.ClusterBatch(is_atomic=False) if self._cluster else glide.Batch(False)
         for name in names:
             batch.type(name)
@@ -384,7 +406,9 @@ class GlideClient:
         await client.delete(names)
 
     async def aclose(self) -> None:
-        client, self._client = self._client, None
-        if client is not None:
-            with contextlib.suppress(Exception):
-                await client.close()
+        clients = (self._client, self._reader)
+        self._client = self._reader = None
+        for client in clients:
+            if client is not None:
+                with contextlib.suppress(Exception):
+                    await client.close()

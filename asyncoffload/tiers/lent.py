@@ -72,6 +72,10 @@ class LentSlots:
     it never evicts, and what it releases goes back to the framework through the job
     (:class:`LentJob`), not through this index."""
 
+    #: The framework's slots are not counted here: only a tier's write lag sheds its
+    #: write-through (``core.backpressure``), not the share of slots it pins.
+    num_blocks = no_room = 0
+
     def __init__(self) -> None:
         self._lent: dict[OffloadKey, int] = {}
 

@@ -26,7 +26,15 @@ from typing import Protocol, cast
 from asyncoffload.keys import OffloadKey
 from asyncoffload.manager.quotas import resolve_quotas
 from asyncoffload.tiers.base import LowerTier, new_index, outcomes
-from asyncoffload.tiers.core import Delete, Outcome, TierHierarchy, TierIo, TierState
+from asyncoffload.tiers.core import (
+    Backpressure,
+    Delete,
+    Outcome,
+    TierHierarchy,
+    TierIo,
+    TierState,
+    WritePressure,
+)
 from asyncoffload.tiers.format import Namespace
 from asyncoffload.transfer.base import CopyJob, FailedJob, HostRegion
 
@@ -141,6 +149,7 @@ def tier_states(stores: Sequence[LowerTier]) -> list[TierState]:
                 deadline_s=store.deadline_s,
                 index=index,
                 shared=callable(getattr(store, "exists", None)),
+                pressure=WritePressure(Backpressure.of(getattr(store, "config", None))),
             )
         )
     return states

@@ -437,8 +437,8 @@ class RemoteStore(LowerTier):
         #: Blocks per request.
         self.batch = max(1, min(config.batch_blocks, config.batch_bytes // self.block_bytes))
         self._values = _ValuePool(value_bytes, config.pipelines * self.batch)
-        # Reads and writes each have their own pipelines in flight: reads never queue
-        # behind write-through.
+        # Reads and writes each have their own pipelines in flight, on connections of
+        # their own (``_clients``): reads never queue behind write-through.
         self._read_limit = asyncio.Semaphore(config.pipelines)
         self._write_limit = asyncio.Semaphore(config.pipelines)
         self._client = make_client(config)
@@ -447,6 +447,7 @@ class RemoteStore(LowerTier):
         #: Removals of damaged values, run beside the jobs that found them.
         self._cleanups: set[asyncio.Task[None]] = set()
         self._closed = False
+        self._warmed = False
         self._down_until = 0.0
         self.errors = 0
 
@@ -479,6 +480,8 @@ class RemoteStore(LowerTier):
             work.close()
             raise RuntimeError(f"remote tier {self.name} is closed")
         loop = asyncio.get_running_loop()
+        if not self._warmed:
+            self._warm(loop)
 
         async def run() -> None:
             try:
@@ -765,6 +768,22 @@ class RemoteStore(LowerTier):
             self._remove(damaged)
         return out
 
+    def _warm(self, loop: asyncio.AbstractEventLoop) -> None:
+        """With the first job, open a connection for reads and one for writes beside it
+        (within ``timeout_s``, a failure ignored): the first load after stores, or the
+        first lookup, then finds a connection of its own open."""
+        self._warmed = True
+        probe = [self.redis_key(OffloadKey(b"asyncoffload-connect"))]
+
+        async def warm() -> None:
+            with contextlib.suppress(Exception):
+                async with _deadline(self.config.timeout_s):
+                    await asyncio.gather(self._client.exists(probe), self._client.delete(probe))
+
+        task = loop.create_task(warm())
+        self._cleanups.add(task)
+        task.add_done_callback(self._cleanups.discard)
+
     def _remove(self, names: list[bytes]) -> None:
         """Delete ``names`` on the server, in a task of its own bounded by
         ``timeout_s`` (awaited by :meth:`aclose`)."""
@@ -802,12 +821,15 @@ class RemoteStore(LowerTier):
         return found
 
     async def connect(self) -> None:
-        """Open the client's connections now, within ``timeout_s``: ``pipelines``
+        """Open the client's read connections now, within ``timeout_s``: ``pipelines``
         ``EXISTS`` of a name no block has, at once. A driver that steps the loop only
         now and then (vLLM's scheduler, once a call) then pays each connection's
         handshake round trips at start-up, not in the middle of a request."""
         probe = self.redis_key(OffloadKey(b"asyncoffload-connect"))
         async with _deadline(self.config.timeout_s):
+            # The reads' connections (loads go ahead of stores on connections of their
+            # own): a request's questions and loads find them open; the writes' open with
+            # the first write-through, beside the request path.
             await asyncio.gather(
                 *(self._client.exists([probe]) for _ in range(self.config.pipelines))
             )

@@ -58,6 +58,29 @@ class TierSettings(BaseModel):
         "hold at once; a pin past it is refused and counted.",
     )
 
+    #: Every tier's: backpressure on its write-through (docs/tiers.md, "Backpressure").
+    write_lag_s: float = Field(
+        1.0,
+        gt=0,
+        le=3600,
+        allow_inf_nan=False,
+        description="A tier whose writes take longer than this (an EMA of a write's time "
+        "in flight) lags: its write-through sheds first offers until the EMA falls below "
+        "half of it.",
+    )
+    write_pin_share: float = Field(
+        0.1,
+        gt=0,
+        le=1,
+        allow_inf_nan=False,
+        description="The share of the CPU tier's slots, in (0, 1], that the tier's queued "
+        "writes may pin, once they lag 1/200 of write_lag_s and the CPU tier missed a slot, "
+        "before first offers are shed; at twice it, every new block is shed.",
+    )
+    backpressure: bool = Field(
+        True, description="Shed write-through while the tier's writes lag (False: never)."
+    )
+
     #: Fields the constructor takes positionally, in order.
     _positional: ClassVar[tuple[str, ...]] = ()
     #: How a TypeError words them: ``"{cls} takes {words} positionally"``.

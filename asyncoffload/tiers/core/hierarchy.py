@@ -325,9 +325,9 @@ class TierHierarchy:
             out += self.questions.take(now)
         for req in out:
             if isinstance(req, TierIo) and not req.seq:
-                self._seq += 1
-                req.seq = self._seq
+                self._seq = req.seq = self._seq + 1
                 self._flight[req.seq] = req
+                req.tier.pressure.sent(req, now)
         return out
 
     def _read(self, tier: TierState) -> TierIo:
@@ -488,6 +488,8 @@ class TierHierarchy:
                 self.skip(tier, blocked, len(ready))
             return
         for tier, (who, group) in itertools.product(self.tiers, by_tenant(self.cpu, ready, ctx)):
+            if not (group := tier.pressure.admit(tier, group, self.cpu)):
+                continue  # shed: the tier's writes lag (core.backpressure)
             out = tier.index.prepare_store(group, who)
             if out is None:  # the tier is full of blocks being read or written
                 self.skip(tier, "full", 1)
@@ -536,6 +538,7 @@ class TierHierarchy:
             return
         io.settled = True
         self._flight.pop(io.seq, None)
+        io.tier.pressure.ended(io, now)
         tier, keys = io.tier, io.keys
         late = outcome.late
         try:
@@ -713,6 +716,9 @@ def _stats(tier: TierState, info: Callable[[TierState], dict[str, object]] | Non
         blocks_present=c.blocks_present,
         delete_failures=c.delete_failures,
         declined_above=c.declined_above,
+        write_shed=c.write_shed,
+        write_lag_s=tier.pressure.lag_s,
+        write_queued=tier.pressure.queued,
         pins=m.pins.stats(),
     )
 

@@ -14,6 +14,7 @@ from typing import Any
 
 from asyncoffload.keys import OffloadKey
 from asyncoffload.manager.base import Medium, ReqContext
+from asyncoffload.tiers.core.backpressure import WritePressure
 from asyncoffload.tiers.core.types import TierCounters, TierIndex
 
 __all__ = ["Delete", "Exists", "Promotion", "Request", "TierIo", "TierState"]
@@ -47,6 +48,8 @@ class TierState:
     delete_warned_at: float | None = None
     #: A shared tier whose last question failed is not asked again before this time.
     down_until: float = -NEVER
+    #: Its write lag and the rule that sheds its write-through (``core.backpressure``).
+    pressure: WritePressure = field(default_factory=WritePressure)
 
 
 @dataclass(eq=False)
@@ -92,8 +95,9 @@ class TierIo:
     ctx: ReqContext | None = None
     #: Reads: the promotion of each key.
     promotions: list[Promotion] = field(default_factory=list)
-    #: Its number among the reads and writes handed out (oldest first).
+    #: Its number among the reads and writes handed out (oldest first), and when.
     seq: int = 0
+    sent: float = 0.0
     #: Set once its result was taken: a second hand-back (a completion rerun after an
     #: interrupt) changes nothing.
     settled: bool = False

