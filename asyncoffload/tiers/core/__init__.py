@@ -3,6 +3,7 @@ of them (:class:`TierHierarchy`), the plain requests it hands out and the types 
 results. It imports no I/O module (asyncio, time, os, threads, sockets, the backends,
 the transfer stack): import-linter holds it to that, indirect imports included."""
 
+from asyncoffload.tiers.core.cost import CostedHierarchy, CostModel, ReadModel, RecomputeModel
 from asyncoffload.tiers.core.hierarchy import MAX_BATCH, REAP_S, STALL_GRACE_S, TierHierarchy
 from asyncoffload.tiers.core.requests import (
     Delete,
@@ -33,6 +34,8 @@ __all__ = [
     "MISS_TTL_S",
     "REAP_S",
     "STALL_GRACE_S",
+    "CostModel",
+    "CostedHierarchy",
     "CpuIndex",
     "Delete",
     "Exists",
@@ -40,6 +43,8 @@ __all__ = [
     "Outcome",
     "Promotion",
     "Questions",
+    "ReadModel",
+    "RecomputeModel",
     "Request",
     "TierCounters",
     "TierHierarchy",

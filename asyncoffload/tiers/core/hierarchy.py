@@ -714,6 +714,9 @@ def _stats(tier: TierState, info: Callable[[TierState], dict[str, object]] | Non
         delete_failures=c.delete_failures,
         declined_above=c.declined_above,
         pins=m.pins.stats(),
+        loaded=c.loaded,
+        recomputed_by_choice=c.recomputed_by_choice,
+        recomputed_after_deadline=c.recomputed_after_deadline,
     )
 
 
