@@ -103,7 +103,7 @@ def test_without_a_recompute_rate_or_with_the_rule_off_every_promotion_is_taken(
 
 
 def test_recompute_tokens_per_s_needs_tokens_per_block() -> None:
-    with pytest.raises(ValueError, match="recompute_tokens_per_s=.*needs tokens_per_block"):
+    with pytest.raises(ValueError, match=r"recompute_tokens_per_s=.*needs tokens_per_block"):
         ao.EngineConfig(recompute_tokens_per_s=1000.0)
     with pytest.raises(ValueError, match="recompute_tokens_per_s"):
         ao.EngineConfig(recompute_tokens_per_s=0.0, tokens_per_block=16)

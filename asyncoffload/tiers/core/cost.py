@@ -13,14 +13,18 @@ the serving framework's own steps). Then, per request (:class:`CostModel`):
   of the blocks its read brings (at least ``min_deadline_s``, at most the tier's own
   deadline plus the grace): a read that overruns it fails the promotion (its keys are
   misses, recomputed; nothing fails the request) and counts
-  ``recomputed_after_deadline``; promotions that end well count ``loaded``.
+  ``recomputed_after_deadline``; promotions that end well count ``loaded``;
+- a question to a shared tier (``Exists``, handed out by ``take_io``) gets the same
+  deadline for its keys: unanswered by then, it fails as on the tier's own deadline
+  (its keys are misses, the tier is not asked again for a while).
 
 Early in a run nothing was measured: a tier with no read measured is expected to read
 in ``floor_s`` (an optimistic start: promotions are taken, and measured), and with no
 recompute rate known every promotion is taken under the tier's own deadline only. A
 tier judged slow is not read again, so it is *probed*: at most once every
 ``probe_every_s`` a promotion it would refuse is taken, and measured (a tier that
-recovered is used again). A read that stalls is measured as at least as long as it ran.
+recovered is used again). A read that overruns its deadline replaces the tier's model:
+the tier is at least that slow now (one such read is enough to decline the next ones).
 
 :class:`CostedHierarchy` hooks the rule into :class:`TierHierarchy` (its lookup,
 ``take_io``, ``read_done`` and ``check``) for both drivers; sans-I/O like it: every time
@@ -37,7 +41,7 @@ from dataclasses import dataclass, field
 
 from asyncoffload.keys import OffloadKey
 from asyncoffload.tiers.core.hierarchy import TierHierarchy
-from asyncoffload.tiers.core.requests import Promotion, Request, TierIo, TierState
+from asyncoffload.tiers.core.requests import Exists, Promotion, Request, TierIo, TierState
 from asyncoffload.tiers.core.types import CpuIndex, Outcome, TierStats
 
 __all__ = ["CostModel", "CostedHierarchy", "ReadModel", "RecomputeModel"]
@@ -72,11 +76,13 @@ class ReadModel:
     _slope: float = 0.0
     latency_s: float = FLOOR_S
 
-    def observe(self, seconds: float, nbytes: int) -> None:
-        """A read of ``nbytes`` took ``seconds`` (bad values are ignored)."""
+    def observe(self, seconds: float, nbytes: int, *, alone: bool = False) -> None:
+        """A read of ``nbytes`` took ``seconds`` (bad values are ignored); ``alone``: it
+        replaces what was measured before (a read that overran its deadline: the tier
+        changed, and it is at least this slow now)."""
         if not (seconds >= 0 and math.isfinite(seconds) and nbytes >= 0):
             return
-        a = 1.0 if self.samples == 0 else self.alpha
+        a = 1.0 if self.samples == 0 or alone else self.alpha
         b = float(nbytes)
         self._b += a * (b - self._b)
         self._bb += a * (b * b - self._bb)
@@ -246,6 +252,9 @@ class CostedHierarchy(TierHierarchy):
         out = super().take_io(now, batched=batched)
         due: dict[Promotion, float] = {}
         for req in out:
+            if isinstance(req, Exists):  # a key asked about waits no longer than a read
+                at = self.cost.deadline(len(req.keys), now)
+                req.deadline = req.deadline if at is None else min(req.deadline, at)
             if not isinstance(req, TierIo) or req.write:
                 continue
             self._submitted[req] = now
@@ -286,7 +295,7 @@ class CostedHierarchy(TierHierarchy):
             for io, at in self._submitted.items():
                 if any(p.stalled for p in io.promotions):
                     self.cost.read_model(io.tier).observe(
-                        now - at, len(io.keys) * io.tier.block_bytes
+                        now - at, len(io.keys) * io.tier.block_bytes, alone=True
                     )
         return stalled
 
