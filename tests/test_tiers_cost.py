@@ -8,23 +8,44 @@ from __future__ import annotations
 import math
 import time
 from pathlib import Path
-from typing import cast
 
 import pytest
 
 import asyncoffload as ao
 from asyncoffload.engine_tiers import LoopTiers
+from asyncoffload.integrations.vllm.steps import PrefillClock
+from asyncoffload.manager import CPUOffloadingManager
 from asyncoffload.manager.base import Medium
 from asyncoffload.tiers import _io
-from asyncoffload.tiers.core import CostModel, ReadModel, RecomputeModel, TierState
+from asyncoffload.tiers.base import TierManager
+from asyncoffload.tiers.core import (
+    STALL_GRACE_S,
+    CostedHierarchy,
+    CostModel,
+    Exists,
+    ReadModel,
+    RecomputeModel,
+    TierIo,
+    TierState,
+)
 from asyncoffload.tiers.disk import DiskStore
+from tests.test_tier_core import (
+    BLOCK,
+    DEADLINE_S,
+    cpu_stored,
+    key,
+    of,
+    ok,
+    stored,
+    tier,
+)
 from tests.test_tiers import config, engine, keys, store_to_disk_only
 
 BLOCK_BYTES = 8192
 
 
-def _tier(name: str = "disk") -> TierState:
-    return TierState(name, Medium.DISK, BLOCK_BYTES, 1.0, cast(object, None))  # type: ignore[arg-type]
+def _tier() -> TierState:
+    return TierState("disk", Medium.DISK, BLOCK_BYTES, 1.0, TierManager(4, Medium.DISK))
 
 
 # --- the models -----------------------------------------------------------------------
@@ -217,3 +238,88 @@ async def test_with_the_rule_off_a_slow_tier_is_read_every_time(tmp_path: Path) 
     assert hits == [PER_PROMPT] * 2
     assert stats.loaded == 2 * PER_PROMPT
     assert stats.recomputed_by_choice == stats.recomputed_after_deadline == 0
+
+
+# --- the rule in the tier core (a fake clock, real indices) ------------------------------
+
+
+def _core(tokens_per_s: float | None = 1600.0) -> tuple[CPUOffloadingManager, CostedHierarchy]:
+    """A CPU tier of 8 slots over a disk tier and a shared tier; recomputing a block
+    takes 10 ms (16 tokens at 1,600 tokens/s)."""
+    cpu = CPUOffloadingManager(8, "lru")
+    core = CostedHierarchy(cpu, [tier("disk0"), tier("remote1", shared=True)])
+    core.cost.recompute = RecomputeModel(16, tokens_per_s, configured=tokens_per_s is not None)
+    return cpu, core
+
+
+def test_a_lookup_stops_before_a_run_that_reading_would_make_slower() -> None:
+    cpu, core = _core()
+    disk = core.tiers[0]
+    cpu_stored(cpu, [key(0)])
+    stored(disk, [key(1), key(2)])
+    ks = [key(0), key(1), key(2)]
+    assert core.lookup(ks, 1, now=0.0) == 3  # nothing measured: taken
+    core.cost.read_model(disk).observe(0.5, 2 * BLOCK)
+    core.cost.read_at[disk] = 0.0
+    assert core.lookup(ks, 1, now=1.0) == 1  # 500 ms against 20 ms: the CPU prefix only
+    assert disk.counters.recomputed_by_choice == 2
+    assert disk.counters.lookup_hits == 2  # the first lookup's; the second counted none
+    assert core.lookup(ks, 1) == 3  # no time: the plain rule (a first pass, a test)
+
+
+def test_a_read_past_the_recompute_deadline_falls_back_and_is_measured() -> None:
+    _, core = _core()
+    disk = core.tiers[0]
+    stored(disk, [key(1), key(2)])
+    promotion = core.promote(core.sources([key(1), key(2)]))
+    assert promotion is not None
+    (io,) = of(TierIo, core.take_io(10.0))
+    due = 10.0 + core.cost.min_deadline_s  # 20 ms of recompute: the 50 ms floor
+    assert core.next_deadline() == pytest.approx(due)
+    assert core.check(due - 0.001) == []
+    assert core.check(due) == [promotion] and promotion.stalled
+    assert disk.counters.recomputed_after_deadline == 2
+    assert core.cost.read_model(disk).expect(2 * BLOCK) >= core.cost.min_deadline_s
+    assert core.read_done(io, ok(io), 12.0) == [promotion]
+    assert disk.counters.loaded == 0
+    assert core.cost.read_model(disk).expect(2 * BLOCK) > core.cost.min_deadline_s
+    assert core.stats()[0].recomputed_after_deadline == 2
+
+
+def test_a_promotion_in_time_counts_loaded_and_feeds_the_read_model() -> None:
+    _, core = _core()
+    disk = core.tiers[0]
+    stored(disk, [key(1)])
+    promotion = core.promote(core.sources([key(1)]))
+    (io,) = of(TierIo, core.take_io(0.0))
+    assert core.read_done(io, ok(io), 0.004) == [promotion]
+    assert core.read_done(io, ok(io), 9.0) == []  # a second hand-back changes nothing
+    (stats, _) = core.stats()
+    assert stats.loaded == 1 and stats.read_latency_s == pytest.approx(0.004)
+    assert core.cost.read_model(disk).samples == 1
+
+
+def test_without_a_recompute_rate_the_tiers_own_deadline_holds() -> None:
+    _, core = _core(tokens_per_s=None)
+    stored(core.tiers[0], [key(1)])
+    core.promote(core.sources([key(1)]))
+    core.take_io(0.0)
+    assert core.next_deadline() == DEADLINE_S + STALL_GRACE_S
+
+
+def test_a_question_waits_no_longer_than_recomputing_its_keys() -> None:
+    _, core = _core()
+    assert core.promote_key(key(1), 0.0)
+    (q,) = of(Exists, core.take_io(0.0))
+    assert q.deadline == pytest.approx(core.cost.min_deadline_s)
+    core.check(q.deadline)
+    assert q.settled and core.tiers[1].counters.failures == {"lookup_failed": 1}
+
+
+def test_a_prefill_clock_times_steps_and_skips_idle_gaps() -> None:
+    clock = PrefillClock()
+    assert clock.step(0.0, 512, None) is None  # no step before
+    assert clock.step(0.1, 512, None) == pytest.approx((512, 0.1))
+    assert clock.step(0.2, 0, 5120.0) is None  # a decode step: nothing of a prefill
+    assert clock.step(5.0, 512, 5120.0) is None  # idle for seconds, not a 0.1 s step
+    assert clock.step(5.2, 1024, 5120.0) == pytest.approx((1024, 0.2))
