@@ -92,17 +92,27 @@ def plan(
     return rounds, actions, where
 
 
-def kv_config(tmp_path: Path, valkey_url: str, delay_file: Path, **extra: Any) -> dict[str, Any]:
+def kv_config(
+    tmp_path: Path,
+    valkey_url: str,
+    delay_file: Path,
+    n: int = N,
+    block_bytes: int = BLOCK_BYTES,
+    **extra: Any,
+) -> dict[str, Any]:
+    """Our spec with the per-read delay hook, a CPU tier of 4 x the workload's blocks
+    over a disk tier and a Valkey tier (both written every block)."""
     return offloading_kv_transfer_config(
         "FaultyAsyncOffloadSpec",
         "tests.vllm.fault_spec",
         policy="lru",
-        cpu_bytes_to_use=4 * len(CASES) * N * PROMPT_BLOCKS * BLOCK_BYTES,
+        cpu_bytes_to_use=4 * len(CASES) * n * PROMPT_BLOCKS * block_bytes,
         tiers=[
             {
                 "kind": "disk",
                 "path": str(tmp_path / "disk"),
-                "capacity": "256MiB",
+                # Every prompt's blocks, twice over (the stored ones are never evicted).
+                "capacity": 4 * len(CASES) * n * PROMPT_BLOCKS * (block_bytes + 4096),
                 "admission": None,
             },
             {"url": valkey_url, "admission": None},
