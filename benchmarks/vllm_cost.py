@@ -47,7 +47,9 @@ def _quantile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def summarize(result: dict[str, Any], where: dict[str, list[tuple[int, str]]], n: int) -> dict:
+def summarize(
+    result: dict[str, Any], where: dict[str, list[tuple[int, str]]], n: int
+) -> dict[str, Any]:
     out: dict[str, Any] = {}
     by_round = {r["round"]: r for r in result["requests"]}
     refs = [r for r in result["requests"] if r["round"] == 0]

@@ -136,6 +136,14 @@ _ENGINE_SPECS: tuple[_Spec, ...] = (
         "short, missing, timeout, or an errno name); each failed read is a miss.",
     ),
     _Spec(_C, "tier_dropped_blocks", _M, "Blocks dropped from a lower tier after a failed check."),
+    _Spec(
+        _C,
+        "tier_load_decision_blocks",
+        ("medium", "decision"),
+        "Load or recompute: lower-tier blocks promoted (loaded), recomputed because reading "
+        "was expected to be slower (recomputed_by_choice), or recomputed because their read "
+        "overran its deadline (recomputed_after_deadline).",
+    ),
     _Spec(_G, "retention_pinned_blocks", _M, "Blocks held by retention pins now."),
     _Spec(_G, "retention_pin_limit_blocks", _M, "The most blocks pins may hold (pin_budget)."),
     _Spec(
@@ -277,6 +285,7 @@ def _tier_samples(s: EngineStats) -> dict[str, list[_Sample]]:
         "tier_io_bytes",
         "tier_failed_blocks",
         "tier_dropped_blocks",
+        "tier_load_decision_blocks",
     )
     out: dict[str, list[_Sample]] = {name: [] for name in names}
     rows = out
@@ -303,6 +312,11 @@ def _tier_samples(s: EngineStats) -> dict[str, list[_Sample]]:
             ((medium, cause), n) for cause, n in sorted(t.failures.items())
         ]
         out["tier_dropped_blocks"].append(((medium,), t.dropped))
+        out["tier_load_decision_blocks"] += [
+            ((medium, "loaded"), t.loaded),
+            ((medium, "recomputed_by_choice"), t.recomputed_by_choice),
+            ((medium, "recomputed_after_deadline"), t.recomputed_after_deadline),
+        ]
     return out
 
 

@@ -18,6 +18,7 @@ builds vLLM's objects from that.
 # ruff: noqa: E402
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
@@ -515,7 +516,8 @@ class AsyncOffloadManager(OffloadingManager):
             walk = self._walk = (req_id, {})
         if result is LookupResult.MISS:
             allow = _tier_filter(req_context)
-            if not tiers.worth(ours, _later(ours, req_context)[:_LOOKAHEAD], allow):
+            later = functools.partial(_later, ours, req_context, _LOOKAHEAD)
+            if not tiers.worth(ours, later, allow):
                 return _MISS  # recomputing the run is expected to beat reading it
             protect = list(walk[1])
             if tiers.promote(ours, protect, allow, ctx=_tenant_ctx(req_context)):
@@ -759,10 +761,12 @@ class AsyncOffloadManager(OffloadingManager):
         return self._manager.stats()
 
 
-def _later(key: OurOffloadKey, req_context: ReqContext) -> list[OurOffloadKey]:
+def _later(
+    key: OurOffloadKey, req_context: ReqContext, most: int | None = None
+) -> list[OurOffloadKey]:
     """The request's keys after ``key`` in its KV cache group, in order (vLLM names every
-    full block of a request with its position before it looks any up); none without
-    positions."""
+    full block of a request with its position before it looks any up), the first
+    ``most`` of them; none without positions."""
     positions: Mapping[OurOffloadKey, int] | None = getattr(
         req_context, "_offload_key_positions", None
     )
@@ -770,9 +774,8 @@ def _later(key: OurOffloadKey, req_context: ReqContext) -> list[OurOffloadKey]:
     if positions is None or at is None:
         return []
     group = key[-4:]
-    return [
-        k for _, k in sorted((p, k) for k, p in positions.items() if p > at and k[-4:] == group)
-    ]
+    ranked = sorted((p, k) for k, p in positions.items() if p > at and k[-4:] == group)
+    return [k for _, k in ranked[:most]]
 
 
 def _tier_filter(req_context: ReqContext) -> Callable[[TierState], bool] | None:

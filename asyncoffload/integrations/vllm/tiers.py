@@ -154,14 +154,18 @@ class SchedulerTiers(PolledTiers):
     def worth(
         self,
         key: OffloadKey,
-        later: Sequence[OffloadKey] = (),
+        later: Callable[[], Sequence[OffloadKey]],
         allow: Callable[[TierState], bool] | None = None,
     ) -> bool:
         """Load or recompute (``tiers.core.cost``): whether the run of lower-tier blocks
-        from ``key`` (absent from the CPU tier) through ``later`` (the request's next
-        keys) is worth promoting; False counts them ``recomputed_by_choice``, and the
-        caller answers ``MISS`` (vLLM recomputes from there)."""
-        return self.core.worth([key, *later], time.monotonic(), allow)
+        from ``key`` (absent from the CPU tier) through ``later()`` (the request's next
+        keys, asked for only when a lower tier has ``key``) is worth promoting; False
+        counts them ``recomputed_by_choice``, and the caller answers ``MISS`` (vLLM
+        recomputes from there)."""
+        core = self.core
+        if core.source(key, allow) is None:
+            return True
+        return core.worth([key, *later()], time.monotonic(), allow)
 
     def configure_cost(
         self, enabled: bool, tokens_per_block: int, tokens_per_s: float | None
