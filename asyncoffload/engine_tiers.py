@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -49,7 +50,7 @@ from asyncoffload.tiers.format import Namespace
 from asyncoffload.transfer import CompletionBridge, CopyJob, TransferBackend
 from asyncoffload.transfer.completion import CopyLane
 
-__all__ = ["LoopTiers", "cost_model", "namespace_of", "open_tiers"]
+__all__ = ["LoopTiers", "cost_model", "namespace_of", "observe_prefill", "open_tiers"]
 
 log = logging.getLogger("asyncoffload")
 
@@ -379,6 +380,21 @@ def cost_model(cfg: EngineConfig) -> CostModel:
         model.recompute.tokens_per_s = cfg.recompute_tokens_per_s
         model.recompute.configured = True
     return model
+
+
+def observe_prefill(tiers: LoopTiers | None, tokens: int, seconds: float) -> None:
+    """``AsyncOffloadEngine.observe_prefill``: the serving engine computed ``tokens`` of
+    prompts in ``seconds``, its prefill throughput (an exponential average; ignored with
+    ``recompute_tokens_per_s`` set, or without tiers). ``ValueError`` for a negative
+    count or a time that is not a positive finite number."""
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+        raise ValueError(f"observe_prefill: tokens must be an int >= 0, got {tokens!r}")
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+        raise ValueError(f"observe_prefill: seconds must be a number, got {seconds!r}")
+    if not 0 < seconds < math.inf:
+        raise ValueError(f"observe_prefill: seconds must be > 0 and finite, got {seconds!r}")
+    if tiers is not None:
+        tiers.core.cost.recompute.observe(tokens, float(seconds))
 
 
 def open_tiers(

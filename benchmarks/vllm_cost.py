@@ -18,7 +18,7 @@ behaviour before issue 41). Reported per case: median and p90 TTFT of ours and o
 offloading, their ratio, the worst TTFT, outputs identical to round 0's, and the
 decisions (vLLM's ``asyncoffload_tier_*`` counters over the case).
 
-    .venv-vllm/bin/python benchmarks/vllm_cost.py [--requests 20] [--compare-off]
+    .venv-vllm/bin/python benchmarks/vllm_cost.py [--requests 20] [--compare-off [--off-first]]
         [--layers 4 --hidden 256] [--json out.json]
 """
 
@@ -113,6 +113,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=20, help="requests per case, each side")
     parser.add_argument("--slow-read-s", type=float, default=workload.SLOW_READ_S)
     parser.add_argument("--compare-off", action="store_true", help="also load_or_recompute off")
+    parser.add_argument(
+        "--off-first", action="store_true", help="with --compare-off: off runs first"
+    )
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--json", type=Path)
@@ -124,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = {"machine": platform.platform(), "requests": args.requests}
     with tempfile.TemporaryDirectory(prefix="vllm-cost-") as tmp:
         model = write_tiny_llama(Path(tmp) / "model", cfg)
-        for on in (True, False) if args.compare_off else (True,):
+        order = (False, True) if args.off_first else (True, False)
+        for on in order if args.compare_off else (True,):
             work = Path(tmp) / ("on" if on else "off")
             work.mkdir()
             name = "load_or_recompute on" if on else "load_or_recompute off"

@@ -323,3 +323,28 @@ def test_a_prefill_clock_times_steps_and_skips_idle_gaps() -> None:
     assert clock.step(0.2, 0, 5120.0) is None  # a decode step: nothing of a prefill
     assert clock.step(5.0, 512, 5120.0) is None  # idle for seconds, not a 0.1 s step
     assert clock.step(5.2, 1024, 5120.0) == pytest.approx((1024, 0.2))
+
+
+@needs_lanes
+async def test_a_recompute_rate_fed_by_the_serving_engine_drives_the_rule(tmp_path: Path) -> None:
+    """No rate configured: every promotion is taken (the tier's deadline only) until the
+    serving engine reports its prefill throughput; then a slow tier is declined."""
+    cfg = config(tmp_path, cpu_blocks=4, blocks=64, tokens_per_block=16)
+    async with engine(cfg) as eng:
+        prompts = await _on_disk(eng)
+        _cost(eng).probe_every_s = math.inf
+        for bad in ((-1, 1.0), (True, 1.0), (16, 0.0), (16, math.inf), (16, math.nan)):
+            with pytest.raises(ValueError, match="observe_prefill"):
+                eng.observe_prefill(*bad)
+        tier = eng.tiers[0]
+        assert isinstance(tier, DiskStore)
+        tier.pool.set_delay(0.05)
+        try:
+            assert await _serve(eng, prompts[:1]) == [PER_PROMPT]  # no rate: taken
+            eng.observe_prefill(16_000, 1.0)  # 1 ms a block
+            assert await _serve(eng, prompts[1:3]) == [0, 0]
+        finally:
+            tier.pool.set_delay(0)
+        stats = eng.stats().tiers[0]
+    assert stats.loaded == PER_PROMPT
+    assert stats.recomputed_by_choice == 2 * PER_PROMPT
