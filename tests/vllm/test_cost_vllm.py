@@ -167,14 +167,11 @@ def cost_run(run_vllm: RunVLLM, tmp_path: Path, valkey_server: Any) -> dict[str,
 def test_a_tier_never_makes_ttft_worse_than_no_offloading(cost_run: dict[str, Any]) -> None:
     result, where = cost_run["result"], cost_run["where"]
     assert result["rounds"][0]["settled"]  # every stored prompt is written through
-    medians = {}
     for case, rounds in where.items():
         ours, base = ttfts(result, rounds, "ours"), ttfts(result, rounds, "base")
-        medians[case] = (statistics.median(ours), statistics.median(base))
-        first, last = rounds[0][0], rounds[-1][0]
-        counts = decisions(result, last, first)
-        print(case, "ours", ours, "base", base, counts)
-        assert medians[case][0] <= (1 + TOL) * medians[case][1] + FLOOR_S, (case, ours, base)
+        counts = decisions(result, rounds[-1][0], rounds[0][0])
+        bound = (1 + TOL) * statistics.median(base) + FLOOR_S
+        assert statistics.median(ours) <= bound, (case, ours, base, counts)
         by_round = {r["round"]: r for r in result["requests"]}
         refs = [r for r in result["requests"] if r["round"] == 0]
         served = [by_round[i] for i, w in rounds if w == "ours"]
@@ -182,9 +179,8 @@ def test_a_tier_never_makes_ttft_worse_than_no_offloading(cost_run: dict[str, An
             ref = refs[CASES.index(case) * N + i]
             same, lp_diff = generation_diff(r, ref)
             assert same and lp_diff < LOGPROB_ATOL, (case, r["round"], lp_diff)
-        if case == "fast_disk":
-            assert counts["tier_loaded"] + counts["tier_recomputed_by_choice"] > 0
-            assert counts["tier_recomputed_after_deadline"] == 0
+        if case == "fast_disk":  # read (a read on a busy machine may overrun, and fall back)
+            assert counts["tier_loaded"] >= PROMPT_BLOCKS
         elif case == "slow_disk":
             assert counts["tier_loaded"] == 0
             assert counts["tier_recomputed_by_choice"] > 0
