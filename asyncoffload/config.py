@@ -176,6 +176,20 @@ class EngineConfig(BaseModel):
         "tenant's store evicts its own blocks, never another's; what does not fit is "
         "refused and counted. Each tier of tiers takes its own quotas.",
     )
+    load_or_recompute: bool = Field(
+        True,
+        description="Promote a block from a lower tier only when reading it is expected "
+        "to beat recomputing it, and fall back to recompute (a failed load) when a read "
+        "overruns a deadline derived from the recompute time (see docs/tiers.md, Load or "
+        "recompute). False: every promotion is taken, under the tier's own deadline.",
+    )
+    recompute_tokens_per_s: float | None = Field(
+        None,
+        gt=0,
+        description="Prefill throughput of the serving engine (tokens per second), the "
+        "recompute side of load_or_recompute; needs tokens_per_block. None: unknown, "
+        "every promotion is taken (under the tier's own deadline).",
+    )
     log_summary_s: float | None = Field(
         None,
         gt=0,
@@ -257,6 +271,11 @@ class EngineConfig(BaseModel):
                 )
         if self.rank >= self.world_size:
             raise ValueError(f"rank {self.rank} is outside world_size {self.world_size}")
+        if self.recompute_tokens_per_s is not None and self.tokens_per_block <= 0:
+            raise ValueError(
+                f"recompute_tokens_per_s={self.recompute_tokens_per_s} needs tokens_per_block "
+                "(the tokens of one KV block) to tell a block's recompute time"
+            )
         return self
 
     @model_validator(mode="after")

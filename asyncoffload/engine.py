@@ -36,7 +36,13 @@ from asyncoffload._sigint import InterruptsHeld
 from asyncoffload.config import EngineConfig
 from asyncoffload.copies import Copies, make_backend
 from asyncoffload.engine_binding import LoopBinding
-from asyncoffload.engine_tiers import LoopTiers, namespace_of, open_tiers
+from asyncoffload.engine_tiers import (
+    LoopTiers,
+    cost_model,
+    namespace_of,
+    observe_prefill,
+    open_tiers,
+)
 from asyncoffload.errors import CapacityError
 from asyncoffload.events import EventStream, EventSubscription
 from asyncoffload.handles import Transfer
@@ -127,6 +133,7 @@ class AsyncOffloadEngine(LoopBinding):
                 return alive is None or alive._forked
 
             self._tiers = LoopTiers(manager, stores, states, copies, backend, publish, forked)
+            self._tiers.core.cost = cost_model(cfg)  # load or recompute, by measured cost
             # A completed store goes on down; weakly, as the tiers hold the copies.
             write_through = weakref.WeakMethod(self._tiers.write_through)
 
@@ -242,6 +249,11 @@ class AsyncOffloadEngine(LoopBinding):
         self._check_usable()
         self._ensure_bridge()
         await self._copies.wait_idle(fail_orphans=False)
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        """The serving engine computed ``tokens`` of prompts in ``seconds``: the recompute
+        side of ``load_or_recompute`` (see :func:`asyncoffload.engine_tiers.observe_prefill`)."""
+        observe_prefill(self._tiers, tokens, seconds)
 
     def __del__(self) -> None:
         if getattr(self, "_closed", True) or getattr(self, "_forked", False):

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -35,11 +36,12 @@ from asyncoffload.tiers import ports
 from asyncoffload.tiers._io import keep_until_ended
 from asyncoffload.tiers.base import LowerTier
 from asyncoffload.tiers.core import (
+    CostedHierarchy,
+    CostModel,
     Delete,
     Exists,
     Promotion,
     Request,
-    TierHierarchy,
     TierIo,
     TierState,
     TierStats,
@@ -48,7 +50,7 @@ from asyncoffload.tiers.format import Namespace
 from asyncoffload.transfer import CompletionBridge, CopyJob, TransferBackend
 from asyncoffload.transfer.completion import CopyLane
 
-__all__ = ["LoopTiers", "namespace_of", "open_tiers"]
+__all__ = ["LoopTiers", "cost_model", "namespace_of", "observe_prefill", "open_tiers"]
 
 log = logging.getLogger("asyncoffload")
 
@@ -83,7 +85,7 @@ class LoopTiers:
         publish: Callable[[], None],
         forked: Callable[[], bool],
     ) -> None:
-        self.core = TierHierarchy(cpu, states)
+        self.core = CostedHierarchy(cpu, states)
         self._ports = dict(zip(self.core.tiers, stores))
         self._cpu = cpu
         self._copies = copies
@@ -181,7 +183,7 @@ class LoopTiers:
     # --- lookups ---------------------------------------------------------------------
 
     def lookup(self, keys: list[OffloadKey], n: int) -> int:
-        return self.core.lookup(keys, n)
+        return self.core.lookup(keys, n, now=self._now())  # load or recompute: core.cost
 
     async def ask(self, keys: list[OffloadKey], n: int, check: Callable[[], None]) -> None:
         """``alookup``'s questions: ask each shared tier about the keys after the first
@@ -263,8 +265,9 @@ class LoopTiers:
             load.handle,
             TransferError(
                 f"load of {len(load.handle.keys)} blocks: a lower tier read is still running "
-                f"{promotion.deadline - load.submitted:.1f}s after submission (the disk or "
-                "its mount is stalled); treat the blocks as misses and recompute"
+                f"{promotion.deadline - load.submitted:.3f}s after submission, past its "
+                "deadline (recomputing them is expected to be faster by now, or the tier is "
+                "stalled); treat the blocks as misses and recompute"
             ),
         )
 
@@ -366,6 +369,32 @@ def _slot_of(manager: CPUOffloadingManager, key: OffloadKey) -> int:
     block = manager.block_of(key)
     assert block is not None
     return block.block_id
+
+
+def cost_model(cfg: EngineConfig) -> CostModel:
+    """The load-or-recompute rule of an engine's tiers (``load_or_recompute``, with
+    ``recompute_tokens_per_s`` x ``tokens_per_block``; see ``tiers.core.cost``)."""
+    model = CostModel(enabled=cfg.load_or_recompute)
+    model.recompute.tokens_per_block = cfg.tokens_per_block
+    if cfg.recompute_tokens_per_s is not None:
+        model.recompute.tokens_per_s = cfg.recompute_tokens_per_s
+        model.recompute.configured = True
+    return model
+
+
+def observe_prefill(tiers: LoopTiers | None, tokens: int, seconds: float) -> None:
+    """``AsyncOffloadEngine.observe_prefill``: the serving engine computed ``tokens`` of
+    prompts in ``seconds``, its prefill throughput (an exponential average; ignored with
+    ``recompute_tokens_per_s`` set, or without tiers). ``ValueError`` for a negative
+    count or a time that is not a positive finite number."""
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+        raise ValueError(f"observe_prefill: tokens must be an int >= 0, got {tokens!r}")
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+        raise ValueError(f"observe_prefill: seconds must be a number, got {seconds!r}")
+    if not 0 < seconds < math.inf:
+        raise ValueError(f"observe_prefill: seconds must be > 0 and finite, got {seconds!r}")
+    if tiers is not None:
+        tiers.core.cost.recompute.observe(tokens, float(seconds))
 
 
 def open_tiers(

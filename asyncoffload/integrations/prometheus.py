@@ -144,6 +144,14 @@ _ENGINE_SPECS: tuple[_Spec, ...] = (
         "the CPU tier keeps them.",
     ),
     _Spec(_G, "tier_write_lag_seconds", _M, "EMA of a lower tier's write time in flight."),
+    _Spec(
+        _C,
+        "tier_load_decision_blocks",
+        ("medium", "decision"),
+        "Load or recompute: lower-tier blocks promoted (loaded), recomputed because reading "
+        "was expected to be slower (recomputed_by_choice), or recomputed because their read "
+        "overran its deadline (recomputed_after_deadline).",
+    ),
     _Spec(_G, "retention_pinned_blocks", _M, "Blocks held by retention pins now."),
     _Spec(_G, "retention_pin_limit_blocks", _M, "The most blocks pins may hold (pin_budget)."),
     _Spec(
@@ -287,6 +295,7 @@ def _tier_samples(s: EngineStats) -> dict[str, list[_Sample]]:
         "tier_dropped_blocks",
         "tier_write_shed_blocks",
         "tier_write_lag_seconds",
+        "tier_load_decision_blocks",
     )
     out: dict[str, list[_Sample]] = {name: [] for name in names}
     rows = out
@@ -315,6 +324,11 @@ def _tier_samples(s: EngineStats) -> dict[str, list[_Sample]]:
         out["tier_dropped_blocks"].append(((medium,), t.dropped))
         out["tier_write_shed_blocks"].append(((medium,), t.write_shed))
         out["tier_write_lag_seconds"].append(((medium,), t.write_lag_s))
+        out["tier_load_decision_blocks"] += [
+            ((medium, "loaded"), t.loaded),
+            ((medium, "recomputed_by_choice"), t.recomputed_by_choice),
+            ((medium, "recomputed_after_deadline"), t.recomputed_after_deadline),
+        ]
     return out
 
 

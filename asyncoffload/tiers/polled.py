@@ -33,12 +33,12 @@ from asyncoffload.keys import OffloadKey
 from asyncoffload.tiers import ports
 from asyncoffload.tiers.base import LowerTier
 from asyncoffload.tiers.core import (
+    CostedHierarchy,
     CpuIndex,
     Delete,
     Exists,
     Promotion,
     Request,
-    TierHierarchy,
     TierIo,
     TierState,
     TierStats,
@@ -68,7 +68,7 @@ class PolledTiers:
         *,
         wake_fd: int | None = None,
     ) -> None:
-        self.core = TierHierarchy(cpu, ports.tier_states(stores))
+        self.core = CostedHierarchy(cpu, ports.tier_states(stores))
         self.tiers = self.core.tiers
         self._ports = dict(zip(self.tiers, stores))
         self._stores = list(stores)

@@ -9,19 +9,31 @@ config) lists fault rules as JSON; each worker runs its jobs under the plan::
 A rule takes ``kind`` (``copy_error`` or ``submit_error``), ``direction``, ``nth`` (job
 numbers of that direction, from 1), ``rate`` and ``times``; see
 :class:`asyncoffload.transfer.faults.Fault`. A faulted job fails on both copy paths.
+
+``kv_connector_extra_config["tier_read_delay_file"]``: a path; each read of a disk tier
+(in the scheduler) then lasts at least the seconds the file holds when the read is
+submitted (a slow device, per read; a test writes the file between rounds).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
-from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingMetricMetadata, OffloadingWorker
+from vllm.v1.kv_offload.base import (
+    CanonicalKVCaches,
+    OffloadingManager,
+    OffloadingMetricMetadata,
+    OffloadingWorker,
+)
 from vllm.v1.kv_offload.config import OffloadingConfig
 
 from asyncoffload.integrations.vllm.spec import AsyncOffloadSpec
 from asyncoffload.integrations.vllm.worker import AsyncOffloadWorker
+from asyncoffload.tiers.disk import DiskStore
 from asyncoffload.transfer.faults import Fault, FaultPlan
 
 __all__ = ["FaultyAsyncOffloadSpec", "fault_plan"]
@@ -52,8 +64,41 @@ def fault_plan(rules: Sequence[Mapping[str, Any]], seed: int = 0) -> FaultPlan:
     return FaultPlan(*faults, seed=seed)
 
 
+_OURS = ("faults", "tier_read_delay_file")
+
+
 def _without_faults(extra: Mapping[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in extra.items() if k != "faults"}
+    return {k: v for k, v in extra.items() if k not in _OURS}
+
+
+class _SlowRead:
+    """A disk tier's read job that ends no sooner than ``until`` (a slow device)."""
+
+    def __init__(self, job: Any, until: float) -> None:
+        self._job = job
+        self._until = until
+
+    def query(self) -> bool:
+        return time.monotonic() >= self._until and bool(self._job.query())
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._job, name)
+
+
+def _slow_reads(store: Any, delay_file: Path) -> None:
+    """From now on each read of ``store`` lasts at least the seconds ``delay_file`` says
+    when it is submitted (none while it is absent or empty)."""
+    submit = store.submit_read
+
+    def slow(*args: Any, **kw: Any) -> Any:
+        job = submit(*args, **kw)
+        try:
+            delay = float(delay_file.read_text() or 0)
+        except (OSError, ValueError):
+            delay = 0.0
+        return _SlowRead(job, time.monotonic() + delay) if delay > 0 else job
+
+    store.submit_read = slow
 
 
 class FaultyAsyncOffloadSpec(AsyncOffloadSpec):
@@ -67,8 +112,22 @@ class FaultyAsyncOffloadSpec(AsyncOffloadSpec):
 
     def __init__(self, config: OffloadingConfig) -> None:
         self.fault_plan = fault_plan(config.extra_config.get("faults", ()))
+        delay_file = config.extra_config.get("tier_read_delay_file")
+        self.read_delay_file = Path(delay_file) if delay_file else None
         plain = dataclasses.replace(config, extra_config=_without_faults(config.extra_config))
         super().__init__(plain)
+
+    def get_manager(self) -> OffloadingManager:
+        """The manager; with ``tier_read_delay_file``, its disk tiers' reads take at
+        least the seconds that file holds when each is submitted."""
+        fresh = self._manager is None
+        manager = super().get_manager()
+        tiers = getattr(manager, "tiers", None)
+        if fresh and self.read_delay_file is not None and tiers is not None:
+            for store in tiers.stores:
+                if isinstance(store, DiskStore):
+                    _slow_reads(store, self.read_delay_file)
+        return manager
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         worker = super().get_worker(kv_caches)

@@ -24,6 +24,8 @@ ARGS.json (only ``model`` and ``rounds`` are required)::
       "dtype": "float32", "enforce_eager": true,
       "llm_kwargs": {},                        # any other vllm.LLM keyword arguments
       "kv_transfer_params": null,              # every round's requests carry these
+                                               # (a prompt dict's own override them)
+      "round_actions": {"3": {"before": [...], "after": [...]}},  # see below
       "env": {}                                # env vars set before vllm is imported
     }
 
@@ -62,6 +64,11 @@ written, loads and lower-tier write-through pinning slots, promotions) reads 0, 
 most ``settle_s`` seconds. Each request steps the scheduler, which takes the transfers
 that ended, and refreshes the gauge. A round's ``settled`` says whether it was reached;
 a test whose next round needs the tiers at rest asserts it.
+
+Round actions, in order, before or after a round (its index as a string):
+``{"reset_prefix_cache": true}`` (vLLM's prefix cache and the connector's CPU tier;
+lower tiers keep their blocks), ``{"write": PATH, "text": TEXT}``, ``{"signal": PID,
+"name": "SIGSTOP"}``, ``{"metrics": true}`` (a snapshot into the round's ``metrics``).
 
 On failure it writes ``{"ok": false, "error": ..., "traceback": ...}`` where it can, prints
 the error to stderr and exits 1. Block hashes (bytes) are written as hex.
@@ -298,6 +305,31 @@ def _settle(llm: Any, params: Any, max_s: float) -> tuple[bool, float]:
         time.sleep(0.05)
 
 
+def _act(llm: Any, actions: list[dict[str, Any]], record: dict[str, Any]) -> None:
+    """Run a round's actions (see the module docstring)."""
+    import signal
+
+    for action in actions:
+        if action.get("reset_prefix_cache"):
+            llm.reset_prefix_cache(reset_connector=True)
+        if "write" in action:
+            Path(action["write"]).write_text(str(action["text"]))
+        if "signal" in action:
+            os.kill(int(action["signal"]), getattr(signal, action["name"]))
+        if action.get("metrics"):
+            record["metrics"] = _metric_snapshot(llm)
+
+
+def _params_of(prompt: Any, params: Any) -> Any:
+    """A prompt's sampling parameters: ``params``, with its own kv_transfer_params."""
+    own = prompt.get("kv_transfer_params") if isinstance(prompt, dict) else None
+    if own is None:
+        return params
+    out = params.clone()
+    out.extra_args = {**(params.extra_args or {}), "kv_transfer_params": own}
+    return out
+
+
 def run(args: dict[str, Any]) -> dict[str, Any]:
     import vllm
     from vllm import SamplingParams
@@ -338,21 +370,26 @@ def run(args: dict[str, Any]) -> dict[str, Any]:
         tick = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
         rounds: list[dict[str, Any]] = []
         requests: list[dict[str, Any]] = []
+        actions = args.get("round_actions") or {}
         for r, prompts in enumerate(args["rounds"]):
             if sub is not None:
                 sub.set_round(r)
+            record: dict[str, Any] = {"index": r, "num_requests": len(prompts)}
+            _act(llm, actions.get(str(r), {}).get("before", []), record)
             t = time.perf_counter()
             outputs = llm.generate(
                 [
-                    dict(p) if isinstance(p, dict) else {"prompt_token_ids": list(p)}
+                    {k: v for k, v in p.items() if k != "kv_transfer_params"}
+                    if isinstance(p, dict)
+                    else {"prompt_token_ids": list(p)}
                     for p in prompts
                 ],
-                params,
+                [_params_of(p, params) for p in prompts],
                 use_tqdm=False,
             )
-            rounds.append(
-                {"index": r, "wall_s": time.perf_counter() - t, "num_requests": len(prompts)}
-            )
+            record["wall_s"] = time.perf_counter() - t
+            _act(llm, actions.get(str(r), {}).get("after", []), record)
+            rounds.append(record)
             for i, out in enumerate(outputs):
                 comp = out.outputs[0]
                 tops = [_top_logprobs(pos) for pos in (comp.logprobs or [])]

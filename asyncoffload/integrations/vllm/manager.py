@@ -18,6 +18,7 @@ builds vLLM's objects from that.
 # ruff: noqa: E402
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
@@ -102,6 +103,10 @@ TIER_WRITE_FAILURES = _OURS + "tier_write_failures"
 TIER_READ_FAILURES = _OURS + "tier_read_failures"
 TIER_SKIPPED = _OURS + "tier_skipped"
 TIER_READY_BLOCKS = _OURS + "tier_ready_blocks"
+# Load or recompute (tiers.core.cost), in blocks, with tiers only.
+TIER_LOADED = _OURS + "tier_loaded"
+TIER_RECOMPUTED_BY_CHOICE = _OURS + "tier_recomputed_by_choice"
+TIER_RECOMPUTED_AFTER_DEADLINE = _OURS + "tier_recomputed_after_deadline"
 # Retention pins of the CPU tier (kv_transfer_params' asyncoffload_retention).
 PINNED_BLOCKS = _OURS + "pinned_blocks"
 PINS_REFUSED = _OURS + "pins_refused"
@@ -205,6 +210,16 @@ def metric_definitions(
                     "not mapped yet, the tier full of blocks in flight."
                 ),
                 TIER_READY_BLOCKS: OffloadingGaugeMetadata("Loadable blocks in the lower tiers."),
+                TIER_LOADED: OffloadingCounterMetadata(
+                    "Blocks promoted from the lower tiers (promotions that ended well)."
+                ),
+                TIER_RECOMPUTED_BY_CHOICE: OffloadingCounterMetadata(
+                    "Lower-tier blocks recomputed because reading them was expected to be "
+                    "slower (load or recompute)."
+                ),
+                TIER_RECOMPUTED_AFTER_DEADLINE: OffloadingCounterMetadata(
+                    "Lower-tier blocks recomputed because their read overran its deadline."
+                ),
             }
         )
     if store_threshold >= 2:
@@ -408,7 +423,7 @@ class AsyncOffloadManager(OffloadingManager):
         self._tiers: SchedulerTiers | None = None
         #: The current lookup walk: a request id and the keys it looked up, in order.
         self._walk: tuple[object, dict[OurOffloadKey, None]] = (None, {})
-        self._tier_reported: tuple[int, ...] = (0, 0, 0, 0, 0)
+        self._tier_reported: tuple[int, ...] = (0,) * 8
         if tiers:
             from asyncoffload.integrations.vllm.tiers import SchedulerTiers
 
@@ -501,6 +516,9 @@ class AsyncOffloadManager(OffloadingManager):
             walk = self._walk = (req_id, {})
         if result is LookupResult.MISS:
             allow = _tier_filter(req_context)
+            later = functools.partial(_later, ours, req_context, _LOOKAHEAD)
+            if not tiers.worth(ours, later, allow):
+                return _MISS  # recomputing the run is expected to beat reading it
             protect = list(walk[1])
             if tiers.promote(ours, protect, allow, ctx=_tenant_ctx(req_context)):
                 result = LookupResult.HIT_PENDING
@@ -524,21 +542,14 @@ class AsyncOffloadManager(OffloadingManager):
         A lookahead promotion never evicts a key of the request (the CPU tier may be
         too small for its whole prefix: then fewer come up, as without lookahead).
         Stops at the first key that is in no tier (or not promotable: no CPU slot)."""
-        positions: Mapping[OurOffloadKey, int] | None = getattr(
-            req_context, "_offload_key_positions", None
-        )
         tiers = self._tiers
-        if not positions or tiers is None:
+        later = _later(key, req_context)
+        if not later or tiers is None:
             return
-        at = positions.get(key)
-        if at is None:
-            return
-        group = key[-4:]
-        later = sorted((pos, k) for k, pos in positions.items() if pos > at and k[-4:] == group)
-        held = [*protect, key, *(k for _, k in later)]
+        held = [*protect, key, *later]
         lookup = self._calls.lookup
         ctx = _tenant_ctx(req_context)
-        for _, nxt in later[:_LOOKAHEAD]:
+        for nxt in later[:_LOOKAHEAD]:
             missing = lookup(cast(OffloadKey, nxt), req_context) is LookupResult.MISS
             if missing and not tiers.promote(nxt, held, allow, ask=False, ctx=ctx):
                 return
@@ -564,6 +575,8 @@ class AsyncOffloadManager(OffloadingManager):
         self, keys: Collection[OffloadKey], req_context: ReqContext
     ) -> PrepareStoreOutput | None:
         self._tick()
+        if self._tiers is not None:
+            self._tiers.computed(len(keys))  # vLLM offers the chunks it just computed
         calls = self._calls
         opted_out = tenancy(req_context).no_store
         if opted_out and self.native:  # the C core knows no tenancy: nothing to store
@@ -662,6 +675,8 @@ class AsyncOffloadManager(OffloadingManager):
         return events
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        if self._tiers is not None:
+            self._tiers.step_ended()  # times the step before: vLLM's prefill throughput
         self._tick()  # submits the promotions this step's lookups found
 
     def has_pending_work(self) -> bool:
@@ -721,6 +736,9 @@ class AsyncOffloadManager(OffloadingManager):
                     for cause, n in t.failures.items()
                     if cause in ("no_slot", "no_pool", "full")
                 ),
+                sum(t.loaded for t in tier_stats),
+                sum(t.recomputed_by_choice for t in tier_stats),
+                sum(t.recomputed_after_deadline for t in tier_stats),
             )
             names = (
                 TIER_BLOCKS_WRITTEN,
@@ -728,6 +746,9 @@ class AsyncOffloadManager(OffloadingManager):
                 TIER_WRITE_FAILURES,
                 TIER_READ_FAILURES,
                 TIER_SKIPPED,
+                TIER_LOADED,
+                TIER_RECOMPUTED_BY_CHOICE,
+                TIER_RECOMPUTED_AFTER_DEADLINE,
             )
             for name, value, was in zip(names, totals, self._tier_reported):
                 if value - was:
@@ -738,6 +759,23 @@ class AsyncOffloadManager(OffloadingManager):
 
     def stats(self) -> ManagerStats:
         return self._manager.stats()
+
+
+def _later(
+    key: OurOffloadKey, req_context: ReqContext, most: int | None = None
+) -> list[OurOffloadKey]:
+    """The request's keys after ``key`` in its KV cache group, in order (vLLM names every
+    full block of a request with its position before it looks any up), the first
+    ``most`` of them; none without positions."""
+    positions: Mapping[OurOffloadKey, int] | None = getattr(
+        req_context, "_offload_key_positions", None
+    )
+    at = positions.get(key) if positions else None
+    if positions is None or at is None:
+        return []
+    group = key[-4:]
+    ranked = sorted((p, k) for k, p in positions.items() if p > at and k[-4:] == group)
+    return [k for _, k in ranked[:most]]
 
 
 def _tier_filter(req_context: ReqContext) -> Callable[[TierState], bool] | None:

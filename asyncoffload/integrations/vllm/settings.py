@@ -127,6 +127,18 @@ class VllmOffloadSettings(BaseModel):
     blocks_per_chunk: int | None = None
     offload_prompt_only: bool = True
     self_describing_kv_events: bool = False
+    load_or_recompute: bool = Field(
+        True,
+        description="With tiers: promote blocks from a lower tier only when reading them "
+        "is expected to beat recomputing them, and recompute those whose read overruns "
+        "a deadline derived from the recompute time (docs/vllm.md, Load or recompute).",
+    )
+    recompute_tokens_per_s: float | None = Field(
+        None,
+        gt=0,
+        description="vLLM's prefill throughput (tokens per second) for load_or_recompute; "
+        "None: measured from the scheduler's own steps.",
+    )
     sync_load_budget_bytes: int = Field(
         0,
         ge=0,

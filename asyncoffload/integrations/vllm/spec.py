@@ -159,6 +159,11 @@ class AsyncOffloadSpec(OffloadingSpec):
                 pin_budget=s.pin_budget,
                 quotas=resolve_quotas(s.quotas, self.num_chunks, self.chunk_bytes, "quotas"),
             )
+            if self._manager.tiers is not None:  # load or recompute, by measured cost
+                tokens = self.tokens_per_hash * self.blocks_per_chunk
+                self._manager.tiers.configure_cost(
+                    s.load_or_recompute, tokens, s.recompute_tokens_per_s
+                )
         return self._manager
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:

@@ -59,6 +59,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from asyncoffload.integrations.vllm.host_pools import HostPools, host_pool_path
+from asyncoffload.integrations.vllm.steps import PrefillClock
 from asyncoffload.keys import OffloadKey
 from asyncoffload.manager import CPUOffloadingManager, ReqContext
 from asyncoffload.tiers import ports
@@ -101,6 +102,9 @@ class SchedulerTiers(PolledTiers):
         self.num_slots = num_slots
         self.slot_bytes = slot_bytes
         super().__init__(cpu, stores, self.pools.address, wake_fd=None)  # vLLM polls
+        #: Load or recompute: vLLM's steps, timed, and the chunks of the current one.
+        self._clock = PrefillClock()
+        self._computed = 0
         self.connect()
 
     # --- the shared host pool -------------------------------------------------------
@@ -146,6 +150,49 @@ class SchedulerTiers(PolledTiers):
         if core.io_due:
             self.flush()
         return pending
+
+    def worth(
+        self,
+        key: OffloadKey,
+        later: Callable[[], Sequence[OffloadKey]],
+        allow: Callable[[TierState], bool] | None = None,
+    ) -> bool:
+        """Load or recompute (``tiers.core.cost``): whether the run of lower-tier blocks
+        from ``key`` (absent from the CPU tier) through ``later()`` (the request's next
+        keys, asked for only when a lower tier has ``key``) is worth promoting; False
+        counts them ``recomputed_by_choice``, and the caller answers ``MISS`` (vLLM
+        recomputes from there)."""
+        core = self.core
+        if core.source(key, allow) is None:
+            return True
+        return core.worth([key, *later()], time.monotonic(), allow)
+
+    def configure_cost(
+        self, enabled: bool, tokens_per_block: int, tokens_per_s: float | None
+    ) -> None:
+        """The load-or-recompute rule: on or off, the tokens of one block, and vLLM's
+        prefill throughput if configured (None: measured from its steps, see
+        :meth:`observe_prefill`)."""
+        cost = self.core.cost
+        cost.enabled = enabled
+        cost.recompute.tokens_per_block = tokens_per_block
+        if tokens_per_s is not None:
+            cost.recompute.tokens_per_s = tokens_per_s
+            cost.recompute.configured = True
+
+    def computed(self, chunks: int) -> None:
+        """vLLM offered ``chunks`` it computed in the step scheduled last (its stores of
+        newly computed chunks are prepared as the step is scheduled)."""
+        self._computed += chunks
+
+    def step_ended(self) -> None:
+        """vLLM schedules its next step: the step before ran since the last call, and
+        computed the chunks counted since (``steps.PrefillClock``)."""
+        recompute = self.core.cost.recompute
+        tokens, self._computed = self._computed * recompute.tokens_per_block, 0
+        step = self._clock.step(time.monotonic(), tokens, recompute.tokens_per_s)
+        if step is not None:
+            recompute.observe(*step)
 
     def waits_for_slot(self, key: OffloadKey) -> bool:
         """Whether ``key`` waits for a CPU slot that tier I/O of ours holds (see

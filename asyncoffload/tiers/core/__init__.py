@@ -4,6 +4,7 @@ results. It imports no I/O module (asyncio, time, os, threads, sockets, the back
 the transfer stack): import-linter holds it to that, indirect imports included."""
 
 from asyncoffload.tiers.core.backpressure import Backpressure, WritePressure
+from asyncoffload.tiers.core.cost import CostedHierarchy, CostModel, ReadModel, RecomputeModel
 from asyncoffload.tiers.core.hierarchy import MAX_BATCH, REAP_S, STALL_GRACE_S, TierHierarchy
 from asyncoffload.tiers.core.requests import (
     Delete,
@@ -35,6 +36,8 @@ __all__ = [
     "REAP_S",
     "STALL_GRACE_S",
     "Backpressure",
+    "CostModel",
+    "CostedHierarchy",
     "CpuIndex",
     "Delete",
     "Exists",
@@ -42,6 +45,8 @@ __all__ = [
     "Outcome",
     "Promotion",
     "Questions",
+    "ReadModel",
+    "RecomputeModel",
     "Request",
     "TierCounters",
     "TierHierarchy",

@@ -720,6 +720,9 @@ def _stats(tier: TierState, info: Callable[[TierState], dict[str, object]] | Non
         write_lag_s=tier.pressure.lag_s,
         write_queued=tier.pressure.queued,
         pins=m.pins.stats(),
+        loaded=c.loaded,
+        recomputed_by_choice=c.recomputed_by_choice,
+        recomputed_after_deadline=c.recomputed_after_deadline,
     )
 
 

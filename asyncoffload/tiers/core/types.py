@@ -162,6 +162,11 @@ class TierCounters:
     write_shed: int = 0
     #: Failures by cause ("corrupt", "stale", "missing", "short", "timeout", "ENOSPC", ...).
     failures: dict[str, int] = field(default_factory=dict)
+    #: Load or recompute (``core.cost``): blocks promoted, and blocks recomputed instead,
+    #: by choice or after a read overran its deadline.
+    loaded: int = 0
+    recomputed_by_choice: int = 0
+    recomputed_after_deadline: int = 0
 
 
 @dataclass(frozen=True)
@@ -208,6 +213,17 @@ class TierStats:
     write_queued: int = 0
     #: The tier's retention pins (``asyncoffload.manager.pins``).
     pins: PinStats | None = None
+    #: Load or recompute (``asyncoffload.tiers.core.cost``), in blocks: promoted
+    #: (promotions that ended well), recomputed because reading them was expected to be
+    #: slower (the lookup stopped before them), and recomputed because their read
+    #: overran its deadline (the promotion failed, the request did not).
+    loaded: int = 0
+    recomputed_by_choice: int = 0
+    recomputed_after_deadline: int = 0
+    #: The tier's read model as measured (None before its first read): the per-read
+    #: latency (s) and the bandwidth (B/s; ``inf``: no size dependence measured).
+    read_latency_s: float | None = None
+    read_bytes_per_s: float | None = None
 
 
 _CAUSES = {
