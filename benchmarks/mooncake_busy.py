@@ -58,9 +58,10 @@ from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any
 
-from disk_busy import BridgeReader, Reader, Row, measure, now_ns, percentile, run_on, table
+# This tree first (tests/, for the master; and its asyncoffload, which disk_busy imports).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the master
+from disk_busy import BridgeReader, Reader, Row, measure, now_ns, percentile, run_on, table
 
 from asyncoffload.tiers._mooncake import (
     OP_EXISTS,
