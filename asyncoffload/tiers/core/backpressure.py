@@ -21,9 +21,8 @@ longer (a stalled disk has no write that ends). What it decides, per offer
   ``MISSED_S``, the tier's queued writes pin ``write_pin_share`` of its slots and the
   lag passed ``PINNING_LAG`` of ``write_lag_s`` (5 ms at the default): only blocks
   offered before (a block stored, or asked for, again) are written; first offers are
-  shed. The value is the offer
-  count, as a frequency admission's: a block that comes back is worth more than one
-  seen once, whatever order they came in;
+  shed. The value is the offer count, as a frequency admission's: a block that comes
+  back is worth more than one seen once, whatever order they came in;
 - **full**: as the second case of lagging, with twice ``write_pin_share`` of the CPU
   slots pinned: every new block is shed until writes end.
 
