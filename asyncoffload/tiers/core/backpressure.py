@@ -43,12 +43,10 @@ import math
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from asyncoffload.keys import OffloadKey
-
-if TYPE_CHECKING:
-    from asyncoffload.tiers.core.requests import TierIo, TierState
+from asyncoffload.tiers.core.types import TierCounters, TierIndex
 
 __all__ = [
     "CALM",
@@ -126,6 +124,26 @@ class CpuRoom(Protocol):
 
     num_blocks: int
     no_room: int
+
+
+class TierState(Protocol):
+    """What backpressure reads of a tier (a ``requests.TierState``, which holds it)."""
+
+    name: str
+    index: TierIndex
+    counters: TierCounters
+
+
+class TierIo(Protocol):
+    """What backpressure reads of a request handed out (a ``requests.TierIo``)."""
+
+    write: bool
+    keys: list[OffloadKey]
+    seq: int
+    sent: float
+
+    @property
+    def tier(self) -> TierState: ...
 
 
 class WritePressure:
