@@ -52,8 +52,8 @@ import asyncoffload as ao
 from asyncoffload.demo import DemoConfig, run_demo
 from asyncoffload.demo import run as demo_run
 from asyncoffload.keys import OffloadKey
-from asyncoffload.tiers.core import Backpressure, TierIo, TierState, WritePressure
-from asyncoffload.tiers.core.backpressure import CpuRoom
+from asyncoffload.tiers.core import Backpressure, WritePressure
+from asyncoffload.tiers.core.backpressure import CpuRoom, TierIo, TierState
 from asyncoffload.tiers.disk import DiskStore
 
 MIB = 1 << 20

@@ -21,9 +21,8 @@ longer (a stalled disk has no write that ends). What it decides, per offer
   ``MISSED_S``, the tier's queued writes pin ``write_pin_share`` of its slots and the
   lag passed ``PINNING_LAG`` of ``write_lag_s`` (5 ms at the default): only blocks
   offered before (a block stored, or asked for, again) are written; first offers are
-  shed. The value is the offer
-  count, as a frequency admission's: a block that comes back is worth more than one
-  seen once, whatever order they came in;
+  shed. The value is the offer count, as a frequency admission's: a block that comes
+  back is worth more than one seen once, whatever order they came in;
 - **full**: as the second case of lagging, with twice ``write_pin_share`` of the CPU
   slots pinned: every new block is shed until writes end.
 
@@ -44,12 +43,10 @@ import math
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from asyncoffload.keys import OffloadKey
-
-if TYPE_CHECKING:
-    from asyncoffload.tiers.core.requests import TierIo, TierState
+from asyncoffload.tiers.core.types import TierCounters, TierIndex
 
 __all__ = [
     "CALM",
@@ -127,6 +124,26 @@ class CpuRoom(Protocol):
 
     num_blocks: int
     no_room: int
+
+
+class TierState(Protocol):
+    """What backpressure reads of a tier (a ``requests.TierState``, which holds it)."""
+
+    name: str
+    index: TierIndex
+    counters: TierCounters
+
+
+class TierIo(Protocol):
+    """What backpressure reads of a request handed out (a ``requests.TierIo``)."""
+
+    write: bool
+    keys: list[OffloadKey]
+    seq: int
+    sent: float
+
+    @property
+    def tier(self) -> TierState: ...
 
 
 class WritePressure:

@@ -13,7 +13,8 @@ of them, once, for every driver: the engine on its event loop
   tier I/O holds (:meth:`~TierHierarchy.wait_for_slot`);
 - write-through, its admission and the re-offer of stored keys
   (:meth:`~TierHierarchy.write_through`, :meth:`~TierHierarchy.reoffer`,
-  :meth:`~TierHierarchy.write_done`);
+  :meth:`~TierHierarchy.write_done`), and its backpressure: a tier whose writes lag
+  sheds new write-through (``core.backpressure``, each tier's ``TierState.pressure``);
 - what the shared tiers are asked and what their answers mean, negative answers and
   down windows included (:attr:`~TierHierarchy.questions`, ``core.shared``);
 - drops, failure causes, counters, throttled logs, stats and per-tier events.
