@@ -150,6 +150,29 @@ def test_writes_pinning_a_share_of_the_cpu_tier_shed_by_value_then_all() -> None
     assert written(write(core, [key(9)], 0.5)) == [key(9)]
 
 
+def test_one_offer_never_pins_past_twice_the_share_while_the_cpu_tier_misses_slots() -> None:
+    # 16 CPU slots, write_pin_share 0.25: at most 8 pinned by writes. One write 100 ms
+    # old (lagging PINNING_LAG, below the share: calm), then a request's 12 blocks at
+    # once: 7 go (8 queued), the rest shed; with no slot missed, all would go.
+    cpu, core, disk = setup(cpu_blocks=16, write_pin_share=0.25)
+    refuse_a_store(cpu)
+    write(core, [key(0)], 0.0)
+    write(core, [key(1)], 0.1)  # hands out key(1) at 0.1: the first write is 100 ms old
+    burst = [key(i) for i in range(2, 14)]
+    assert disk.pressure.queued == 2
+    ios = write(core, burst, 0.1)
+    assert written(ios) == burst[:6] and disk.pressure.queued == 8
+    assert disk.counters.write_shed == 6
+    # Blocks offered again go before those offered once.
+    cpu, core, disk = setup(cpu_blocks=16, write_pin_share=0.25)
+    refuse_a_store(cpu)
+    write(core, [key(0)], 0.0)
+    write(core, [key(1)], 0.1)
+    disk.pressure.admit(disk, [key(15)], cpu)  # an earlier offer of key(15), not written
+    ios = write(core, [key(i) for i in range(2, 16)], 0.1)
+    assert set(written(ios)) == {key(2), key(3), key(4), key(5), key(6), key(15)}
+
+
 def test_writes_pinning_slots_the_cpu_tier_does_not_miss_are_not_shed() -> None:
     cpu, core, disk = setup(cpu_blocks=16, write_pin_share=0.25)
     keys = [key(i) for i in range(16)]

@@ -24,7 +24,10 @@ longer (a stalled disk has no write that ends). What it decides, per offer
   shed. The value is the offer count, as a frequency admission's: a block that comes
   back is worth more than one seen once, whatever order they came in;
 - **full**: as the second case of lagging, with twice ``write_pin_share`` of the CPU
-  slots pinned: every new block is shed until writes end.
+  slots pinned: every new block is shed until writes end. While the CPU tier missed
+  slots lately and writes lag ``PINNING_LAG``, one offer (a request's blocks, offered
+  at once) never takes the queued writes past that either, at any level: the excess is
+  shed, the blocks offered most kept, then in offer order.
 
 A tier with no write in flight is calm (the next offer probes it: a lag EMA can only
 fall by writes that end). Shed blocks count in ``TierStats.write_shed`` (and the
@@ -225,6 +228,20 @@ class WritePressure:
             return LAGGING
         return CALM
 
+    def _room(self, cpu: CpuRoom) -> int | None:
+        """While the CPU tier missed slots lately and writes lag ``PINNING_LAG``: how many
+        more blocks the tier's writes may pin (twice ``write_pin_share`` of the CPU
+        tier's slots, less those queued); ``None``: no bound now."""
+        settings = self.settings
+        cap = settings.write_pin_share * cpu.num_blocks
+        if (
+            cap <= 0
+            or self._now - self._missed_at > MISSED_S
+            or self.lag < settings.write_lag_s * PINNING_LAG
+        ):
+            return None
+        return max(0, int(2 * cap) - self.queued)
+
     def admit(self, tier: TierState, keys: Sequence[OffloadKey], cpu: CpuRoom) -> list[OffloadKey]:
         """The keys of an offer to ``tier`` that go on to its admission; the others are
         shed (counted, and their offer counted by the tier's admission). Keys the tier
@@ -240,10 +257,20 @@ class WritePressure:
         while len(counts) > OFFER_KEYS:
             counts.popitem(last=False)
         level = self.level(cpu)
-        if level == CALM or not new:
+        if not new:
             return keys
         # FULL: every new block; LAGGING: first offers go first.
-        shed = set(new) if level == FULL else {key for key in new if counts.get(key, 0) < 2}
+        if level == CALM:
+            shed: set[OffloadKey] = set()
+        else:
+            shed = set(new) if level == FULL else {key for key in new if counts.get(key, 0) < 2}
+        room = self._room(cpu)
+        if room is not None:
+            # One offer never takes the writes past twice the share while the CPU tier
+            # misses slots: the most offered go, then in offer order (a prefix first).
+            kept = [key for key in new if key not in shed]
+            if len(kept) > room:
+                shed.update(sorted(kept, key=lambda k: -counts.get(k, 0))[room:])
         if not shed:
             return keys
         self.shed += len(shed)
