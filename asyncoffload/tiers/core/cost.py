@@ -196,19 +196,35 @@ def run_by_tier(
     """Blocks per tier of the run of ``keys`` a promotion would bring up: each key ready
     in the CPU tier is passed over, each absent there counts for the highest tier (of
     those ``allow`` accepts) that has it ready; the run ends at a key in neither."""
+    return _walk(core, keys, allow)[0]
+
+
+def _walk(
+    core: TierHierarchy,
+    keys: Sequence[OffloadKey],
+    allow: Callable[[TierState], bool] | None = None,
+) -> tuple[dict[TierState, int], int, int]:
+    """:func:`run_by_tier`'s blocks per tier, with the number of keys the run spans and
+    the index of its first key absent from the CPU tier (that number if none is)."""
     get = core.cpu.block_of
     out: dict[TierState, int] = {}
-    for key in keys:
+    first = -1
+    end = len(keys)
+    for i, key in enumerate(keys):
         block = get(key)
         if block is not None:
             if block.ref_cnt < 0:
+                end = i
                 break
             continue
         tier = core.source(key, allow)
         if tier is None:
+            end = i
             break
         out[tier] = out.get(tier, 0) + 1
-    return out
+        if first < 0:
+            first = i
+    return out, end, end if first < 0 else first
 
 
 class CostedHierarchy(TierHierarchy):
@@ -241,12 +257,14 @@ class CostedHierarchy(TierHierarchy):
         from a lower tier when recomputing the run beats reading it."""
         if now is None or not count:
             return super().lookup(keys, n, count=count)
-        end = super().lookup(keys, n, count=False)
-        run = run_by_tier(self, keys[n:end])
+        # One walk: the run's blocks per tier decide; taken, each counts as its tier's
+        # lookup hit, as the plain lookup counts them.
+        run, end, first = _walk(self, keys[n:])
         if run and not self.cost.worth(run, now):
-            get = self.cpu.block_of
-            return next(i for i in range(n, end) if get(keys[i]) is None)
-        return super().lookup(keys, n, count=True)
+            return n + first
+        for tier, blocks in run.items():
+            tier.counters.lookup_hits += blocks
+        return n + end
 
     def take_io(self, now: float, *, batched: bool = True) -> list[Request]:
         out = super().take_io(now, batched=batched)
