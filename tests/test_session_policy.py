@@ -18,6 +18,7 @@ from asyncoffload.keys import OffloadKey
 from asyncoffload.manager import ReqContext
 from asyncoffload.manager.policies import SessionPolicy, get_policy_cls
 from asyncoffload.manager.policies.session import WARM_GAPS
+from asyncoffload.replay.manager import serve_request
 
 
 def keys(prefix: str, n: int) -> list[OffloadKey]:
@@ -45,16 +46,7 @@ def manager(
 def by_prefix(m: ao.CPUOffloadingManager, ks: Sequence[OffloadKey], ctx: ReqContext) -> int:
     """The engine's calls for one request: lookup_prefix, load and touch the hits, touch
     and store the rest."""
-    n = m.lookup_prefix(ks, ctx)
-    if n:
-        m.prepare_load(ks[:n], ctx)
-        m.touch(ks[:n], ctx)
-        m.complete_load(ks[:n], ctx)
-    m.touch(ks[n:], ctx)
-    out = m.prepare_store(ks[n:], ctx)
-    if out is not None and out.keys_to_store:
-        m.complete_store(out.keys_to_store, ctx)
-    return n
+    return serve_request(m, ks, ctx=ctx)
 
 
 def key_by_key(m: ao.CPUOffloadingManager, ks: Sequence[OffloadKey], ctx: ReqContext) -> int:
@@ -62,15 +54,7 @@ def key_by_key(m: ao.CPUOffloadingManager, ks: Sequence[OffloadKey], ctx: ReqCon
     n = 0
     while n < len(ks) and m.lookup(ks[n], ctx) is ao.LookupResult.HIT:
         n += 1
-    if n:
-        m.prepare_load(ks[:n], ctx)
-        m.touch(ks[:n], ctx)
-        m.complete_load(ks[:n], ctx)
-    m.touch(ks[n:], ctx)
-    out = m.prepare_store(ks[n:], ctx)
-    if out is not None and out.keys_to_store:
-        m.complete_store(out.keys_to_store, ctx)
-    return n
+    return serve_request(m, ks, n, ctx)
 
 
 def request_scoped(m: ao.CPUOffloadingManager, ks: Sequence[OffloadKey], ctx: ReqContext) -> int:

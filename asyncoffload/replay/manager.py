@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from asyncoffload.keys import OffloadKey
-from asyncoffload.manager import CPUOffloadingManager
+from asyncoffload.manager import CPUOffloadingManager, ReqContext
 from asyncoffload.manager.admission import AdmissionFilter
 from asyncoffload.manager.policies import CachePolicy
 from asyncoffload.replay.result import (
@@ -29,24 +29,28 @@ DISK_ADMISSION = "frequency2"
 
 
 def serve_request(
-    manager: CPUOffloadingManager, keys: Sequence[OffloadKey], n: int | None = None
+    manager: CPUOffloadingManager,
+    keys: Sequence[OffloadKey],
+    n: int | None = None,
+    ctx: ReqContext | None = None,
 ) -> int:
     """One request through ``manager`` as the engine serves it (its default
     touch_on_load and touch_on_store), the way :func:`replay` does: look up the prefix
     (unless ``n``, its hits, is given), load and touch the hits, touch the rest, store
-    it. Returns the prefix hits. The replay's own loop makes the same calls inline."""
+    it, every call with the request's ``ctx``. Returns the prefix hits. The replay's own
+    loop makes the same calls inline."""
     if n is None:
-        n = manager.lookup_prefix(keys)
+        n = manager.lookup_prefix(keys, ctx)
     if n:
         hits = keys[:n]
-        manager.prepare_load(hits)
-        manager.touch(hits)
-        manager.complete_load(hits)
+        manager.prepare_load(hits, ctx)
+        manager.touch(hits, ctx)
+        manager.complete_load(hits, ctx)
     if n < len(keys):
-        manager.touch(keys[n:])
-    out = manager.prepare_store(keys[n:])
+        manager.touch(keys[n:], ctx)
+    out = manager.prepare_store(keys[n:], ctx)
     if out is not None and out.keys_to_store:
-        manager.complete_store(out.keys_to_store)
+        manager.complete_store(out.keys_to_store, ctx)
     return n
 
 
