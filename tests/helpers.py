@@ -15,6 +15,16 @@ from asyncoffload.tiers.base import TierManager
 from asyncoffload.transfer.base import host_bytes
 
 
+class FakeClock:
+    """Seconds a test moves by hand (``now``): the clock of a policy or a pin table."""
+
+    def __init__(self, now: float = 0.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def make_keys(n: int, prefix: bytes = b"k", group: int = 0) -> list[ao.OffloadKey]:
     return [ao.make_offload_key(prefix + i.to_bytes(8, "big"), group) for i in range(n)]
 

@@ -14,22 +14,14 @@ import asyncoffload as ao
 from asyncoffload.manager import CPUOffloadingManager, ReqContext, available_policies
 from asyncoffload.manager.retention import Retention
 from asyncoffload.tiers.disk import DiskTier
-from tests.helpers import make_keys, tier_index
+from tests.helpers import FakeClock, make_keys, tier_index
 from tests.test_tiers import SLOT, keys, kv_caches
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def manager(
     n: int, policy: str = "lru", quotas: dict[str, int] | None = None
-) -> tuple[CPUOffloadingManager, Clock]:
-    clock = Clock()
+) -> tuple[CPUOffloadingManager, FakeClock]:
+    clock = FakeClock(100.0)
     m = CPUOffloadingManager(n, policy, pin_budget=1.0, clock=clock, quotas=quotas)
     return m, clock
 

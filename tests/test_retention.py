@@ -12,21 +12,13 @@ import pytest
 import asyncoffload as ao
 from asyncoffload.manager import CPUOffloadingManager, ReqContext, available_policies
 from asyncoffload.manager.retention import MAX_TTL_S, Retention
-from tests.helpers import make_keys
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.helpers import FakeClock, make_keys
 
 
 def manager(
     n: int = 8, policy: str = "lru", budget: float = 0.5
-) -> tuple[CPUOffloadingManager, Clock]:
-    clock = Clock()
+) -> tuple[CPUOffloadingManager, FakeClock]:
+    clock = FakeClock(100.0)
     return CPUOffloadingManager(n, policy, pin_budget=budget, clock=clock), clock
 
 
@@ -217,7 +209,7 @@ def test_pins_expiry_and_release_publish_events_after_the_store() -> None:
 def test_an_event_sink_gets_no_pin_events() -> None:
     got: list[tuple[list[ao.OffloadKey], bool]] = []
     m = CPUOffloadingManager(
-        8, event_sink=lambda keys, removed: got.append((keys, removed)), clock=Clock()
+        8, event_sink=lambda keys, removed: got.append((keys, removed)), clock=FakeClock(100.0)
     )
     serve(m, make_keys(2), hinted())
     assert got == [(make_keys(2), False)]
@@ -353,7 +345,7 @@ def test_an_unknown_class_is_an_error_naming_the_classes() -> None:
 @pytest.mark.parametrize("budget", [0, -0.1, 1.01, math.nan, True, "0.5"])
 def test_a_pin_budget_outside_0_1_is_an_error_naming_it(budget: object) -> None:
     with pytest.raises(ValueError, match=r"pin_budget must be a share of the tier in \(0, 1\]"):
-        CPUOffloadingManager(8, pin_budget=budget, clock=Clock())  # type: ignore[arg-type]
+        CPUOffloadingManager(8, pin_budget=budget, clock=FakeClock(100.0))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"EngineConfig\.pin_budget must be a share"):
         ao.EngineConfig(cpu_blocks=8, pin_budget=budget)
     with pytest.raises(ValueError, match=r"DiskTier\.pin_budget must be a share"):

@@ -19,6 +19,7 @@ from asyncoffload.manager import ReqContext
 from asyncoffload.manager.policies import SessionPolicy, get_policy_cls
 from asyncoffload.manager.policies.session import WARM_GAPS
 from asyncoffload.replay.manager import serve_request
+from tests.helpers import FakeClock
 
 
 def keys(prefix: str, n: int) -> list[OffloadKey]:
@@ -26,18 +27,8 @@ def keys(prefix: str, n: int) -> list[OffloadKey]:
     return [ao.make_offload_key(f"{prefix}{i}".encode().ljust(8, b".")) for i in range(n)]
 
 
-class Clock:
-    """A fake clock the tests move by hand."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def manager(
-    capacity: int, clock: Clock, request_scoped: bool = False, **kw: Any
+    capacity: int, clock: FakeClock, request_scoped: bool = False, **kw: Any
 ) -> ao.CPUOffloadingManager:
     policy = SessionPolicy(capacity, clock=clock, **kw)
     return ao.CPUOffloadingManager(capacity, policy, request_scoped=request_scoped)
@@ -95,7 +86,7 @@ def present(m: ao.CPUOffloadingManager, ks: Sequence[OffloadKey]) -> list[bool]:
 
 @pytest.mark.parametrize(("serve", "scoped"), PATTERNS)
 def test_a_session_loses_its_tail_first(serve: Serve, scoped: bool) -> None:
-    clock = Clock()
+    clock = FakeClock()
     m = manager(8, clock, scoped)
     a = keys("a", 6)
     serve(m, a[:4], ctx())  # turn 1
@@ -128,7 +119,7 @@ def test_lru_would_cut_the_same_session_from_its_head() -> None:
 
 @pytest.mark.parametrize(("serve", "scoped"), PATTERNS)
 def test_a_session_due_soon_is_kept_over_one_idle_past_its_gap(serve: Serve, scoped: bool) -> None:
-    clock = Clock()
+    clock = FakeClock()
     m = manager(10, clock, scoped)
     a, b = keys("a", 4), keys("b", 4)
     # A runs long tools: one turn a minute. B answers every 5 s.
@@ -161,7 +152,7 @@ def test_lru_would_evict_the_session_due_soon() -> None:
 
 @pytest.mark.parametrize("via", ["field", "kv_transfer_params"])
 def test_a_named_session_is_one_session_whatever_its_blocks(via: str) -> None:
-    clock = Clock()
+    clock = FakeClock()
     m = manager(16, clock)
 
     def named() -> ReqContext:
@@ -181,7 +172,7 @@ def test_a_named_session_is_one_session_whatever_its_blocks(via: str) -> None:
 
 
 def test_a_turn_is_found_by_its_prefix_when_unnamed() -> None:
-    clock = Clock()
+    clock = FakeClock()
     m = manager(16, clock)
     a = keys("a", 8)
     by_prefix(m, a[:3], ctx())
@@ -199,7 +190,7 @@ def test_a_turn_is_found_by_its_prefix_when_unnamed() -> None:
 # --- admission ---------------------------------------------------------------------------
 
 
-def warm(m: ao.CPUOffloadingManager, clock: Clock) -> None:
+def warm(m: ao.CPUOffloadingManager, clock: FakeClock) -> None:
     """Measure WARM_GAPS gaps of a named one-block session, 10 s apart."""
     w = keys("w", 1)
     for i in range(WARM_GAPS + 1):
@@ -208,7 +199,7 @@ def warm(m: ao.CPUOffloadingManager, clock: Clock) -> None:
 
 
 def test_a_session_never_pushes_out_its_own_prefix_for_its_tail() -> None:
-    clock = Clock()
+    clock = FakeClock()
     m = manager(8, clock)
     warm(m, clock)
     a = keys("a", 10)
@@ -232,7 +223,7 @@ def test_lru_evicts_the_prefix_end_to_store_blocks_behind_it() -> None:
 
 
 def test_admission_waits_for_measured_gaps_and_can_be_switched_off() -> None:
-    clock = Clock()
+    clock = FakeClock()
     cold = manager(8, clock)
     a = keys("a", 10)
     by_prefix(cold, a[:6], ctx())
@@ -249,7 +240,7 @@ def test_admission_waits_for_measured_gaps_and_can_be_switched_off() -> None:
 
 
 def test_a_clock_that_goes_back_counts_no_negative_gap() -> None:
-    clock = Clock()
+    clock = FakeClock()
     m = manager(8, clock)
     a = keys("a", 3)
     clock.now = 100.0
@@ -297,7 +288,7 @@ def test_a_clock_that_gives_no_number_is_named_and_changes_nothing() -> None:
 @pytest.mark.parametrize("bad", ["", 7, b"s1"])
 @pytest.mark.parametrize("via", ["field", "kv_transfer_params"])
 def test_a_bad_session_name_is_named_and_changes_nothing(bad: Any, via: str) -> None:
-    clock = Clock()
+    clock = FakeClock()
     m = manager(8, clock)
     a = keys("a", 3)
     by_prefix(m, a[:2], ctx())
@@ -322,7 +313,7 @@ def test_keys_that_are_not_bytes_are_refused() -> None:
 
 def test_registered_and_bounded_in_sessions() -> None:
     assert get_policy_cls("session") is SessionPolicy
-    clock = Clock()
+    clock = FakeClock()
     m = manager(4, clock, max_sessions=8)
     for i in range(40):  # one-turn sessions, each its own
         clock.now = float(i)
@@ -336,7 +327,7 @@ def test_registered_and_bounded_in_sessions() -> None:
 def test_a_new_session_is_never_the_one_forgotten() -> None:
     """With every other session holding blocks, the limit forgets none rather than the
     session just made: its blocks must stay evictable (and listed)."""
-    clock = Clock()
+    clock = FakeClock()
     m = manager(6, clock, max_sessions=2)
     for i in range(5):
         clock.now = float(i)
@@ -353,7 +344,7 @@ def test_a_new_session_is_never_the_one_forgotten() -> None:
 def test_a_block_two_sessions_use_is_shared_and_kept_while_used() -> None:
     """A system prompt used by every session must not go with the session that used
     it last: it leaves for the shared queue, ranked by its own last use."""
-    clock = Clock()
+    clock = FakeClock()
     m = manager(12, clock)
     system = keys("sys", 2)
     a = system + keys("a", 3)

@@ -14,15 +14,8 @@ from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 from asyncoffload.integrations.vllm import AsyncOffloadManager, AsyncOffloadSpec
 from asyncoffload.manager import CPUOffloadingManager
 from asyncoffload.manager.retention import RETENTION_PARAM, Retention, retention_from_params
+from tests.helpers import FakeClock
 from tests.vllm.test_spec import _caches, _config, _extra, _keys, _spec, _worker
-
-
-class _Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def _manager(**settings: Any) -> AsyncOffloadManager:
@@ -61,7 +54,7 @@ def test_a_hinted_requests_blocks_outlive_a_flood_until_their_ttl() -> None:
     assert isinstance(manager, AsyncOffloadManager) and not manager.native
     inner = manager.manager
     assert isinstance(inner, CPUOffloadingManager)
-    clock = inner.pins.clock = _Clock()
+    clock = inner.pins.clock = FakeClock(1000.0)
     kept = _keys("a", "b")
     _serve(manager, _hinted("r", {"ttl_s": 30}), kept)
     flood = _keys(*(f"f{i}" for i in range(3 * inner.num_blocks)))
@@ -83,7 +76,7 @@ def test_a_load_of_a_hinted_request_refreshes_the_pin() -> None:
     manager = _manager(pin_budget=0.5)
     inner = manager.manager
     assert isinstance(inner, CPUOffloadingManager)
-    clock = inner.pins.clock = _Clock()
+    clock = inner.pins.clock = FakeClock(1000.0)
     kept = _keys("a", "b")
     _serve(manager, _hinted("r0", {"ttl_s": 30}), kept)
     clock.now += 20
