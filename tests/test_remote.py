@@ -22,6 +22,7 @@ from asyncoffload.tiers import remote
 from asyncoffload.tiers.format import HEADER_BYTES, Namespace, pack_block, pack_header
 from asyncoffload.tiers.remote import RemoteJob, RemoteStore, RemoteTier
 from tests.helpers import tier_index
+from tests.hostile_resp import wait_until
 
 redis = pytest.importorskip("redis", reason="the remote tier's tests need redis-py")
 
@@ -608,16 +609,17 @@ async def test_a_cancelled_job_ends_only_after_its_native_packing(
     async with ao.AsyncOffloadEngine(kv_caches(), config(valkey_server.url)) as eng:
         tier = eng.tiers[0]
         assert isinstance(tier, RemoteStore)
-        tier._io.set_delay(0.3)  # each native op sleeps first
+        tier._io.set_delay(1.0)  # each native op sleeps first
         host = [eng._backend.host_address(i) for i in range(2)]
         job = tier.submit_write(keys(2), [0, 1], host)
         assert isinstance(job, RemoteJob) and job.task is not None
-        await asyncio.sleep(0.1)  # packing has started
+        # (Not a fixed sleep: the write's task opens its connections first.)
+        await wait_until(lambda: bool(job.natives), "the write's native packing to start")
         job.task.cancel()
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(0.05)
         assert not job.query()  # cancelled, still waiting for the native threads
-        await asyncio.sleep(0.8)
-        assert job.query() and job.results == [-errno.ECANCELED] * 2
+        await wait_until(job.query, "the cancelled job to end once its packing ended")
+        assert job.results == [-errno.ECANCELED] * 2
         tier._io.set_delay(0)
 
 
