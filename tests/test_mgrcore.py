@@ -398,13 +398,13 @@ def test_kv_serving_sequences_decide_alike(kv_native: bool) -> None:
     """Long serving-like runs: every run rebuilds the table several times, and most
     runs see the admission decline blocks."""
     declining = 0
-    for seed in range(2000, 2010):
+    for seed in range(2000, 2006):
         scenario = ServingScenario(seed, kv_native=kv_native)
         for _ in range(3000):
             scenario.step()
         assert scenario.rebuilds >= 5, seed
         declining += scenario.pair.native.stats().store_skipped > 0
-    assert declining >= 7
+    assert declining >= 4
 
 
 # --- corner cases, each named ------------------------------------------------------------

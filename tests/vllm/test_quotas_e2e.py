@@ -78,8 +78,10 @@ def _check_flood(runs: dict[str, dict[str, Any]]) -> None:
     calm = [0] + [served] * (STEADY_ROUNDS - 1)
     # The steady salt's hits are the same with the flood as without it.
     assert _steady_hits(runs["flood"], flood=True) == calm
-    # Without quotas the same flood takes the steady salt's blocks (the test can fail).
-    assert _steady_hits(runs["flood-no-quota"], flood=True) != calm
+    # Without quotas the same flood takes the steady salt's blocks (the test can fail;
+    # that run is in `make test-long`).
+    if "flood-no-quota" in runs:
+        assert _steady_hits(runs["flood-no-quota"], flood=True) != calm
     # The flood's refusals are counted; nothing opted out.
     metrics = runs["flood"]["metrics"]
     assert metrics["vllm:asyncoffload_blocks_quota_refused"] > 0
@@ -101,15 +103,13 @@ def _run(run_vllm: RunVLLM, name: str, flood: bool, quotas: bool) -> dict[str, A
 
 @pytest.mark.timeout(VLLM_TIMEOUT)
 def test_two_cache_salts_a_flood_leaves_the_steady_salt_its_hits(run_vllm: RunVLLM) -> None:
-    _check_flood(
-        {
-            "flood": _run(run_vllm, "flood", flood=True, quotas=True),
-            "flood-no-quota": _run(run_vllm, "flood-no-quota", flood=True, quotas=False),
-        }
-    )
+    _check_flood({"flood": _run(run_vllm, "flood", flood=True, quotas=True)})
 
 
-@pytest.mark.long  # a third vLLM run: the calm baseline measured (`make test-long`)
+# `make test-long`: the same flood without quotas (it takes the steady salt's blocks:
+# the check above can fail) and the calm baseline measured, two more vLLM runs (the
+# budget of `make test-vllm`).
+@pytest.mark.long
 @pytest.mark.timeout(VLLM_TIMEOUT)
 def test_the_steady_salt_alone_is_served_as_beside_the_capped_flood(run_vllm: RunVLLM) -> None:
     _check_flood(
