@@ -321,6 +321,7 @@ class LoopTiers:
         with InterruptsHeld():
             try:
                 self.core.write_done(io, ports.outcome(job, len(io.keys)), self._now())
+                self._carry(self.core.take_io(self._now(), batched=False))  # writes waiting
             finally:
                 self._publish()
         self._arm()

@@ -7,7 +7,8 @@ a second (each write job ends once the real one did and an emulated device, one 
 after the other, wrote its blocks: a slow or busy disk; reads keep their speed), its
 CPU tier far smaller than the working set. Each policy runs the same requests (same
 seed), ``--repeat`` times; a run without the disk tier is the baseline. Per policy: the
-hit rate (median of the runs), the blocks shed, the stores the CPU tier refused and the
+hit rate (median of the runs), the blocks shed, the blocks whose waiting write gave its
+CPU slots back (``yielded``), the stores the CPU tier refused and the
 promotions refused for want of a CPU slot (a lagging tier's writes pin CPU slots), and
 the blocks written.
 
@@ -82,8 +83,16 @@ class EmaDrop(WritePressure):
         self.pressure = False
         self.updated = 0.0
 
+    def due(self, cpu: CpuRoom, now: float) -> list[TierIo]:
+        """Every write is handed out at once (vLLM holds none back)."""
+        self._now = max(self._now, now)
+        out = list(self.waiting)
+        self.waiting.clear()
+        return out
+
     def ended(self, io: TierIo, now: float) -> None:
         self.queued = max(0, self.queued - len(io.keys))
+        self.flying = max(0, self.flying - len(io.keys))
         s_per_mib = max(0.0, now - io.sent) / (len(io.keys) * self.block_bytes / MIB)
         self._now = max(self._now, now)
         if len(self.samples) < self.warmup:
@@ -193,7 +202,7 @@ def demo_config(args: argparse.Namespace, disk: Path | None, seed: int) -> DemoC
 async def one(args: argparse.Namespace, policy: str, seed: int) -> dict[str, Any]:
     if policy == "no disk":
         report = await run_demo(demo_config(args, None, seed), progress=False)
-        return {"hit_rate": report.hit_rate, "shed": 0, "written": 0,
+        return {"hit_rate": report.hit_rate, "shed": 0, "yielded": 0, "written": 0,
                 "stores_rejected": report.stores_rejected,
                 "promotions_refused": report.promotions_refused}  # fmt: skip
     path = Path(tempfile.mkdtemp(prefix="bp-bench-"))
@@ -209,6 +218,7 @@ async def one(args: argparse.Namespace, policy: str, seed: int) -> dict[str, Any
     return {
         "hit_rate": report.hit_rate,
         "shed": disk.write_shed,
+        "yielded": disk.write_yielded,
         "written": disk.blocks_written,
         "stores_rejected": report.stores_rejected,
         "promotions_refused": report.promotions_refused,
@@ -244,7 +254,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.cpu_blocks} blocks, disk writes {args.write_rate:.0f} blocks/s; medians of "
         f"{args.repeat} runs"
     )
-    head = f"{'policy':9} {'hit rate':>9} {'shed':>7} {'written':>8} {'stores refused':>15} "
+    head = f"{'policy':9} {'hit rate':>9} {'shed':>7} {'yielded':>8} {'written':>8} "
+    head += f"{'stores refused':>15} "
     head += f"{'promotions refused':>19}"
     print(head)
     print("-" * len(head))
@@ -254,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
             return float(statistics.median(r[k] for r in rows))
 
         print(
-            f"{policy:9} {med('hit_rate'):9.3f} {med('shed'):7.0f} {med('written'):8.0f} "
+            f"{policy:9} {med('hit_rate'):9.3f} {med('shed'):7.0f} {med('yielded'):8.0f} "
+            f"{med('written'):8.0f} "
             f"{med('stores_rejected'):15.0f} {med('promotions_refused'):19.0f}"
         )
     if args.json:

@@ -267,7 +267,11 @@ def test_a_stopped_helper_bounds_flush_and_aclose_by_timeout_s(stopped: dict[str
     exit stops it), and the CPU slots the writes pinned come back."""
     t = stopped["timeout_s"]
     assert stopped["flush_s"] < t + 2.0
-    assert stopped["failures"] == {"timeout": 8}
+    # The first write in flight times out; those waiting behind it (the tier's writes
+    # lag: a window at a time) fail at once once the tier is known down.
+    failures = stopped["failures"]
+    assert failures.get("timeout", 0) >= 1 and sum(failures.values()) == 8, failures
+    assert set(failures) <= {"timeout", "unavailable"}, failures
     assert stopped["cpu_pinned"] == 0 and stopped["helper_gone"]
     assert stopped["aclose_s"] < 2.0  # nothing left to wait for
     # Nothing pending: aclose waits timeout_s for the helper's exit, then kills it.
@@ -283,7 +287,10 @@ def test_a_stopped_storage_node_fails_writes_by_their_deadline(stopped: dict[str
     # By the deadline (timeout), or sooner where Mooncake itself gave up on the transfer
     # (TRANSFER_FAIL: EIO): either way within timeout_s, not 60 s.
     failures = stopped["node_failures"]
-    assert sum(failures.values()) == 4 and set(failures) <= {"timeout", "EIO"}, failures
+    # (Writes that waited behind the first, the tier's writes lagging, fail at once once
+    # the tier is known down: unavailable.)
+    assert sum(failures.values()) == 4, failures
+    assert set(failures) <= {"timeout", "EIO", "unavailable"}, failures
     assert stopped["node_cpu_pinned"] == 0
     assert stopped["node_aclose_s"] < t + 2.0
 

@@ -32,7 +32,8 @@ _COUNTERS = {
     "store_failed_blocks", "lookups", "lookup_blocks", "lookup_hit_blocks",
     "events_published", "events_dropped", "tier_lookup_hit_blocks", "tier_io_bytes",
     "tier_failed_blocks", "tier_dropped_blocks", "retention_pins", "quota_refused_blocks",
-    "opted_out_blocks", "tier_write_shed_blocks", "tier_load_decision_blocks",
+    "opted_out_blocks", "tier_write_shed_blocks", "tier_write_yielded_blocks",
+    "tier_load_decision_blocks",
 }  # fmt: skip
 _GAUGES = {
     "tier_capacity_blocks", "tier_blocks", "transfers_in_flight", "event_subscribers",
@@ -173,6 +174,7 @@ def _expected(
             put("tier_failed_blocks_total", n, medium=medium, cause=cause)
         put("tier_dropped_blocks_total", t.dropped, medium=medium)
         put("tier_write_shed_blocks_total", t.write_shed, medium=medium)
+        put("tier_write_yielded_blocks_total", t.write_yielded, medium=medium)
         put("tier_write_lag_seconds", t.write_lag_s, medium=medium)
         for decision in ("loaded", "recomputed_by_choice", "recomputed_after_deadline"):
             put(

@@ -174,7 +174,7 @@ def test_a_slot_wait_ends_with_the_io_it_waited_for_or_its_deadline() -> None:
     (first,) = of(TierIo, core.take_io(0.0))
     assert core.promote_key(key(1), 0.0)  # waits for the first write
     core.write_through([key(9)])
-    (second,) = of(TierIo, core.take_io(0.1))
+    (second,) = of(TierIo, core.take_io(0.001))  # (1 ms in flight: nothing waits)
     core.write_done(first, ok(first), 0.2)
     # What it waited for ended, still no slot: a miss (the later write is not waited for).
     assert not core.promote_key(key(1), 0.3)

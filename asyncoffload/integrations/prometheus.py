@@ -143,6 +143,13 @@ _ENGINE_SPECS: tuple[_Spec, ...] = (
         "Blocks of write-through a lower tier shed while its writes lagged (backpressure); "
         "the CPU tier keeps them.",
     ),
+    _Spec(
+        _C,
+        "tier_write_yielded_blocks",
+        _M,
+        "Blocks whose write-through waited behind a lower tier's lagging writes and gave "
+        "its CPU slots back, unwritten, to a CPU store or promotion short of a slot.",
+    ),
     _Spec(_G, "tier_write_lag_seconds", _M, "EMA of a lower tier's write time in flight."),
     _Spec(
         _C,
@@ -294,6 +301,7 @@ def _tier_samples(s: EngineStats) -> dict[str, list[_Sample]]:
         "tier_failed_blocks",
         "tier_dropped_blocks",
         "tier_write_shed_blocks",
+        "tier_write_yielded_blocks",
         "tier_write_lag_seconds",
         "tier_load_decision_blocks",
     )
@@ -323,6 +331,7 @@ def _tier_samples(s: EngineStats) -> dict[str, list[_Sample]]:
         ]
         out["tier_dropped_blocks"].append(((medium,), t.dropped))
         out["tier_write_shed_blocks"].append(((medium,), t.write_shed))
+        out["tier_write_yielded_blocks"].append(((medium,), t.write_yielded))
         out["tier_write_lag_seconds"].append(((medium,), t.write_lag_s))
         out["tier_load_decision_blocks"] += [
             ((medium, "loaded"), t.loaded),

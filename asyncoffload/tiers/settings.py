@@ -73,12 +73,15 @@ class TierSettings(BaseModel):
         gt=0,
         le=1,
         allow_inf_nan=False,
-        description="The share of the CPU tier's slots, in (0, 1], that the tier's queued "
-        "writes may pin, once they lag 1/200 of write_lag_s and the CPU tier missed a slot, "
-        "before first offers are shed; at twice it, every new block is shed.",
+        description="The share of the CPU tier's slots, in (0, 1], that the tier's writes "
+        "may pin in flight once they lag 1/200 of write_lag_s (the rest waits unpinned, as "
+        "much again at most), and that its queued writes may reach while the CPU tier "
+        "misses slots before first offers are shed; at twice it, every new block is shed.",
     )
     backpressure: bool = Field(
-        True, description="Shed write-through while the tier's writes lag (False: never)."
+        True,
+        description="Shed, and hold back, write-through while the tier's writes lag "
+        "(False: never).",
     )
 
     #: Fields the constructor takes positionally, in order.

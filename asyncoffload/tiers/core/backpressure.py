@@ -8,32 +8,44 @@ tier on a busy machine: 41 % hit rate against 64 % without the tier). So each ti
 measures its write lag, and past a bound new write-through to it is shed and counted,
 never the CPU tier's own stores.
 
-What a tier measures (:class:`WritePressure`): the blocks it was handed to write and
-has not finished (``queued``: the CPU slots its write-through pins now), and how long a
-write takes (:attr:`~WritePressure.lag`): the EMA of a write's time in flight, handed
-out to ended (``lag_s``), or the age of the oldest write still in flight if that is
-longer (a stalled disk has no write that ends). What it decides, per offer
-(:meth:`WritePressure.admit`), in three levels:
+What a tier measures (:class:`WritePressure`): the blocks taken to write and not
+finished (``queued``: handed out, their CPU slots pinned, ``flying``; or waiting in the
+core, see below), and how long a write takes (:attr:`~WritePressure.lag`): the EMA of
+a write's time in flight, handed out to ended (``lag_s``), or the age of the oldest
+write still in flight if that is longer (a stalled disk has no write that ends). What
+it decides, per offer (:meth:`WritePressure.admit`), in three levels:
 
 - **calm**: every block offered goes to the tier's admission, as without backpressure;
 - **lagging**: the lag passed ``write_lag_s`` (the EMA is calm again below half of
   it); or the CPU tier refused a store or a promotion for want of a slot in the last
-  ``MISSED_S``, the tier's queued writes pin ``write_pin_share`` of its slots and the
+  ``MISSED_S``, the tier's queued writes reach ``write_pin_share`` of its slots and the
   lag passed ``PINNING_LAG`` of ``write_lag_s`` (5 ms at the default): only blocks
   offered before (a block stored, or asked for, again) are written; first offers are
   shed. The value is the offer count, as a frequency admission's: a block that comes
   back is worth more than one seen once, whatever order they came in;
 - **full**: as the second case of lagging, with twice ``write_pin_share`` of the CPU
-  slots pinned: every new block is shed until writes end. While the CPU tier missed
-  slots lately and writes lag ``PINNING_LAG``, one offer (a request's blocks, offered
-  at once) never takes the queued writes past that either, at any level: the excess is
-  shed, the blocks offered most kept, then in offer order.
+  slots queued: every new block is shed until writes end.
+
+**A lagging tier's writes wait, unpinned.** A write pins its blocks' CPU slots only
+once it is handed out (:meth:`WritePressure.due`). While the tier's writes lag
+``PINNING_LAG`` of ``write_lag_s``, the blocks in flight stay within a window of
+``write_pin_share`` of the CPU tier's slots (at least one block: a write is cut where
+the window ends); the rest waits in the core, in order, pinning nothing. At most a
+window's worth of blocks waits, and while the CPU tier missed slots lately at most
+twice the window is queued in all: an offer's excess is shed, the blocks offered most
+kept, then in offer order. The CPU tier evicts meanwhile as it would with no tier
+below: a waiting block it evicted is not written (``write_yielded``; its slot below is
+freed), the others are pinned where they are when their write is handed out. A fast
+tier's writes never wait: all are handed out, and pinned, at once. (Issue 41: pinned
+while they waited, a slow disk's writes cost the demo's CPU tier 0.03-0.05 of its hit
+rate, shedding notwithstanding; a frequency-aware policy could not evict the blocks
+being written, seen once, and evicted blocks worth more.)
 
 A tier with no write in flight is calm (the next offer probes it: a lag EMA can only
 fall by writes that end). Shed blocks count in ``TierStats.write_shed`` (and the
 Prometheus family ``asyncoffload_tier_write_shed_blocks``), their offer counts for the
 tier's own admission (``count_offers``), and one warning per tier at most every
-``WARN_EVERY_S`` says how many were shed and why.
+``WARN_EVERY_S`` says how many were shed and why, and how many waited in vain.
 
 Sans-I/O like the rest of the core: the driver's ``now`` comes in through
 ``TierHierarchy.take_io`` (:meth:`sent`) and ``write_done`` (:meth:`ended`).
@@ -41,14 +53,16 @@ Sans-I/O like the rest of the core: the driver's ``now`` comes in through
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from asyncoffload.keys import OffloadKey
+from asyncoffload.manager.base import BlockStatus, CPULoadStoreSpec, ReqContext
 from asyncoffload.tiers.core.types import TierCounters, TierIndex
 
 __all__ = [
@@ -62,6 +76,7 @@ __all__ = [
     "Backpressure",
     "CpuRoom",
     "WritePressure",
+    "drop_waiting",
 ]
 
 log = logging.getLogger("asyncoffload")
@@ -91,9 +106,11 @@ class Backpressure:
 
     ``write_lag_s``: the EMA of a write's time in flight past which the tier lags
     (calm again below half). ``write_pin_share``: the share of the CPU tier's slots, in
-    (0, 1], that the tier's queued writes may pin, once they lag ``PINNING_LAG`` of
-    ``write_lag_s``, before first offers are shed (twice it: every block).
-    ``backpressure=False``: nothing is shed, every offer goes to the tier's admission."""
+    (0, 1], that the tier's writes may pin in flight once they lag ``PINNING_LAG`` of
+    ``write_lag_s`` (the rest waits, unpinned, as much again at most), and that its
+    queued writes may reach while the CPU tier misses slots before first offers are
+    shed (twice it: every block). ``backpressure=False``: nothing is shed and nothing
+    waits, every offer goes to the tier's admission and is written at once."""
 
     write_lag_s: float = 1.0
     write_pin_share: float = 0.1
@@ -123,10 +140,15 @@ class Backpressure:
 
 class CpuRoom(Protocol):
     """What backpressure reads of the CPU tier's index: its slots (0: not counted), and
-    how many stores and promotions it refused for want of one."""
+    how many stores and promotions it refused for want of one; and where the blocks of
+    a write handed out are (pinned then)."""
 
     num_blocks: int
     no_room: int
+
+    def block_of(self, key: OffloadKey) -> BlockStatus | None: ...
+
+    def pin(self, keys: Sequence[OffloadKey]) -> CPULoadStoreSpec: ...
 
 
 class TierState(Protocol):
@@ -135,6 +157,7 @@ class TierState(Protocol):
     name: str
     index: TierIndex
     counters: TierCounters
+    pressure: WritePressure
 
 
 class TierIo(Protocol):
@@ -142,6 +165,9 @@ class TierIo(Protocol):
 
     write: bool
     keys: list[OffloadKey]
+    tier_slots: list[int]
+    cpu_slots: list[int]
+    ctx: ReqContext | None
     seq: int
     sent: float
 
@@ -155,14 +181,19 @@ class WritePressure:
 
     def __init__(self, settings: Backpressure | None = None) -> None:
         self.settings = settings or Backpressure()
-        #: Blocks handed out to write and not ended: the CPU slots they pin.
+        #: Blocks taken to write and not ended: handed out (``flying``: their CPU slots
+        #: pinned) or waiting (``waiting``, oldest first: see the module docstring).
         self.queued = 0
+        self.flying = 0
+        self.waiting: deque[TierIo] = deque()
         #: EMA of a write's time in flight (seconds); 0 before the first ended.
         self.lag_s = 0.0
         self.lagging = False
         #: Blocks shed, all told, and since the last warning (by level).
         self.shed = 0
         self._unwarned = [0, 0, 0]
+        #: Blocks given back (:func:`give_back`) since the last warning.
+        self.unwarned_given = 0
         self._warned_at: float | None = None
         self._offers: OrderedDict[OffloadKey, int] = OrderedDict()
         #: When each write in flight was handed out, oldest first; the latest time seen.
@@ -174,16 +205,83 @@ class WritePressure:
 
     # --- what the tier does -----------------------------------------------------------
 
+    def wait(self, io: TierIo) -> None:
+        """A write was taken (nothing pinned yet): it waits for :meth:`due`."""
+        self.waiting.append(io)
+        self.queued += len(io.keys)
+
+    def _window(self, cpu: CpuRoom) -> float | None:
+        """The blocks that may be in flight now (``write_pin_share`` of the CPU tier's
+        slots while the writes lag ``PINNING_LAG``), or None: no bound."""
+        settings = self.settings
+        window = settings.write_pin_share * cpu.num_blocks
+        if not settings.backpressure or window <= 0:
+            return None
+        return None if self.lag < settings.write_lag_s * PINNING_LAG else window
+
+    def due(self, cpu: CpuRoom, now: float) -> list[TierIo]:
+        """The waiting writes to hand out at ``now``, their blocks pinned where they are
+        in the CPU tier (those it evicted meanwhile are not written): all of them, or,
+        while the tier's writes lag, as many blocks as keep those in flight within the
+        window (:meth:`_window`; at least one block), a write cut where it ends."""
+        self._now = max(self._now, now)
+        waiting = self.waiting
+        for io in reversed(waiting):  # the writes taken since: waiting from now on
+            if io.sent:
+                break
+            io.sent = now
+        out: list[TierIo] = []
+        window = self._window(cpu) if waiting else None
+        flying = self.flying
+        while waiting:
+            io = waiting[0]
+            take = len(io.keys)
+            if window is not None:
+                take = min(take, max(0 if flying else 1, int(window) - flying))
+                if take == 0:
+                    break
+            if take < len(io.keys):  # the rest stays at the head
+                io = copy.copy(io)
+                io.keys, io.tier_slots = io.keys[:take], io.tier_slots[:take]
+                rest = waiting[0]
+                rest.keys, rest.tier_slots = rest.keys[take:], rest.tier_slots[take:]
+            else:
+                waiting.popleft()
+            if self._pin(io, cpu):
+                out.append(io)
+                flying += len(io.keys)
+        return out
+
+    def _pin(self, io: TierIo, cpu: CpuRoom) -> bool:
+        """Pin ``io``'s blocks that the CPU tier still has ready (in their slots now); the
+        others leave it, their tier slots freed. False if none is left."""
+        get = cpu.block_of
+        kept = [(k, s) for k, s in zip(io.keys, io.tier_slots) if (b := get(k)) and b.ref_cnt >= 0]
+        if len(kept) < len(io.keys):
+            left = {k for k, _ in kept}
+            gone = [k for k in io.keys if k not in left]
+            self.queued = max(0, self.queued - len(gone))
+            self.unwarned_given += len(gone)
+            tier = io.tier
+            tier.counters.write_yielded += len(gone)
+            tier.index.complete_store(gone, io.ctx, success=False)
+            if not kept:
+                return False
+            io.keys, io.tier_slots = [k for k, _ in kept], [s for _, s in kept]
+        io.cpu_slots = list(cpu.pin(io.keys).block_ids)
+        return True
+
     def sent(self, io: TierIo, now: float) -> None:
         """``io`` was handed out at ``now``."""
         io.sent = self._now = now
         if io.write:
-            self.queued += len(io.keys)
+            self.flying += len(io.keys)
             self._writes[io.seq] = now
 
     def ended(self, io: TierIo, now: float) -> None:
         """A write handed out ended at ``now``: its time in flight feeds the EMA."""
         self.queued = max(0, self.queued - len(io.keys))
+        self.flying = max(0, self.flying - len(io.keys))
         self._writes.pop(io.seq, None)
         self._now = max(self._now, now)
         took = max(0.0, now - io.sent)
@@ -193,7 +291,7 @@ class WritePressure:
             self.lagging = True
         elif self.lag_s < lag / 2:
             self.lagging = False
-        if any(self._unwarned):
+        if any(self._unwarned) or self.unwarned_given:
             self._warn(io.tier, now)
 
     # --- the rule ---------------------------------------------------------------------
@@ -201,8 +299,11 @@ class WritePressure:
     @property
     def lag(self) -> float:
         """How long the tier's writes take: the EMA of those that ended, or the age of
-        the oldest still in flight (at the latest time seen) if that is longer."""
+        the oldest still in flight, or of the oldest waiting (since it was first seen
+        waiting), at the latest time seen, if that is longer."""
         oldest = next(iter(self._writes.values()), self._now)
+        if self.waiting and self.waiting[0].sent:
+            oldest = min(oldest, self.waiting[0].sent)
         return max(self.lag_s, self._now - oldest)
 
     def level(self, cpu: CpuRoom) -> int:
@@ -229,18 +330,13 @@ class WritePressure:
         return CALM
 
     def _room(self, cpu: CpuRoom) -> int | None:
-        """While the CPU tier missed slots lately and writes lag ``PINNING_LAG``: how many
-        more blocks the tier's writes may pin (twice ``write_pin_share`` of the CPU
-        tier's slots, less those queued); ``None``: no bound now."""
-        settings = self.settings
-        cap = settings.write_pin_share * cpu.num_blocks
-        if (
-            cap <= 0
-            or self._now - self._missed_at > MISSED_S
-            or self.lag < settings.write_lag_s * PINNING_LAG
-        ):
+        """While the CPU tier missed slots lately and the writes lag ``PINNING_LAG``: how
+        many more blocks may be queued (twice ``write_pin_share`` of the CPU tier's
+        slots, less those queued); ``None``: no bound now."""
+        window = self._window(cpu)
+        if window is None or self.queued == 0 or self._now - self._missed_at > MISSED_S:
             return None
-        return max(0, int(2 * cap) - self.queued)
+        return max(0, int(2 * window) - self.queued)
 
     def admit(self, tier: TierState, keys: Sequence[OffloadKey], cpu: CpuRoom) -> list[OffloadKey]:
         """The keys of an offer to ``tier`` that go on to its admission; the others are
@@ -266,8 +362,8 @@ class WritePressure:
             shed = set(new) if level == FULL else {key for key in new if counts.get(key, 0) < 2}
         room = self._room(cpu)
         if room is not None:
-            # One offer never takes the writes past twice the share while the CPU tier
-            # misses slots: the most offered go, then in offer order (a prefix first).
+            # A lagging tier's backlog is bounded (see _room): the most offered go, then
+            # in offer order (a prefix first).
             kept = [key for key in new if key not in shed]
             if len(kept) > room:
                 shed.update(sorted(kept, key=lambda k: -counts.get(k, 0))[room:])
@@ -283,16 +379,31 @@ class WritePressure:
         if self._warned_at is not None and now - self._warned_at < WARN_EVERY_S:
             return
         self._warned_at = now
-        _, lagging, full = self._unwarned
+        calm, lagging, full = self._unwarned
+        given, self.unwarned_given = self.unwarned_given, 0
         self._unwarned = [0, 0, 0]
         log.warning(
             "tier %s: write-through lags (a write takes %.3fs on average, %d blocks queued): "
             "%d first-offered blocks shed, %d blocks shed with %d%%+ of the CPU tier's slots "
-            "pinned by its writes; the CPU tier's stores are unaffected",
+            "pinned by its writes, %d waiting blocks left unwritten for the CPU tier's "
+            "stores and promotions; the CPU tier's stores are unaffected",
             tier.name,
             self.lag_s,
             self.queued,
-            lagging,
+            calm + lagging,
             full,
             round(200 * self.settings.write_pin_share),
+            given,
         )
+
+
+def drop_waiting(tiers: Sequence[TierState]) -> None:
+    """Closing: the writes still waiting are not written (``write_yielded``), their tier
+    slots freed (they pin nothing in the CPU tier)."""
+    for tier in tiers:
+        pressure = tier.pressure
+        while pressure.waiting:
+            io = pressure.waiting.popleft()
+            pressure.queued = max(0, pressure.queued - len(io.keys))
+            tier.counters.write_yielded += len(io.keys)
+            tier.index.complete_store(io.keys, io.ctx, success=False)

@@ -43,11 +43,13 @@ import itertools
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
+from typing import cast
 
 from asyncoffload.errors import KeyNotReadyError, UnknownKeyError
 from asyncoffload.keys import OffloadKey
 from asyncoffload.manager.base import OffloadingEvent, ReqContext, reject_duplicates
 from asyncoffload.manager.pins import carry_pins, expire_pins, hold_below
+from asyncoffload.tiers.core.backpressure import drop_waiting
 from asyncoffload.tiers.core.requests import (
     NEVER,
     Delete,
@@ -322,6 +324,8 @@ class TierHierarchy:
         if self._outbox:
             out += self._outbox
             self._outbox = []
+        for tier in self.tiers:  # writes: all, or those a lagging tier's window lets go
+            out += cast("list[TierIo]", tier.pressure.due(self.cpu, now))
         if self.questions.queue and batched:
             out += self.questions.take(now)
         for req in out:
@@ -501,10 +505,9 @@ class TierHierarchy:
             if not chosen:
                 continue
             carry_pins(self.cpu, tier.index, chosen)  # the CPU tier's pins hold below too
-            spec = self.cpu.pin(chosen)
-            tier.counters.writes += 1
+            tier.counters.writes += 1  # (its CPU slots are pinned once it is handed out)
             slots = list(out.store_spec.block_ids)
-            self._outbox.append(TierIo(tier, True, chosen, slots, list(spec.block_ids), who))
+            tier.pressure.wait(TierIo(tier, True, chosen, slots, [], who))
 
     def reoffer(
         self,
@@ -673,16 +676,12 @@ class TierHierarchy:
             events += tier.index.take_events()
         return events
 
-    @property
-    def in_flight(self) -> int:
-        """Reads and writes handed out and not settled."""
-        return len(self._flight)
-
     def close(self) -> list[Exists]:
         """Nothing more is written, asked or waited for; the questions still out are
         returned (the driver drops them)."""
         self.closed = True
         self._slot_waits.clear()
+        drop_waiting(self.tiers)  # writes never handed out: unwritten
         return self.questions.close()
 
     def stats(
@@ -718,6 +717,7 @@ def _stats(tier: TierState, info: Callable[[TierState], dict[str, object]] | Non
         delete_failures=c.delete_failures,
         declined_above=c.declined_above,
         write_shed=c.write_shed,
+        write_yielded=c.write_yielded,
         write_lag_s=tier.pressure.lag_s,
         write_queued=tier.pressure.queued,
         pins=m.pins.stats(),

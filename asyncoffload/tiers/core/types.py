@@ -160,6 +160,9 @@ class TierCounters:
     declined_above: int = 0
     #: Blocks of write-through shed while the tier's writes lagged (``core.backpressure``).
     write_shed: int = 0
+    #: Blocks whose write waited (the tier's writes lagged) and gave its CPU slots back
+    #: to a CPU store or promotion short of one, unwritten (``core.backpressure``).
+    write_yielded: int = 0
     #: Failures by cause ("corrupt", "stale", "missing", "short", "timeout", "ENOSPC", ...).
     failures: dict[str, int] = field(default_factory=dict)
     #: Load or recompute (``core.cost``): blocks promoted, and blocks recomputed instead,
@@ -208,7 +211,11 @@ class TierStats:
     #: Blocks of write-through shed, never offered to the tier's admission, while its
     #: writes lagged (``asyncoffload.tiers.core.backpressure``): the CPU tier keeps them.
     write_shed: int = 0
-    #: The EMA of a write's time in flight (seconds), and the blocks being written now.
+    #: Blocks whose write waited while the tier's writes lagged and gave its CPU slots
+    #: back, unwritten, to a CPU store or promotion that found no idle slot (or at close).
+    write_yielded: int = 0
+    #: The EMA of a write's time in flight (seconds), and the blocks whose write pins
+    #: their CPU slots now (being written, or waiting for the tier's lagging writes).
     write_lag_s: float = 0.0
     write_queued: int = 0
     #: The tier's retention pins (``asyncoffload.manager.pins``).
