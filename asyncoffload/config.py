@@ -190,6 +190,23 @@ class EngineConfig(BaseModel):
         "recompute side of load_or_recompute; needs tokens_per_block. None: unknown, "
         "every promotion is taken (under the tier's own deadline).",
     )
+    load_deadline_factor: float = Field(
+        1.0,
+        gt=0,
+        le=100,
+        allow_inf_nan=False,
+        description="load_or_recompute: a promotion taken (and a question to a shared "
+        "tier) is due by this many times the recompute time of its blocks; past it, the "
+        "blocks are recomputed.",
+    )
+    load_deadline_floor_s: float = Field(
+        0.05,
+        ge=0,
+        le=60,
+        allow_inf_nan=False,
+        description="load_or_recompute: the least time a promotion or a question is given "
+        "(a driver's polling granularity, a tier's jitter), whatever the recompute time.",
+    )
     log_summary_s: float | None = Field(
         None,
         gt=0,

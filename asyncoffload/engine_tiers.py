@@ -96,6 +96,8 @@ class LoopTiers:
         self._bridge: CompletionBridge | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = 0.0
+        #: ``alookup``'s questions still running (past their deadline, some of them).
+        self._asking: set[asyncio.Task[None]] = set()
 
     @property
     def stores(self) -> tuple[LowerTier, ...]:
@@ -111,8 +113,15 @@ class LoopTiers:
             store.bind(bridge.wake_fd)
 
     def _now(self) -> float:
+        """The engine's loop's clock (the bridge's; before it is bound, the running
+        loop's, the same; 0 outside any loop)."""
         bridge = self._bridge
-        return bridge.loop.time() if bridge is not None else 0.0
+        if bridge is not None:
+            return bridge.loop.time()
+        try:
+            return asyncio.get_running_loop().time()
+        except RuntimeError:
+            return 0.0
 
     # --- carrying the core's requests ------------------------------------------------
 
@@ -198,8 +207,22 @@ class LoopTiers:
         n = core.lookup(keys, n, count=False)  # counted once, by the lookup that follows
         if n >= len(keys):
             return
-        for q in core.ask(keys[n:], self._now()):
-            await self._answer(q, check)
+        loop = asyncio.get_running_loop()
+        for q in core.ask(keys[n:], loop.time()):
+            # Due by the recompute time of its keys (core.cost) or the tier's deadline: an
+            # answer later than that is a miss now (and the tier is not asked for a while);
+            # the question itself ends in the background, by the tier's own timeout.
+            task = q.job = loop.create_task(self._answer(q))
+            self._asking.add(task)
+            task.add_done_callback(self._asking.discard)
+            await asyncio.wait([task], timeout=max(0.0, q.deadline - loop.time()))
+            if not task.done():
+                with InterruptsHeld():
+                    late = TimeoutError("no answer by the question's deadline")
+                    core.answered(q, None, late, self._now())
+            elif not task.cancelled():  # (cancelled: the engine closed; check() says so)
+                task.result()  # a defect of ours surfaces here
+            check()
         self._arm()
 
     def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
@@ -352,6 +375,8 @@ class LoopTiers:
         for q in self.core.close():
             if isinstance(q.job, asyncio.Task):
                 q.job.cancel()
+        for task in list(self._asking):  # given up on by their lookups, still running
+            task.cancel()
         ports.close_tiers(self.stores)
         core = self.core
         ports.reap(core, self._now())
@@ -375,7 +400,11 @@ def _slot_of(manager: CPUOffloadingManager, key: OffloadKey) -> int:
 def cost_model(cfg: EngineConfig) -> CostModel:
     """The load-or-recompute rule of an engine's tiers (``load_or_recompute``, with
     ``recompute_tokens_per_s`` x ``tokens_per_block``; see ``tiers.core.cost``)."""
-    model = CostModel(enabled=cfg.load_or_recompute)
+    model = CostModel(
+        enabled=cfg.load_or_recompute,
+        deadline_factor=cfg.load_deadline_factor,
+        min_deadline_s=cfg.load_deadline_floor_s,
+    )
     model.recompute.tokens_per_block = cfg.tokens_per_block
     if cfg.recompute_tokens_per_s is not None:
         model.recompute.tokens_per_s = cfg.recompute_tokens_per_s

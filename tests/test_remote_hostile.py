@@ -169,6 +169,37 @@ async def test_a_lookup_the_server_does_not_answer_is_a_miss_within_timeout_s() 
     assert again < 0.5, f"alookup() with the server counted down took {again:.1f} s"
 
 
+async def test_with_a_recompute_rate_a_lookup_waits_no_longer_than_recomputing() -> None:
+    """Load or recompute (issue 41): with the recompute rate known, alookup's question
+    is due by the recompute time of its keys (here the 50 ms floor), not the tier's
+    ``timeout_s``: a server that stopped answering is a miss by then, and is not asked
+    again for ``retry_s``; the question itself ends in the background by ``timeout_s``."""
+    async with hostile_server() as server:
+        timeout_s = 3.0
+        tier = {"timeout_s": timeout_s, "retry_s": 30.0}
+        cfg = config(
+            server.url, cpu_blocks=16, tier=tier, tokens_per_block=16,
+            recompute_tokens_per_s=1e6,
+        )  # fmt: skip
+        eng = ao.AsyncOffloadEngine(kv_caches(), cfg)
+        try:
+            await store(eng, keys(1, start=100), [9])  # connected
+            server.mode = "stall_all"
+            started = time.monotonic()
+            found = await asyncio.wait_for(eng.alookup(keys(4)), 20)
+            asked = time.monotonic() - started
+            assert found == 0
+            await wait_until(lambda: bool(server.commands("EXISTS")), "the lookup's EXISTS")
+            assert eng.stats().tiers[0].failures == {"lookup_failed": 4}
+            started = time.monotonic()
+            assert await asyncio.wait_for(eng.alookup(keys(4)), 20) == 0
+            again = time.monotonic() - started
+        finally:
+            await asyncio.wait_for(eng.aclose(), 20)
+    assert asked < 1.0, f"alookup() took {asked:.2f} s (the tier's timeout_s: {timeout_s} s)"
+    assert again < 0.5, f"alookup() with the server counted down took {again:.1f} s"
+
+
 async def test_a_read_answered_with_an_array_is_damaged_never_loaded() -> None:
     async with hostile_server() as server:
         ks = keys(2)

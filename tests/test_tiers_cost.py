@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import asyncoffload as ao
-from asyncoffload.engine_tiers import LoopTiers
+from asyncoffload.engine_tiers import LoopTiers, cost_model
 from asyncoffload.integrations.vllm.steps import PrefillClock
 from asyncoffload.manager import CPUOffloadingManager
 from asyncoffload.manager.base import Medium
@@ -121,6 +121,39 @@ def test_without_a_recompute_rate_or_with_the_rule_off_every_promotion_is_taken(
         assert cost.worth({tier: 1}, now=1.0)
         assert cost.deadline(1, now=1.0) is None
     assert tier.counters.recomputed_by_choice == 0
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("load_deadline_factor", 0.0),
+        ("load_deadline_factor", -1.0),
+        ("load_deadline_factor", math.inf),
+        ("load_deadline_factor", 1000.0),
+        ("load_deadline_floor_s", -0.01),
+        ("load_deadline_floor_s", math.nan),
+        ("load_deadline_floor_s", 120.0),
+    ],
+)
+def test_bad_load_deadline_settings_are_errors_naming_the_setting(field: str, value: float) -> None:
+    with pytest.raises(ValueError, match=field):
+        ao.EngineConfig(**{field: value})
+
+
+def test_the_load_deadline_settings_reach_the_rule() -> None:
+    cfg = ao.EngineConfig(
+        tokens_per_block=16,
+        recompute_tokens_per_s=1600.0,
+        load_deadline_factor=3.0,
+        load_deadline_floor_s=0.2,
+    )
+    model = cost_model(cfg)
+    assert (model.deadline_factor, model.min_deadline_s) == (3.0, 0.2)
+    # 10 blocks: 0.1 s to recompute, 0.3 s to load; 1 block: 10 ms, the floor 0.2 s.
+    assert model.deadline(10, 5.0) == pytest.approx(5.3)
+    assert model.deadline(1, 5.0) == pytest.approx(5.2)
+    default = cost_model(ao.EngineConfig(tokens_per_block=16, recompute_tokens_per_s=1600.0))
+    assert (default.deadline_factor, default.min_deadline_s) == (1.0, 0.05)
 
 
 def test_recompute_tokens_per_s_needs_tokens_per_block() -> None:

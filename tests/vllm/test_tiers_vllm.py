@@ -163,6 +163,29 @@ def test_tier_metrics_are_defined_only_with_tiers(tmp_path: Path) -> None:
     )
 
 
+def test_the_load_deadline_settings_reach_the_schedulers_rule(tmp_path: Path) -> None:
+    extra = _extra(
+        cpu_bytes_to_use=CPU_CHUNKS * CHUNK,
+        tiers=[_tier(tmp_path / "disk")],
+        host_pool_dir=str(tmp_path / "shm"),
+        load_deadline_factor=2.5,
+        load_deadline_floor_s=0.25,
+    )
+    (tmp_path / "shm").mkdir(exist_ok=True)
+    spec = OffloadingSpecFactory.create_spec(_config(extra))
+    assert isinstance(spec, AsyncOffloadSpec)
+    _, worker, manager = _parts(spec)
+    try:
+        assert manager.tiers is not None
+        cost = manager.tiers.core.cost
+        assert (cost.deadline_factor, cost.min_deadline_s) == (2.5, 0.25)
+    finally:
+        worker.shutdown()
+        manager.shutdown()
+    with pytest.raises(ValueError, match="load_deadline_factor"):
+        VllmOffloadSettings.from_extra_config(_extra(load_deadline_factor=0))
+
+
 # --- the shared host pool -------------------------------------------------------------
 
 

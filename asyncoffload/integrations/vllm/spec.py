@@ -162,7 +162,11 @@ class AsyncOffloadSpec(OffloadingSpec):
             if self._manager.tiers is not None:  # load or recompute, by measured cost
                 tokens = self.tokens_per_hash * self.blocks_per_chunk
                 self._manager.tiers.configure_cost(
-                    s.load_or_recompute, tokens, s.recompute_tokens_per_s
+                    s.load_or_recompute,
+                    tokens,
+                    s.recompute_tokens_per_s,
+                    s.load_deadline_factor,
+                    s.load_deadline_floor_s,
                 )
         return self._manager
 

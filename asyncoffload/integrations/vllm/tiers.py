@@ -168,13 +168,19 @@ class SchedulerTiers(PolledTiers):
         return core.worth([key, *later()], time.monotonic(), allow)
 
     def configure_cost(
-        self, enabled: bool, tokens_per_block: int, tokens_per_s: float | None
+        self,
+        enabled: bool,
+        tokens_per_block: int,
+        tokens_per_s: float | None,
+        deadline_factor: float = 1.0,
+        deadline_floor_s: float = 0.05,
     ) -> None:
-        """The load-or-recompute rule: on or off, the tokens of one block, and vLLM's
+        """The load-or-recompute rule: on or off, the tokens of one block, vLLM's
         prefill throughput if configured (None: measured from its steps, see
-        :meth:`observe_prefill`)."""
+        :meth:`observe_prefill`), and the deadline's factor and floor."""
         cost = self.core.cost
         cost.enabled = enabled
+        cost.deadline_factor, cost.min_deadline_s = deadline_factor, deadline_floor_s
         cost.recompute.tokens_per_block = tokens_per_block
         if tokens_per_s is not None:
             cost.recompute.tokens_per_s = tokens_per_s

@@ -10,7 +10,8 @@ the serving framework's own steps). Then, per request (:class:`CostModel`):
   tiers' reads, each tier read once) beats recomputing its blocks; otherwise the lookup
   stops before them (misses) and they count ``recomputed_by_choice``;
 - a promotion taken is given a deadline of ``deadline_factor`` times the recompute time
-  of the blocks its read brings (at least ``min_deadline_s``, at most the tier's own
+  of the blocks its read brings (the settings ``load_deadline_factor`` and
+  ``load_deadline_floor_s``; at least ``min_deadline_s``, at most the tier's own
   deadline plus the grace): a read that overruns it fails the promotion (its keys are
   misses, recomputed; nothing fails the request) and counts
   ``recomputed_after_deadline``; promotions that end well count ``loaded``;
@@ -266,13 +267,25 @@ class CostedHierarchy(TierHierarchy):
             tier.counters.lookup_hits += blocks
         return n + end
 
+    def ask(self, keys: Sequence[OffloadKey], now: float) -> list[Exists]:
+        """:meth:`TierHierarchy.ask` (the engine's ``alookup``), each question due by the
+        recompute time of its keys, as those :meth:`take_io` hands out."""
+        out = super().ask(keys, now)
+        for q in out:
+            self._question_due(q, now)
+        return out
+
+    def _question_due(self, q: Exists, now: float) -> None:
+        """A key asked about waits no longer than a read of it would."""
+        at = self.cost.deadline(len(q.keys), now)
+        q.deadline = q.deadline if at is None else min(q.deadline, at)
+
     def take_io(self, now: float, *, batched: bool = True) -> list[Request]:
         out = super().take_io(now, batched=batched)
         due: dict[Promotion, float] = {}
         for req in out:
-            if isinstance(req, Exists):  # a key asked about waits no longer than a read
-                at = self.cost.deadline(len(req.keys), now)
-                req.deadline = req.deadline if at is None else min(req.deadline, at)
+            if isinstance(req, Exists):
+                self._question_due(req, now)
             if not isinstance(req, TierIo) or req.write:
                 continue
             self._submitted[req] = now
