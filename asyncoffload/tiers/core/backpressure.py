@@ -29,11 +29,12 @@ it decides, per offer (:meth:`WritePressure.admit`), in three levels:
 **A lagging tier's writes wait, unpinned.** A write pins its blocks' CPU slots only
 once it is handed out (:meth:`WritePressure.due`). While the tier's writes lag
 ``PINNING_LAG`` of ``write_lag_s``, the blocks in flight stay within a window of
-``write_pin_share`` of the CPU tier's slots (at least one block: a write is cut where
-the window ends); the rest waits in the core, in order, pinning nothing. At most a
-window's worth of blocks waits, and while the CPU tier missed slots lately at most
-twice the window is queued in all: an offer's excess is shed, the blocks offered most
-kept, then in offer order. The CPU tier evicts meanwhile as it would with no tier
+``write_pin_share`` of the CPU tier's slots, whole writes (with none in flight, one
+larger than the window is cut where it ends); the rest waits in the core, in order,
+pinning nothing. The oldest waiting write's age counts in the lag (``write_lag_s``
+bounds the wait), and while the CPU tier missed slots lately at most twice the window
+is queued in all: an offer's excess is shed, the blocks offered most kept, then in
+offer order. The CPU tier evicts meanwhile as it would with no tier
 below: a waiting block it evicted is not written (``write_yielded``; its slot below is
 freed), the others are pinned where they are when their write is handed out. A fast
 tier's writes never wait: all are handed out, and pinned, at once. (Issue 41: pinned
@@ -222,8 +223,9 @@ class WritePressure:
     def due(self, cpu: CpuRoom, now: float) -> list[TierIo]:
         """The waiting writes to hand out at ``now``, their blocks pinned where they are
         in the CPU tier (those it evicted meanwhile are not written): all of them, or,
-        while the tier's writes lag, as many blocks as keep those in flight within the
-        window (:meth:`_window`; at least one block), a write cut where it ends."""
+        while the tier's writes lag, as many whole writes as keep the blocks in flight
+        within the window (:meth:`_window`); with none in flight, a write larger than
+        the window is cut where it ends (at least one block), the rest staying first."""
         self._now = max(self._now, now)
         waiting = self.waiting
         for io in reversed(waiting):  # the writes taken since: waiting from now on
@@ -236,9 +238,10 @@ class WritePressure:
         while waiting:
             io = waiting[0]
             take = len(io.keys)
-            if window is not None:
-                take = min(take, max(0 if flying else 1, int(window) - flying))
-                if take == 0:
+            if window is not None:  # whole writes; one alone larger than it is cut
+                if flying == 0:
+                    take = min(take, max(1, int(window)))
+                elif flying + take > window:
                     break
             if take < len(io.keys):  # the rest stays at the head
                 io = copy.copy(io)
