@@ -148,6 +148,7 @@ def cost_run(run_vllm: RunVLLM, tmp_path: Path, valkey_server: Any) -> dict[str,
     pid = valkey_server.pid
     assert pid is not None
     rounds, actions, where = plan(delay_file, pid)
+    shm_before = set(Path("/dev/shm").glob("asyncoffload-*.pool"))
     try:
         result = run_vllm(
             rounds,
@@ -160,12 +161,16 @@ def cost_run(run_vllm: RunVLLM, tmp_path: Path, valkey_server: Any) -> dict[str,
         )
     finally:
         valkey_server.proc.send_signal(signal.SIGCONT)  # whatever happened in the run
-    return {"result": result, "where": where}
+    # The workers' host pool files (in /dev/shm, mapped by the scheduler to read and
+    # write the tiers) were unlinked: once mapped by both sides, and at shutdown.
+    left = set(Path("/dev/shm").glob("asyncoffload-*.pool")) - shm_before
+    return {"result": result, "where": where, "pools_left": left}
 
 
 @pytest.mark.timeout(VLLM_TIMEOUT)
 def test_a_tier_never_makes_ttft_worse_than_no_offloading(cost_run: dict[str, Any]) -> None:
     result, where = cost_run["result"], cost_run["where"]
+    assert cost_run["pools_left"] == set()
     assert result["rounds"][0]["settled"]  # every stored prompt is written through
     for case, rounds in where.items():
         ours, base = ttfts(result, rounds, "ours"), ttfts(result, rounds, "base")

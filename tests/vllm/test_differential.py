@@ -100,9 +100,14 @@ def conversation() -> list[list[OffloadKey]]:
     ]
 
 
+#: The tier's share of the trace's blocks; the middle one in `make test-long` (the budget
+#: of `make test-vllm`: about 13 s).
+SHARES = [0.01, pytest.param(0.05, marks=pytest.mark.long), 0.10]
+
+
 @pytest.mark.timeout(300)
 @POLICY_NATIVE
-@pytest.mark.parametrize("share", [0.01, 0.05, 0.10])
+@pytest.mark.parametrize("share", SHARES)
 @needs_trace
 def test_conversation_trace_decisions_equal_vllms(
     policy: str, share: float, native: bool, conversation: list[list[OffloadKey]]
@@ -119,7 +124,7 @@ def test_conversation_trace_decisions_equal_vllms(
 
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(not native_manager_available(), reason="the native core cannot be built here")
-@pytest.mark.parametrize("share", [0.01, 0.05, 0.10])
+@pytest.mark.parametrize("share", SHARES)
 @needs_trace
 def test_conversation_trace_kv_decides_alike_in_c_and_python(
     share: float, conversation: list[list[OffloadKey]]

@@ -121,6 +121,9 @@ def test_chunks_of_two_blocks_serve_the_repeated_prompt(
     assert changed_late["num_cached_tokens"] == 2 * BLOCK_SIZE
 
 
+# `make test-long` (the budget of `make test-vllm`): test_cost_vllm.py serves prompts from
+# a disk tier through the workers' host pool, outputs compared and the pool files checked.
+@pytest.mark.long
 @pytest.mark.timeout(VLLM_TIMEOUT)
 def test_a_prefix_evicted_from_the_cpu_tier_is_served_from_disk(
     run_vllm: RunVLLM, reuse_baseline: dict[str, Any], tmp_path: Path
