@@ -276,6 +276,33 @@ def test_blocks_evicted_from_cpu_come_back_from_disk_byte_exact(tmp_path: Path, 
     manager.shutdown()
 
 
+def test_a_run_declined_is_counted_once_per_request_however_often_vllm_walks_it(
+    tmp_path: Path,
+) -> None:
+    """Load or recompute: vLLM looks a waiting request's keys up again each step (while
+    it waits for GPU blocks); the run it declined is recomputed once, and counted once
+    (it was counted at each walk)."""
+    spec = _tier_spec(tmp_path)
+    caches, worker, manager = _parts(spec)
+    keys, _ = _fill(manager, worker, caches)
+    assert manager.tiers is not None
+    recompute = manager.tiers.core.cost.recompute
+    recompute.tokens_per_s, recompute.configured = 1e15, True  # beats any read
+    ctx = ReqContext(req_id="waits")
+    manager.on_new_request(ctx)
+    for _ in range(3):
+        assert manager.lookup(keys[0], ctx) is LookupResult.MISS
+    assert manager.tier_stats()[0].recomputed_by_choice == 1
+    manager.on_request_finished(ctx)
+    other = ReqContext(req_id="another")
+    manager.on_new_request(other)
+    assert manager.lookup(keys[0], other) is LookupResult.MISS
+    assert manager.tier_stats()[0].recomputed_by_choice == 2
+    manager.on_request_finished(other)
+    worker.shutdown()
+    manager.shutdown()
+
+
 def test_a_corrupt_disk_block_is_a_miss_dropped_and_never_a_hit(tmp_path: Path) -> None:
     spec = _tier_spec(tmp_path, mode="files")
     caches, worker, manager = _parts(spec)

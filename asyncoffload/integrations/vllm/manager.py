@@ -423,6 +423,8 @@ class AsyncOffloadManager(OffloadingManager):
         self._tiers: SchedulerTiers | None = None
         #: The current lookup walk: a request id and the keys it looked up, in order.
         self._walk: tuple[object, dict[OurOffloadKey, None]] = (None, {})
+        #: Per request, the key whose run load-or-recompute declined last (counted).
+        self._declined: dict[object, OurOffloadKey] = {}
         self._tier_reported: tuple[int, ...] = (0,) * 8
         if tiers:
             from asyncoffload.integrations.vllm.tiers import SchedulerTiers
@@ -491,6 +493,7 @@ class AsyncOffloadManager(OffloadingManager):
     def on_request_finished(self, req_context: ReqContext) -> None:
         self._tick()
         self._salts.pop(req_context.req_id, None)  # one whose on_new_request never came
+        self._declined.pop(req_context.req_id, None)
         positions = getattr(req_context, "_offload_key_positions", None)
         self._calls.on_request_finished(req_context, positions or None)
         self.hints.end(self._manager, req_context)
@@ -517,7 +520,11 @@ class AsyncOffloadManager(OffloadingManager):
         if result is LookupResult.MISS:
             allow = _tier_filter(req_context)
             later = functools.partial(_later, ours, req_context, _LOOKAHEAD)
-            if not tiers.worth(ours, later, allow):
+            # vLLM walks a request again each step while it waits (for GPU blocks): its
+            # run declined is counted once (recomputed once).
+            first = self._declined.get(req_id) != ours
+            if not tiers.worth(ours, later, allow, count=first):
+                self._declined[req_id] = ours
                 return _MISS  # recomputing the run is expected to beat reading it
             protect = list(walk[1])
             if tiers.promote(ours, protect, allow, ctx=_tenant_ctx(req_context)):

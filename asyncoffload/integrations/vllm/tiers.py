@@ -156,16 +156,18 @@ class SchedulerTiers(PolledTiers):
         key: OffloadKey,
         later: Callable[[], Sequence[OffloadKey]],
         allow: Callable[[TierState], bool] | None = None,
+        count: bool = True,
     ) -> bool:
         """Load or recompute (``tiers.core.cost``): whether the run of lower-tier blocks
         from ``key`` (absent from the CPU tier) through ``later()`` (the request's next
         keys, asked for only when a lower tier has ``key``) is worth promoting; False
-        counts them ``recomputed_by_choice``, and the caller answers ``MISS`` (vLLM
-        recomputes from there)."""
+        counts them ``recomputed_by_choice`` (unless ``count`` is False: the request's
+        walk declined them before), and the caller answers ``MISS`` (vLLM recomputes
+        from there)."""
         core = self.core
         if core.source(key, allow) is None:
             return True
-        return core.worth([key, *later()], time.monotonic(), allow)
+        return core.worth([key, *later()], time.monotonic(), allow, count)
 
     def configure_cost(
         self,

@@ -161,10 +161,11 @@ class CostModel:
             default=0.0,
         )
 
-    def worth(self, by_tier: Mapping[TierState, int], now: float) -> bool:
+    def worth(self, by_tier: Mapping[TierState, int], now: float, count: bool = True) -> bool:
         """Whether to promote ``by_tier`` (blocks per tier) rather than recompute them.
-        A refusal counts ``recomputed_by_choice`` per tier, unless a tier is due a probe
-        (then the promotion is taken)."""
+        A refusal counts ``recomputed_by_choice`` per tier (``count=False``: not, a
+        refusal the caller counted already), unless a tier is due a probe (then the
+        promotion is taken)."""
         blocks = sum(by_tier.values())
         if not (self.enabled and blocks):
             return True
@@ -176,7 +177,7 @@ class CostModel:
             for tier in slow:
                 self.read_at[tier] = now
             return True
-        for tier, n in by_tier.items():
+        for tier, n in by_tier.items() if count else ():
             tier.counters.recomputed_by_choice += n
         return False
 
@@ -246,10 +247,11 @@ class CostedHierarchy(TierHierarchy):
         keys: Sequence[OffloadKey],
         now: float,
         allow: Callable[[TierState], bool] | None = None,
+        count: bool = True,
     ) -> bool:
         """Whether the run of ``keys`` (a request's keys from the first one absent from
         the CPU tier, in order) is worth promoting: see :meth:`CostModel.worth`."""
-        return self.cost.worth(run_by_tier(self, keys, allow), now)
+        return self.cost.worth(run_by_tier(self, keys, allow), now, count)
 
     def lookup(
         self, keys: Sequence[OffloadKey], n: int, *, count: bool = True, now: float | None = None
