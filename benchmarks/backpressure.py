@@ -90,7 +90,7 @@ class EmaDrop(WritePressure):
         """No window: every write is handed out at once (vLLM holds none back)."""
         return None
 
-    def ended(self, io: TierIo, now: float) -> None:
+    def ended(self, io: TierIo, now: float, failed: bool = False) -> None:
         self.queued = max(0, self.queued - len(io.keys))
         self.flying = max(0, self.flying - len(io.keys))
         s_per_mib = max(0.0, now - io.sent) / (len(io.keys) * self.block_bytes / MIB)

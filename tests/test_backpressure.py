@@ -254,6 +254,29 @@ def test_a_write_larger_than_the_window_is_cut_where_it_ends() -> None:
     assert disk.counters.blocks_written == 7 and disk.pressure.queued == 0
 
 
+def test_writes_waiting_behind_a_write_that_failed_whole_are_dropped_not_each_tried() -> None:
+    # A stalled disk: the write in flight is given up on (late) after its deadline; each
+    # write waiting behind it would be handed out in turn and wait a deadline of its own.
+    _, core, disk = setup(cpu_blocks=16, write_pin_share=0.25)
+    (first,) = write(core, [key(i) for i in range(4)], 0.0)
+    waiting = write(core, [key(4)], 0.1) + write(core, [key(5), key(6)], 0.1)
+    assert [io.seq for io in waiting] == [0, 0]
+    errno_io = 5
+    core.write_done(first, Outcome([-errno_io] * 4), 31.0)
+    assert not disk.pressure.waiting and disk.pressure.queued == 0
+    assert disk.counters.failures == {"after_failure": 3, "EIO": 4}
+    assert disk.counters.write_failures == 7
+    assert all(disk.index.block_of(key(i)) is None for i in range(7))
+    assert not [io for io in core.take_io(31.0) if isinstance(io, TierIo)]
+    # A write that wrote some of its blocks drops nothing behind it.
+    _, core, disk = setup(cpu_blocks=16, write_pin_share=0.25)
+    (some,) = write(core, [key(i) for i in range(4)], 0.0)
+    (behind,) = write(core, [key(4)], 0.1)
+    core.write_done(some, Outcome([BLOCK, -errno_io, BLOCK, BLOCK]), 0.2)
+    assert [io.keys for io in core.take_io(0.2) if isinstance(io, TierIo)] == [[key(4)]]
+    assert behind.seq and disk.counters.failures == {"EIO": 1}
+
+
 def test_closing_drops_the_waiting_writes() -> None:
     cpu, core, disk = setup(cpu_blocks=16, write_pin_share=0.25)
     (first,) = write(core, [key(i) for i in range(4)], 0.0)

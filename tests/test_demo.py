@@ -385,8 +385,10 @@ async def test_a_consumer_indexes_what_the_demo_publishes() -> None:
     )
     assert cfg.replay_endpoint == f"tcp://127.0.0.1:{port + 1}"
     ctx: zmq.Context[Any] = zmq.Context()
+    # The replay socket's answers wait up to 2 s (the example's default): 200 ms failed
+    # once in a make test on the two busy CPUs (a gap's replay in sub.poll).
     sub = kv_index.Subscriber(
-        cfg.publish or "", cfg.replay_endpoint, "kv@demo", context=ctx, replay_timeout_ms=200
+        cfg.publish or "", cfg.replay_endpoint, "kv@demo", context=ctx, replay_timeout_ms=2000
     )
     demo = asyncio.create_task(run_demo(cfg, progress=False))
     try:

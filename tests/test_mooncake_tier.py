@@ -159,7 +159,10 @@ def test_a_master_killed_mid_batch_leaves_no_hang_and_no_lost_state(
     assert restart["written_plus_failed"] == 256
     assert restart["tier_pending"] == [0, 0]
     assert restart["cpu"] == [0, 256]
-    assert set(restart["failures_down"]) == {"unavailable"}
+    # Failed at once while the store is down; those still waiting behind a write that
+    # failed whole (the tier's writes lagged) are not tried: after_failure.
+    assert set(restart["failures_down"]) <= {"unavailable", "after_failure"}
+    assert restart["failures_down"].get("unavailable", 0) > 0
 
 
 def test_while_the_store_is_down_the_tier_fails_at_once(restart: dict[str, Any]) -> None:
@@ -201,7 +204,7 @@ def test_with_the_master_dead_every_call_fails_fast_not_only_the_first(
             assert max(seconds) < CALL_BOUND_S, (phase, kind, [round(s, 3) for s in seconds])
         assert "ok" not in dead[phase]["load_results"]  # misses, failed fast
     assert dead["up"]["load_results"] == ["ok"]
-    assert set(dead["down_failures"]) <= {"unavailable", "lookup_failed"}
+    assert set(dead["down_failures"]) <= {"unavailable", "lookup_failed", "after_failure"}
 
 
 def test_with_the_master_dead_stores_into_the_cpu_tier_all_land(dead: dict[str, Any]) -> None:
@@ -268,10 +271,11 @@ def test_a_stopped_helper_bounds_flush_and_aclose_by_timeout_s(stopped: dict[str
     t = stopped["timeout_s"]
     assert stopped["flush_s"] < t + 2.0
     # The first write in flight times out; those waiting behind it (the tier's writes
-    # lag: a window at a time) fail at once once the tier is known down.
+    # lag: a window at a time) fail at once: not tried (after_failure), or refused while
+    # the tier is known down (unavailable).
     failures = stopped["failures"]
     assert failures.get("timeout", 0) >= 1 and sum(failures.values()) == 8, failures
-    assert set(failures) <= {"timeout", "unavailable"}, failures
+    assert set(failures) <= {"timeout", "unavailable", "after_failure"}, failures
     assert stopped["cpu_pinned"] == 0 and stopped["helper_gone"]
     assert stopped["aclose_s"] < 2.0  # nothing left to wait for
     # Nothing pending: aclose waits timeout_s for the helper's exit, then kills it.
@@ -287,10 +291,10 @@ def test_a_stopped_storage_node_fails_writes_by_their_deadline(stopped: dict[str
     # By the deadline (timeout), or sooner where Mooncake itself gave up on the transfer
     # (TRANSFER_FAIL: EIO): either way within timeout_s, not 60 s.
     failures = stopped["node_failures"]
-    # (Writes that waited behind the first, the tier's writes lagging, fail at once once
-    # the tier is known down: unavailable.)
+    # (Writes that waited behind the first, the tier's writes lagging, fail at once: not
+    # tried, after_failure, or refused while the tier is known down, unavailable.)
     assert sum(failures.values()) == 4, failures
-    assert set(failures) <= {"timeout", "EIO", "unavailable"}, failures
+    assert set(failures) <= {"timeout", "EIO", "unavailable", "after_failure"}, failures
     assert stopped["node_cpu_pinned"] == 0
     assert stopped["node_aclose_s"] < t + 2.0
 

@@ -147,8 +147,8 @@ _ENGINE_SPECS: tuple[_Spec, ...] = (
         _C,
         "tier_write_yielded_blocks",
         _M,
-        "Blocks whose write-through waited behind a lower tier's lagging writes and gave "
-        "its CPU slots back, unwritten, to a CPU store or promotion short of a slot.",
+        "Blocks whose write-through waited behind a lower tier's lagging writes and that "
+        "the CPU tier evicted before the write went: not written (backpressure).",
     ),
     _Spec(_G, "tier_write_lag_seconds", _M, "EMA of a lower tier's write time in flight."),
     _Spec(

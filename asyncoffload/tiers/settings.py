@@ -74,9 +74,9 @@ class TierSettings(BaseModel):
         le=1,
         allow_inf_nan=False,
         description="The share of the CPU tier's slots, in (0, 1], that the tier's writes "
-        "may pin in flight once they lag 1/200 of write_lag_s (the rest waits unpinned, as "
-        "much again at most), and that its queued writes may reach while the CPU tier "
-        "misses slots before first offers are shed; at twice it, every new block is shed.",
+        "may pin in flight once they lag 1/200 of write_lag_s (the rest waits, unpinned), "
+        "and that its queued writes may reach while the CPU tier misses slots before "
+        "first offers are shed; at twice it, every new block is shed.",
     )
     backpressure: bool = Field(
         True,

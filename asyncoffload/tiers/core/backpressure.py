@@ -12,7 +12,8 @@ What a tier measures (:class:`WritePressure`): the blocks taken to write and not
 finished (``queued``: handed out, their CPU slots pinned, ``flying``; or waiting in the
 core, see below), and how long a write takes (:attr:`~WritePressure.lag`): the EMA of
 a write's time in flight, handed out to ended (``lag_s``), or the age of the oldest
-write still in flight if that is longer (a stalled disk has no write that ends). What
+write still in flight, or waiting, if that is longer (a stalled disk has no write that
+ends). What
 it decides, per offer (:meth:`WritePressure.admit`), in three levels:
 
 - **calm**: every block offered goes to the tier's admission, as without backpressure;
@@ -108,7 +109,7 @@ class Backpressure:
     ``write_lag_s``: the EMA of a write's time in flight past which the tier lags
     (calm again below half). ``write_pin_share``: the share of the CPU tier's slots, in
     (0, 1], that the tier's writes may pin in flight once they lag ``PINNING_LAG`` of
-    ``write_lag_s`` (the rest waits, unpinned, as much again at most), and that its
+    ``write_lag_s`` (the rest waits, unpinned), and that its
     queued writes may reach while the CPU tier misses slots before first offers are
     shed (twice it: every block). ``backpressure=False``: nothing is shed and nothing
     waits, every offer goes to the tier's admission and is written at once."""
@@ -193,7 +194,7 @@ class WritePressure:
         #: Blocks shed, all told, and since the last warning (by level).
         self.shed = 0
         self._unwarned = [0, 0, 0]
-        #: Blocks given back (:func:`give_back`) since the last warning.
+        #: Waiting blocks not written (the CPU tier evicted them) since the last warning.
         self.unwarned_given = 0
         self._warned_at: float | None = None
         self._offers: OrderedDict[OffloadKey, int] = OrderedDict()
@@ -281,8 +282,14 @@ class WritePressure:
             self.flying += len(io.keys)
             self._writes[io.seq] = now
 
-    def ended(self, io: TierIo, now: float) -> None:
-        """A write handed out ended at ``now``: its time in flight feeds the EMA."""
+    def ended(self, io: TierIo, now: float, failed: bool = False) -> None:
+        """A write handed out ended at ``now``: its time in flight feeds the EMA.
+        ``failed``: every block of it failed, or it was given up on (a stalled disk, a
+        server gone): the writes waiting behind it fail too (``write_failures``, cause
+        ``after_failure``), not each handed out to fail in turn, one deadline after the
+        other."""
+        if failed:
+            drop_waiting([io.tier], "after_failure")
         self.queued = max(0, self.queued - len(io.keys))
         self.flying = max(0, self.flying - len(io.keys))
         self._writes.pop(io.seq, None)
@@ -365,8 +372,8 @@ class WritePressure:
             shed = set(new) if level == FULL else {key for key in new if counts.get(key, 0) < 2}
         room = self._room(cpu)
         if room is not None:
-            # A lagging tier's backlog is bounded (see _room): the most offered go, then
-            # in offer order (a prefix first).
+            # One offer never takes the writes past twice the share while the CPU tier
+            # misses slots: the most offered go, then in offer order (a prefix first).
             kept = [key for key in new if key not in shed]
             if len(kept) > room:
                 shed.update(sorted(kept, key=lambda k: -counts.get(k, 0))[room:])
@@ -388,8 +395,8 @@ class WritePressure:
         log.warning(
             "tier %s: write-through lags (a write takes %.3fs on average, %d blocks queued): "
             "%d first-offered blocks shed, %d blocks shed with %d%%+ of the CPU tier's slots "
-            "pinned by its writes, %d waiting blocks left unwritten for the CPU tier's "
-            "stores and promotions; the CPU tier's stores are unaffected",
+            "queued to it, %d waiting blocks not written (the CPU tier evicted them first); "
+            "the CPU tier's stores are unaffected",
             tier.name,
             self.lag_s,
             self.queued,
@@ -400,13 +407,20 @@ class WritePressure:
         )
 
 
-def drop_waiting(tiers: Sequence[TierState]) -> None:
-    """Closing: the writes still waiting are not written (``write_yielded``), their tier
-    slots freed (they pin nothing in the CPU tier)."""
+def drop_waiting(tiers: Sequence[TierState], cause: str = "") -> None:
+    """The writes still waiting are not written, their tier slots freed (they pin
+    nothing in the CPU tier): at close (counted in ``write_yielded``), or behind a write
+    that failed whole (failed writes, for ``cause``)."""
     for tier in tiers:
         pressure = tier.pressure
         while pressure.waiting:
             io = pressure.waiting.popleft()
-            pressure.queued = max(0, pressure.queued - len(io.keys))
-            tier.counters.write_yielded += len(io.keys)
+            n = len(io.keys)
+            pressure.queued = max(0, pressure.queued - n)
+            if cause:  # failed writes, for their cause
+                failures = tier.counters.failures
+                failures[cause] = failures.get(cause, 0) + n
+                tier.counters.write_failures += n
+            else:
+                tier.counters.write_yielded += n
             tier.index.complete_store(io.keys, io.ctx, success=False)

@@ -542,9 +542,9 @@ class TierHierarchy:
             return
         io.settled = True
         self._flight.pop(io.seq, None)
-        io.tier.pressure.ended(io, now)
-        tier, keys = io.tier, io.keys
         late = outcome.late
+        io.tier.pressure.ended(io, now, late or all(r < 0 for r in outcome.results))
+        tier, keys = io.tier, io.keys
         try:
             results = outcome.results
             good = [key for key, r in zip(keys, results) if r >= 0]

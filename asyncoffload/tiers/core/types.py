@@ -160,8 +160,8 @@ class TierCounters:
     declined_above: int = 0
     #: Blocks of write-through shed while the tier's writes lagged (``core.backpressure``).
     write_shed: int = 0
-    #: Blocks whose write waited (the tier's writes lagged) and gave its CPU slots back
-    #: to a CPU store or promotion short of one, unwritten (``core.backpressure``).
+    #: Blocks whose write waited (the tier's writes lagged) and that the CPU tier evicted
+    #: before it went: not written (``core.backpressure``), or still waiting at close.
     write_yielded: int = 0
     #: Failures by cause ("corrupt", "stale", "missing", "short", "timeout", "ENOSPC", ...).
     failures: dict[str, int] = field(default_factory=dict)
@@ -194,7 +194,8 @@ class TierStats:
     #: Blocks dropped from the index because a read failed its checks.
     dropped: int
     #: Failures by cause: "corrupt", "stale", "wrong_key", "short", "missing", "timeout",
-    #: or the errno name ("ENOSPC", "EIO", ...); skips: "full", "no_slot", "no_pool".
+    #: or the errno name ("ENOSPC", "EIO", ...), "after_failure" (writes that waited
+    #: behind one that failed whole: not tried); skips: "full", "no_slot", "no_pool".
     failures: dict[str, int]
     #: Offered blocks found there already, nothing written (a shared tier's put-if-absent
     #: over another engine's copy): ready in the index, not in ``blocks_written``.
@@ -211,8 +212,8 @@ class TierStats:
     #: Blocks of write-through shed, never offered to the tier's admission, while its
     #: writes lagged (``asyncoffload.tiers.core.backpressure``): the CPU tier keeps them.
     write_shed: int = 0
-    #: Blocks whose write waited while the tier's writes lagged and gave its CPU slots
-    #: back, unwritten, to a CPU store or promotion that found no idle slot (or at close).
+    #: Blocks whose write waited while the tier's writes lagged and that the CPU tier
+    #: evicted before it went, or that still waited at close: not written.
     write_yielded: int = 0
     #: The EMA of a write's time in flight (seconds), and the blocks whose write pins
     #: their CPU slots now (being written, or waiting for the tier's lagging writes).
