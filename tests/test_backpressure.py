@@ -10,6 +10,7 @@ backpressure, whose CPU tier ends up pinned by writes and refuses stores.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 from collections.abc import Sequence
 from pathlib import Path
@@ -30,6 +31,7 @@ from asyncoffload.tiers.core import (
     WritePressure,
 )
 from asyncoffload.tiers.core import backpressure as bp
+from asyncoffload.tiers.core.types import failure_cause
 from asyncoffload.tiers.disk import DiskStore
 from asyncoffload.tiers.remote import RemoteTier
 from tests.helpers import make_engine
@@ -254,27 +256,42 @@ def test_a_write_larger_than_the_window_is_cut_where_it_ends() -> None:
     assert disk.counters.blocks_written == 7 and disk.pressure.queued == 0
 
 
-def test_writes_waiting_behind_a_write_that_failed_whole_are_dropped_not_each_tried() -> None:
-    # A stalled disk: the write in flight is given up on (late) after its deadline; each
-    # write waiting behind it would be handed out in turn and wait a deadline of its own.
+@pytest.mark.parametrize(
+    "outcome",
+    [Outcome([-errno.ETIMEDOUT] * 4), Outcome([-errno.EIO] * 4, late=True)],
+    ids=["timed-out", "given-up-on"],
+)
+def test_writes_waiting_behind_a_write_that_found_the_tier_stuck_fail_not_each_tried(
+    outcome: Outcome,
+) -> None:
+    # A stalled disk, a silent server: the write in flight times out (or is given up on);
+    # each write waiting behind it would be handed out in turn to wait a deadline too.
     _, core, disk = setup(cpu_blocks=16, write_pin_share=0.25)
     (first,) = write(core, [key(i) for i in range(4)], 0.0)
     waiting = write(core, [key(4)], 0.1) + write(core, [key(5), key(6)], 0.1)
     assert [io.seq for io in waiting] == [0, 0]
-    errno_io = 5
-    core.write_done(first, Outcome([-errno_io] * 4), 31.0)
+    core.write_done(first, outcome, 31.0)
     assert not disk.pressure.waiting and disk.pressure.queued == 0
-    assert disk.counters.failures == {"after_failure": 3, "EIO": 4}
+    assert disk.counters.failures == {"after_failure": 3, failure_cause(outcome.results[0]): 4}
     assert disk.counters.write_failures == 7
-    assert all(disk.index.block_of(key(i)) is None for i in range(7))
     assert not [io for io in core.take_io(31.0) if isinstance(io, TierIo)]
-    # A write that wrote some of its blocks drops nothing behind it.
+    if outcome.late:
+        core.reap(core.late, 31.5)  # its ops really ended: its slots go
+    assert all(disk.index.block_of(key(i)) is None for i in range(7))
+
+
+@pytest.mark.parametrize(
+    "results", [[BLOCK, -errno.ETIMEDOUT, BLOCK, BLOCK], [-errno.ENOSPC] * 4], ids=str
+)
+def test_writes_waiting_behind_other_failures_go_on(results: list[int]) -> None:
+    # A write that wrote some of its blocks, or found the store out of space (Mooncake
+    # evicts, a disk may free some), drops nothing behind it.
     _, core, disk = setup(cpu_blocks=16, write_pin_share=0.25)
     (some,) = write(core, [key(i) for i in range(4)], 0.0)
     (behind,) = write(core, [key(4)], 0.1)
-    core.write_done(some, Outcome([BLOCK, -errno_io, BLOCK, BLOCK]), 0.2)
+    core.write_done(some, Outcome(results), 0.2)
     assert [io.keys for io in core.take_io(0.2) if isinstance(io, TierIo)] == [[key(4)]]
-    assert behind.seq and disk.counters.failures == {"EIO": 1}
+    assert behind.seq and "after_failure" not in disk.counters.failures
 
 
 def test_closing_drops_the_waiting_writes() -> None:

@@ -56,6 +56,7 @@ Sans-I/O like the rest of the core: the driver's ``now`` comes in through
 from __future__ import annotations
 
 import copy
+import errno
 import logging
 import math
 from collections import OrderedDict, deque
@@ -65,7 +66,7 @@ from typing import Protocol
 
 from asyncoffload.keys import OffloadKey
 from asyncoffload.manager.base import BlockStatus, CPULoadStoreSpec, ReqContext
-from asyncoffload.tiers.core.types import TierCounters, TierIndex
+from asyncoffload.tiers.core.types import Outcome, TierCounters, TierIndex
 
 __all__ = [
     "CALM",
@@ -79,6 +80,7 @@ __all__ = [
     "CpuRoom",
     "WritePressure",
     "drop_waiting",
+    "stuck",
 ]
 
 log = logging.getLogger("asyncoffload")
@@ -284,10 +286,9 @@ class WritePressure:
 
     def ended(self, io: TierIo, now: float, failed: bool = False) -> None:
         """A write handed out ended at ``now``: its time in flight feeds the EMA.
-        ``failed``: every block of it failed, or it was given up on (a stalled disk, a
-        server gone): the writes waiting behind it fail too (``write_failures``, cause
-        ``after_failure``), not each handed out to fail in turn, one deadline after the
-        other."""
+        ``failed``: it says the tier is stuck or gone (:func:`stuck`): the writes
+        waiting behind it fail too (``write_failures``, cause ``after_failure``), not
+        each handed out to wait a deadline of its own, one after the other."""
         if failed:
             drop_waiting([io.tier], "after_failure")
         self.queued = max(0, self.queued - len(io.keys))
@@ -407,10 +408,21 @@ class WritePressure:
         )
 
 
+#: Write failures that say the tier is stuck or gone: a timeout, the tier down.
+_STUCK = frozenset((-errno.ETIMEDOUT, -errno.EHOSTDOWN))
+
+
+def stuck(outcome: Outcome) -> bool:
+    """Whether a write's end says its tier is stuck or gone: it was given up on (an op
+    stuck in a system call), or every block of it timed out or found the tier down (not
+    a full disk or a store out of space: the writes behind it may still fit)."""
+    return outcome.late or all(r in _STUCK for r in outcome.results)
+
+
 def drop_waiting(tiers: Sequence[TierState], cause: str = "") -> None:
     """The writes still waiting are not written, their tier slots freed (they pin
     nothing in the CPU tier): at close (counted in ``write_yielded``), or behind a write
-    that failed whole (failed writes, for ``cause``)."""
+    that found the tier stuck (failed writes, for ``cause``)."""
     for tier in tiers:
         pressure = tier.pressure
         while pressure.waiting:

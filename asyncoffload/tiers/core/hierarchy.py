@@ -49,7 +49,7 @@ from asyncoffload.errors import KeyNotReadyError, UnknownKeyError
 from asyncoffload.keys import OffloadKey
 from asyncoffload.manager.base import OffloadingEvent, ReqContext, reject_duplicates
 from asyncoffload.manager.pins import carry_pins, expire_pins, hold_below
-from asyncoffload.tiers.core.backpressure import drop_waiting
+from asyncoffload.tiers.core.backpressure import drop_waiting, stuck
 from asyncoffload.tiers.core.requests import (
     NEVER,
     Delete,
@@ -543,7 +543,7 @@ class TierHierarchy:
         io.settled = True
         self._flight.pop(io.seq, None)
         late = outcome.late
-        io.tier.pressure.ended(io, now, late or all(r < 0 for r in outcome.results))
+        io.tier.pressure.ended(io, now, stuck(outcome))
         tier, keys = io.tier, io.keys
         try:
             results = outcome.results

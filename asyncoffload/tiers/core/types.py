@@ -195,7 +195,8 @@ class TierStats:
     dropped: int
     #: Failures by cause: "corrupt", "stale", "wrong_key", "short", "missing", "timeout",
     #: or the errno name ("ENOSPC", "EIO", ...), "after_failure" (writes that waited
-    #: behind one that failed whole: not tried); skips: "full", "no_slot", "no_pool".
+    #: behind one that found the tier stuck: not tried); skips: "full", "no_slot",
+    #: "no_pool".
     failures: dict[str, int]
     #: Offered blocks found there already, nothing written (a shared tier's put-if-absent
     #: over another engine's copy): ready in the index, not in ``blocks_written``.
