@@ -41,6 +41,27 @@ __all__ = ["EngineConfig", "byte_setting", "known_admission", "known_policy", "p
 CompletionMode = Literal["auto", "eventfd", "poll"]
 
 
+#: The deadline settings of load_or_recompute, the engine's and vLLM's (pydantic copies a
+#: field for each model it is declared in).
+LOAD_DEADLINE_FACTOR: Any = Field(
+    1.0,
+    gt=0,
+    le=100,
+    allow_inf_nan=False,
+    description="load_or_recompute: a promotion taken (and a question to a shared tier) is "
+    "due by this many times the recompute time of its blocks; past it, the blocks are "
+    "recomputed.",
+)
+LOAD_DEADLINE_FLOOR_S: Any = Field(
+    0.05,
+    ge=0,
+    le=60,
+    allow_inf_nan=False,
+    description="load_or_recompute: the least time a promotion or a question is given (a "
+    "driver's polling granularity, a tier's jitter), whatever the recompute time.",
+)
+
+
 class EngineConfig(BaseModel):
     """Settings of an :class:`~asyncoffload.AsyncOffloadEngine`.
 
@@ -190,23 +211,8 @@ class EngineConfig(BaseModel):
         "recompute side of load_or_recompute; needs tokens_per_block. None: unknown, "
         "every promotion is taken (under the tier's own deadline).",
     )
-    load_deadline_factor: float = Field(
-        1.0,
-        gt=0,
-        le=100,
-        allow_inf_nan=False,
-        description="load_or_recompute: a promotion taken (and a question to a shared "
-        "tier) is due by this many times the recompute time of its blocks; past it, the "
-        "blocks are recomputed.",
-    )
-    load_deadline_floor_s: float = Field(
-        0.05,
-        ge=0,
-        le=60,
-        allow_inf_nan=False,
-        description="load_or_recompute: the least time a promotion or a question is given "
-        "(a driver's polling granularity, a tier's jitter), whatever the recompute time.",
-    )
+    load_deadline_factor: float = LOAD_DEADLINE_FACTOR
+    load_deadline_floor_s: float = LOAD_DEADLINE_FLOOR_S
     log_summary_s: float | None = Field(
         None,
         gt=0,

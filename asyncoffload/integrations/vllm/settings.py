@@ -20,6 +20,7 @@ from pydantic import (
     model_validator,
 )
 
+from asyncoffload.config import LOAD_DEADLINE_FACTOR, LOAD_DEADLINE_FLOOR_S
 from asyncoffload.manager.quotas import check_quota_table
 from asyncoffload.manager.retention import check_pin_budget
 from asyncoffload.tiers.settings import known_admission, known_policy
@@ -139,23 +140,8 @@ class VllmOffloadSettings(BaseModel):
         description="vLLM's prefill throughput (tokens per second) for load_or_recompute; "
         "None: measured from the scheduler's own steps.",
     )
-    load_deadline_factor: float = Field(
-        1.0,
-        gt=0,
-        le=100,
-        allow_inf_nan=False,
-        description="load_or_recompute: a promotion taken (and a question to a shared "
-        "tier) is due by this many times the recompute time of its blocks; past it, the "
-        "blocks are recomputed.",
-    )
-    load_deadline_floor_s: float = Field(
-        0.05,
-        ge=0,
-        le=60,
-        allow_inf_nan=False,
-        description="load_or_recompute: the least time a promotion or a question is given "
-        "(a driver's polling granularity, a tier's jitter), whatever the recompute time.",
-    )
+    load_deadline_factor: float = LOAD_DEADLINE_FACTOR
+    load_deadline_floor_s: float = LOAD_DEADLINE_FLOOR_S
     sync_load_budget_bytes: int = Field(
         0,
         ge=0,
