@@ -146,28 +146,47 @@ async def test_flush_and_aclose_end_within_timeout_s_when_the_server_stops_answe
     assert closed < timeout_s + 2.0, f"aclose() took {closed:.1f} s"
 
 
+async def _lookups_of_a_stopped_server(server: Any, cfg: ao.EngineConfig) -> dict[str, Any]:
+    """Two ``alookup`` calls of 4 keys after the server stopped answering: what each
+    found and how long it took, whether the EXISTS had come when the first returned,
+    and the tier's failures once it had."""
+    eng = ao.AsyncOffloadEngine(kv_caches(), cfg)
+    try:
+        await store(eng, keys(1, start=100), [9])  # connected
+        server.mode = "stall_all"
+        started = time.monotonic()
+        found = await asyncio.wait_for(eng.alookup(keys(4)), 20)
+        asked = time.monotonic() - started
+        exists_came = bool(server.commands("EXISTS"))
+        await wait_until(lambda: bool(server.commands("EXISTS")), "the lookup's EXISTS")
+        failures = dict(eng.stats().tiers[0].failures)
+        started = time.monotonic()
+        found_again = await asyncio.wait_for(eng.alookup(keys(4)), 20)
+        again = time.monotonic() - started
+    finally:
+        await asyncio.wait_for(eng.aclose(), 20)
+    return {
+        "found": (found, found_again),
+        "asked": asked,
+        "again": again,
+        "exists_came": exists_came,
+        "failures": failures,
+    }
+
+
 async def test_a_lookup_the_server_does_not_answer_is_a_miss_within_timeout_s() -> None:
     """alookup's EXISTS has the same deadline as a job: a server that stopped answering
     costs a lookup ``timeout_s`` once (a miss), and then nothing for ``retry_s``."""
     async with hostile_server() as server:
         timeout_s = 1.0
         tier = {"timeout_s": timeout_s, "retry_s": 30.0}
-        eng = ao.AsyncOffloadEngine(kv_caches(), config(server.url, cpu_blocks=16, tier=tier))
-        try:
-            await store(eng, keys(1, start=100), [9])  # connected
-            server.mode = "stall_all"
-            started = time.monotonic()
-            found = await asyncio.wait_for(eng.alookup(keys(4)), 20)
-            asked = time.monotonic() - started
-            assert found == 0
-            assert server.commands("EXISTS"), "the lookup never reached the server"
-            started = time.monotonic()
-            assert await asyncio.wait_for(eng.alookup(keys(4)), 20) == 0
-            again = time.monotonic() - started
-        finally:
-            await asyncio.wait_for(eng.aclose(), 20)
-    assert asked < timeout_s + 1.0, f"alookup() took {asked:.1f} s"
-    assert again < 0.5, f"alookup() with the server counted down took {again:.1f} s"
+        seen = await _lookups_of_a_stopped_server(
+            server, config(server.url, cpu_blocks=16, tier=tier)
+        )
+    assert seen["found"] == (0, 0)
+    assert seen["exists_came"], "the lookup never reached the server"
+    assert seen["asked"] < timeout_s + 1.0, f"alookup() took {seen['asked']:.1f} s"
+    assert seen["again"] < 0.5, f"alookup() with the server counted down took {seen['again']:.1f} s"
 
 
 async def test_with_a_recompute_rate_a_lookup_waits_no_longer_than_recomputing() -> None:
@@ -182,23 +201,12 @@ async def test_with_a_recompute_rate_a_lookup_waits_no_longer_than_recomputing()
             server.url, cpu_blocks=16, tier=tier, tokens_per_block=16,
             recompute_tokens_per_s=1e6,
         )  # fmt: skip
-        eng = ao.AsyncOffloadEngine(kv_caches(), cfg)
-        try:
-            await store(eng, keys(1, start=100), [9])  # connected
-            server.mode = "stall_all"
-            started = time.monotonic()
-            found = await asyncio.wait_for(eng.alookup(keys(4)), 20)
-            asked = time.monotonic() - started
-            assert found == 0
-            await wait_until(lambda: bool(server.commands("EXISTS")), "the lookup's EXISTS")
-            assert eng.stats().tiers[0].failures == {"lookup_failed": 4}
-            started = time.monotonic()
-            assert await asyncio.wait_for(eng.alookup(keys(4)), 20) == 0
-            again = time.monotonic() - started
-        finally:
-            await asyncio.wait_for(eng.aclose(), 20)
+        seen = await _lookups_of_a_stopped_server(server, cfg)
+    assert seen["found"] == (0, 0)
+    assert seen["failures"] == {"lookup_failed": 4}
+    asked = seen["asked"]
     assert asked < 1.0, f"alookup() took {asked:.2f} s (the tier's timeout_s: {timeout_s} s)"
-    assert again < 0.5, f"alookup() with the server counted down took {again:.1f} s"
+    assert seen["again"] < 0.5, f"alookup() with the server counted down took {seen['again']:.1f} s"
 
 
 async def test_a_read_answered_with_an_array_is_damaged_never_loaded() -> None:
