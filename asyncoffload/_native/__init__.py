@@ -729,7 +729,8 @@ def _configure_copy_engine(lib: ctypes.CDLL) -> ctypes.CDLL:
 
 def _configure_disk_io(lib: ctypes.CDLL) -> ctypes.CDLL:
     i64, ptr, cint = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-    # nthreads, wake fd, payload_len, identity (16 bytes), flags (1: O_DIRECT files)
+    # lanes per direction, wake fd, payload_len, identity (16 bytes), flags (1: O_DIRECT
+    # files, 2: write lanes at SCHED_IDLE)
     lib.ao_io_create.argtypes = [cint, cint, i64, ptr, cint]
     lib.ao_io_create.restype = ptr
     lib.ao_io_set_wake_fd.argtypes = [ptr, cint]
@@ -749,6 +750,11 @@ def _configure_disk_io(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.ao_io_set_delay.restype = None
     lib.ao_io_set_gate.argtypes = [ptr, cint]
     lib.ao_io_set_gate.restype = cint
+    lib.ao_io_pause_writers.argtypes = [ptr, cint]
+    lib.ao_io_pause_writers.restype = None
+    # pool, out (2 words: write ops read lanes took, write lanes without SCHED_IDLE)
+    lib.ao_io_lanes_info.argtypes = [ptr, ptr]
+    lib.ao_io_lanes_info.restype = None
     lib.ao_crc32c.argtypes = [ctypes.c_uint32, ptr, ctypes.c_size_t]
     lib.ao_crc32c.restype = ctypes.c_uint32
     lib.ao_crc32c_soft.argtypes = [ctypes.c_uint32, ptr, ctypes.c_size_t]

@@ -26,10 +26,22 @@ they touch must stay valid until ``ended``. Closing a pool with such a job
 touch, with a warning, and :func:`release_ended` releases it once they ended.
 
 Reads go before writes: a worker always takes the next op of the oldest read job with
-ops left before any write. Removals of block files (:meth:`IoPool.submit_unlink`, files
-mode) queue with the writes, and the writes and removals of one file run in the order
-they were submitted: a block evicted and written again at once is written after its old
-file went, never removed after. A finished job writes 1 to the bound wake fd.
+ops left before any write. With ``write_priority="idle"`` (opt-in: the tiers'
+``write_priority`` setting) the pool runs ``threads`` *read lanes* (reads, and checks of
+values read) and as many *write lanes* (writes, removals, packing values) at
+``SCHED_IDLE``: they use the CPU time the rest of the machine leaves, so a write never
+takes a CPU a read, a copy or the event loop wants (issue 41: on a 2-vCPU VM, a one-block
+read from a disk tier written through at about 1 GB/s took a median 0.6-0.7 ms against
+0.33 idle; with idle write lanes 0.4-0.5: benchmarks/tier_contention.py). So that writes
+progress on a machine whose CPUs are all busy, a read lane with no read to do takes a
+write op whose job has waited 20 ms for a write lane, at most ``threads - 1`` read lanes
+at once (one at least) (:meth:`IoPool.lanes_info` counts them). ``"normal"`` (the
+default): ``threads`` lanes that take both, reads first.
+
+Removals of block files (:meth:`IoPool.submit_unlink`, files mode) queue with the
+writes, and the writes and removals of one file run in the order they were submitted: a
+block evicted and written again at once is written after its old file went, never
+removed after. A finished job writes 1 to the bound wake fd.
 
 **Fork.** The pool's threads exist only in the process that made it: in a fork's child
 ``submit`` raises ``RuntimeError`` and ``close`` touches nothing.
@@ -69,6 +81,9 @@ log = logging.getLogger("asyncoffload.tiers")
 
 #: The header that precedes every block's payload on disk.
 HEADER_BYTES = 4096
+#: The write lanes' CPU priority (see the module docstring).
+WRITE_PRIORITIES = ("idle", "normal")
+
 #: The longest key a block may carry.
 MAX_KEY_BYTES = 256
 _ALIGN = 4096
@@ -293,9 +308,15 @@ class IoPool:
         identity: bytes,
         direct_files: bool,
         mac_key: bytes | None = None,
+        write_priority: str = "normal",
     ) -> None:
-        if threads < 1:
-            raise ValueError(f"threads must be at least 1, got {threads}")
+        if threads < 1 or threads > 256:
+            raise ValueError(f"threads must be 1 to 256, got {threads}")
+        if write_priority not in WRITE_PRIORITIES:
+            raise ValueError(
+                f"write_priority must be one of {', '.join(WRITE_PRIORITIES)}, "
+                f"got {write_priority!r}"
+            )
         if payload_len < 0:
             raise ValueError(f"payload_len must not be negative, got {payload_len}")
         if len(identity) != 16:
@@ -307,6 +328,7 @@ class IoPool:
         self.payload_len = payload_len
         self.identity = bytes(identity)
         self.direct_files = direct_files
+        self.write_priority = write_priority
         #: Blocks carry a MAC with this key (never shown: not in repr).
         self._mac_key = bytes(mac_key) if mac_key else None
         self.slot_bytes = slot_bytes(payload_len)
@@ -380,7 +402,8 @@ class IoPool:
             )
             # extend(map(...)) files the handle before any bytecode runs after the C
             # call: an interrupt cannot come between starting the threads and owning them.
-            owned.extend(map(create, (1 if self.direct_files else 0,)))
+            flags = (1 if self.direct_files else 0) | (2 if self.write_priority == "idle" else 0)
+            owned.extend(map(create, (flags,)))
         handle = owned[0]
         if not handle:
             owned.clear()
@@ -579,6 +602,24 @@ class IoPool:
         handle = self._handle if self._handle is not None else self._start()
         if self._lib.ao_io_set_gate(handle, -1 if fd is None else fd) != 0:
             raise OSError(errno.EBADF, f"cannot duplicate the test gate fd {fd}")
+
+    def pause_writers(self, on: bool) -> None:
+        """Tests: the write lanes take nothing while ``on`` (a machine whose CPUs are all
+        busy at normal priority): the read lanes take writes that waited 20 ms."""
+        check_process(self.pid, "IoPool")
+        if self._closed:
+            raise RuntimeError("IoPool is closed")
+        handle = self._handle if self._handle is not None else self._start()
+        self._lib.ao_io_pause_writers(handle, 1 if on else 0)
+
+    def lanes_info(self) -> tuple[int, int]:
+        """(write ops that a read lane took for want of a write lane, write lanes that
+        asked for ``SCHED_IDLE`` and did not get it); (0, 0) before the pool started."""
+        if self._handle is None or forked_since(self.pid):
+            return 0, 0
+        out = (ctypes.c_int64 * 2)()
+        self._lib.ao_io_lanes_info(self._handle, out)
+        return out[0], out[1]
 
     @property
     def running(self) -> int:

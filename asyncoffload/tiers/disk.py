@@ -52,7 +52,7 @@ from asyncoffload.tiers.format import (
     block_file_bytes,
     parse_header,
 )
-from asyncoffload.tiers.settings import TierSettings
+from asyncoffload.tiers.settings import WRITE_PRIORITY_HELP, TierSettings
 from asyncoffload.transfer.base import CopyJob
 from asyncoffload.validators import ByteSize
 
@@ -115,6 +115,10 @@ class DiskTier(TierSettings):
         "warning where the filesystem refuses it; True requires it; False never.",
     )
     io_threads: int = Field(4, ge=1, le=64, description="Native I/O lane threads.")
+    write_priority: Literal["normal", "idle"] = Field(
+        "normal",
+        description=WRITE_PRIORITY_HELP,
+    )
     deadline_s: float = Field(
         30.0,
         gt=0,
@@ -306,6 +310,7 @@ class DiskStore(LowerTier):
             identity=self.identity,
             direct_files=direct,
             mac_key=mac_key,
+            write_priority=config.write_priority,
         )
 
     # --- layouts --------------------------------------------------------------------

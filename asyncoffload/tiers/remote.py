@@ -35,7 +35,7 @@ from asyncoffload.manager.base import Medium
 from asyncoffload.tiers._clients import make_client
 from asyncoffload.tiers.base import LowerTier, shared_index_spec
 from asyncoffload.tiers.format import HEADER_BYTES, Namespace
-from asyncoffload.tiers.settings import TierSettings
+from asyncoffload.tiers.settings import WRITE_PRIORITY_HELP, TierSettings
 from asyncoffload.transfer.base import CopyJob
 from asyncoffload.validators import ByteSize
 
@@ -149,6 +149,10 @@ class RemoteTier(TierSettings):
     )
     threads: int = Field(
         2, ge=1, le=64, description="Native threads that pack and check values off the loop."
+    )
+    write_priority: Literal["normal", "idle"] = Field(
+        "normal",
+        description="The native threads that pack values: " + WRITE_PRIORITY_HELP,
     )
     bounded_reads: bool = Field(
         True,
@@ -426,6 +430,7 @@ class RemoteStore(LowerTier):
             identity=self.identity,
             direct_files=False,
             mac_key=self._mac_key,
+            write_priority=config.write_priority,
         )
         self._wake_r = -1
         self._wake_w = -1

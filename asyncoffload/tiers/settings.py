@@ -25,7 +25,7 @@ from asyncoffload.manager.retention import DEFAULT_PIN_BUDGET, check_pin_budget
 from asyncoffload.tiers.format import check_mac_key
 from asyncoffload.validators import known_name, optional_name
 
-__all__ = ["TierSettings", "known_admission", "known_policy"]
+__all__ = ["WRITE_PRIORITY_HELP", "TierSettings", "known_admission", "known_policy"]
 
 
 def known_policy(value: str) -> str:
@@ -134,3 +134,11 @@ class TierSettings(BaseModel):
         if isinstance(value, str) and value == "frequency":
             return value
         return known_admission(value)
+
+
+#: The disk and remote tiers' ``write_priority`` setting, described.
+WRITE_PRIORITY_HELP = (
+    '"normal": the lanes take reads first, then writes. "idle": write lanes of their own '
+    "at SCHED_IDLE (Linux), on the CPU time the rest of the machine leaves; a write that "
+    "waited 20 ms for one is taken by a free read lane (docs/tiers.md)."
+)
