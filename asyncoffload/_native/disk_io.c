@@ -35,8 +35,12 @@
  * time the rest of the machine leaves, so that a write never delays a read for CPU (issue
  * 41: on a 2-vCPU VM a read's p50 went from 0.33 to 0.6 ms while the lanes wrote 1 GB/s).
  * So that writes still progress on a machine whose CPUs are all busy, a read lane with no
- * read to do takes a write op whose job has waited AO_WRITE_HELP_NS for a write lane, at
- * most nthreads - 1 read lanes at once (one at least): a read lane is left for reads. Ops of one job may run on
+ * read to do takes a write op whose job has waited AO_WRITE_HELP_NS for a write lane while
+ * the write lanes starve: one of them spent at least half of the last AO_WRITE_HELP_NS
+ * waiting for a CPU (/proc/self/task/TID/schedstat; where that cannot be read, a wait of
+ * AO_WRITE_HELP_NS is enough). A write lane that sleeps in a slow disk's I/O is not
+ * starving: its writes are not taken from it. At most nthreads - 1 read lanes help at once
+ * (one at least): a read lane is left for reads. Ops of one job may run on
  * several workers at once; the job ends when its last op ends. Files-mode writes and
  * unlinks of one file run in the order they were taken (ao_claim): a block evicted and
  * written again at once is written after its old file was removed, never removed after. A job's status is three
@@ -540,6 +544,10 @@ typedef struct {
     int writers_paused;     /* tests: write lanes take nothing (ao_io_pause_writers) */
     int64_t helped;         /* write ops a read lane took (under the mutex) */
     int helping;            /* read lanes running a write op now (under the mutex) */
+    int64_t sampled_at;     /* when the write lanes' run-queue waits were read (ns) */
+    int starving;           /* what they said (under the mutex) */
+    int64_t *write_tids;    /* the write lanes' thread ids (0: not started yet) */
+    int64_t *write_waits;   /* their run-queue wait (ns) when sampled */
     int64_t idle_failed;    /* write lanes that could not take SCHED_IDLE (atomic) */
     int64_t payload_len;
     int64_t slot_bytes;
@@ -1274,6 +1282,7 @@ static int ao_claim(ao_pool *pool, const ao_op *op) {
 
 /* A write job waits this long for a write lane before an idle read lane takes it. */
 static ao_iojob *ao_take_from(ao_queue *q, int64_t *index);
+static int ao_writers_starve(ao_pool *pool, int64_t now);
 /* What a worker takes: reads first, then writes (one set of lanes); reads (and help with
  * writes); writes. */
 #define AO_LANE_BOTH 0
@@ -1297,15 +1306,59 @@ static ao_iojob *ao_take(ao_pool *pool, int64_t *index, int lane, int64_t *help_
     if (pool->stopping) return ao_take_from(&pool->writes, index); /* drain */
     int cap = pool->lanes > 1 ? pool->lanes - 1 : 1;
     if (pool->helping >= cap) return NULL;
+    int64_t now = ao_now();
     int64_t at = pool->writes.head->queued + AO_WRITE_HELP_NS;
-    if (ao_now() < at) {
+    if (now < at) {
         *help_at = at;
+        return NULL;
+    }
+    if (!ao_writers_starve(pool, now)) {
+        *help_at = pool->sampled_at + AO_WRITE_HELP_NS;
         return NULL;
     }
     pool->helped++;
     pool->helping++;
     *helps = 1;
     return ao_take_from(&pool->writes, index);
+}
+
+/* A thread's run-queue wait so far (ns; schedstat's second field), or -1. */
+static int64_t ao_runqueue_wait(int64_t tid) {
+    char path[64], buf[128];
+    snprintf(path, sizeof path, "/proc/self/task/%lld/schedstat", (long long)tid);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return -1;
+    ssize_t n = read(fd, buf, sizeof buf - 1);
+    close(fd);
+    if (n <= 0) return -1;
+    buf[n] = 0;
+    unsigned long long run = 0, wait = 0;
+    if (sscanf(buf, "%llu %llu", &run, &wait) != 2) return -1;
+    return (int64_t)wait;
+}
+
+/* Under the mutex: whether the write lanes starve for CPU (see the top of this file):
+ * sampled at most every AO_WRITE_HELP_NS; paused lanes (tests) starve. */
+static int ao_writers_starve(ao_pool *pool, int64_t now) {
+    if (pool->writers_paused) return 1;
+    int64_t span = now - pool->sampled_at;
+    if (span < AO_WRITE_HELP_NS) return pool->starving;
+    int starving = 0, unknown = 0;
+    for (int k = 0; k < pool->lanes; k++) {
+        int64_t tid = __atomic_load_n(&pool->write_tids[k], __ATOMIC_ACQUIRE);
+        int64_t wait = tid ? ao_runqueue_wait(tid) : -1;
+        if (wait < 0) {
+            unknown = 1;
+            continue;
+        }
+        if (pool->sampled_at && 2 * (wait - pool->write_waits[k]) >= span) starving = 1;
+        pool->write_waits[k] = wait;
+    }
+    /* The first sample has nothing to compare (the next, AO_WRITE_HELP_NS later, will);
+     * an unreadable one: help, as on time alone. */
+    pool->starving = starving || unknown;
+    pool->sampled_at = now;
+    return pool->starving;
 }
 
 static ao_iojob *ao_take_from(ao_queue *q, int64_t *index) {
@@ -1337,7 +1390,8 @@ static void ao_wait_until(pthread_cond_t *cond, pthread_mutex_t *mutex, int64_t 
 
 typedef struct {
     ao_pool *pool;
-    int kind; /* AO_LANE_* */
+    int kind;  /* AO_LANE_* */
+    int index; /* among the write lanes */
 } ao_lane;
 
 static void *ao_worker_main(void *arg) {
@@ -1345,7 +1399,11 @@ static void *ao_worker_main(void *arg) {
     free(arg);
     ao_worker w = {lane.pool, NULL};
     ao_pool *pool = w.pool;
-    if (lane.kind == AO_LANE_WRITE) ao_lower_priority(pool);
+    if (lane.kind == AO_LANE_WRITE) {
+        ao_lower_priority(pool);
+        __atomic_store_n(&pool->write_tids[lane.index], (int64_t)syscall(SYS_gettid),
+                         __ATOMIC_RELEASE);
+    }
     pthread_cond_t *cond = lane.kind == AO_LANE_READ ? &pool->rcond : &pool->cond;
     for (;;) {
         pthread_mutex_lock(&pool->mutex);
@@ -1394,6 +1452,15 @@ void *ao_io_create(int nthreads, int wake_fd, int64_t payload_len, const uint8_t
     }
     pool->busy_n = nthreads;
     pool->lanes = lanes;
+    pool->write_tids = (int64_t *)calloc((size_t)lanes, sizeof(int64_t));
+    pool->write_waits = (int64_t *)calloc((size_t)lanes, sizeof(int64_t));
+    if (pool->write_tids == NULL || pool->write_waits == NULL) {
+        free(pool->write_tids);
+        free(pool->write_waits);
+        free(pool->busy);
+        free(pool);
+        return NULL;
+    }
     pool->wake_fd = wake_fd;
     pool->gate_fd = -1;
     pool->flags = flags;
@@ -1414,6 +1481,7 @@ void *ao_io_create(int nthreads, int wake_fd, int64_t payload_len, const uint8_t
         if (lane != NULL) {
             lane->pool = pool;
             lane->kind = nthreads == lanes ? AO_LANE_BOTH : t < lanes ? AO_LANE_READ : AO_LANE_WRITE;
+            lane->index = t - lanes;
         }
         if (lane == NULL || pthread_create(&pool->threads[t], NULL, ao_worker_main, lane) != 0) {
             free(lane);
@@ -1428,6 +1496,8 @@ void *ao_io_create(int nthreads, int wake_fd, int64_t payload_len, const uint8_t
             pthread_cond_destroy(&pool->rcond);
             pthread_cond_destroy(&pool->busy_cond);
             free(pool->busy);
+            free(pool->write_tids);
+            free(pool->write_waits);
             free(pool);
             return NULL;
         }
@@ -1574,6 +1644,8 @@ void ao_io_destroy(void *handle) {
     pthread_cond_destroy(&pool->busy_cond);
     ao_wipe(pool->mac_key, sizeof pool->mac_key);
     free(pool->busy);
+    free(pool->write_tids);
+    free(pool->write_waits);
     free(pool);
 }
 

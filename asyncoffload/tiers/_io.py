@@ -26,17 +26,21 @@ they touch must stay valid until ``ended``. Closing a pool with such a job
 touch, with a warning, and :func:`release_ended` releases it once they ended.
 
 Reads go before writes: a worker always takes the next op of the oldest read job with
-ops left before any write. With ``write_priority="idle"`` (opt-in: the tiers'
-``write_priority`` setting) the pool runs ``threads`` *read lanes* (reads, and checks of
-values read) and as many *write lanes* (writes, removals, packing values) at
+ops left before any write. With ``write_priority="idle"`` (the disk tier's default; the
+tiers' ``write_priority`` setting) the pool runs ``threads`` *read lanes* (reads, and
+checks of values read) and as many *write lanes* (writes, removals, packing values) at
 ``SCHED_IDLE``: they use the CPU time the rest of the machine leaves, so a write never
 takes a CPU a read, a copy or the event loop wants (issue 41: on a 2-vCPU VM, a one-block
 read from a disk tier written through at about 1 GB/s took a median 0.6-0.7 ms against
 0.33 idle; with idle write lanes 0.4-0.5: benchmarks/tier_contention.py). So that writes
 progress on a machine whose CPUs are all busy, a read lane with no read to do takes a
-write op whose job has waited 20 ms for a write lane, at most ``threads - 1`` read lanes
-at once (one at least) (:meth:`IoPool.lanes_info` counts them). ``"normal"`` (the
-default): ``threads`` lanes that take both, reads first.
+write op whose job has waited 20 ms for a write lane while the write lanes starve (one
+spent half of the last 20 ms waiting for a CPU, read from
+``/proc/self/task/TID/schedstat``; where that cannot be read, the 20 ms alone), at most
+``threads - 1`` read lanes at once (one at least) (:meth:`IoPool.lanes_info` counts
+them). A write lane asleep in a slow disk's I/O is not starving: its writes stay with it,
+and the read lanes with the reads. ``"normal"`` (the pool's default, the remote tier's):
+``threads`` lanes that take both, reads first.
 
 Removals of block files (:meth:`IoPool.submit_unlink`, files mode) queue with the
 writes, and the writes and removals of one file run in the order they were submitted: a

@@ -116,7 +116,7 @@ class DiskTier(TierSettings):
     )
     io_threads: int = Field(4, ge=1, le=64, description="Native I/O lane threads.")
     write_priority: Literal["normal", "idle"] = Field(
-        "normal",
+        "idle",
         description=WRITE_PRIORITY_HELP,
     )
     deadline_s: float = Field(

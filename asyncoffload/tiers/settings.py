@@ -138,7 +138,7 @@ class TierSettings(BaseModel):
 
 #: The disk and remote tiers' ``write_priority`` setting, described.
 WRITE_PRIORITY_HELP = (
-    '"normal": the lanes take reads first, then writes. "idle": write lanes of their own '
-    "at SCHED_IDLE (Linux), on the CPU time the rest of the machine leaves; a write that "
-    "waited 20 ms for one is taken by a free read lane (docs/tiers.md)."
+    '"idle": write lanes of their own at SCHED_IDLE (Linux), on the CPU time the rest of '
+    "the machine leaves; while they starve for CPU, a write that waited 20 ms is taken by "
+    'a free read lane (docs/tiers.md). "normal": lanes that take reads first, then writes.'
 )
