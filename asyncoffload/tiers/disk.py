@@ -114,7 +114,13 @@ class DiskTier(TierSettings):
         description="O_DIRECT: None tries it and falls back to buffered I/O with one "
         "warning where the filesystem refuses it; True requires it; False never.",
     )
-    io_threads: int = Field(4, ge=1, le=64, description="Native I/O lane threads.")
+    io_threads: int = Field(
+        4,
+        ge=1,
+        le=64,
+        description="Native I/O lanes: read lanes, and as many write lanes with "
+        'write_priority="idle" (lanes that take both with "normal").',
+    )
     write_priority: Literal["normal", "idle"] = Field(
         "idle",
         description=WRITE_PRIORITY_HELP,
