@@ -36,9 +36,9 @@
  * 41: on a 2-vCPU VM a read's p50 went from 0.33 to 0.6 ms while the lanes wrote 1 GB/s).
  * So that writes still progress on a machine whose CPUs are all busy, a read lane with no
  * read to do takes a write op whose job has waited AO_WRITE_HELP_NS for a write lane while
- * the write lanes starve: one of them spent at least half of the last AO_WRITE_HELP_NS
- * waiting for a CPU (/proc/self/task/TID/schedstat; where that cannot be read, a wait of
- * AO_WRITE_HELP_NS is enough). A write lane that sleeps in a slow disk's I/O is not
+ * the write lanes starve: one of them was runnable at two samples AO_WRITE_HELP_NS apart
+ * and on a CPU for less than half the time between (/proc/self/task/TID/stat and
+ * schedstat; where they cannot be read, a wait of AO_WRITE_HELP_NS is enough). A write lane that sleeps in a slow disk's I/O is not
  * starving: its writes are not taken from it. At most nthreads - 1 read lanes help at once
  * (one at least): a read lane is left for reads. Ops of one job may run on
  * several workers at once; the job ends when its last op ends. Files-mode writes and
@@ -547,7 +547,8 @@ typedef struct {
     int64_t sampled_at;     /* when the write lanes' run-queue waits were read (ns) */
     int starving;           /* what they said (under the mutex) */
     int64_t *write_tids;    /* the write lanes' thread ids (0: not started yet) */
-    int64_t *write_waits;   /* their run-queue wait (ns) when sampled */
+    int64_t *write_runs;    /* their time on a CPU (ns) when sampled */
+    int *write_runnable;    /* whether they were runnable then */
     int64_t idle_failed;    /* write lanes that could not take SCHED_IDLE (atomic) */
     int64_t payload_len;
     int64_t slot_bytes;
@@ -1322,23 +1323,37 @@ static ao_iojob *ao_take(ao_pool *pool, int64_t *index, int lane, int64_t *help_
     return ao_take_from(&pool->writes, index);
 }
 
-/* A thread's run-queue wait so far (ns; schedstat's second field), or -1. */
-static int64_t ao_runqueue_wait(int64_t tid) {
-    char path[64], buf[128];
-    snprintf(path, sizeof path, "/proc/self/task/%lld/schedstat", (long long)tid);
+/* Read a small /proc file into buf (NUL-terminated); its length, or -1. */
+static ssize_t ao_read_proc(const char *path, char *buf, size_t size) {
     int fd = open(path, O_RDONLY | O_CLOEXEC);
     if (fd < 0) return -1;
-    ssize_t n = read(fd, buf, sizeof buf - 1);
+    ssize_t n = read(fd, buf, size - 1);
     close(fd);
     if (n <= 0) return -1;
     buf[n] = 0;
-    unsigned long long run = 0, wait = 0;
-    if (sscanf(buf, "%llu %llu", &run, &wait) != 2) return -1;
-    return (int64_t)wait;
+    return n;
 }
 
-/* Under the mutex: whether the write lanes starve for CPU (see the top of this file):
- * sampled at most every AO_WRITE_HELP_NS; paused lanes (tests) starve. */
+/* A thread's time on a CPU so far (ns; schedstat's first field) and whether it is
+ * runnable (stat's state 'R': on a CPU or waiting for one); 0, or -1 if unreadable. */
+static int ao_lane_sample(int64_t tid, int64_t *run, int *runnable) {
+    char path[64], buf[512];
+    unsigned long long ran = 0;
+    snprintf(path, sizeof path, "/proc/self/task/%lld/schedstat", (long long)tid);
+    if (ao_read_proc(path, buf, sizeof buf) < 0 || sscanf(buf, "%llu", &ran) != 1) return -1;
+    snprintf(path, sizeof path, "/proc/self/task/%lld/stat", (long long)tid);
+    if (ao_read_proc(path, buf, sizeof buf) < 0) return -1;
+    const char *end = strrchr(buf, ')'); /* the name may hold anything but this */
+    if (end == NULL || end[1] != ' ') return -1;
+    *run = (int64_t)ran;
+    *runnable = end[2] == 'R';
+    return 0;
+}
+
+/* Under the mutex: whether the write lanes starve for CPU (see the top of this file): a
+ * lane runnable at two samples AO_WRITE_HELP_NS or more apart that was on a CPU for less
+ * than half the time between (run-queue waits are counted only once a thread runs again,
+ * so its state and time on CPU tell instead); paused lanes (tests) starve. */
 static int ao_writers_starve(ao_pool *pool, int64_t now) {
     if (pool->writers_paused) return 1;
     int64_t span = now - pool->sampled_at;
@@ -1346,13 +1361,17 @@ static int ao_writers_starve(ao_pool *pool, int64_t now) {
     int starving = 0, unknown = 0;
     for (int k = 0; k < pool->lanes; k++) {
         int64_t tid = __atomic_load_n(&pool->write_tids[k], __ATOMIC_ACQUIRE);
-        int64_t wait = tid ? ao_runqueue_wait(tid) : -1;
-        if (wait < 0) {
+        int64_t run = 0;
+        int runnable = 0;
+        if (tid == 0 || ao_lane_sample(tid, &run, &runnable) != 0) {
             unknown = 1;
             continue;
         }
-        if (pool->sampled_at && 2 * (wait - pool->write_waits[k]) >= span) starving = 1;
-        pool->write_waits[k] = wait;
+        if (pool->sampled_at && runnable && pool->write_runnable[k] &&
+            2 * (run - pool->write_runs[k]) < span)
+            starving = 1;
+        pool->write_runs[k] = run;
+        pool->write_runnable[k] = runnable;
     }
     /* The first sample has nothing to compare (the next, AO_WRITE_HELP_NS later, will);
      * an unreadable one: help, as on time alone. */
@@ -1372,7 +1391,14 @@ static ao_iojob *ao_take_from(ao_queue *q, int64_t *index) {
     return job;
 }
 
-/* A write lane: SCHED_IDLE where asked for and the system has it (counted where not). */
+typedef struct {
+    ao_pool *pool;
+    int kind;  /* AO_LANE_* */
+    int index; /* among the write lanes */
+} ao_lane;
+
+/* A write lane, first thing: SCHED_IDLE where the system has it (counted where not).
+ * (glibc's pthread_attr_setschedpolicy takes no SCHED_IDLE: a lane cannot start in it.) */
 static void ao_lower_priority(ao_pool *pool) {
 #ifdef SCHED_IDLE
     struct sched_param param;
@@ -1388,11 +1414,6 @@ static void ao_wait_until(pthread_cond_t *cond, pthread_mutex_t *mutex, int64_t 
     pthread_cond_timedwait(cond, mutex, &ts);
 }
 
-typedef struct {
-    ao_pool *pool;
-    int kind;  /* AO_LANE_* */
-    int index; /* among the write lanes */
-} ao_lane;
 
 static void *ao_worker_main(void *arg) {
     ao_lane lane = *(ao_lane *)arg;
@@ -1453,10 +1474,12 @@ void *ao_io_create(int nthreads, int wake_fd, int64_t payload_len, const uint8_t
     pool->busy_n = nthreads;
     pool->lanes = lanes;
     pool->write_tids = (int64_t *)calloc((size_t)lanes, sizeof(int64_t));
-    pool->write_waits = (int64_t *)calloc((size_t)lanes, sizeof(int64_t));
-    if (pool->write_tids == NULL || pool->write_waits == NULL) {
+    pool->write_runs = (int64_t *)calloc((size_t)lanes, sizeof(int64_t));
+    pool->write_runnable = (int *)calloc((size_t)lanes, sizeof(int));
+    if (pool->write_tids == NULL || pool->write_runs == NULL || pool->write_runnable == NULL) {
         free(pool->write_tids);
-        free(pool->write_waits);
+        free(pool->write_runs);
+        free(pool->write_runnable);
         free(pool->busy);
         free(pool);
         return NULL;
@@ -1497,7 +1520,8 @@ void *ao_io_create(int nthreads, int wake_fd, int64_t payload_len, const uint8_t
             pthread_cond_destroy(&pool->busy_cond);
             free(pool->busy);
             free(pool->write_tids);
-            free(pool->write_waits);
+            free(pool->write_runs);
+            free(pool->write_runnable);
             free(pool);
             return NULL;
         }
@@ -1645,7 +1669,8 @@ void ao_io_destroy(void *handle) {
     ao_wipe(pool->mac_key, sizeof pool->mac_key);
     free(pool->busy);
     free(pool->write_tids);
-    free(pool->write_waits);
+    free(pool->write_runs);
+    free(pool->write_runnable);
     free(pool);
 }
 
