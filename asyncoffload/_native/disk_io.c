@@ -38,10 +38,11 @@
  * read to do takes a write op whose job has waited AO_WRITE_HELP_NS for a write lane while
  * the write lanes starve: one of them was runnable at two samples AO_WRITE_HELP_NS apart
  * and on a CPU for less than half the time between (/proc/self/task/TID/stat and
- * schedstat; where they cannot be read, a wait of AO_WRITE_HELP_NS is enough). A write lane that sleeps in a slow disk's I/O is not
- * starving: its writes are not taken from it. At most nthreads - 1 read lanes help at once
- * (one at least): a read lane is left for reads. Ops of one job may run on
- * several workers at once; the job ends when its last op ends. Files-mode writes and
+ * schedstat; where they cannot be read, a wait of AO_WRITE_HELP_NS is enough). A write
+ * lane asleep in a slow disk's I/O is not starving: its writes are not taken from it. At
+ * most nthreads - 1 read lanes help at once (one at least): a read lane is left for
+ * reads. Ops of one job may run on several workers at once; the job ends when its last
+ * op ends. Files-mode writes and
  * unlinks of one file run in the order they were taken (ao_claim): a block evicted and
  * written again at once is written after its old file was removed, never removed after. A job's status is three
  * int64 words: [state, end ns, start ns] (CLOCK_MONOTONIC), the state stored last with a
@@ -1131,7 +1132,8 @@ static int64_t ao_do_write(ao_worker *w, const ao_iojob *job, const ao_op *op) {
              (long)syscall(SYS_gettid),
              (unsigned long long)__atomic_fetch_add(&ao_tmp_counter, 1, __ATOMIC_RELAXED));
     int dir = ao_dir_of(op);
-    int fd = ao_open(dir, tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, pool->flags & AO_FLAG_DIRECT);
+    int direct = pool->flags & AO_FLAG_DIRECT;
+    int fd = ao_open(dir, tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, direct);
     if (fd < 0) {
         int64_t e = -(int64_t)errno;
         free(tmp);
@@ -1168,7 +1170,8 @@ static int64_t ao_do_read(ao_worker *w, const ao_iojob *job, const ao_op *op) {
     }
     int fd = op->fd;
     if (op->path != NULL) {
-        fd = ao_open(ao_dir_of(op), op->path, O_RDONLY | O_CLOEXEC, pool->flags & AO_FLAG_DIRECT);
+        int direct = pool->flags & AO_FLAG_DIRECT;
+        fd = ao_open(ao_dir_of(op), op->path, O_RDONLY | O_CLOEXEC, direct);
         if (fd < 0) return -(int64_t)errno;
     }
     int64_t r = ao_full_io(fd, 0, iov, cnt, op->path ? 0 : op->offset);
@@ -1281,7 +1284,6 @@ static int ao_claim(ao_pool *pool, const ao_op *op) {
     return slot;
 }
 
-/* A write job waits this long for a write lane before an idle read lane takes it. */
 static ao_iojob *ao_take_from(ao_queue *q, int64_t *index);
 static int ao_writers_starve(ao_pool *pool, int64_t now);
 /* What a worker takes: reads first, then writes (one set of lanes); reads (and help with
@@ -1289,21 +1291,25 @@ static int ao_writers_starve(ao_pool *pool, int64_t now);
 #define AO_LANE_BOTH 0
 #define AO_LANE_READ 1
 #define AO_LANE_WRITE 2
+/* A write job waits this long for a write lane before an idle read lane may take it (and
+ * the write lanes' starvation is sampled at most this often). */
 #define AO_WRITE_HELP_NS 20000000LL
 
-/* Under the mutex: the next op for a read lane (reader) or a write lane, or NULL; a read
- * lane with no read takes a write op whose job has waited AO_WRITE_HELP_NS (*help_at: when
- * the oldest write job will have, 0 if none waits). */
+/* Under the mutex: the next op for a lane of kind `lane`, or NULL; a read lane with no
+ * read takes a write op whose job has waited AO_WRITE_HELP_NS while the write lanes
+ * starve (*helps: 1; *help_at: when to look again, 0: when woken). */
 static ao_iojob *ao_take(ao_pool *pool, int64_t *index, int lane, int64_t *help_at,
                          int *helps) {
     *help_at = 0;
     *helps = 0;
-    if (lane == AO_LANE_BOTH) return ao_take_from(pool->reads.head ? &pool->reads : &pool->writes, index);
+    if (lane == AO_LANE_BOTH)
+        return ao_take_from(pool->reads.head ? &pool->reads : &pool->writes, index);
     if (lane == AO_LANE_WRITE) {
         if (pool->writers_paused && !pool->stopping) return NULL;
         return ao_take_from(&pool->writes, index);
     }
-    if (pool->reads.head != NULL || pool->writes.head == NULL) return ao_take_from(&pool->reads, index);
+    if (pool->reads.head != NULL || pool->writes.head == NULL)
+        return ao_take_from(&pool->reads, index);
     if (pool->stopping) return ao_take_from(&pool->writes, index); /* drain */
     int cap = pool->lanes > 1 ? pool->lanes - 1 : 1;
     if (pool->helping >= cap) return NULL;
@@ -1414,7 +1420,6 @@ static void ao_wait_until(pthread_cond_t *cond, pthread_mutex_t *mutex, int64_t 
     pthread_cond_timedwait(cond, mutex, &ts);
 }
 
-
 static void *ao_worker_main(void *arg) {
     ao_lane lane = *(ao_lane *)arg;
     free(arg);
@@ -1503,7 +1508,9 @@ void *ao_io_create(int nthreads, int wake_fd, int64_t payload_len, const uint8_t
         ao_lane *lane = (ao_lane *)malloc(sizeof *lane);
         if (lane != NULL) {
             lane->pool = pool;
-            lane->kind = nthreads == lanes ? AO_LANE_BOTH : t < lanes ? AO_LANE_READ : AO_LANE_WRITE;
+            lane->kind = nthreads == lanes ? AO_LANE_BOTH
+                         : t < lanes        ? AO_LANE_READ
+                                            : AO_LANE_WRITE;
             lane->index = t - lanes;
         }
         if (lane == NULL || pthread_create(&pool->threads[t], NULL, ao_worker_main, lane) != 0) {

@@ -467,9 +467,9 @@ def test_a_second_vllm_is_served_the_blocks_the_first_stored(
     """Two vLLM processes, each with asyncoffload's CPU tier over the same server: the
     first computes prompt A and writes its blocks through; the second, started after the
     first ended, gets A's full blocks from the server (asked about, promoted, loaded)
-    and must give the first's greedy tokens and logprobs. (A long profile since issue 41:
-    ``make test-vllm``'s test_tp2_with_disk_and_shared_tiers runs the same two-process
-    path with TP 2 and a disk tier; this one, the default tier settings with TP 1.)"""
+    and must give the first's greedy tokens and logprobs. (A long profile since issue 41,
+    as test_tp2_with_disk_and_shared_tiers, the same two-process path with TP 2 and a
+    disk tier; this one: the default tier settings with TP 1.)"""
     config = asyncoffload_kv_transfer_config(
         cpu_bytes_to_use=24 * E2E_BLOCK_BYTES, tiers=[{"url": valkey_server.url}]
     )

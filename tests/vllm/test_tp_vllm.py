@@ -127,6 +127,11 @@ def _first_run(
     return FirstRun(a[0], want, disk, files)
 
 
+# `make test-long` (with the TP 2 failed-load run below): 64 s of make test-vllm's serial
+# run, which with the other suites took .ci/run past half its slow-day budget (922 s of
+# 900). make test-vllm keeps the TP rules (tests/vllm/test_tp_tiers.py: TP 2 driven by
+# hand); real vLLM at TP 2 and its two processes over one server run in make test-long.
+@pytest.mark.long
 @pytest.mark.timeout(1800)
 def test_tp2_with_disk_and_shared_tiers(
     run_vllm: RunVLLM, valkey_server: Any, tmp_path: Path
