@@ -369,8 +369,17 @@ def open_store(setup: Setup, layout: Layout, run: int, root: Path) -> LowerTier:
         assert setup.url is not None
         return RemoteTier(setup.url, admission=None, prefix=f"tpl{run}").open(namespace)
     capacity = (objects + 1) * block_file_bytes(layout.object_bytes)
+    # Normal lanes: with idle write lanes (the default) the read lanes read /proc while the
+    # write lanes starve for CPU, syscalls that /proc/self/io would count as the layout's
+    # (on a busy machine, rows' 3.5 writes a block equalled per-rank's once).
     tier = DiskTier(
-        root, capacity, setup.tier, admission=None, io_threads=setup.io_threads, direct_io=None
+        root,
+        capacity,
+        setup.tier,
+        admission=None,
+        io_threads=setup.io_threads,
+        direct_io=None,
+        write_priority="normal",
     )
     return tier.open(namespace)
 
