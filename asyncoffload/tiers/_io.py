@@ -35,8 +35,9 @@ read from a disk tier written through at about 1 GB/s took a median 0.6-0.7 ms a
 0.33 idle; with idle write lanes 0.4-0.5: benchmarks/tier_contention.py). So that writes
 progress on a machine whose CPUs are all busy, a read lane with no read to do takes a
 write op whose job has waited 20 ms for a write lane while the write lanes starve (one
-spent half of the last 20 ms waiting for a CPU, read from
-``/proc/self/task/TID/schedstat``; where that cannot be read, the 20 ms alone), at most
+was runnable at two samples 20 ms apart and on a CPU for less than half the time
+between, read from ``/proc/self/task/TID/stat`` and ``schedstat``; where they cannot be
+read, the 20 ms alone), at most
 ``threads - 1`` read lanes at once (one at least) (:meth:`IoPool.lanes_info` counts
 them). A write lane asleep in a slow disk's I/O is not starving: its writes stay with it,
 and the read lanes with the reads. ``"normal"`` (the pool's default, the remote tier's):
