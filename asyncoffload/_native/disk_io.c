@@ -1463,6 +1463,17 @@ static void *ao_worker_main(void *arg) {
     return NULL;
 }
 
+/* The pool's memory (its threads joined, its locks destroyed, or never made). */
+static void ao_pool_free(ao_pool *pool) {
+    free(pool->busy);
+    free(pool->write_tids);
+    free(pool->write_runs);
+    free(pool->write_runnable);
+    free(pool);
+}
+
+void ao_io_destroy(void *handle);
+
 void *ao_io_create(int nthreads, int wake_fd, int64_t payload_len, const uint8_t *identity16,
                    int flags) {
     if (nthreads < 1 || nthreads > 256 || payload_len < 0 || identity16 == NULL) return NULL;
@@ -1472,23 +1483,16 @@ void *ao_io_create(int nthreads, int wake_fd, int64_t payload_len, const uint8_t
     ao_pool *pool = (ao_pool *)calloc(1, sizeof *pool + (size_t)nthreads * sizeof(pthread_t));
     if (pool == NULL) return NULL;
     pool->busy = (ao_busy *)calloc((size_t)nthreads, sizeof(ao_busy));
-    if (pool->busy == NULL) {
-        free(pool);
+    pool->write_tids = (int64_t *)calloc((size_t)lanes, sizeof(int64_t));
+    pool->write_runs = (int64_t *)calloc((size_t)lanes, sizeof(int64_t));
+    pool->write_runnable = (int *)calloc((size_t)lanes, sizeof(int));
+    if (pool->busy == NULL || pool->write_tids == NULL || pool->write_runs == NULL ||
+        pool->write_runnable == NULL) {
+        ao_pool_free(pool);
         return NULL;
     }
     pool->busy_n = nthreads;
     pool->lanes = lanes;
-    pool->write_tids = (int64_t *)calloc((size_t)lanes, sizeof(int64_t));
-    pool->write_runs = (int64_t *)calloc((size_t)lanes, sizeof(int64_t));
-    pool->write_runnable = (int *)calloc((size_t)lanes, sizeof(int));
-    if (pool->write_tids == NULL || pool->write_runs == NULL || pool->write_runnable == NULL) {
-        free(pool->write_tids);
-        free(pool->write_runs);
-        free(pool->write_runnable);
-        free(pool->busy);
-        free(pool);
-        return NULL;
-    }
     pool->wake_fd = wake_fd;
     pool->gate_fd = -1;
     pool->flags = flags;
@@ -1515,21 +1519,7 @@ void *ao_io_create(int nthreads, int wake_fd, int64_t payload_len, const uint8_t
         }
         if (lane == NULL || pthread_create(&pool->threads[t], NULL, ao_worker_main, lane) != 0) {
             free(lane);
-            pthread_mutex_lock(&pool->mutex);
-            pool->stopping = 1;
-            pthread_cond_broadcast(&pool->cond);
-            pthread_cond_broadcast(&pool->rcond);
-            pthread_mutex_unlock(&pool->mutex);
-            for (int u = 0; u < t; u++) pthread_join(pool->threads[u], NULL);
-            pthread_mutex_destroy(&pool->mutex);
-            pthread_cond_destroy(&pool->cond);
-            pthread_cond_destroy(&pool->rcond);
-            pthread_cond_destroy(&pool->busy_cond);
-            free(pool->busy);
-            free(pool->write_tids);
-            free(pool->write_runs);
-            free(pool->write_runnable);
-            free(pool);
+            ao_io_destroy(pool); /* stops and joins the pool->nthreads (t) started */
             return NULL;
         }
         pool->nthreads = t + 1;
@@ -1674,11 +1664,7 @@ void ao_io_destroy(void *handle) {
     pthread_cond_destroy(&pool->rcond);
     pthread_cond_destroy(&pool->busy_cond);
     ao_wipe(pool->mac_key, sizeof pool->mac_key);
-    free(pool->busy);
-    free(pool->write_tids);
-    free(pool->write_runs);
-    free(pool->write_runnable);
-    free(pool);
+    ao_pool_free(pool);
 }
 
 /* Tests: from now on every every_nth-th op of that direction (1: each, 0: none) ends
