@@ -373,9 +373,19 @@ def test_cli_help_lists_demo(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port free now whose next port is free too: the demo binds both (its publisher,
+    and its replay socket on the next port). Checking only the first failed both loops'
+    runs once in a make test: the replay socket's port was some connection's."""
+    for _ in range(100):
+        with socket.socket() as s, socket.socket() as t:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+            try:
+                t.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+            return port
+    raise AssertionError("no two free ports in a row on 127.0.0.1 in 100 tries")
 
 
 async def test_a_consumer_indexes_what_the_demo_publishes() -> None:
