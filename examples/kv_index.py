@@ -144,7 +144,7 @@ class Subscriber:
             try:
                 self.replay(self.last_seq + 1)
                 return
-            except TimeoutError:
+            except (TimeoutError, ConnectionError):
                 if time.monotonic() >= deadline:
                     raise
                 if log is not None and not told:
@@ -190,7 +190,16 @@ class Subscriber:
         try:
             sock.send_multipart([b"", start.to_bytes(8, "big")])
             while sock.poll(self.replay_timeout_ms):
-                _empty, seq_bytes, payload = sock.recv_multipart()
+                frames = sock.recv_multipart()
+                if len(frames) != 3 or frames[0] or len(frames[1]) != 8:
+                    # Not the server's replay socket: something else on that port, or,
+                    # before the server binds a port in the kernel's ephemeral range, this
+                    # socket connected to itself (it reads back its own request).
+                    raise ConnectionError(
+                        f"the replay socket at {self.replay_endpoint} answered "
+                        f"{len(frames)} frames, not [empty, seq, payload]"
+                    )
+                _empty, seq_bytes, payload = frames
                 seq = int.from_bytes(seq_bytes, "big", signed=True)
                 if seq == END_SEQ:
                     if payload:

@@ -6,6 +6,8 @@ import asyncio
 import io
 import socket
 import sys
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -26,6 +28,7 @@ from asyncoffload.demo import (
 from asyncoffload.keys import make_offload_key
 from asyncoffload.replay import replay
 from asyncoffload.workloads import summarize
+from tests.servers import free_port
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import kv_index
@@ -372,24 +375,49 @@ def test_cli_help_lists_demo(capsys: pytest.CaptureFixture[str]) -> None:
 # --- integrations: --publish, --metrics-port ---------------------------------------------
 
 
-def _free_port() -> int:
-    """A port free now whose next port is free too: the demo binds both (its publisher,
-    and its replay socket on the next port). Checking only the first failed both loops'
-    runs once in a make test: the replay socket's port was some connection's."""
-    for _ in range(100):
-        with socket.socket() as s, socket.socket() as t:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
-            try:
-                t.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-            return port
-    raise AssertionError("no two free ports in a row on 127.0.0.1 in 100 tries")
+def test_a_consumer_refuses_a_reply_that_is_not_the_servers() -> None:
+    """A socket that echoes the request (as the consumer's own socket does when it
+    connects to itself, before a server binds an ephemeral port): 2 frames, named in a
+    ConnectionError, nothing applied; with time to wait it asks again, then gives up."""
+    port = free_port(pair=True)
+    ctx: zmq.Context[Any] = zmq.Context()
+    echo = ctx.socket(zmq.DEALER)
+    echo.bind(f"tcp://127.0.0.1:{port + 1}")
+    stop = threading.Event()
+
+    def echoing() -> None:
+        while not stop.is_set():
+            if echo.poll(20):
+                echo.send_multipart(echo.recv_multipart())
+
+    thread = threading.Thread(target=echoing)
+    thread.start()
+    sub = kv_index.Subscriber(
+        f"tcp://127.0.0.1:{port}",
+        f"tcp://127.0.0.1:{port + 1}",
+        "kv",
+        context=ctx,
+        replay_timeout_ms=2000,
+    )
+    try:
+        with pytest.raises(ConnectionError, match=r"answered 2 frames, not \[empty, seq"):
+            sub.connect()
+        assert sub.last_seq == -1 and sub.replayed == 0
+        sub.disconnect()
+        started = time.monotonic()
+        with pytest.raises(ConnectionError, match="answered 2 frames"):
+            sub.connect(wait_s=0.3)  # asked again until the bound, not given up at once
+        assert time.monotonic() - started >= 0.3
+    finally:
+        stop.set()
+        thread.join(10)
+        sub.disconnect()
+        echo.close(linger=0)
+        ctx.destroy(linger=0)
 
 
 async def test_a_consumer_indexes_what_the_demo_publishes() -> None:
-    port = _free_port()
+    port = free_port(pair=True)
     cfg = tiny(
         requests=200, time_scale=0.5, publish=f"tcp://127.0.0.1:{port}", publish_topic="kv@demo"
     )

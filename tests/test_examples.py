@@ -2,33 +2,18 @@
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import time
 
 from tests.processes import REPO
-
-
-def _free_port_pair() -> int:
-    """A port p with p + 1 free too (the demo's replay socket goes on p + 1)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
-        with socket.socket() as t:
-            try:
-                t.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-        return port
-    raise RuntimeError("no pair of free ports")
+from tests.servers import free_port
 
 
 def test_the_index_started_before_the_demo_waits_for_it_and_follows() -> None:
     """README: the demo in the background, then the consumer at once. The consumer is
     up first (the demo still imports torch); it must wait, say so, and then follow."""
-    port = _free_port_pair()
+    port = free_port(pair=True)
     endpoint, replay = f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{port + 1}"
     index = subprocess.Popen(
         [

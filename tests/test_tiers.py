@@ -460,15 +460,17 @@ async def test_a_stalled_read_fails_its_load_without_waiting_for_the_disk(tmp_pa
     async with engine(cfg, kv) as eng:
         ks = keys(2)
         await store_to_disk_only(eng, ks, [0, 1])
-        tier = short_deadline(eng.tiers[0])
-        tier.pool.set_delay(3.0)  # the first read starts at once, then takes 3 s
+        # A deadline a busy machine's lane starts the read within (at 0.05 s a make test
+        # saw it fail unstarted, with no slots held).
+        tier = short_deadline(eng.tiers[0], 0.5)
+        tier.pool.set_delay(4.0)  # the first read starts at once, then takes 4 s
         before = [t[5:7].clone() for t in kv]
         started = time.monotonic()
         handle = await eng.prepare_load(ks, [5, 6])
         with pytest.raises(ao.TransferError, match=r"stalled|timeout"):
             await asyncio.wait_for(handle, 10.0)
         await asyncio.wait_for(eng.flush(), 10.0)
-        assert time.monotonic() - started < 2.5  # not the 3 s the read takes
+        assert time.monotonic() - started < 3.5  # not the 4 s the read takes
         assert eng.lookup(ks) == 0  # misses, dropped from the tier
         assert eng.stats().tiers[0].failures == {"timeout": 2}
         assert tier_index(eng).stats().pinned == 0

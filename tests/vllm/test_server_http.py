@@ -27,7 +27,6 @@ import importlib.metadata
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -40,6 +39,7 @@ from typing import Any
 
 import pytest
 
+from tests.servers import free_port
 from tests.vllm.harness import (
     BLOCK_SIZE,
     LOGPROB_ATOL,
@@ -99,12 +99,6 @@ def server_command(model: str, kv_transfer_config: dict[str, Any]) -> list[str]:
         "--kv-transfer-config",
         config,
     ]
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _tail(path: Path, lines: int = 80) -> str:
@@ -216,7 +210,7 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
 @pytest.fixture
 def server(tiny_model: Path, tmp_path: Path) -> Iterator[Server]:
     """The documented command serving the tiny model with our spec; always stopped."""
-    port = _free_port()
+    port = free_port()
     cmd = [
         *server_command(str(tiny_model), asyncoffload_kv_transfer_config()),
         "--enable-prompt-tokens-details",
