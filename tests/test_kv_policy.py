@@ -135,6 +135,9 @@ class RefKV:
         self.entered = [0.0] * NUM_CLASSES
         self.reused = [[0.0] * AGE_BINS for _ in range(NUM_CLASSES)]
         self.table = [[1.0] * AGE_BINS for _ in range(NUM_CLASSES)]
+        self.rebuilds = 0
+        self.rebuild_ticks: list[int] = []  # the first 160 rebuilds'
+        self.traffic = 0  # keys touched
 
     # --- helpers
 
@@ -170,7 +173,24 @@ class RefKV:
 
     # --- learning
 
+    def censored(self) -> list[list[float]]:
+        """Per class and age bin: the known sampled keys (none reused since it entered
+        its class), each weighted as the decay weighted its entry, to 2**-24."""
+        out = [[0] * AGE_BINS for _ in range(NUM_CLASSES)]
+        for key in self.uses:
+            if _sampled(key):
+                decays = sum(1 for t in self.rebuild_ticks if t >= self.last[key])
+                out[self.cls[key]][self.age(key).bit_length()] += int(self.decay**decays * 2**24)
+        return [[x / 2**24 for x in row] for row in out]
+
     def rebuild(self) -> None:
+        # The first 12 capacities of traffic discount the keys too young to have been
+        # reused yet (their share fading from 1 to 0).
+        fade = max(0.0, 1.0 - self.traffic / (12.0 * self.capacity))
+        censored = self.censored() if fade else [[0.0] * AGE_BINS] * NUM_CLASSES
+        if len(self.rebuild_ticks) < 160:
+            self.rebuild_ticks.append(self.tick)
+        self.rebuilds += 1
         for c in range(NUM_CLASSES):
             alive = self.entered[c]
             later = sum(self.reused[c])
@@ -179,7 +199,7 @@ class RefKV:
                 p = later / alive if alive > 1e-9 else 0.0
                 best = min(best, p)  # non-increasing in age
                 self.table[c][b] = best
-                alive -= self.reused[c][b]
+                alive -= self.reused[c][b] + fade * censored[c][b]
                 later -= self.reused[c][b]
                 self.reused[c][b] *= self.decay
             self.entered[c] *= self.decay
@@ -196,6 +216,7 @@ class RefKV:
 
     def touch(self, keys: Sequence[OffloadKey]) -> None:
         self.tick += 1
+        self.traffic += len(keys)
         self.ghost.extend(self.fresh)  # touched before, never stored
         self.fresh = []
         size = ref_size_bucket(len(keys)) if self.size_classes else 0
@@ -276,6 +297,9 @@ class RefKV:
             "entered": list(self.entered),
             "reused": [x for row in self.reused for x in row],
             "table": [row[:] for row in self.table],
+            "rebuilds": self.rebuilds,
+            "rebuild_ticks": list(self.rebuild_ticks),
+            "traffic": self.traffic,
         }
 
     def _rank(self, key: OffloadKey) -> tuple[float, int, int]:

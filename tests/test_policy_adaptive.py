@@ -25,7 +25,7 @@ from asyncoffload.manager.policies import AdaptivePolicy, available_policies
 from asyncoffload.manager.policies.adaptive import Ghost, _recency_order
 from asyncoffload.manager.policies.arc import ARCPolicy
 from asyncoffload.manager.policies.kv import KVPolicy, adoption
-from asyncoffload.replay import capacity_blocks, replay
+from asyncoffload.replay import FamilySource, capacity_blocks, replay
 from asyncoffload.replay.manager import serve_request
 from asyncoffload.workloads import Request, families, summarize, synthetic_sessions
 
@@ -163,10 +163,12 @@ def test_a_kv_ghost_restore_refuses_a_bad_state_and_changes_nothing() -> None:
     held, gone = adoption(state, keys, 160)
     args = [state["tick"], state["inserts"], state["last_victim"], state["entered"]]
     args += [state["reused"], state["table"]]
+    fade = [state["rebuilds"], state["rebuild_ticks"], state["traffic"]]
+    assert 1 < len(fade[1]) == min(state["rebuilds"], 160)
     ghost = Ghost("kv", 40, native=True)
     ghost.request(keys[:5])
     with pytest.raises(ValueError, match="empty kv manager"):
-        ghost.core.kv_restore(*args, held, gone)
+        ghost.core.kv_restore(*args, held, gone, *fade)
     ghost.clear()
     late = (held[0][0], held[0][1], state["tick"] + 1, held[0][3])
     for bad, match in [
@@ -176,11 +178,27 @@ def test_a_kv_ghost_restore_refuses_a_bad_state_and_changes_nothing() -> None:
         ([("key", 1, 0, 0)], "bytes"),
     ]:
         with pytest.raises((ValueError, TypeError), match=match):
-            ghost.core.kv_restore(*args, bad, gone)
+            ghost.core.kv_restore(*args, bad, gone, *fade)
         assert ghost.resident() == 0
     with pytest.raises(ValueError, match="entered"):
-        ghost.core.kv_restore(state["tick"], 0, 0.0, [0.0], state["reused"], state["table"], [], [])
-    ghost.core.kv_restore(*args, held, gone)
+        ghost.core.kv_restore(
+            state["tick"], 0, 0.0, [0.0], state["reused"], state["table"], [], [], *fade
+        )
+    ticks = fade[1]
+    for rebuilds, bad_ticks, match in [
+        (-1, [], "rebuild_ticks must hold"),
+        (fade[0], ticks[:-1], "rebuild_ticks must hold"),
+        (fade[0], [*ticks[:-1], state["tick"] + 1], "in order, each in"),
+        (fade[0], ticks[::-1], "in order, each in"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            ghost.core.kv_restore(*args, held, gone, rebuilds, bad_ticks, state["traffic"])
+        assert ghost.resident() == 0
+    with pytest.raises(ValueError, match="traffic must be >= 0"):
+        ghost.core.kv_restore(*args, held, gone, fade[0], ticks, -1)
+    ghost.core.kv_restore(*args, held, gone, *fade)
+    state_after = ghost.kv_state()
+    assert state_after["rebuild_ticks"] == ticks and state_after["traffic"] == state["traffic"]
     assert ghost.resident() == len(held)
 
 
@@ -537,6 +555,19 @@ def test_auto_ends_close_to_the_best_candidate(
         assert auto >= max(rates["lru"], rates["arc"]) - 0.005, (rates, auto, repr(policy))
         assert auto >= start + 0.01, (rates, auto, repr(policy))
     assert policy.switches >= 1
+
+
+@pytest.mark.parametrize("share", [0.2, 0.5])
+def test_auto_holds_the_bar_on_a_short_trace_while_kv_still_learns(share: float) -> None:
+    """Issue 40's short-trace cells: 2,000 requests of ``mixed`` (seed 0) are 9.3 and
+    3.7 capacities of traffic at 20% and 50%, inside kv's learning, where ARC led kv
+    (auto stayed on kv: -0.0078 and -0.0068). kv's estimate counted blocks too young to
+    have been reused as never reused; discounted (the fade, kv.py) kv is within 0.005."""
+    requests = FamilySource("mixed", 2000, 0).requests()
+    cap = capacity_blocks(share, summarize(requests).unique_blocks)
+    rates = {name: replay(requests, cap, policy=name).block_hit_rate for name in ("lru", "arc")}
+    auto = replay(requests, cap, policy=AdaptivePolicy(cap)).block_hit_rate
+    assert auto >= max(rates.values()) - 0.005, (rates, auto)
 
 
 # --- reacting to a change, and not flapping (issue 40) ----------------------------------

@@ -21,6 +21,10 @@
 #define NUM_CLASSES (TAIL + SIZE_BUCKETS)
 #define AGE_BINS 64
 #define SAMPLE_MASK 3
+/* the censoring correction's fade (kv.py's FADE, FADE_TICKS, CENSOR_SCALE) */
+#define FADE 12.0
+#define FADE_TICKS 160
+#define CENSOR_SCALE 16777216.0
 #define NIL (-1)
 
 /* eviction ties: last-block classes first, then the others by index (fewer uses first) */
@@ -71,6 +75,10 @@ typedef struct {
     double entered[NUM_CLASSES];
     double reused[NUM_CLASSES * AGE_BINS];
     double table[NUM_CLASSES][AGE_BINS];
+    int64_t rebuilds;                 /* rebuilds so far */
+    int64_t rebuild_ticks[FADE_TICKS]; /* the ticks of the first FADE_TICKS */
+    int n_rebuild_ticks;
+    int64_t traffic; /* blocks touched: the fade's clock */
 } Core;
 
 static PyObject *s_ref_cnt; /* interned "ref_cnt" */
@@ -191,8 +199,38 @@ static int check_bytes(PyObject *key) {
 
 /* --- learning --------------------------------------------------------------------- */
 
+/* kv.py's _censored(): per class and age bin, the sampled blocks not reused since they
+ * entered their class, weighted decay ** (rebuilds since), summed as exact integers */
+static void censored(Core *c, double *out) {
+    int64_t sums[NUM_CLASSES * AGE_BINS], weights[FADE_TICKS + 1];
+    int n = c->n_rebuild_ticks;
+    memset(sums, 0, sizeof sums);
+    for (int k = 0; k <= n; k++) weights[k] = (int64_t)(pow(c->decay, (double)k) * CENSOR_SCALE);
+    for (int32_t i = 0; i < c->n_nodes; i++) {
+        const Node *nd = &c->nodes[i];
+        if (nd->state == ST_FREE || !nd->sampled) continue;
+        int lo = 0, hi = n; /* bisect_left(ticks, nd->tick) */
+        while (lo < hi) {
+            int mid = (lo + hi) / 2;
+            if (c->rebuild_ticks[mid] < nd->tick) lo = mid + 1; else hi = mid;
+        }
+        sums[nd->cls * AGE_BINS + age_bin(c->tick - nd->tick)] += weights[n - lo];
+    }
+    for (int j = 0; j < NUM_CLASSES * AGE_BINS; j++) out[j] = (double)sums[j] / CENSOR_SCALE;
+}
+
 static void rebuild(Core *c) {
     double decay = c->decay;
+    double cens[NUM_CLASSES * AGE_BINS];
+    double fade = 1.0 - (double)c->traffic / (FADE * (double)c->capacity);
+    if (fade > 0.0) {
+        censored(c, cens);
+    } else {
+        fade = 0.0;
+        memset(cens, 0, sizeof cens);
+    }
+    if (c->n_rebuild_ticks < FADE_TICKS) c->rebuild_ticks[c->n_rebuild_ticks++] = c->tick;
+    c->rebuilds++;
     for (int k = 0; k < NUM_CLASSES; k++) {
         double *reused = &c->reused[k * AGE_BINS];
         double alive = c->entered[k];
@@ -204,7 +242,7 @@ static void rebuild(Core *c) {
             double p = alive > 1e-9 ? later / alive : 0.0;
             prev = p < prev ? p : prev;
             c->table[k][b] = prev;
-            alive -= reused[b];
+            alive -= reused[b] + fade * cens[k * AGE_BINS + b];
             later -= reused[b];
             reused[b] *= decay;
         }
@@ -243,6 +281,9 @@ static void core_reset(Core *c) {
     memset(c->reused, 0, sizeof c->reused);
     for (int k = 0; k < NUM_CLASSES; k++)
         for (int b = 0; b < AGE_BINS; b++) c->table[k][b] = 1.0;
+    c->rebuilds = 0;
+    c->n_rebuild_ticks = 0;
+    c->traffic = 0;
 }
 
 static int Core_init(Core *c, PyObject *args, PyObject *kw) {
@@ -311,6 +352,7 @@ static PyObject *Core_touch(Core *c, PyObject *keys_arg) {
     for (Py_ssize_t j = 0; j < n; j++)
         if (check_bytes(keys[j]) < 0) goto fail; /* before anything changes */
     c->tick++;
+    c->traffic += n;
     int64_t tick = c->tick;
     /* keys first seen by the last touch and never stored become ghosts */
     while (c->fresh.len) {
@@ -674,7 +716,14 @@ static PyObject *Core_snapshot(Core *c, PyObject *unused) {
         if (!q) { Py_DECREF(queues); return NULL; }
         PyList_SET_ITEM(queues, k, q);
     }
-    return Py_BuildValue("{s:N,s:N,s:N,s:L,s:n,s:d,s:N,s:N,s:N}",
+    PyObject *ticks = PyList_New(c->n_rebuild_ticks);
+    if (!ticks) { Py_DECREF(queues); return NULL; }
+    for (int j = 0; j < c->n_rebuild_ticks; j++) {
+        PyObject *t = PyLong_FromLongLong(c->rebuild_ticks[j]);
+        if (!t) { Py_DECREF(queues); Py_DECREF(ticks); return NULL; }
+        PyList_SET_ITEM(ticks, j, t);
+    }
+    return Py_BuildValue("{s:N,s:N,s:N,s:L,s:n,s:d,s:N,s:N,s:N,s:L,s:N,s:L}",
                          "queues", queues,
                          "fresh", list_snapshot(c, &c->fresh),
                          "ghost", list_snapshot(c, &c->ghost),
@@ -683,7 +732,41 @@ static PyObject *Core_snapshot(Core *c, PyObject *unused) {
                          "last_victim", c->last_victim,
                          "entered", doubles(c->entered, NUM_CLASSES),
                          "reused", doubles(c->reused, NUM_CLASSES * AGE_BINS),
-                         "table", Core_table(c, NULL));
+                         "table", Core_table(c, NULL),
+                         "rebuilds", (long long)c->rebuilds,
+                         "rebuild_ticks", ticks,
+                         "traffic", (long long)c->traffic);
+}
+
+/* rebuilds and their ticks (the first min(rebuilds, FADE_TICKS), in order, each in
+ * [0, tick]) into c; -1 on error, c unchanged */
+static int read_fade(Core *c, long long rebuilds, PyObject *arg, int64_t tick) {
+    PyObject *seq = PySequence_Fast(arg, "restore: rebuild_ticks must be a sequence");
+    if (!seq) return -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    int64_t ticks[FADE_TICKS];
+    if (rebuilds < 0 || n != (rebuilds < FADE_TICKS ? rebuilds : FADE_TICKS)) {
+        PyErr_Format(PyExc_ValueError,
+                     "restore: rebuild_ticks must hold the first min(rebuilds, %d) rebuilds' "
+                     "ticks, got %zd for %lld rebuilds", FADE_TICKS, n, rebuilds);
+        Py_DECREF(seq);
+        return -1;
+    }
+    for (Py_ssize_t j = 0; j < n; j++) {
+        long long t = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(seq, j));
+        if (t == -1 && PyErr_Occurred()) { Py_DECREF(seq); return -1; }
+        if (t < 0 || t > tick || (j && t < ticks[j - 1])) {
+            PyErr_SetString(PyExc_ValueError, "restore: rebuild_ticks must be in order, each in [0, tick]");
+            Py_DECREF(seq);
+            return -1;
+        }
+        ticks[j] = t;
+    }
+    Py_DECREF(seq);
+    c->rebuilds = rebuilds;
+    c->n_rebuild_ticks = (int)n;
+    memcpy(c->rebuild_ticks, ticks, (size_t)n * sizeof ticks[0]);
+    return 0;
 }
 
 /* n doubles from a sequence of numbers into out; -1 on error */
@@ -747,25 +830,27 @@ fail:
     return -1;
 }
 
-/* restore(tick, inserts, last_victim, entered, reused, table, resident, ghost): start
- * again from what another kv learned (KVPolicy.adopt builds the rows, each list in order
- * of last use) */
+/* restore(tick, inserts, last_victim, entered, reused, table, resident, ghost, rebuilds,
+ * rebuild_ticks, traffic): start again from what another kv learned (KVPolicy.adopt builds the
+ * rows, each list in order of last use) */
 static PyObject *Core_restore(Core *c, PyObject *args) {
-    long long tick;
+    long long tick, rebuilds, traffic;
     Py_ssize_t inserts;
     double last_victim;
-    PyObject *entered, *reused, *table, *resident, *ghost;
-    if (!PyArg_ParseTuple(args, "LndOOOOO", &tick, &inserts, &last_victim, &entered, &reused,
-                          &table, &resident, &ghost))
+    PyObject *entered, *reused, *table, *resident, *ghost, *rticks;
+    if (!PyArg_ParseTuple(args, "LndOOOOOLOL", &tick, &inserts, &last_victim, &entered, &reused,
+                          &table, &resident, &ghost, &rebuilds, &rticks, &traffic))
         return NULL;
-    if (tick < 0 || inserts < 0) {
-        PyErr_SetString(PyExc_ValueError, "restore: tick and inserts must be >= 0");
+    if (tick < 0 || inserts < 0 || traffic < 0) {
+        PyErr_SetString(PyExc_ValueError, "restore: tick, inserts and traffic must be >= 0");
         return NULL;
     }
     core_reset(c);
     c->tick = tick;
     c->inserts = inserts;
     c->last_victim = last_victim;
+    if (read_fade(c, rebuilds, rticks, tick) < 0) goto fail;
+    c->traffic = traffic;
     if (read_doubles(entered, c->entered, NUM_CLASSES, "entered") < 0) goto fail;
     if (read_doubles(reused, c->reused, NUM_CLASSES * AGE_BINS, "reused") < 0) goto fail;
     PyObject *rows = PySequence_Fast(table, "restore: table must be a sequence");

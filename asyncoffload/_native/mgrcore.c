@@ -219,10 +219,14 @@ typedef struct {
 #define KV_TAIL (USE_BUCKETS * SIZE_BUCKETS)
 #define AGE_BINS 64
 #define KV_SAMPLE_MASK 3
+/* the censoring correction's fade (kv.py's FADE, FADE_TICKS, CENSOR_SCALE) */
+#define KV_FADE 12.0
+#define KV_FADE_TICKS 160
+#define KV_CENSOR_SCALE 16777216.0
 
 /* kv's learning (asyncoffload/manager/policies/kv.py, default options) */
 typedef struct {
-    Py_ssize_t ghost_cap, rebuild_every;
+    Py_ssize_t capacity, ghost_cap, rebuild_every;
     double decay;
     int64_t tick;
     Py_ssize_t inserts;
@@ -230,6 +234,10 @@ typedef struct {
     double entered[KV_CLASSES];
     double reused[KV_CLASSES * AGE_BINS];
     double table[KV_CLASSES][AGE_BINS];
+    int64_t rebuilds;                       /* rebuilds so far */
+    int64_t rebuild_ticks[KV_FADE_TICKS];   /* the ticks of the first KV_FADE_TICKS */
+    int n_rebuild_ticks;
+    int64_t traffic; /* blocks touched: the fade's clock */
 } KVState;
 
 typedef struct {
@@ -889,10 +897,48 @@ static void kv_clear(KVState *kv) {
     memset(kv->reused, 0, sizeof kv->reused);
     for (int k = 0; k < KV_CLASSES; k++)
         for (int b = 0; b < AGE_BINS; b++) kv->table[k][b] = 1.0;
+    kv->rebuilds = 0;
+    kv->n_rebuild_ticks = 0;
+    kv->traffic = 0;
 }
 
-static void kv_rebuild(KVState *kv) {
+/* kv.py's _censored(): per class and age bin, the sampled blocks kv knows that were not
+ * reused since they entered their class, weighted decay ** (rebuilds since), summed as
+ * exact integers */
+static void kv_censored(Core *c, double *out) {
+    KVState *kv = c->kv;
+    int64_t sums[KV_CLASSES * AGE_BINS], weights[KV_FADE_TICKS + 1];
+    int n = kv->n_rebuild_ticks;
+    memset(sums, 0, sizeof sums);
+    for (int k = 0; k <= n; k++)
+        weights[k] = (int64_t)(pow(kv->decay, (double)k) * KV_CENSOR_SCALE);
+    for (int32_t i = 0; i < c->n_nodes; i++) {
+        const Node *nd = &c->nodes[i];
+        if (!nd->key || !nd->freq || !nd->sampled) continue;
+        int lo = 0, hi = n; /* bisect_left(ticks, nd->tick) */
+        while (lo < hi) {
+            int mid = (lo + hi) / 2;
+            if (kv->rebuild_ticks[mid] < nd->tick) lo = mid + 1;
+            else hi = mid;
+        }
+        sums[nd->cls * AGE_BINS + kv_age_bin(kv->tick - nd->tick)] += weights[n - lo];
+    }
+    for (int j = 0; j < KV_CLASSES * AGE_BINS; j++) out[j] = (double)sums[j] / KV_CENSOR_SCALE;
+}
+
+static void kv_rebuild(Core *c) {
+    KVState *kv = c->kv;
     double decay = kv->decay;
+    double cens[KV_CLASSES * AGE_BINS];
+    double fade = 1.0 - (double)kv->traffic / (KV_FADE * (double)kv->capacity);
+    if (fade > 0.0) {
+        kv_censored(c, cens);
+    } else {
+        fade = 0.0;
+        memset(cens, 0, sizeof cens);
+    }
+    if (kv->n_rebuild_ticks < KV_FADE_TICKS) kv->rebuild_ticks[kv->n_rebuild_ticks++] = kv->tick;
+    kv->rebuilds++;
     for (int k = 0; k < KV_CLASSES; k++) {
         double *reused = &kv->reused[k * AGE_BINS];
         double alive = kv->entered[k], later = 0.0; /* summed in order, as kv.py does */
@@ -902,7 +948,7 @@ static void kv_rebuild(KVState *kv) {
             double p = alive > 1e-9 ? later / alive : 0.0;
             prev = p < prev ? p : prev;
             kv->table[k][b] = prev;
-            alive -= reused[b];
+            alive -= reused[b] + fade * cens[k * AGE_BINS + b];
             later -= reused[b];
             reused[b] *= decay;
         }
@@ -928,6 +974,7 @@ static void kv_trim(Core *c) {
 static void kv_touch(Core *c, const int32_t *nodes, Py_ssize_t n) {
     KVState *kv = c->kv;
     int64_t tick = ++kv->tick;
+    kv->traffic += n;
     /* touched before and never stored: remembered like evicted blocks */
     while (c->lists[KV_FRESH].len) list_append(c, KV_GHOST, list_pop_head(c, KV_FRESH));
     int size = kv_size_bucket(n), top = KV_TAIL - SIZE_BUCKETS + size;
@@ -983,7 +1030,7 @@ static void kv_insert_many(Core *c, const int32_t *nodes, Py_ssize_t n) {
     kv->inserts += n;
     if (kv->inserts >= kv->rebuild_every) {
         kv->inserts = 0;
-        kv_rebuild(kv);
+        kv_rebuild(c);
     }
 }
 
@@ -2061,11 +2108,23 @@ static PyObject *kv_snapshot(Core *c) {
         if (row) PyList_SET_ITEM(table, k, row);
         if (!q || !row) goto fail;
     }
-    return Py_BuildValue("{s:N,s:N,s:N,s:L,s:n,s:d,s:N,s:N,s:N,s:n,s:n,s:d}", "queues", queues,
-                         "fresh", kv_rows(c, KV_FRESH), "ghost", kv_rows(c, KV_GHOST), "tick",
-                         (long long)kv->tick, "inserts", kv->inserts, "last_victim",
+    PyObject *ticks = PyList_New(kv->n_rebuild_ticks);
+    if (!ticks) goto fail;
+    for (int j = 0; j < kv->n_rebuild_ticks; j++) {
+        PyObject *t = PyLong_FromLongLong(kv->rebuild_ticks[j]);
+        if (!t) {
+            Py_DECREF(ticks);
+            goto fail;
+        }
+        PyList_SET_ITEM(ticks, j, t);
+    }
+    return Py_BuildValue("{s:N,s:N,s:N,s:L,s:n,s:d,s:N,s:N,s:N,s:L,s:N,s:L,s:n,s:n,s:d}", "queues",
+                         queues, "fresh", kv_rows(c, KV_FRESH), "ghost", kv_rows(c, KV_GHOST),
+                         "tick", (long long)kv->tick, "inserts", kv->inserts, "last_victim",
                          kv->last_victim, "entered", doubles(kv->entered, KV_CLASSES), "reused",
-                         doubles(kv->reused, KV_CLASSES * AGE_BINS), "table", table, "ghost_cap",
+                         doubles(kv->reused, KV_CLASSES * AGE_BINS), "table", table, "rebuilds",
+                         (long long)kv->rebuilds, "rebuild_ticks", ticks, "traffic",
+                         (long long)kv->traffic, "ghost_cap",
                          kv->ghost_cap, "rebuild_every", kv->rebuild_every, "decay", kv->decay);
 fail:
     Py_XDECREF(queues);
@@ -2273,27 +2332,64 @@ static void kv_place_rows(Core *c, PyObject *seq, int resident_rows) {
     }
 }
 
-/* kv_restore(tick, inserts, last_victim, entered, reused, table, resident, ghost): an
- * empty kv manager takes another kv's learned state, its resident rows (key, uses, tick,
- * class) ready and idle, each class's in order of last use, and its ghost rows */
+/* rebuilds and their ticks (the first min(rebuilds, KV_FADE_TICKS), in order, each in
+ * [0, tick]) into st; -1 on error */
+static int kv_read_fade(KVState *st, long long rebuilds, PyObject *arg, int64_t tick) {
+    PyObject *seq = PySequence_Fast(arg, "kv_restore: rebuild_ticks must be a sequence");
+    if (!seq) return -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    if (rebuilds < 0 || n != (rebuilds < KV_FADE_TICKS ? rebuilds : KV_FADE_TICKS)) {
+        PyErr_Format(PyExc_ValueError,
+                     "kv_restore: rebuild_ticks must hold the first min(rebuilds, %d) "
+                     "rebuilds' ticks, got %zd for %lld rebuilds",
+                     KV_FADE_TICKS, n, rebuilds);
+        Py_DECREF(seq);
+        return -1;
+    }
+    for (Py_ssize_t j = 0; j < n; j++) {
+        long long t = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(seq, j));
+        if (t == -1 && PyErr_Occurred()) {
+            Py_DECREF(seq);
+            return -1;
+        }
+        if (t < 0 || t > tick || (j && t < st->rebuild_ticks[j - 1])) {
+            PyErr_SetString(PyExc_ValueError,
+                            "kv_restore: rebuild_ticks must be in order, each in [0, tick]");
+            Py_DECREF(seq);
+            return -1;
+        }
+        st->rebuild_ticks[j] = t;
+    }
+    Py_DECREF(seq);
+    st->rebuilds = rebuilds;
+    st->n_rebuild_ticks = (int)n;
+    return 0;
+}
+
+/* kv_restore(tick, inserts, last_victim, entered, reused, table, resident, ghost,
+ * rebuilds, rebuild_ticks, traffic): an empty kv manager takes another kv's learned state, its
+ * resident rows (key, uses, tick, class) ready and idle, each class's in order of last
+ * use, and its ghost rows */
 static PyObject *Core_kv_restore(Core *c, PyObject *args) {
-    long long tick;
+    long long tick, rebuilds, traffic;
     Py_ssize_t inserts;
     double last_victim;
-    PyObject *entered, *reused, *table, *res_arg, *ghost_arg;
-    if (!PyArg_ParseTuple(args, "LndOOOOO", &tick, &inserts, &last_victim, &entered, &reused,
-                          &table, &res_arg, &ghost_arg))
+    PyObject *entered, *reused, *table, *res_arg, *ghost_arg, *rticks;
+    if (!PyArg_ParseTuple(args, "LndOOOOOLOL", &tick, &inserts, &last_victim, &entered, &reused,
+                          &table, &res_arg, &ghost_arg, &rebuilds, &rticks, &traffic))
         return NULL;
     if (!c->kv || c->live || c->num_allocated) {
         PyErr_SetString(PyExc_ValueError, "kv_restore needs an empty kv manager");
         return NULL;
     }
-    if (tick < 0 || inserts < 0) {
-        PyErr_SetString(PyExc_ValueError, "kv_restore: tick and inserts must be >= 0");
+    if (tick < 0 || inserts < 0 || traffic < 0) {
+        PyErr_SetString(PyExc_ValueError, "kv_restore: tick, inserts and traffic must be >= 0");
         return NULL;
     }
     KVState st = *c->kv;
     PyObject *res = NULL, *ghost = NULL, *rows = NULL, *seen = NULL;
+    if (kv_read_fade(&st, rebuilds, rticks, tick) < 0) goto fail;
+    st.traffic = traffic;
     if (kv_read_doubles(entered, st.entered, KV_CLASSES, "entered") < 0) goto fail;
     if (kv_read_doubles(reused, st.reused, KV_CLASSES * AGE_BINS, "reused") < 0) goto fail;
     if (!(rows = PySequence_Fast(table, "kv_restore: table must be a sequence"))) goto fail;
@@ -2417,6 +2513,7 @@ static PyObject *Core_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
             Py_DECREF(c);
             return PyErr_NoMemory();
         }
+        c->kv->capacity = num_blocks;
         c->kv->ghost_cap = (Py_ssize_t)((double)num_blocks * 4.0);
         c->kv->rebuild_every = num_blocks / 8 > 64 ? num_blocks / 8 : 64;
         c->kv->decay = pow(0.5, (double)c->kv->rebuild_every / (4.0 * (double)num_blocks));

@@ -235,6 +235,9 @@ class Ghost:
                 state["table"],
                 held,
                 gone,
+                int(state["rebuilds"]),
+                state["rebuild_ticks"],
+                int(state["traffic"]),
             )
             return
         request = self.request

@@ -54,8 +54,10 @@ module's Python code is the reference and the fallback where it cannot be built.
 from __future__ import annotations
 
 import heapq
+from bisect import bisect_left
 from collections import OrderedDict
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
+from itertools import pairwise
 from typing import Any
 
 from asyncoffload._native import load_kvcore
@@ -63,7 +65,7 @@ from asyncoffload.keys import OffloadKey
 from asyncoffload.manager.base import BlockStatus
 from asyncoffload.manager.policies.base import CachePolicy, register_policy
 
-__all__ = ["KVPolicy", "adoption", "class_of", "size_bucket"]
+__all__ = ["KVPolicy", "adoption", "class_of", "fade_state", "size_bucket"]
 
 #: Use-count buckets: 1, 2, 3, 4+.
 USE_BUCKETS = 4
@@ -82,6 +84,15 @@ AGE_BINS = 64
 #: Learn from the blocks whose hash byte ``key[-5]`` has these bits clear (one in four):
 #: the estimates need far fewer samples than a tier has blocks.
 _SAMPLE_MASK = 3
+#: The first FADE capacities of traffic (blocks touched, since the start or ``clear``)
+#: correct the estimate for blocks too young to have been reused yet (right-censored),
+#: fully at first, fading to nothing by then. See the module's "Learning".
+FADE = 12.0
+#: Rebuild ticks remembered for the correction's weights: more than a fade has rebuilds
+#: (a rebuild every eighth of a capacity of inserts or more, and inserts <= traffic).
+FADE_TICKS = 160
+#: The censored counts are summed as integers of this scale (exact, in any order).
+CENSOR_SCALE = 16777216.0
 
 # What the policy knows of a block, resident or remembered: [uses, last use, class].
 _Meta = list[int]
@@ -101,6 +112,26 @@ def class_of(uses: int, size: int, last: bool = False) -> int:
 
 
 Row = tuple[OffloadKey, int, int, int]
+
+
+def fade_state(state: Mapping[str, Any]) -> tuple[int, list[int], int]:
+    """``(rebuilds, rebuild ticks, traffic)`` of a kv's :meth:`KVPolicy.snapshot`,
+    checked: ``ValueError`` naming what is wrong."""
+    rebuilds = int(state["rebuilds"])
+    ticks = [int(t) for t in state["rebuild_ticks"]]
+    traffic = int(state["traffic"])
+    if rebuilds < 0 or traffic < 0:
+        raise ValueError(f"rebuilds and traffic must be >= 0, got {rebuilds}, {traffic}")
+    if len(ticks) != min(rebuilds, FADE_TICKS):
+        raise ValueError(
+            f"rebuild_ticks must hold the first min(rebuilds, {FADE_TICKS}) rebuilds' ticks,"
+            f" got {len(ticks)} for {rebuilds} rebuilds"
+        )
+    if any(b < a for a, b in pairwise(ticks)) or any(
+        not 0 <= t <= int(state["tick"]) for t in ticks
+    ):
+        raise ValueError("rebuild_ticks must be in order, each in [0, tick]")
+    return rebuilds, ticks, traffic
 
 
 def adoption(
@@ -223,6 +254,11 @@ class KVPolicy(CachePolicy):
         self._entered = [0.0] * NUM_CLASSES
         self._reused = [0.0] * (NUM_CLASSES * AGE_BINS)
         self._table = [[1.0] * AGE_BINS for _ in range(NUM_CLASSES)]
+        #: Rebuilds so far, and the ticks of the first FADE_TICKS (the fade's weights);
+        #: blocks touched so far (the fade's clock).
+        self._rebuilds = 0
+        self._rebuild_ticks: list[int] = []
+        self._traffic = 0
 
     def get(self, key: OffloadKey) -> BlockStatus | None:
         return self._blocks.get(key)
@@ -291,6 +327,9 @@ class KVPolicy(CachePolicy):
             "entered": list(self._entered),
             "reused": list(self._reused),
             "table": self.reuse_table(),
+            "rebuilds": self._rebuilds,
+            "rebuild_ticks": list(self._rebuild_ticks),
+            "traffic": self._traffic,
         }
 
     def reuse_table(self) -> list[list[float]]:
@@ -322,6 +361,9 @@ class KVPolicy(CachePolicy):
                 state["table"],
                 [(key, block_of[key], uses, tick, cls) for key, uses, tick, cls in held],
                 gone,
+                int(state["rebuilds"]),
+                state["rebuild_ticks"],
+                int(state["traffic"]),
             )
             return
         self.clear()
@@ -331,6 +373,7 @@ class KVPolicy(CachePolicy):
         self._entered = [float(x) for x in state["entered"]]
         self._reused = [float(x) for x in state["reused"]]
         self._table = [[float(x) for x in row] for row in state["table"]]
+        self._rebuilds, self._rebuild_ticks, self._traffic = fade_state(state)
         meta_of, queues = self._meta, self._queues
         for key, uses, tick, cls in held:
             meta = meta_of[key] = [uses, tick, cls]
@@ -347,9 +390,38 @@ class KVPolicy(CachePolicy):
         for _ in range(len(ghost) - self._ghost_cap):
             del meta[ghost.popitem(last=False)[0]]
 
+    def _fade(self) -> float:
+        """The share of the censoring correction the next rebuild applies."""
+        return 1.0 - self._traffic / (FADE * self.capacity)
+
+    def _censored(self) -> list[float]:
+        """Per class and age bin, the blocks (sampled) not reused since they entered
+        their class, by their age now, each weighted as the decay has weighted its entry
+        (``decay ** rebuilds since``), summed as exact integers."""
+        now, ticks = self._tick, self._rebuild_ticks
+        n = len(ticks)
+        weights = [int(self._decay**k * CENSOR_SCALE) for k in range(n + 1)]
+        sums = [0] * (NUM_CLASSES * AGE_BINS)
+        for key, meta in self._meta.items():
+            if key[-5] & _SAMPLE_MASK:
+                continue
+            last = meta[1]
+            sums[meta[2] * AGE_BINS + (now - last).bit_length()] += weights[
+                n - bisect_left(ticks, last)
+            ]
+        return [x / CENSOR_SCALE for x in sums]
+
     def _rebuild(self) -> None:
         decay = self._decay
         table, reused, entered = self._table, self._reused, self._entered
+        fade = self._fade()
+        if fade > 0.0:
+            censored = self._censored()
+        else:
+            fade, censored = 0.0, [0.0] * (NUM_CLASSES * AGE_BINS)
+        if len(self._rebuild_ticks) < FADE_TICKS:
+            self._rebuild_ticks.append(self._tick)
+        self._rebuilds += 1
         for c in range(NUM_CLASSES):
             base = c * AGE_BINS
             alive = entered[c]
@@ -362,7 +434,7 @@ class KVPolicy(CachePolicy):
                 p = later / alive if alive > 1e-9 else 0.0
                 prev = p if p < prev else prev
                 row[b - base] = prev
-                alive -= reused[b]
+                alive -= reused[b] + fade * censored[b]
                 later -= reused[b]
                 reused[b] *= decay
             entered[c] *= decay
@@ -380,6 +452,7 @@ class KVPolicy(CachePolicy):
             if not isinstance(key, bytes):
                 raise TypeError(f"keys must be bytes, got {type(key).__name__}")
         self._tick += 1
+        self._traffic += len(keys)
         tick = self._tick
         meta_of, ghost = self._meta, self._ghost
         fresh = self._fresh
