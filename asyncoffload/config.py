@@ -60,6 +60,15 @@ LOAD_DEADLINE_FLOOR_S: Any = Field(
     description="load_or_recompute: the least time a promotion or a question is given (a "
     "driver's polling granularity, a tier's jitter), whatever the recompute time.",
 )
+LOAD_PROBE_EVERY_S: Any = Field(
+    5.0,
+    gt=0,
+    le=3600,
+    allow_inf_nan=False,
+    description="load_or_recompute: a tier judged slower than recomputing is read again "
+    "(one promotion it would decline, measured) at most this often, so that a tier that "
+    "recovered is used again.",
+)
 
 
 class EngineConfig(BaseModel):
@@ -213,6 +222,7 @@ class EngineConfig(BaseModel):
     )
     load_deadline_factor: float = LOAD_DEADLINE_FACTOR
     load_deadline_floor_s: float = LOAD_DEADLINE_FLOOR_S
+    load_probe_every_s: float = LOAD_PROBE_EVERY_S
     log_summary_s: float | None = Field(
         None,
         gt=0,

@@ -404,6 +404,7 @@ def cost_model(cfg: EngineConfig) -> CostModel:
         enabled=cfg.load_or_recompute,
         deadline_factor=cfg.load_deadline_factor,
         min_deadline_s=cfg.load_deadline_floor_s,
+        probe_every_s=cfg.load_probe_every_s,
     )
     model.recompute.tokens_per_block = cfg.tokens_per_block
     if cfg.recompute_tokens_per_s is not None:

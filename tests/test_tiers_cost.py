@@ -133,6 +133,10 @@ def test_without_a_recompute_rate_or_with_the_rule_off_every_promotion_is_taken(
         ("load_deadline_floor_s", -0.01),
         ("load_deadline_floor_s", math.nan),
         ("load_deadline_floor_s", 120.0),
+        ("load_probe_every_s", 0.0),
+        ("load_probe_every_s", -1.0),
+        ("load_probe_every_s", math.inf),
+        ("load_probe_every_s", 7200.0),
     ],
 )
 def test_bad_load_deadline_settings_are_errors_naming_the_setting(field: str, value: float) -> None:
@@ -146,14 +150,22 @@ def test_the_load_deadline_settings_reach_the_rule() -> None:
         recompute_tokens_per_s=1600.0,
         load_deadline_factor=3.0,
         load_deadline_floor_s=0.2,
+        load_probe_every_s=30.0,
     )
     model = cost_model(cfg)
     assert (model.deadline_factor, model.min_deadline_s) == (3.0, 0.2)
+    # A tier judged slow (1 s a read against 10 ms): probed 30 s after its last read.
+    tier = _tier()
+    model.read_model(tier).observe(1.0, BLOCK_BYTES)
+    model.read_at[tier] = 0.0
+    assert not model.worth({tier: 1}, now=29.0)  # the default's 5 s would probe
+    assert model.worth({tier: 1}, now=30.0)
     # 10 blocks: 0.1 s to recompute, 0.3 s to load; 1 block: 10 ms, the floor 0.2 s.
     assert model.deadline(10, 5.0) == pytest.approx(5.3)
     assert model.deadline(1, 5.0) == pytest.approx(5.2)
     default = cost_model(ao.EngineConfig(tokens_per_block=16, recompute_tokens_per_s=1600.0))
     assert (default.deadline_factor, default.min_deadline_s) == (1.0, 0.05)
+    assert default.probe_every_s == 5.0
 
 
 def test_recompute_tokens_per_s_needs_tokens_per_block() -> None:

@@ -170,6 +170,7 @@ def test_the_load_deadline_settings_reach_the_schedulers_rule(tmp_path: Path) ->
         host_pool_dir=str(tmp_path / "shm"),
         load_deadline_factor=2.5,
         load_deadline_floor_s=0.25,
+        load_probe_every_s=20.0,
     )
     (tmp_path / "shm").mkdir(exist_ok=True)
     spec = OffloadingSpecFactory.create_spec(_config(extra))
@@ -178,12 +179,14 @@ def test_the_load_deadline_settings_reach_the_schedulers_rule(tmp_path: Path) ->
     try:
         assert manager.tiers is not None
         cost = manager.tiers.core.cost
-        assert (cost.deadline_factor, cost.min_deadline_s) == (2.5, 0.25)
+        assert (cost.deadline_factor, cost.min_deadline_s, cost.probe_every_s) == (2.5, 0.25, 20.0)
     finally:
         worker.shutdown()
         manager.shutdown()
     with pytest.raises(ValueError, match="load_deadline_factor"):
         VllmOffloadSettings.from_extra_config(_extra(load_deadline_factor=0))
+    with pytest.raises(ValueError, match="load_probe_every_s"):
+        VllmOffloadSettings.from_extra_config(_extra(load_probe_every_s=0))
 
 
 # --- the shared host pool -------------------------------------------------------------

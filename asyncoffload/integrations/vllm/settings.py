@@ -20,7 +20,7 @@ from pydantic import (
     model_validator,
 )
 
-from asyncoffload.config import LOAD_DEADLINE_FACTOR, LOAD_DEADLINE_FLOOR_S
+from asyncoffload.config import LOAD_DEADLINE_FACTOR, LOAD_DEADLINE_FLOOR_S, LOAD_PROBE_EVERY_S
 from asyncoffload.manager.quotas import check_quota_table
 from asyncoffload.manager.retention import check_pin_budget
 from asyncoffload.tiers.settings import known_admission, known_policy
@@ -142,6 +142,7 @@ class VllmOffloadSettings(BaseModel):
     )
     load_deadline_factor: float = LOAD_DEADLINE_FACTOR
     load_deadline_floor_s: float = LOAD_DEADLINE_FLOOR_S
+    load_probe_every_s: float = LOAD_PROBE_EVERY_S
     sync_load_budget_bytes: int = Field(
         0,
         ge=0,

@@ -167,6 +167,7 @@ class AsyncOffloadSpec(OffloadingSpec):
                     s.recompute_tokens_per_s,
                     s.load_deadline_factor,
                     s.load_deadline_floor_s,
+                    s.load_probe_every_s,
                 )
         return self._manager
 
