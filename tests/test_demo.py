@@ -376,12 +376,14 @@ def test_cli_help_lists_demo(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_a_consumer_refuses_a_reply_that_is_not_the_servers() -> None:
-    """A socket that echoes the request (as the consumer's own socket does when it
+    """A socket that sends the request back (as the consumer's own socket does when it
     connects to itself, before a server binds an ephemeral port): 2 frames, named in a
     ConnectionError, nothing applied; with time to wait it asks again, then gives up."""
     port = free_port(pair=True)
     ctx: zmq.Context[Any] = zmq.Context()
-    echo = ctx.socket(zmq.DEALER)
+    # A ROUTER answers the peer that asked (a DEALER would deal its answers round robin,
+    # to the closed sockets of earlier attempts too: lost, a timeout in a busy make test).
+    echo = ctx.socket(zmq.ROUTER)
     echo.bind(f"tcp://127.0.0.1:{port + 1}")
     stop = threading.Event()
 
