@@ -219,6 +219,21 @@ class LentTiers(PolledTiers):
                 self.flush()
             return "pending"
 
+    def worth(self, key: OffloadKey, run: int) -> bool:
+        """Load or recompute (``tiers.core.cost``), for a framework that looks keys up
+        one at a time: whether reading ``run`` blocks from the tier holding ``key`` (a
+        request's run of keys from it, ``key`` its last) beats recomputing them. False
+        counts ``key`` ``recomputed_by_choice``: the caller answers a miss, and the
+        framework recomputes from there. True for a key no tier holds ready."""
+        with self._entered():
+            tier = self.core.source(key)
+            if tier is None:
+                return True
+            if self.core.cost.worth({tier: run}, time.monotonic(), count=False):
+                return True
+            tier.counters.recomputed_by_choice += 1
+            return False
+
     def exists(self, keys: Sequence[OffloadKey], timeout_s: float) -> list[bool]:
         """Per key, whether a tier holds it ready; keys no tier knows are asked of the
         shared tiers first, waiting for their answers at most ``timeout_s`` (blocking

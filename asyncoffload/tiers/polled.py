@@ -88,6 +88,28 @@ class PolledTiers:
         for store in stores:
             store.bind(wake_fd)
 
+    def configure_cost(
+        self,
+        enabled: bool,
+        tokens_per_block: int,
+        tokens_per_s: float | None,
+        deadline_factor: float = 1.0,
+        deadline_floor_s: float = 0.05,
+        probe_every_s: float = 5.0,
+    ) -> None:
+        """The load-or-recompute rule (``tiers.core.cost``): on or off, the tokens of one
+        block, the framework's prefill throughput if configured (None: unknown, or
+        measured from its steps by the driver), the deadline's factor and floor, and how
+        often a tier judged slow is probed."""
+        cost = self.core.cost
+        cost.enabled = enabled
+        cost.deadline_factor, cost.min_deadline_s = deadline_factor, deadline_floor_s
+        cost.probe_every_s = probe_every_s
+        cost.recompute.tokens_per_block = tokens_per_block
+        if tokens_per_s is not None:
+            cost.recompute.tokens_per_s = tokens_per_s
+            cost.recompute.configured = True
+
     def connect(self) -> None:
         """Open the shared tiers' connections now, once, at start-up: the private loop
         runs only while the caller calls in, and a handshake of several round trips made

@@ -358,6 +358,67 @@ def _entry(**keys: Any) -> dict[str, Any]:
     return {k: v for k, v in entry.items() if v is not None}
 
 
+# --- load or recompute -------------------------------------------------------------------
+
+
+def _tier_stats(tier: AsyncOffloadTier) -> Any:
+    (stats,) = tier.tier_stats()
+    return stats
+
+
+@pytest.mark.parametrize("rate", [16_000.0, None])
+def test_a_tier_slower_than_recomputing_answers_misses_then_is_probed(
+    tmp_path: Path, rate: float | None
+) -> None:
+    """With vLLM's prefill rate configured (16,000 tokens/s: a 16-token chunk is 1 ms to
+    recompute), a tier measured at 0.3 s a read answers the chunks it holds as misses
+    (counted, no read), and is read again, once, after ``load_probe_every_s``. Without
+    a rate every chunk it holds is loaded, however slow."""
+    entry = tier_entry(
+        _disk(tmp_path / "disk"),
+        recompute_tokens_per_s=rate,
+        load_deadline_floor_s=5.0,  # the slow reads end in time: measured, not failed
+        load_probe_every_s=3.0,  # round 2 comes well within it, on a busy machine too
+    )
+    engine = Engine([{k: v for k, v in entry.items() if v is not None}])
+    try:
+        tier = engine.tier
+        keys = keys_of("c0", "c1", "c2", "c3")
+        engine.store(keys, random_rows(4, ROW, seed=11))
+        engine.forget_primary()
+        (store,) = tier.stores
+        assert isinstance(store, DiskStore)
+        store.pool.set_delay(0.3)
+        # Nothing measured yet: taken (and measured: 0.3 s).
+        answers, _ = engine.promote(keys[:2])
+        assert answers == [LookupResult.HIT] * 2
+        engine.settle("the slow reads")
+        read = _tier_stats(tier).blocks_read
+        assert read == 2
+        answers, _ = engine.promote(keys[2:])
+        engine.settle("the second round")
+        if rate is None:
+            assert answers == [LookupResult.HIT] * 2
+            assert _tier_stats(tier).recomputed_by_choice == 0
+            return
+        assert answers == [LookupResult.MISS] * 2
+        stats = _tier_stats(tier)
+        assert (stats.recomputed_by_choice, stats.blocks_read) == (2, read)
+        data = tier.get_stats().data["data"]  # type: ignore[union-attr]
+        assert data[_OURS + "recomputed_by_choice"][(tier.name,)] == 2
+        assert data[_OURS + "loaded"][(tier.name,)] == 2
+        # A probe, once its interval passed: one chunk read (measured), the next declined.
+        store.pool.set_delay(0)
+        time.sleep(3.05)
+        answers, _ = engine.promote(keys[2:])
+        engine.settle("the probe")
+        assert answers == [LookupResult.HIT, LookupResult.MISS]
+        stats = _tier_stats(tier)
+        assert (stats.recomputed_by_choice, stats.blocks_read) == (3, read + 1)
+    finally:
+        engine.close()
+
+
 @pytest.mark.parametrize(
     ("entry", "named"),
     [
@@ -365,6 +426,9 @@ def _entry(**keys: Any) -> dict[str, Any]:
         (_entry(tier={"path": "/x", "capacity": "1MiB", "capcity": 1}), r"\['tier.capcity'\]"),
         (_entry(tier={"kind": "nvme", "path": "/x"}), r"\['tier'\]: unknown tier kind 'nvme'"),
         (_entry(tenat="a"), r"\['tenat'\]: unknown key"),
+        (_entry(recompute_tokens_per_s=0), r"\['recompute_tokens_per_s'\]: .*greater than 0"),
+        (_entry(load_probe_every_s=-1.0), r"\['load_probe_every_s'\]"),
+        (_entry(load_deadline_factor=1000), r"\['load_deadline_factor'\]"),
     ],
 )
 def test_a_bad_entry_is_one_error_at_start_up_naming_the_setting(

@@ -113,6 +113,19 @@ _COUNTERS: dict[str, tuple[str, str]] = {
         "dropped",
         "Chunks dropped from the tier because a read of them failed its checks.",
     ),
+    _OURS + "loaded": (
+        "loaded",
+        "Load or recompute: chunks loaded from the tier (a promotion that ended in time).",
+    ),
+    _OURS + "recomputed_by_choice": (
+        "recomputed_by_choice",
+        "Load or recompute: chunks the tier held, answered as misses because reading them "
+        "was expected to lose to recomputing them.",
+    ),
+    _OURS + "recomputed_after_deadline": (
+        "recomputed_after_deadline",
+        "Load or recompute: chunks whose read overran its deadline (recomputed).",
+    ),
 }
 _EVICTED = _OURS + "blocks_evicted"
 _FAILURES = _OURS + "failures"
@@ -267,7 +280,20 @@ class AsyncOffloadTier(SecondaryTierManager):
         #: The tier's name: its events' ``ownership``, its metrics' ``tier`` label.
         self.name = settings.tier_name
         self._events_on = bool(offloading_spec.kv_events_config.enable_kv_cache_events)
-        self._tiers = self._open(self.namespace())
+        namespace = self.namespace()
+        self._tiers = self._open(namespace)
+        # Load or recompute: a chunk's tokens, and vLLM's prefill rate if configured.
+        self._tiers.configure_cost(
+            settings.load_or_recompute,
+            namespace.tokens_per_block,
+            settings.recompute_tokens_per_s,
+            settings.load_deadline_factor,
+            settings.load_deadline_floor_s,
+            settings.load_probe_every_s,
+        )
+        #: Per request, the chunks this step's lookups answered HIT from the tier: the
+        #: run a read would bring (vLLM batches a request's promotions into one job).
+        self._runs: dict[str, int] = {}
         #: Results taken from the tiers (by a drain) and not yet given to vLLM.
         self._finished: list[JobResult] = []
         #: Stores that ended while an op of theirs may still read their chunks.
@@ -319,7 +345,17 @@ class AsyncOffloadTier(SecondaryTierManager):
     # --- vLLM's calls ---------------------------------------------------------------
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        return _LOOKUP[self._tiers.lookup(OurKey(key))]
+        """The core's answer; a hit is a miss when reading the request's run of chunks
+        from the tier, this one its last, loses to recomputing them (load or recompute:
+        vLLM then computes from this chunk on)."""
+        ours = OurKey(key)
+        found = self._tiers.lookup(ours)
+        if found == "hit":
+            run = self._runs.get(req_context.req_id, 0) + 1
+            if not self._tiers.worth(ours, run):
+                return LookupResult.MISS
+            self._runs[req_context.req_id] = run
+        return _LOOKUP[found]
 
     def submit_store(self, job_metadata: TransferJob) -> None:
         slots = self._rows.slots(job_metadata)
@@ -392,7 +428,12 @@ class AsyncOffloadTier(SecondaryTierManager):
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         # Sends the step's questions to a shared tier; what ended waits for vLLM's poll.
+        # The step's promotions go out as one job a request: runs start again.
+        self._runs.clear()
         self._take(self._finished)
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        self._runs.pop(req_context.req_id, None)
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         """The tier's stored and removed events as vLLM's, a stored event with the

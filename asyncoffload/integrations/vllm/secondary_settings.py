@@ -26,6 +26,7 @@ from pydantic import (
     model_validator,
 )
 
+from asyncoffload.config import LOAD_DEADLINE_FACTOR, LOAD_DEADLINE_FLOOR_S, LOAD_PROBE_EVERY_S
 from asyncoffload.manager.quotas import check_quota_table
 from asyncoffload.tiers.specs import TIER_KINDS, TierSpec, lent_tier_specs
 
@@ -63,6 +64,25 @@ class SecondaryTierSettings(BaseModel):
         "vLLM from this key: set 'REMOTE' for network water marks); by default LOCAL for "
         "a disk tier, REMOTE for a remote or Mooncake one.",
     )
+
+    load_or_recompute: bool = Field(
+        True,
+        description="With recompute_tokens_per_s: answer a chunk the tier holds as a miss "
+        "when reading the request's run of chunks from the tier is expected to take longer "
+        "than recomputing them, and fail a load (its chunks recomputed) that overruns a "
+        "deadline derived from the recompute time (docs/vllm.md, Load or recompute).",
+    )
+    recompute_tokens_per_s: float | None = Field(
+        None,
+        gt=0,
+        allow_inf_nan=False,
+        description="vLLM's prefill throughput (tokens per second), the recompute side of "
+        "load_or_recompute. None: unknown, every chunk the tier holds is loaded, under the "
+        "tier's own deadline (vLLM's tiering tells a secondary tier nothing of its steps).",
+    )
+    load_deadline_factor: float = LOAD_DEADLINE_FACTOR
+    load_deadline_floor_s: float = LOAD_DEADLINE_FLOOR_S
+    load_probe_every_s: float = LOAD_PROBE_EVERY_S
 
     @field_validator("tier", mode="before")
     @classmethod

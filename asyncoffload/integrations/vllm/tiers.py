@@ -169,28 +169,6 @@ class SchedulerTiers(PolledTiers):
             return True
         return core.worth([key, *later()], time.monotonic(), allow, count)
 
-    def configure_cost(
-        self,
-        enabled: bool,
-        tokens_per_block: int,
-        tokens_per_s: float | None,
-        deadline_factor: float = 1.0,
-        deadline_floor_s: float = 0.05,
-        probe_every_s: float = 5.0,
-    ) -> None:
-        """The load-or-recompute rule: on or off, the tokens of one block, vLLM's
-        prefill throughput if configured (None: measured from its steps, see
-        :meth:`observe_prefill`), the deadline's factor and floor, and how often a tier
-        judged slow is probed."""
-        cost = self.core.cost
-        cost.enabled = enabled
-        cost.deadline_factor, cost.min_deadline_s = deadline_factor, deadline_floor_s
-        cost.probe_every_s = probe_every_s
-        cost.recompute.tokens_per_block = tokens_per_block
-        if tokens_per_s is not None:
-            cost.recompute.tokens_per_s = tokens_per_s
-            cost.recompute.configured = True
-
     def computed(self, chunks: int) -> None:
         """vLLM offered ``chunks`` it computed in the step scheduled last (its stores of
         newly computed chunks are prepared as the step is scheduled)."""
