@@ -527,6 +527,31 @@ def test_the_disk_writes_every_stored_block_or_only_those_offered_twice() -> Non
     assert second.disk_skipped == 4 and second.disk_hit_blocks == 0
 
 
+def test_a_tiered_replay_reads_the_cpu_tier_through_the_leader_its_lookup_left() -> None:
+    """``auto`` may switch leaders in the lookup that a request starts with (its feed):
+    the walk past the CPU tier's prefix must then ask the new leader. It asked the one
+    before (reset by the switch): a block ready in the CPU tier behind a disk hit was
+    taken for a disk hit too, and its promotion into the CPU tier that holds it failed
+    (``ValueError: reserve: key ... is already present``)."""
+    from asyncoffload.manager.policies import AdaptivePolicy
+
+    class SwitchesAtTheFifth(AdaptivePolicy):
+        calls = 0
+
+        def on_request(self, keys: Sequence[OffloadKey]) -> None:
+            self.calls += 1
+            if self.calls == 5:
+                self.switch_to("arc")
+            super().on_request(keys)
+
+    policy = SwitchesAtTheFifth(3, initial="lru")
+    # A, B, C stored, then X evicts A from the CPU tier: CPU B, C, X; disk all four.
+    reqs = [req([1]), req([2]), req([3]), req([9]), req([2, 1, 3])]
+    res = replay(reqs, 3, policy=policy, disk_capacity=10, disk_admission=None)
+    assert policy.switches == 1 and policy.leader == "arc"
+    assert (res.cpu_hit_blocks, res.disk_hit_blocks) == (2, 1)
+
+
 def test_a_promotion_skips_the_cpu_tiers_admission() -> None:
     reqs = [req([1, 2]), req([1, 2]), req([3, 4]), req([3, 4]), req([1, 2]), req([1, 2])]
     res = replay(reqs, 2, store_threshold=2, disk_capacity=10, disk_admission=None)

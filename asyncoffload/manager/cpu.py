@@ -260,7 +260,9 @@ class CPUOffloadingManager(OffloadingManager):
         #: Requests looked up key by key that the policy has not heard of yet (``lookup``).
         self._walks = Walks(self._policy.on_request if self._observe_lookups else None)
         #: Retention pins and classes (asyncoffload.manager.pins), ``pin_budget`` of the tier.
-        self.pins = PinTable(num_blocks, self._policy.get, pin_budget, clock=clock)
+        # Through the policy as it is at each call: `auto` rebinds its methods to the
+        # leader at each switch (a bound method kept here would look in the old one).
+        self.pins = PinTable(num_blocks, self.block_of, pin_budget, clock=clock)
         self.pins.emit = functools.partial(_pin_event, self)
         #: Tenant quotas (asyncoffload.manager.quotas): own evictions honour the pins.
         self.tenants = Tenants(self._policy, self._evict, self.pins)

@@ -269,9 +269,10 @@ def _serve_tiered(
     """One request's ``keys`` against a CPU tier over a disk tier, as the engine serves
     it: the blocks of its prefix found (and the indices of those from disk), the keys
     its store took (None: refused), and those written through to disk."""
-    cpu_get, disk_get = cpu.policy.get, disk.policy.get
     # The prefix walk: on while each key is ready in one tier, the CPU tier first.
     n = cpu.lookup_prefix(keys)
+    # After the lookup, which feeds `auto` (it may switch leaders, rebinding ``get``).
+    cpu_get, disk_get = cpu.policy.get, disk.policy.get
     from_disk: list[int] = []
     for key in keys[n:]:
         block = cpu_get(key)
