@@ -202,14 +202,24 @@ class LentTiers(PolledTiers):
             tier = self.core.source(key)
             return None if tier is None else tier.name
 
-    def lookup(self, key: OffloadKey) -> Literal["hit", "miss", "pending"]:
+    def lookup(self, key: OffloadKey, run: int = 0) -> Literal["hit", "miss", "pending"]:
         """``hit``: a tier holds ``key`` ready; ``pending``: the shared tiers are asked
         about it (ask again once :meth:`flush` or :meth:`poll` took the answer);
-        ``miss`` otherwise. Non-blocking."""
+        ``miss`` otherwise. Non-blocking.
+
+        ``run`` (for a framework that looks keys up one at a time): the blocks a read
+        from ``key``'s tier would bring, ``key`` the last of the request's run from it.
+        A held key is then a ``miss`` when reading them is expected to lose to
+        recomputing them (load or recompute, ``tiers.core.cost``), counted
+        ``recomputed_by_choice``: the framework recomputes from there."""
         with self._entered():
             core = self.core
-            if core.source(key) is not None:
-                return "hit"
+            tier = core.source(key)
+            if tier is not None:
+                if run <= 0 or core.cost.worth({tier: run}, time.monotonic(), count=False):
+                    return "hit"
+                tier.counters.recomputed_by_choice += 1
+                return "miss"
             if not self._shared or self._closed:
                 return "miss"
             now = time.monotonic()
@@ -218,21 +228,6 @@ class LentTiers(PolledTiers):
             if core.io_due:
                 self.flush()
             return "pending"
-
-    def worth(self, key: OffloadKey, run: int) -> bool:
-        """Load or recompute (``tiers.core.cost``), for a framework that looks keys up
-        one at a time: whether reading ``run`` blocks from the tier holding ``key`` (a
-        request's run of keys from it, ``key`` its last) beats recomputing them. False
-        counts ``key`` ``recomputed_by_choice``: the caller answers a miss, and the
-        framework recomputes from there. True for a key no tier holds ready."""
-        with self._entered():
-            tier = self.core.source(key)
-            if tier is None:
-                return True
-            if self.core.cost.worth({tier: run}, time.monotonic(), count=False):
-                return True
-            tier.counters.recomputed_by_choice += 1
-            return False
 
     def exists(self, keys: Sequence[OffloadKey], timeout_s: float) -> list[bool]:
         """Per key, whether a tier holds it ready; keys no tier knows are asked of the

@@ -348,12 +348,9 @@ class AsyncOffloadTier(SecondaryTierManager):
         """The core's answer; a hit is a miss when reading the request's run of chunks
         from the tier, this one its last, loses to recomputing them (load or recompute:
         vLLM then computes from this chunk on)."""
-        ours = OurKey(key)
-        found = self._tiers.lookup(ours)
+        run = self._runs.get(req_context.req_id, 0) + 1
+        found = self._tiers.lookup(OurKey(key), run)
         if found == "hit":
-            run = self._runs.get(req_context.req_id, 0) + 1
-            if not self._tiers.worth(ours, run):
-                return LookupResult.MISS
             self._runs[req_context.req_id] = run
         return _LOOKUP[found]
 
