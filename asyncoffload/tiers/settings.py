@@ -86,7 +86,7 @@ class TierSettings(BaseModel):
     read_guard: bool = Field(
         True,
         description="While loads from the tier come, bound the blocks its writes have in "
-        "flight by how fast its loads stay: a load slower than 1.5 times the tier's idle "
+        "flight by how fast its loads stay: a load slower than 1.25 times the tier's idle "
         "loads halves the bound, each load within it adds a block (False: never; "
         "backpressure=False turns it off too).",
     )

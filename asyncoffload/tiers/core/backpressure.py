@@ -121,7 +121,7 @@ PINNING_LAG = 0.005
 MISSED_S = 1.0
 #: The read guard: a read slower than this many times the tier's idle reads halves the
 #: blocks that writes may have in flight while reads come (each read within it: one more).
-READ_SLOWDOWN = 1.5
+READ_SLOWDOWN = 1.25
 #: ...for as long as reads come: the last handed out at most this long ago.
 READS_ACTIVE_S = 1.0
 #: Sizes of read whose least time a tier keeps (the idle reference before an idle read).
