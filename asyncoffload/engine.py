@@ -13,6 +13,7 @@ copy and signal. See docs/architecture.md for the life of a store and of a load.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import warnings
@@ -243,12 +244,13 @@ class AsyncOffloadEngine(LoopBinding):
 
     async def flush(self) -> None:
         """Wait until nothing is in flight: every transfer resolved and every write to a
-        lower tier ended, and every removal of a block file it evicted (stores resolve
-        when the CPU copy is done; their write-through goes on after). Must be awaited on
-        the engine's event loop."""
+        lower tier ended (those a read guard paused too), and every removal of a block
+        file it evicted (stores resolve when the CPU copy is done; their write-through
+        goes on after). Must be awaited on the engine's event loop."""
         self._check_usable()
         self._ensure_bridge()
-        await self._copies.wait_idle(fail_orphans=False)
+        idle = functools.partial(self._copies.wait_idle, fail_orphans=False)
+        await (idle() if self._tiers is None else self._tiers.settle_writes(idle))
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         """The serving engine computed ``tokens`` of prompts in ``seconds``: the recompute

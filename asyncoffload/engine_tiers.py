@@ -21,7 +21,7 @@ import asyncio
 import functools
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from asyncoffload._sigint import InterruptsHeld
@@ -187,6 +187,7 @@ class LoopTiers:
                 self._stalled(promotion)
             if ports.reap(self.core, now):
                 self._publish()
+            self._carry(self.core.take_io(now, batched=False))  # writes the guard paused
         self._arm()
 
     # --- lookups ---------------------------------------------------------------------
@@ -353,6 +354,26 @@ class LoopTiers:
 
     def stats(self) -> tuple[TierStats, ...]:
         return self.core.stats(lambda tier: self._ports[tier].describe())
+
+    async def settle_writes(self, wait_idle: Callable[[], Awaitable[None]]) -> None:
+        """``wait_idle`` (every job ended), again after each pause of the read guard
+        (writes waiting in the core with none in flight: the timer hands them out when
+        the pause ends), until no write waits."""
+        await wait_idle()
+        loop = asyncio.get_running_loop()
+        while True:
+            paused = [at for t in self.core.tiers if (at := t.pressure.resume_at()) is not None]
+            if not paused and not any(t.pressure.waiting for t in self.core.tiers):
+                return
+            # The pause is at most 1 / READ_LEAST times a write (each bounded by the
+            # tier's deadline); a write waiting with none paused is handed out now.
+            await asyncio.sleep(max(0.0, min(paused, default=loop.time()) - loop.time()))
+            if self._bridge is None:  # closed meanwhile: the waiting writes were dropped
+                return
+            with InterruptsHeld():
+                self._carry(self.core.take_io(self._now(), batched=False))
+            self._arm()
+            await wait_idle()
 
     async def aclose(self) -> bool:
         """Close every tier on the loop (its I/O lanes joined: they use host memory).

@@ -409,6 +409,59 @@ def test_the_read_guard_grows_back_and_lets_go_at_the_cpu_tiers_size() -> None:
     assert pressure.read_window is None
 
 
+def test_below_one_block_the_read_guard_pauses_writes_between_blocks() -> None:
+    """Reads still slow beside one block of writes halve the bound below a block: writes
+    go one block at a time, a pause after each (a bound of 1/4: three times the write's
+    time), which the core's next deadline names; never below 1/16 (writes progress)."""
+    cpu, core, disk = setup(64, write_pin_share=1.0)
+    pressure = disk.pressure
+    _in_tier(cpu, core, [key(i) for i in range(8)])
+    _read(core, key(0), 1.0, 0.001)  # the idle reference
+    (one,) = write(core, [key(20)], 2.0)
+    _read(core, key(1), 2.0, 0.003)
+    assert pressure.read_window == 0.5  # halved from the block in flight
+    _read(core, key(2), 2.001, 0.003)
+    assert pressure.read_window == 0.25
+    waiting = write(core, [key(21), key(22)], 2.004)
+    assert waiting and not any(io.seq for io in waiting)
+    done(core, one, 2.010)  # in flight 10 ms: the next block waits 30 ms
+    assert core.next_deadline() == pytest.approx(2.040)
+    assert not core.take_io(2.039) and pressure.flying == 0
+    (first,) = [io for io in core.take_io(2.040) if isinstance(io, TierIo) and io.write]
+    assert len(first.keys) == 1 and pressure.flying == 1  # one block of the two
+    for i in range(3, 7):
+        _read(core, key(i), 2.05 + i * 0.01, 0.003)
+    assert pressure.read_window == bp.READ_LEAST == 1 / 16  # the floor
+    done(core, first, 2.2)
+    assert pressure.resume_at() == pytest.approx(2.2 + 0.16 * 15)
+    # No read for a second: the guard lets go, the rest goes at once.
+    assert pressure.guarded() is None or not core.take_io(2.3)
+    (rest,) = [io for io in core.take_io(3.2) if isinstance(io, TierIo) and io.write]
+    assert len(rest.keys) == 1 and pressure.guarded() is None
+
+
+async def test_an_engine_hands_out_writes_the_read_guard_paused_on_its_timer(
+    tmp_path: Path,
+) -> None:
+    """Writes paused by the read guard go when the pause ends, with no other event: the
+    engine's timer carries them (a flush would otherwise wait for the next call)."""
+    disk = ao.DiskTier(tmp_path, "4MiB", admission=None, write_lag_s=60.0, write_pin_share=1.0)
+    engine, _ = make_engine(cpu_blocks=16, gpu_blocks=4, tiers=[disk], policy="lru")
+    async with engine:
+        pressure = engine._tiers.core.tiers[0].pressure  # type: ignore[union-attr]
+        loop = asyncio.get_running_loop()
+        # As if reads had been slowed to the floor, the last one just now.
+        pressure.read_window = bp.READ_LEAST
+        pressure._read_at = loop.time() + 60  # reads "come" all test long
+        for i in range(3):
+            handle = await engine.prepare_store([key(3000 + i)], [0])
+            assert handle is not None
+            await asyncio.wait_for(handle, 30)
+        await asyncio.wait_for(engine.flush(), 30)  # each block after a pause
+        (stats,) = engine.stats().tiers
+        assert stats.blocks_written == 3 and pressure.read_window == bp.READ_LEAST
+
+
 # --- settings ----------------------------------------------------------------------------
 
 

@@ -55,8 +55,11 @@ at least one block); each read within it adds a block, and the bound goes once i
 reaches the CPU tier's slots. The bound holds while reads come (one in flight, or handed
 out in the last :data:`READS_ACTIVE_S`), lagging or not; the writes it holds back wait
 in the core like a lagging tier's, unpinned, and are shed by the same rule if they wait
-too long. Writes still progress: a whole write, or a block of it, goes whenever none is
-in flight. ``read_guard=False`` turns it off (``backpressure=False`` too).
+too long. Below one block the bound is a duty cycle: one block at a time, and after each
+a pause of ``1 / bound - 1`` times its time in flight (the core's next deadline names its
+end; ``engine.flush`` waits for the paused writes), halved to at most
+:data:`READ_LEAST` (1/16: writes still progress), grown back by half per read within
+the ratio. ``read_guard=False`` turns it off (``backpressure=False`` too).
 
 A tier with no write in flight is calm (the next offer probes it: a lag EMA can only
 fall by writes that end). Shed blocks count in ``TierStats.write_shed`` (and the
@@ -124,6 +127,9 @@ MISSED_S = 1.0
 READ_SLOWDOWN = 1.25
 #: ...for as long as reads come: the last handed out at most this long ago.
 READS_ACTIVE_S = 1.0
+#: The read guard's least bound: below one block, writes go one block at a time, with
+#: pauses (a bound of 1/4: the tier is written a quarter of the time).
+READ_LEAST = 1 / 16
 #: Sizes of read whose least time a tier keeps (the idle reference before an idle read).
 LEAST_SIZES = 64
 
@@ -248,6 +254,8 @@ class WritePressure:
         self._read_at = -math.inf
         self.idle = ReadModel()
         self._least: OrderedDict[int, float] = OrderedDict()
+        #: No write goes before this (the read guard's pause below one block).
+        self._resume = -math.inf
 
     # --- what the tier does -----------------------------------------------------------
 
@@ -264,10 +272,27 @@ class WritePressure:
         if not settings.backpressure or window <= 0:
             return None
         out = None if self.lag < settings.write_lag_s * PINNING_LAG else window
-        guard = self.read_window if settings.read_guard else None
-        if guard is not None and (self._reads or self._now - self._read_at <= READS_ACTIVE_S):
+        guard = self.guarded()
+        if guard is not None:
+            guard = max(1.0, guard)
             out = guard if out is None else min(out, guard)
         return out
+
+    def guarded(self) -> float | None:
+        """The read guard's bound now (None: none): reads come, and slowed lately."""
+        settings = self.settings
+        guard = self.read_window
+        if guard is None or not (settings.read_guard and settings.backpressure):
+            return None
+        if self._reads or self._now - self._read_at <= READS_ACTIVE_S:
+            return guard
+        return None
+
+    def resume_at(self) -> float | None:
+        """When writes that wait for the read guard's pause may go (None: none waits)."""
+        if self.waiting and self.flying == 0 and self._resume > self._now:
+            return self._resume
+        return None
 
     def due(self, cpu: CpuRoom, now: float) -> list[TierIo]:
         """The waiting writes to hand out at ``now``, their blocks pinned where they are
@@ -282,6 +307,8 @@ class WritePressure:
                 break
             io.sent = now
         out: list[TierIo] = []
+        if waiting and self.flying == 0 and now < self._resume and self.guarded() is not None:
+            return out
         window = self._window(cpu) if waiting else None
         flying = self.flying
         while waiting:
@@ -365,9 +392,9 @@ class WritePressure:
         if took > READ_SLOWDOWN * ref:
             seen = max(flying, self.flying, self._handed - handed)
             bound = seen if guard is None else min(guard, seen)
-            self.read_window = max(1.0, bound / 2)
+            self.read_window = max(READ_LEAST, bound / 2)
         elif guard is not None:
-            guard += 1
+            guard = guard + 1 if guard >= 1 else min(1.0, guard * 1.5)
             self.read_window = None if 0 < cpu_blocks <= guard else guard
 
     def ended(self, io: TierIo, now: float, failed: bool = False) -> None:
@@ -382,6 +409,9 @@ class WritePressure:
         self._writes.pop(io.seq, None)
         self._now = max(self._now, now)
         took = max(0.0, now - io.sent)
+        guard = self.guarded()
+        if guard is not None and guard < 1:
+            self._resume = now + took * (1 / guard - 1)
         self.lag_s = took if self.lag_s == 0.0 else ALPHA * took + (1 - ALPHA) * self.lag_s
         lag = self.settings.write_lag_s
         if self.lag_s > lag:

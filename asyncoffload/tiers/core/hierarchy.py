@@ -452,6 +452,7 @@ class TierHierarchy:
         asked = self.questions.next_deadline()
         if asked is not None:
             times.append(asked)
+        times += [at for t in self.tiers if (at := t.pressure.resume_at()) is not None]
         return min(times, default=None)
 
     def check(self, now: float) -> list[Promotion]:
