@@ -324,3 +324,26 @@ def test_the_deployments_tenant_is_capped_by_each_tiers_quota(tmp_path: Path) ->
         assert job.written == [True] and tiers.lookup(key(0)) == "miss"
     finally:
         tiers.close()
+
+
+def test_lent_slots_are_never_held_back_by_the_read_guard(tmp_path: Path) -> None:
+    """The framework lends its slots for a job's length: a store's writes go at once,
+    however slow reads beside them are (no read guard: the CPU tier counts no slots)."""
+    host = Host()
+    settings = DiskTier(tmp_path / "d", 1 << 20, "slab", admission=None, write_pin_share=1.0)
+    tiers = LentTiers(open_tiers([settings], NAMESPACE), host.address)
+    try:
+        pressure = tiers.core.tiers[0].pressure
+        for i in range(4):
+            host.fill(i, i)
+        done(tiers, tiers.store([key(i) for i in range(4)], list(range(4))))
+        done(tiers, tiers.load([key(0)], [10]))  # alone: the idle reference
+        pressure.idle.latency_s = pressure.idle.floor_s = 1e-9  # every later read "slow"
+        for i in range(1, 4):
+            writing = tiers.store([key(100 + i)], [20 + i])
+            done(tiers, tiers.load([key(i)], [10 + i]))
+            done(tiers, writing)
+            assert writing.ok == [True] and tiers.source(key(100 + i)) == "disk0"
+        assert pressure.read_window is None
+    finally:
+        tiers.close()

@@ -334,7 +334,8 @@ class PolledTiers:
             if self._loop is not None:
                 self._loop.step()
             self.poll()
-            if not self._jobs():
+            # Writes a read guard paused wait in the core with no job: poll hands them out.
+            if not self._jobs() and not any(t.pressure.waiting for t in core.tiers):
                 return True
             if time.monotonic() > limit:
                 log.error(

@@ -368,10 +368,12 @@ class WritePressure:
         any idle read: the least time seen of reads of its size): slower than
         :data:`READ_SLOWDOWN` times it, the writes' window while reads come is halved
         (from the blocks that were in flight, at least one); within it, the window grows
-        by a block, unbounded again once it reaches the CPU tier's slots."""
+        by a block, unbounded again once it reaches the CPU tier's slots. A CPU tier that
+        does not count its slots (0: the framework's, lent: its writes are never held)
+        has no guard."""
         start = self._reads.pop(io.seq, None)
         self._now = max(self._now, now)
-        if start is None or not ok:
+        if start is None or not ok or cpu_blocks <= 0:  # 0: lent slots, never held back
             return
         at, flying, handed = start
         took = now - at
