@@ -380,7 +380,7 @@ def table(rows: list[Row]) -> str:
             f"{s['busy_p50']:9.2f} {s['busy_p99']:9.2f} {s['busy_max']:9.2f} "
             f"{s['p99_ratio']:6.2f} {ok:>5} {r.written_per_s:10.0f} {r.queued_mean:7.0f} "
             f"{r.shed:6d} {r.refused_idle + r.refused_busy:8d} {r.missed:7d} "
-            f"{'-' if r.read_window is None else f'{r.read_window:.1f}':>6}"
+            f"{'-' if r.read_window is None else f'{r.read_window:.2f}':>6}"
         )
     lines.append("(latencies in ms: prepare_load of one block only in the tier -> resolved)")
     return "\n".join(lines)

@@ -432,8 +432,10 @@ def test_below_one_block_the_read_guard_pauses_writes_between_blocks() -> None:
     for i in range(3, 7):
         _read(core, key(i), 2.05 + i * 0.01, 0.003)
     assert pressure.read_window == bp.READ_LEAST == 1 / 16  # the floor
-    done(core, first, 2.2)
-    assert pressure.resume_at() == pytest.approx(2.2 + 0.16 * 15)
+    _read(core, key(7), 2.15, 0.00115)  # within 1.25x beside the block: a tenth more
+    assert pressure.read_window == pytest.approx(1.1 / 16)
+    done(core, first, 2.2)  # 0.16 s in flight: a pause of 16 / 1.1 - 1 times that
+    assert pressure.resume_at() == pytest.approx(2.2 + 0.16 * (16 / 1.1 - 1))
     # No read for a second: the guard lets go, the rest goes at once.
     assert pressure.guarded() is None or not core.take_io(2.3)
     (rest,) = [io for io in core.take_io(3.2) if isinstance(io, TierIo) and io.write]

@@ -58,8 +58,9 @@ in the core like a lagging tier's, unpinned, and are shed by the same rule if th
 too long. Below one block the bound is a duty cycle: one block at a time, and after each
 a pause of ``1 / bound - 1`` times its time in flight (the core's next deadline names its
 end; ``engine.flush`` waits for the paused writes), halved to at most
-:data:`READ_LEAST` (1/16: writes still progress), grown back by half per read within
-the ratio. ``read_guard=False`` turns it off (``backpressure=False`` too).
+:data:`READ_LEAST` (1/16: writes still progress), grown back by a tenth per read
+within the ratio (:data:`READ_REGROW`). ``read_guard=False`` turns it off
+(``backpressure=False`` too).
 
 A tier with no write in flight is calm (the next offer probes it: a lag EMA can only
 fall by writes that end). Shed blocks count in ``TierStats.write_shed`` (and the
@@ -130,6 +131,8 @@ READS_ACTIVE_S = 1.0
 #: The read guard's least bound: below one block, writes go one block at a time, with
 #: pauses (a bound of 1/4: the tier is written a quarter of the time).
 READ_LEAST = 1 / 16
+#: ...grown back by this factor per read within the ratio (a block more above one).
+READ_REGROW = 1.1
 #: Sizes of read whose least time a tier keeps (the idle reference before an idle read).
 LEAST_SIZES = 64
 
@@ -396,7 +399,7 @@ class WritePressure:
             bound = seen if guard is None else min(guard, seen)
             self.read_window = max(READ_LEAST, bound / 2)
         elif guard is not None:
-            guard = guard + 1 if guard >= 1 else min(1.0, guard * 1.5)
+            guard = guard + 1 if guard >= 1 else min(1.0, guard * READ_REGROW)
             self.read_window = None if 0 < cpu_blocks <= guard else guard
 
     def ended(self, io: TierIo, now: float, failed: bool = False) -> None:
