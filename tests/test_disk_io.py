@@ -1246,14 +1246,16 @@ def test_idle_write_lanes_starved_for_cpu_are_helped_and_a_read_lane_stays_free(
             wait(pool.submit(True, [IoOp(host.address, 0, str(tmp_path / "first"), b"f", -1)]))
         finally:
             os.sched_setaffinity(0, mask)
+        # 256 writes: enough work that the starved lane cannot end them all in the few
+        # slices SCHED_IDLE gets (64 were once all written unhelped in a make test).
         job = pool.submit(
-            True, [IoOp(host.address, 0, str(tmp_path / f"w{i}"), b"w", -1) for i in range(64)]
+            True, [IoOp(host.address, 0, str(tmp_path / f"w{i}"), b"w", -1) for i in range(256)]
         )
         wait(job, timeout=20.0)
     finally:
         hog.kill()
         hog.wait()
-    assert job.results == [100] * 64
+    assert job.results == [100] * 256
     helped, _ = pool.lanes_info()
     assert helped > 0, "no read lane took a write from the starved write lane"
     # Slow writes (50 ms an op): read lanes may help only while the write lanes starve
