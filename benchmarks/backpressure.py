@@ -21,7 +21,9 @@ Policies:
   writes waiting unpinned (a waiting block the CPU tier evicts is not written:
   ``yielded``); a tier lagging (``write_lag_s``, or its writes queued past
   ``write_pin_share`` while the CPU tier misses slots) sheds first offers, and at twice
-  the share every block;
+  the share every block; with the read guard (writes held back while reads beside them
+  are slower than idle ones);
+- ``ours-unguarded``: the same with ``read_guard=False``;
 - ``ema-drop``: vLLM 0.34's ``EMABackpressureDetector`` with ``DropStorePolicy``,
   re-implemented here from its description: an EMA (alpha 0.15, seeded by the mean of
   the first 10 completions) of each completed store's seconds per MiB (submission to
@@ -172,7 +174,9 @@ def _slow_engines(blocks_per_s: float, policy: str) -> Any:
             elif policy == "none":
                 state.pressure = WritePressure(Backpressure(backpressure=False))
             else:
-                state.pressure = WritePressure(Backpressure(write_pin_share=PIN_SHARE[0]))
+                guard = policy == "ours"
+                settings = Backpressure(write_pin_share=PIN_SHARE[0], read_guard=guard)
+                state.pressure = WritePressure(settings)
         return engine
 
     return open_engine
@@ -225,7 +229,7 @@ async def one(args: argparse.Namespace, policy: str, seed: int) -> dict[str, Any
     }
 
 
-POLICIES = ("no disk", "none", "ours", "ema-drop")
+POLICIES = ("no disk", "none", "ours", "ours-unguarded", "ema-drop")
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
@@ -254,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.cpu_blocks} blocks, disk writes {args.write_rate:.0f} blocks/s; medians of "
         f"{args.repeat} runs"
     )
-    head = f"{'policy':9} {'hit rate':>9} {'shed':>7} {'yielded':>8} {'written':>8} "
+    head = f"{'policy':14} {'hit rate':>9} {'shed':>7} {'yielded':>8} {'written':>8} "
     head += f"{'stores refused':>15} "
     head += f"{'promotions refused':>19}"
     print(head)
@@ -265,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
             return float(statistics.median(r[k] for r in rows))
 
         print(
-            f"{policy:9} {med('hit_rate'):9.3f} {med('shed'):7.0f} {med('yielded'):8.0f} "
+            f"{policy:14} {med('hit_rate'):9.3f} {med('shed'):7.0f} {med('yielded'):8.0f} "
             f"{med('written'):8.0f} "
             f"{med('stores_rejected'):15.0f} {med('promotions_refused'):19.0f}"
         )

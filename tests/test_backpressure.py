@@ -409,6 +409,23 @@ def test_the_read_guard_grows_back_and_lets_go_at_the_cpu_tiers_size() -> None:
     assert pressure.read_window is None
 
 
+@pytest.mark.parametrize("jitter", [False, True])
+def test_the_read_guard_allows_for_the_spread_of_idle_reads(jitter: bool) -> None:
+    """A read beside writes is slow only past the idle reads' own spread: with idle
+    reads of 1 ms, one of 2 ms halves the bound; with idle reads between 1 and 3 ms
+    (the 90th percentile of their ratios to the model above 2 / its expectation), the
+    same 2 ms read does not."""
+    cpu, core, disk = setup(64, write_pin_share=1.0)
+    pressure = disk.pressure
+    _in_tier(cpu, core, [key(i) for i in range(13)])
+    for i in range(12):  # alone: the idle reference and its spread
+        _read(core, key(i), 1.0 + i * 0.01, 0.003 if jitter and i % 2 else 0.001)
+    expect = pressure.idle.expect(BLOCK)
+    assert write(core, [key(i) for i in range(40, 44)], 2.0)
+    _read(core, key(12), 2.0, 2 * expect)
+    assert pressure.read_window == (None if jitter else 2.0)
+
+
 def test_below_one_block_the_read_guard_pauses_writes_between_blocks() -> None:
     """Reads still slow beside one block of writes halve the bound below a block: writes
     go one block at a time, a pause after each (a bound of 1/4: three times the write's

@@ -87,8 +87,8 @@ class TierSettings(BaseModel):
         True,
         description="While loads from the tier come, bound the blocks its writes have in "
         "flight by how fast its loads stay: a load slower than 1.25 times the tier's idle "
-        "loads halves the bound, each load within it adds a block (False: never; "
-        "backpressure=False turns it off too).",
+        "loads (or than their own spread) halves the bound, each load within it adds a "
+        "block (False: never; backpressure=False turns it off too).",
     )
 
     #: Fields the constructor takes positionally, in order.

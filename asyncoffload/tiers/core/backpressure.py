@@ -49,16 +49,18 @@ waits behind them: in the tier's queue, at a shared server, for the CPU that pac
 blocks of writes). So each tier compares its reads with its idle reads: a read with no
 write in flight beside it feeds an idle model (:class:`~.readtime.ReadModel`); a read
 beside writes that took more than :data:`READ_SLOWDOWN` times the idle model's time for
-its bytes (before any idle read: the least time seen of reads of its size) halves the
-blocks writes may have in flight (``read_window``, from those in flight during the read,
-at least one block); each read within it adds a block, and the bound goes once it
-reaches the CPU tier's slots. The bound holds while reads come (one in flight, or handed
-out in the last :data:`READS_ACTIVE_S`), lagging or not; the writes it holds back wait
-in the core like a lagging tier's, unpinned, and are shed by the same rule if they wait
-too long. Below one block the bound is a duty cycle: one block at a time, and after each
-a pause of ``1 / bound - 1`` times its time in flight (the core's next deadline names its
-end; ``engine.flush`` waits for the paused writes), halved to at most
-:data:`READ_LEAST` (1/16: writes still progress), grown back by a tenth per read
+its bytes (before any idle read: the least time seen of reads of its size), or more
+than the idle reads' own spread if that is larger (the :data:`IDLE_QUANTILE` of the last
+:data:`IDLE_RATIOS` idle reads' ratios to the model: jitter alone halves nothing),
+halves the blocks writes may have in flight (``read_window``, from those in flight
+during the read, at least one block); each read within it adds a block, and the bound
+goes once it reaches the CPU tier's slots. The bound holds while reads come (one in
+flight, or handed out in the last :data:`READS_ACTIVE_S`), lagging or not; the writes
+it holds back wait in the core like a lagging tier's, unpinned, and are shed by the
+same rule if they wait too long. Below one block the bound is a duty cycle: one block at
+a time, and after each a pause of ``1 / bound - 1`` times its time in flight (the core's
+next deadline names its end; ``engine.flush`` waits for the paused writes), halved to at
+most :data:`READ_LEAST` (1/16: writes still progress), grown back by a tenth per read
 within the ratio (:data:`READ_REGROW`). ``read_guard=False`` turns it off
 (``backpressure=False`` too).
 
@@ -133,6 +135,12 @@ READS_ACTIVE_S = 1.0
 READ_LEAST = 1 / 16
 #: ...grown back by this factor per read within the ratio (a block more above one).
 READ_REGROW = 1.1
+#: The idle reads' own spread: a read is slow beside writes only past the
+#: ``IDLE_QUANTILE`` of the last ``IDLE_RATIOS`` idle reads' ratios to the idle model (once
+#: ``IDLE_SPREAD_MIN`` were seen), if that is more than ``READ_SLOWDOWN``.
+IDLE_RATIOS = 64
+IDLE_QUANTILE = 0.9
+IDLE_SPREAD_MIN = 8
 #: Sizes of read whose least time a tier keeps (the idle reference before an idle read).
 LEAST_SIZES = 64
 
@@ -259,6 +267,8 @@ class WritePressure:
         self._least: OrderedDict[int, float] = OrderedDict()
         #: No write goes before this (the read guard's pause below one block).
         self._resume = -math.inf
+        #: Idle reads' times over what the idle model expected (before each fed it).
+        self._idle_ratios: deque[float] = deque(maxlen=IDLE_RATIOS)
 
     # --- what the tier does -----------------------------------------------------------
 
@@ -388,13 +398,19 @@ class WritePressure:
         while len(least) > LEAST_SIZES:
             least.popitem(last=False)
         if flying == 0 and self.flying == 0 and self._handed == handed:  # alone
+            if self.idle.samples:
+                self._idle_ratios.append(took / self.idle.expect(nbytes))
             self.idle.observe(took, nbytes)
             return
         ref = self.idle.expect(nbytes) if self.idle.samples else best
         if ref is None:
             return
         guard = self.read_window
-        if took > READ_SLOWDOWN * ref:
+        limit = READ_SLOWDOWN
+        if len(self._idle_ratios) >= IDLE_SPREAD_MIN:  # jitter idle reads have too
+            ratios = sorted(self._idle_ratios)
+            limit = max(limit, ratios[int(IDLE_QUANTILE * (len(ratios) - 1))])
+        if took > limit * ref:
             seen = max(flying, self.flying, self._handed - handed)
             bound = seen if guard is None else min(guard, seen)
             self.read_window = max(READ_LEAST, bound / 2)
