@@ -21,9 +21,9 @@ Policies:
   writes waiting unpinned (a waiting block the CPU tier evicts is not written:
   ``yielded``); a tier lagging (``write_lag_s``, or its writes queued past
   ``write_pin_share`` while the CPU tier misses slots) sheds first offers, and at twice
-  the share every block; with the read guard (writes held back while reads beside them
-  are slower than idle ones);
-- ``ours-unguarded``: the same with ``read_guard=False``;
+  the share every block;
+- ``ours+guard``: the same with ``read_guard=True`` (writes held back while reads beside
+  them are slower than idle ones and the writes lag);
 - ``ema-drop``: vLLM 0.34's ``EMABackpressureDetector`` with ``DropStorePolicy``,
   re-implemented here from its description: an EMA (alpha 0.15, seeded by the mean of
   the first 10 completions) of each completed store's seconds per MiB (submission to
@@ -174,7 +174,7 @@ def _slow_engines(blocks_per_s: float, policy: str) -> Any:
             elif policy == "none":
                 state.pressure = WritePressure(Backpressure(backpressure=False))
             else:
-                guard = policy == "ours"
+                guard = policy == "ours+guard"
                 settings = Backpressure(write_pin_share=PIN_SHARE[0], read_guard=guard)
                 state.pressure = WritePressure(settings)
         return engine
@@ -229,7 +229,7 @@ async def one(args: argparse.Namespace, policy: str, seed: int) -> dict[str, Any
     }
 
 
-POLICIES = ("no disk", "none", "ours", "ours-unguarded", "ema-drop")
+POLICIES = ("no disk", "none", "ours", "ours+guard", "ema-drop")
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:

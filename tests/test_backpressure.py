@@ -352,7 +352,7 @@ def _read(core: TierHierarchy, k: OffloadKey, start: float, took: float) -> None
 def _in_tier(cpu: CPUOffloadingManager, core: TierHierarchy, keys: list[OffloadKey]) -> None:
     """``keys`` written to the tier, then evicted from the CPU tier (only below now)."""
     for io in write(core, keys, 0.0):
-        done(core, io, 0.0001)
+        done(core, io, 0.001)  # 1 ms: the writes lag (saturated) at write_lag_s=0.02
     fresh = [key(5_000 + i) for i in range(len(keys))]
     assert cpu.prepare_store(fresh) is not None  # LRU: evicts ``keys``, the oldest
     cpu.complete_store(fresh)
@@ -364,19 +364,19 @@ def test_reads_slowed_by_writes_bound_the_writes_in_flight_while_reads_come(guar
     """A read beside 32 blocks of writes that takes 10 times an idle read halves what
     writes may have in flight (16 blocks) for as long as reads come: offers wait in the
     core, and go once the writes before them end; a read within 1.25 times idle adds a
-    block; a second after the last read the bound is gone. ``read_guard=False``: writes
-    are never held for reads (the rule still learns)."""
-    cpu, core, disk = setup(64, write_pin_share=1.0, read_guard=guard)
+    block; a second after the last read the bound is gone. ``read_guard=False`` (the
+    default): writes are never held for reads, nothing learned."""
+    cpu, core, disk = setup(64, write_pin_share=1.0, write_lag_s=0.02, read_guard=guard)
     pressure = disk.pressure
     _in_tier(cpu, core, [key(i) for i in range(3)])
     _read(core, key(0), 1.0, 0.001)  # alone: the idle reference, 1 ms
-    assert pressure.read_window is None and pressure.idle.samples == 1
+    assert pressure.read_window is None and pressure.idle.samples == (1 if guard else 0)
     flying = write(core, [key(i) for i in range(20, 52)], 2.0)
     assert [io.seq > 0 for io in flying] == [True] and pressure.flying == 32
     _read(core, key(1), 2.0, 0.0012)  # 1.2x idle: within
     assert pressure.read_window is None
     _read(core, key(2), 2.002, 0.010)  # 10x idle beside 32 blocks of writes
-    assert pressure.read_window == 16.0
+    assert pressure.read_window == (16.0 if guard else None)
     held = write(core, [key(i) for i in range(52, 60)], 2.013)
     if not guard:  # handed out at once, beside the 32
         assert [io.seq > 0 for io in held] == [True] and pressure.flying == 40
@@ -392,7 +392,7 @@ def test_reads_slowed_by_writes_bound_the_writes_in_flight_while_reads_come(guar
 
 
 def test_the_read_guard_grows_back_and_lets_go_at_the_cpu_tiers_size() -> None:
-    cpu, core, disk = setup(64)
+    cpu, core, disk = setup(64, write_lag_s=0.02, read_guard=True)
     pressure = disk.pressure
     _in_tier(cpu, core, [key(i) for i in range(9)])
     # Before any idle read, the least time of reads of one block is the reference.
@@ -415,7 +415,7 @@ def test_the_read_guard_allows_for_the_spread_of_idle_reads(jitter: bool) -> Non
     reads of 1 ms, one of 2 ms halves the bound; with idle reads between 1 and 3 ms
     (the 90th percentile of their ratios to the model above 2 / its expectation), the
     same 2 ms read does not."""
-    cpu, core, disk = setup(64, write_pin_share=1.0)
+    cpu, core, disk = setup(64, write_pin_share=1.0, write_lag_s=0.02, read_guard=True)
     pressure = disk.pressure
     _in_tier(cpu, core, [key(i) for i in range(13)])
     for i in range(12):  # alone: the idle reference and its spread
@@ -430,7 +430,7 @@ def test_below_one_block_the_read_guard_pauses_writes_between_blocks() -> None:
     """Reads still slow beside one block of writes halve the bound below a block: writes
     go one block at a time, a pause after each (a bound of 1/4: three times the write's
     time), which the core's next deadline names; never below 1/16 (writes progress)."""
-    cpu, core, disk = setup(64, write_pin_share=1.0)
+    cpu, core, disk = setup(64, write_pin_share=1.0, write_lag_s=0.02, read_guard=True)
     pressure = disk.pressure
     _in_tier(cpu, core, [key(i) for i in range(8)])
     _read(core, key(0), 1.0, 0.001)  # the idle reference
@@ -464,14 +464,18 @@ async def test_an_engine_hands_out_writes_the_read_guard_paused_on_its_timer(
 ) -> None:
     """Writes paused by the read guard go when the pause ends, with no other event: the
     engine's timer carries them (a flush would otherwise wait for the next call)."""
-    disk = ao.DiskTier(tmp_path, "4MiB", admission=None, write_lag_s=60.0, write_pin_share=1.0)
+    disk = ao.DiskTier(tmp_path, "4MiB", admission=None, write_pin_share=1.0, read_guard=True)
     engine, _ = make_engine(cpu_blocks=16, gpu_blocks=4, tiers=[disk], policy="lru")
     async with engine:
         pressure = engine._tiers.core.tiers[0].pressure  # type: ignore[union-attr]
         loop = asyncio.get_running_loop()
-        # As if reads had been slowed to the floor, the last one just now.
+        # As if reads had been slowed to the floor, the last one just now, while the
+        # writes lag 10 ms (over the 5 ms of saturation; the EMA stays over it for the
+        # three writes here: 0.8 of it kept at each).
         pressure.read_window = bp.READ_LEAST
         pressure._read_at = loop.time() + 60  # reads "come" all test long
+        pressure.lag_s = 0.010
+        assert pressure.saturated
         for i in range(3):
             handle = await engine.prepare_store([key(3000 + i)], [0])
             assert handle is not None
@@ -479,6 +483,7 @@ async def test_an_engine_hands_out_writes_the_read_guard_paused_on_its_timer(
         await asyncio.wait_for(engine.flush(), 30)  # each block after a pause
         (stats,) = engine.stats().tiers
         assert stats.blocks_written == 3 and pressure.read_window == bp.READ_LEAST
+        assert pressure.saturated, "the test's premise: the guard held all along"
 
 
 # --- settings ----------------------------------------------------------------------------
@@ -515,8 +520,8 @@ def test_bad_backpressure_settings_are_errors_naming_the_setting(
 
 def test_a_tiers_settings_reach_its_rule(tmp_path: Path) -> None:
     tier = ao.DiskTier(tmp_path, "1MiB", write_lag_s=0.25, write_pin_share=0.5)
-    assert Backpressure.of(tier) == Backpressure(0.25, 0.5, True, True)
-    assert Backpressure.of(ao.DiskTier(tmp_path, "1MiB", read_guard=False)).read_guard is False
+    assert Backpressure.of(tier) == Backpressure(0.25, 0.5, True, False)
+    assert Backpressure.of(ao.DiskTier(tmp_path, "1MiB", read_guard=True)).read_guard is True
     assert Backpressure.of(ao.DiskTier(tmp_path, "1MiB", backpressure=False)).backpressure is False
     assert Backpressure.of(object()) == Backpressure()
 

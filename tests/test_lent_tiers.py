@@ -330,13 +330,16 @@ def test_lent_slots_are_never_held_back_by_the_read_guard(tmp_path: Path) -> Non
     """The framework lends its slots for a job's length: a store's writes go at once,
     however slow reads beside them are (no read guard: the CPU tier counts no slots)."""
     host = Host()
-    settings = DiskTier(tmp_path / "d", 1 << 20, "slab", admission=None, write_pin_share=1.0)
+    settings = DiskTier(
+        tmp_path / "d", 1 << 20, "slab", admission=None, write_pin_share=1.0, read_guard=True
+    )
     tiers = LentTiers(open_tiers([settings], NAMESPACE), host.address)
     try:
         pressure = tiers.core.tiers[0].pressure
         for i in range(4):
             host.fill(i, i)
         done(tiers, tiers.store([key(i) for i in range(4)], list(range(4))))
+        pressure.lag_s = 0.010  # the writes lag 10 ms (saturated: 5 ms) for the 3 below
         done(tiers, tiers.load([key(0)], [10]))  # alone: the idle reference
         pressure.idle.latency_s = pressure.idle.floor_s = 1e-9  # every later read "slow"
         for i in range(1, 4):

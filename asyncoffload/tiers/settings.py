@@ -84,11 +84,13 @@ class TierSettings(BaseModel):
         "(False: never).",
     )
     read_guard: bool = Field(
-        True,
+        False,
         description="While loads from the tier come, bound the blocks its writes have in "
         "flight by how fast its loads stay: a load slower than 1.25 times the tier's idle "
         "loads (or than their own spread) halves the bound, each load within it adds a "
-        "block (False: never; backpressure=False turns it off too).",
+        "block, while the tier's writes lag 1/200 of write_lag_s. Off by default: it costs "
+        "write rate, and hit rate where the tier would absorb the writes (docs/tiers.md); "
+        "backpressure=False turns it off too.",
     )
 
     #: Fields the constructor takes positionally, in order.

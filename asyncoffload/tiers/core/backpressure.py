@@ -43,26 +43,29 @@ while they waited, a slow disk's writes cost the demo's CPU tier 0.03-0.05 of it
 rate, shedding notwithstanding; a frequency-aware policy could not evict the blocks
 being written, seen once, and evicted blocks worth more.)
 
-**Reads come first: the read guard.** A read handed out while writes are in flight
-waits behind them: in the tier's queue, at a shared server, for the CPU that packs them
-(issue 41: on two vCPUs a Valkey read took 5 times its idle time behind a window of 51
-blocks of writes). So each tier compares its reads with its idle reads: a read with no
-write in flight beside it feeds an idle model (:class:`~.readtime.ReadModel`); a read
-beside writes that took more than :data:`READ_SLOWDOWN` times the idle model's time for
-its bytes (before any idle read: the least time seen of reads of its size), or more
-than the idle reads' own spread if that is larger (the :data:`IDLE_QUANTILE` of the last
+**Reads come first: the read guard.** A read handed out while writes are in flight waits
+behind them: in the tier's queue, at a shared server, for the CPU that packs them (issue
+41: on two vCPUs a Valkey read took 5 times its idle time behind a window of 51 blocks
+of writes). So each tier compares its reads with its idle reads: a read with no write in
+flight beside it feeds an idle model (:class:`~.readtime.ReadModel`); a read beside
+writes that took more than :data:`READ_SLOWDOWN` times the idle model's time for its
+bytes (before any idle read: the least time seen of reads of its size), or more than the
+idle reads' own spread if that is larger (the :data:`IDLE_QUANTILE` of the last
 :data:`IDLE_RATIOS` idle reads' ratios to the model: jitter alone halves nothing),
 halves the blocks writes may have in flight (``read_window``, from those in flight
 during the read, at least one block); each read within it adds a block, and the bound
 goes once it reaches the CPU tier's slots. The bound holds while reads come (one in
-flight, or handed out in the last :data:`READS_ACTIVE_S`), lagging or not; the writes
-it holds back wait in the core like a lagging tier's, unpinned, and are shed by the
-same rule if they wait too long. Below one block the bound is a duty cycle: one block at
-a time, and after each a pause of ``1 / bound - 1`` times its time in flight (the core's
-next deadline names its end; ``engine.flush`` waits for the paused writes), halved to at
-most :data:`READ_LEAST` (1/16: writes still progress), grown back by a tenth per read
-within the ratio (:data:`READ_REGROW`). ``read_guard=False`` turns it off
-(``backpressure=False`` too).
+flight, or handed out in the last :data:`READS_ACTIVE_S`); the writes it holds back wait
+in the core like a lagging tier's, unpinned, and are shed by the same rule if they wait
+too long. Below one block the bound is a duty cycle: one block at a time, and after each
+a pause of ``1 / bound - 1`` times its time in flight (the core's next deadline names
+its end; ``engine.flush`` waits for the paused writes), halved to at most
+:data:`READ_LEAST` (1/16: writes still progress), grown back by a tenth per read within
+the ratio (:data:`READ_REGROW`). The guard learns and holds only while the tier's writes
+lag ``PINNING_LAG`` of ``write_lag_s`` (:attr:`WritePressure.saturated`). It is opt-in
+(``read_guard=True``): it buys read latency with write rate, and where the tier would
+have absorbed the writes, with hit rate (the demo's fast disk: 0.617 against 0.650
+without it; docs/benchmarks.md). ``backpressure=False`` turns it off too.
 
 A tier with no write in flight is calm (the next offer probes it: a lag EMA can only
 fall by writes that end). Shed blocks count in ``TierStats.write_shed`` (and the
@@ -158,12 +161,12 @@ class Backpressure:
     shed (twice it: every block). ``backpressure=False``: nothing is shed and nothing
     waits, every offer goes to the tier's admission and is written at once.
     ``read_guard``: the read guard (module docstring) bounds the writes in flight while
-    reads come; ``False``: only the window above does."""
+    reads come and the writes lag; ``False`` (the default): only the window above does."""
 
     write_lag_s: float = 1.0
     write_pin_share: float = 0.1
     backpressure: bool = True
-    read_guard: bool = True
+    read_guard: bool = False
 
     def __post_init__(self) -> None:
         lag = self.write_lag_s
@@ -260,7 +263,7 @@ class WritePressure:
         #: the write blocks handed out all told, when the last read was handed out, the
         #: tier's reads with no write beside them, and the least time per read size.
         self.read_window: float | None = None
-        self._reads: dict[int, tuple[float, int, int]] = {}
+        self._reads: dict[int, tuple[float, int, int, bool]] = {}
         self._handed = 0
         self._read_at = -math.inf
         self.idle = ReadModel()
@@ -297,9 +300,20 @@ class WritePressure:
         guard = self.read_window
         if guard is None or not (settings.read_guard and settings.backpressure):
             return None
+        if not self.saturated:
+            return None
         if self._reads or self._now - self._read_at <= READS_ACTIVE_S:
             return guard
         return None
+
+    @property
+    def saturated(self) -> bool:
+        """Whether write-through saturates the tier: its writes lag ``PINNING_LAG`` of
+        ``write_lag_s`` (5 ms at the default), the lagging tier's window's condition.
+        The read guard learns and holds only then: a tier whose writes keep up is never
+        held back for reads (beside them a read is slowed by the engine's other work as
+        much as by the writes, and holding writes back then costs the tier its hits)."""
+        return self.lag >= self.settings.write_lag_s * PINNING_LAG
 
     def resume_at(self) -> float | None:
         """When writes that wait for the read guard's pause may go (None: none waits)."""
@@ -371,7 +385,7 @@ class WritePressure:
             self._handed += len(io.keys)
             self._writes[io.seq] = now
         else:
-            self._reads[io.seq] = (now, self.flying, self._handed)
+            self._reads[io.seq] = (now, self.flying, self._handed, self.saturated)
             self._read_at = now
 
     def read_ended(self, io: TierIo, now: float, ok: bool, cpu_blocks: int) -> None:
@@ -386,9 +400,11 @@ class WritePressure:
         has no guard."""
         start = self._reads.pop(io.seq, None)
         self._now = max(self._now, now)
-        if start is None or not ok or cpu_blocks <= 0:  # 0: lent slots, never held back
+        if start is None or not ok or not self.settings.read_guard:
             return
-        at, flying, handed = start
+        if cpu_blocks <= 0:  # lent slots (the framework's): never held back
+            return
+        at, flying, handed, saturated = start
         took = now - at
         n = len(io.keys)
         nbytes = n * io.tier.block_bytes
@@ -403,7 +419,7 @@ class WritePressure:
             self.idle.observe(took, nbytes)
             return
         ref = self.idle.expect(nbytes) if self.idle.samples else best
-        if ref is None:
+        if ref is None or not saturated:
             return
         guard = self.read_window
         limit = READ_SLOWDOWN
