@@ -471,7 +471,10 @@ def _store_held(
     manager: AsyncOffloadManager, worker: AsyncOffloadWorker, held: list[_HeldJob]
 ) -> list[OffloadKey]:
     """Store two new blocks (GPU blocks 8, 9) while writes are held: they take two CPU
-    slots, evicting two idle blocks, and their write-through pins both."""
+    slots, evicting two idle blocks, and their write-through pins both. (The tier needs
+    ``write_pin_share=1.0``: at the default window, a tenth of the 4 slots, one block is
+    handed out at a time once the earlier writes took 5 ms, as on a busy machine, and
+    one is pinned, not two: both tests failed so in a CI run beside other work.)"""
     ctx = ReqContext(req_id="new")
     manager.on_new_request(ctx)
     new = _keys("x", "y")
@@ -490,7 +493,7 @@ def test_a_promotion_waits_for_the_cpu_slots_our_write_through_holds(
     and recomputed the rest (96 cached tokens of 288 in real vLLM at TP 2). The keys
     without a slot wait (HIT_PENDING) for the write-through to end, then come up: the
     whole prefix is loaded, byte-exact, and nothing is counted as skipped."""
-    spec = _tier_spec(tmp_path)
+    spec = _tier_spec(tmp_path, write_pin_share=1.0)  # see _store_held
     caches, worker, manager = _parts(spec)
     keys, expected = _fill(manager, worker, caches)  # CPU: keys 4-7; disk: keys 0-7
     held = _hold_writes(monkeypatch)
@@ -531,7 +534,7 @@ def test_a_wait_for_a_cpu_slot_ends_with_the_io_it_waited_for(
     """The wait is bounded: once the tier I/O in flight when a key found no slot has
     ended, a key that still finds none (every slot pinned by vLLM's loads) is a MISS,
     counted as no_slot once."""
-    spec = _tier_spec(tmp_path)
+    spec = _tier_spec(tmp_path, write_pin_share=1.0)  # see _store_held
     caches, worker, manager = _parts(spec)
     keys, _ = _fill(manager, worker, caches)
     held = _hold_writes(monkeypatch)
