@@ -664,3 +664,25 @@ def test_kv_load_tiers_decides_which_lower_tiers_a_request_loads_from(
     assert manager.lookup(keys[0], ctx) is expected
     worker.shutdown()
     manager.shutdown()
+
+
+def test_a_shutdown_drain_writes_what_a_read_guard_paused(tmp_path: Path) -> None:
+    """With ``read_guard=True``, writes the guard paused (as if reads had been slowed to
+    its floor while the writes lag) wait in the core with no job between their pauses:
+    the shutdown's drain keeps stepping until they are handed out and written, not
+    dropped at close as writes nobody waits for."""
+    from asyncoffload.tiers.core import backpressure as bp
+
+    # write_lag_s 10 s: saturated from 50 ms of lag, lagging (shedding) only past 10 s.
+    spec = _tier_spec(tmp_path, read_guard=True, write_pin_share=1.0, write_lag_s=10.0)
+    caches, worker, manager = _parts(spec)
+    pressure = manager.tiers.core.tiers[0].pressure
+    pressure.read_window = bp.READ_LEAST  # one block at a time, 15 write-times apart
+    pressure._read_at = time.monotonic() + 60  # reads "come" all test long
+    pressure.lag_s = 1.0  # saturated; 0.8 of it kept per write: still over 50 ms after 4
+    keys, _ = _fill(manager, worker, caches, n=CPU_CHUNKS)  # none evicted before written
+    assert pressure.waiting, "the premise: writes paused by the guard at shutdown"
+    worker.shutdown()
+    manager.shutdown()
+    (stats,) = manager.tiers.stats()
+    assert stats.blocks_written == len(keys) and stats.write_yielded == 0, stats
