@@ -384,7 +384,7 @@ class WritePressure:
             self.flying += len(io.keys)
             self._handed += len(io.keys)
             self._writes[io.seq] = now
-        else:
+        elif self.settings.read_guard:  # only the read guard looks at reads
             self._reads[io.seq] = (now, self.flying, self._handed, self.saturated)
             self._read_at = now
 

@@ -42,11 +42,11 @@ from dataclasses import dataclass, field
 
 from asyncoffload.keys import OffloadKey
 from asyncoffload.tiers.core.hierarchy import TierHierarchy
-from asyncoffload.tiers.core.readtime import ALPHA, FLOOR_S, ReadModel
+from asyncoffload.tiers.core.readtime import ALPHA, ReadModel
 from asyncoffload.tiers.core.requests import Exists, Promotion, Request, TierIo, TierState
 from asyncoffload.tiers.core.types import CpuIndex, Outcome, TierStats
 
-__all__ = ["FLOOR_S", "CostModel", "CostedHierarchy", "ReadModel", "RecomputeModel"]
+__all__ = ["CostModel", "CostedHierarchy", "ReadModel", "RecomputeModel"]
 
 #: A tier that refuses promotions takes one at most this often, to measure it again.
 PROBE_EVERY_S = 5.0
@@ -261,7 +261,7 @@ class CostedHierarchy(TierHierarchy):
         if not fresh:
             return finished
         at = self._submitted.pop(io, None)
-        if at is not None and all(r >= 0 for r in outcome.results) and not outcome.late:
+        if at is not None and outcome.ok:
             self.cost.read_model(io.tier).observe(now - at, len(io.keys) * io.tier.block_bytes)
         for promotion in finished:
             blocks = self._blocks.pop(promotion, {})

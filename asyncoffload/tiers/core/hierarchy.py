@@ -357,8 +357,7 @@ class TierHierarchy:
         io.settled = True
         self._flight.pop(io.seq, None)
         tier, keys = io.tier, io.keys
-        ok = not outcome.late and all(r >= 0 for r in outcome.results)
-        tier.pressure.read_ended(io, now, ok, self.cpu.num_blocks)
+        tier.pressure.read_ended(io, now, outcome.ok, self.cpu.num_blocks)
         if self._stalled:
             self._stalled.difference_update(keys)
         bad: list[OffloadKey] = []

@@ -136,6 +136,11 @@ class Outcome(NamedTuple):
     results: list[int]
     late: bool = False
 
+    @property
+    def ok(self) -> bool:
+        """Every block moved, in time."""
+        return not self.late and all(r >= 0 for r in self.results)
+
 
 @dataclass
 class TierCounters:
