@@ -362,3 +362,27 @@ def test_a_block_two_sessions_use_is_shared_and_kept_while_used() -> None:
     by_prefix(m, keys("c", 6), ctx())  # 2 slots short
     assert present(m, system) == [True, True]
     assert present(m, b) == [True, True, True, False, False]
+
+
+@pytest.mark.parametrize("by", ["name", "instance"])
+def test_a_managers_clock_is_its_policys(by: str) -> None:
+    """``CPUOffloadingManager(clock=...)`` times the session policy too, not only the
+    pins: the wait it ranks by moves with the manager's clock (it read the wall clock,
+    so that a property test's replays on a busy machine decided differently from their
+    first run: tests/test_policies.py, FlakyStrategyDefinition in a CI run). A clock
+    that is not callable is a TypeError naming it."""
+    clock = FakeClock()
+    policy = "session" if by == "name" else SessionPolicy(8)
+    m = ao.CPUOffloadingManager(8, policy, clock=clock)
+    a = keys("a", 2)
+    for t in (0.0, 10.0):
+        clock.now = t
+        serve_request(m, a, ctx=ctx())
+    session = m.policy
+    assert isinstance(session, SessionPolicy)
+    clock.now = 14.0  # a gap of 10 s, away 4: due in 6
+    assert session.expected_wait(a[0]) == pytest.approx(6.0)
+    clock.now = 19.0
+    assert session.expected_wait(a[0]) == pytest.approx(1.0)
+    with pytest.raises(TypeError, match="clock"):
+        ao.CPUOffloadingManager(8, "session", clock=5.0)  # type: ignore[arg-type]

@@ -157,9 +157,13 @@ def _checked_parts(
     store_threshold: int,
     max_tracker_size: int,
     admission: str | AdmissionFilter | None,
+    clock: Callable[[], float] | None = None,
 ) -> tuple[CachePolicy, AdmissionFilter | None]:
     """A manager's arguments checked (``ValueError`` / ``TypeError`` naming the one that
-    is wrong), and its policy and admission filter built from them."""
+    is wrong), and its policy and admission filter built from them; a ``clock`` given is
+    the policy's too (:meth:`CachePolicy.use_clock`)."""
+    if clock is not None and not callable(clock):
+        raise TypeError(f"clock must be callable, got {clock!r}")
     if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
         raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
     if store_threshold < 0:
@@ -181,6 +185,8 @@ def _checked_parts(
         admission = get_admission_cls(admission)(num_blocks)
     elif admission is not None and not isinstance(admission, AdmissionFilter):
         raise TypeError(f"admission must be a name or an AdmissionFilter, got {admission!r}")
+    if clock is not None:
+        policy.use_clock(clock)
     return policy, admission
 
 
@@ -212,6 +218,7 @@ class CPUOffloadingManager(OffloadingManager):
     :class:`~asyncoffload.manager.admission.AdmissionFilter` (``"ghost"``,
     ``"adaptive"``) or is one; it cannot be combined with ``store_threshold``.
     ``quotas`` caps tenants at that many blocks each (:mod:`~asyncoffload.manager.quotas`).
+    ``clock`` (seconds; ``time.monotonic`` if None) times the pins, and the policy if given.
     """
 
     medium = Medium.CPU
@@ -229,11 +236,11 @@ class CPUOffloadingManager(OffloadingManager):
         count_once_per_request: bool = False,
         event_sink: EventSink | None = None,
         pin_budget: float = DEFAULT_PIN_BUDGET,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] | None = None,
         quotas: Mapping[str, int] | None = None,
     ) -> None:
         self._policy, self._admission = _checked_parts(
-            num_blocks, policy, store_threshold, max_tracker_size, admission
+            num_blocks, policy, store_threshold, max_tracker_size, admission, clock
         )
         self.num_blocks = num_blocks
         self.policy_name = self._policy.name or type(self._policy).__name__
@@ -262,7 +269,7 @@ class CPUOffloadingManager(OffloadingManager):
         #: Retention pins and classes (asyncoffload.manager.pins), ``pin_budget`` of the tier.
         # Through the policy as it is at each call: `auto` rebinds its methods to the
         # leader at each switch (a bound method kept here would look in the old one).
-        self.pins = PinTable(num_blocks, self.block_of, pin_budget, clock=clock)
+        self.pins = PinTable(num_blocks, self.block_of, pin_budget, clock=clock or time.monotonic)
         self.pins.emit = functools.partial(_pin_event, self)
         #: Tenant quotas (asyncoffload.manager.quotas): own evictions honour the pins.
         self.tenants = Tenants(self._policy, self._evict, self.pins)

@@ -11,7 +11,6 @@ move bytes and signal the completion bridge.
 from __future__ import annotations
 
 import logging
-import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
@@ -63,7 +62,7 @@ class TierManager(CPUOffloadingManager):
         admission: str | AdmissionFilter | None = None,
         max_tracker_size: int = 64_000,
         pin_budget: float = DEFAULT_PIN_BUDGET,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] | None = None,
     ) -> None:
         super().__init__(
             num_blocks,
