@@ -118,6 +118,15 @@ def _walk_until_settled(
     return steps
 
 
+def _settles(manager: AsyncOffloadManager, what: str) -> None:
+    """vLLM steps while ``has_pending_work`` says so: ours ends within ``WAIT_S`` (the
+    tier's connection warm-up, say, on the private loop, which only these calls step)."""
+    deadline = time.monotonic() + WAIT_S
+    while manager.has_pending_work():
+        assert time.monotonic() < deadline, f"pending work past {WAIT_S}s: {what}"
+        time.sleep(0.002)
+
+
 def _load(
     manager: AsyncOffloadManager,
     worker: AsyncOffloadWorker,
@@ -200,7 +209,7 @@ def test_blocks_one_engine_stored_load_byte_exact_in_another(
         events = list(manager.take_events())
         shared = {k for e in events if e.medium is Medium.STORAGE and not e.removed for k in e.keys}
         assert shared == set(keys[:3])  # the found blocks joined the shared tier's index
-        assert not manager.has_pending_work()
+        _settles(manager, "after the load")
 
 
 def test_blocks_this_engine_wrote_are_promoted_without_asking(
@@ -246,7 +255,7 @@ def test_absent_keys_miss_after_one_query_and_are_not_asked_every_step(
             assert [manager.lookup(k, ctx) for k in absent] == [MISS, MISS]
             _end_step(manager)
         assert _exists_calls(valkey_server) == asked
-        assert not manager.has_pending_work()
+        _settles(manager, "after the remembered misses")
         # The memory is bounded in time: later, the server is asked again.
         time.sleep(MISS_TTL_S + 0.1)
         steps = _walk_until_settled(manager, absent, ctx)
@@ -265,6 +274,35 @@ def _wait_deleted(server: Any, manager: AsyncOffloadManager, name: bytes, within
         assert time.monotonic() < deadline, f"{name!r} still on the server after {within_s} s"
         _end_step(manager)
         time.sleep(0.02)
+
+
+def test_the_connection_warm_up_keeps_vllm_stepping_until_it_ends(
+    tmp_path: Path, valkey_server: Any
+) -> None:
+    """With its first job (here a promotion's read) the tier opens its connections
+    beside it, a task on the private loop: once the read ended, ``has_pending_work`` says
+    so while the task runs (vLLM keeps stepping, which is what runs it), then not. (A CI
+    run under load found it still running right after a load, and a test that read
+    ``has_pending_work`` once failed; such tests step now, as vLLM does.)"""
+    with _storing_engine(tmp_path, valkey_server, n=2) as stored:
+        keys = stored.keys
+    with _engine(tmp_path, valkey_server.url, "two", seed=2) as (_caches, _worker, manager):
+        assert manager.tiers is not None
+        client = manager.tiers.stores[0]._client  # type: ignore[attr-defined]
+        delete, gate = client.delete, asyncio.Event()
+
+        async def held_delete(names: Any) -> Any:  # the warm-up's DEL waits for the test
+            await gate.wait()
+            return await delete(names)
+
+        client.delete = held_delete
+        ctx = ReqContext(req_id="r")
+        manager.on_new_request(ctx)
+        assert _walk_until_settled(manager, keys[:1], ctx)[-1] == [HIT]  # read, promoted
+        for _ in range(20):
+            assert manager.has_pending_work(), "the warm-up runs: vLLM must keep stepping"
+        gate.set()
+        _settles(manager, "the warm-up's DEL, let go")
 
 
 def test_a_damaged_values_removal_keeps_vllm_stepping_until_it_ends(
@@ -356,7 +394,7 @@ def test_a_dead_server_is_a_miss_and_a_restarted_one_is_used_again(
         assert steps[-1] == [MISS]
         (tier,) = manager.tier_stats()
         assert tier.failures.get("lookup_failed", 0) >= 1
-        assert not manager.has_pending_work()
+        _settles(manager, "with the server dead")
         assert _walk(manager, keys[1:3], ctx) == [MISS]  # not asked while it is down
 
         valkey_server.start()  # the same port, empty (no persistence): put them back
