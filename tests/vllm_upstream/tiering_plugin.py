@@ -38,6 +38,11 @@ from asyncoffload.tiers.format import Namespace
 _WAIT_S = 20.0
 #: The example tiers' directories, made under one of this run's, removed at its end.
 _ROOT: list[str] = []
+#: Our tiers the running test made: most of vLLM's tests never shut theirs down, so each
+#: is shut down, and an example tier's directory removed, when its test ends (before,
+#: every example tier's 64 MiB slab stayed until the session ended: 7 GB of disk by the
+#: end of test_tiering_offloading.py).
+_LIVE: list[Any] = []
 
 
 def _adapters() -> tuple[type, type]:
@@ -56,6 +61,7 @@ def _adapters() -> tuple[type, type]:
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             self.completed_jobs: list[JobResult] = []
             super().__init__(*args, **kwargs)
+            _LIVE.append(self)
 
         def _ended(self, job: LentJob) -> None:
             assert self._tiers.wait([job], _WAIT_S), "our tier's job did not end"
@@ -117,9 +123,10 @@ def _adapters() -> tuple[type, type]:
         return list(keys)
 
     class UpstreamExampleTier(_Synchronous):
-        """Ours behind ``ExampleSecondaryTierManager``'s constructor: a disk tier of 64
-        MiB (slab, one lane) in a temporary directory; the tests' spec is a mock, so the
-        namespace is a fixed one."""
+        """Ours behind ``ExampleSecondaryTierManager``'s constructor: a disk tier of 4
+        MiB (slab, one lane; vLLM's tests store tens of chunks of 16 to 64 bytes) in a
+        temporary directory, removed when the tier shuts down or its test ends; the
+        tests' spec is a mock, so the namespace is a fixed one."""
 
         def __init__(
             self,
@@ -133,17 +140,21 @@ def _adapters() -> tuple[type, type]:
             tier = {
                 "kind": "disk",
                 "path": self._dir,
-                "capacity": "64MiB",
+                "capacity": "4MiB",
                 "admission": None,
                 "io_threads": 1,
             }
-            super().__init__(
-                offloading_spec,
-                primary_kv_view,
-                tier_type,
-                backpressure_detector,
-                tier=tier,
-            )
+            try:
+                super().__init__(
+                    offloading_spec,
+                    primary_kv_view,
+                    tier_type,
+                    backpressure_detector,
+                    tier=tier,
+                )
+            except BaseException:
+                shutil.rmtree(self._dir, ignore_errors=True)
+                raise
 
         def namespace(self) -> Namespace:
             return Namespace("vllm-tests", "int8", "example", self._rows.stride)
@@ -236,6 +247,23 @@ def pytest_configure(config: pytest.Config) -> None:
     example, fs = _adapters()
     setattr(example_module, "ExampleSecondaryTierManager", example)  # noqa: B010
     setattr(fs_module, "FileSystemTierManager", fs)  # noqa: B010
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """After the test's own teardown: shut down each tier of ours it made and left open
+    (shutdown is idempotent), removing an example tier's directory."""
+    yield
+    live = list(_LIVE)
+    _LIVE.clear()
+    errors: list[Exception] = []
+    for tier in live:
+        try:
+            tier.shutdown()
+        except Exception as exc:  # each is shut down; the first error fails the test
+            errors.append(exc)
+    if errors:
+        raise errors[0]
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
