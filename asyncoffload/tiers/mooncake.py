@@ -41,7 +41,7 @@ from asyncoffload.manager.base import Medium
 from asyncoffload.tiers._mooncake_helper import PRESENT
 from asyncoffload.tiers.base import LowerTier, shared_index_spec
 from asyncoffload.tiers.format import HEADER_BYTES, Namespace
-from asyncoffload.tiers.settings import TierSettings
+from asyncoffload.tiers.settings import READ_GUARD_HELP, SHARED_READ_GUARD, TierSettings
 from asyncoffload.transfer.base import CopyJob, HostRegion
 from asyncoffload.validators import ByteSize, byte_setting
 
@@ -135,6 +135,7 @@ class MooncakeTier(TierSettings):
         description="Threads the helper takes and checks a request's checksums on (at most "
         "the machine's CPUs): CRC32C runs at about 10 GB/s a core, slower than a fast store.",
     )
+    read_guard: bool = Field(True, description=READ_GUARD_HELP + SHARED_READ_GUARD)
     timeout_s: float = Field(
         5.0,
         gt=0,

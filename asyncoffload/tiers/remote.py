@@ -35,7 +35,12 @@ from asyncoffload.manager.base import Medium
 from asyncoffload.tiers._clients import make_client
 from asyncoffload.tiers.base import LowerTier, shared_index_spec
 from asyncoffload.tiers.format import HEADER_BYTES, Namespace
-from asyncoffload.tiers.settings import WRITE_PRIORITY_HELP, TierSettings
+from asyncoffload.tiers.settings import (
+    READ_GUARD_HELP,
+    SHARED_READ_GUARD,
+    WRITE_PRIORITY_HELP,
+    TierSettings,
+)
 from asyncoffload.transfer.base import CopyJob
 from asyncoffload.validators import ByteSize
 
@@ -150,6 +155,7 @@ class RemoteTier(TierSettings):
     threads: int = Field(
         2, ge=1, le=64, description="Native threads that pack and check values off the loop."
     )
+    read_guard: bool = Field(True, description=READ_GUARD_HELP + SHARED_READ_GUARD)
     write_priority: Literal["normal", "idle"] = Field(
         "normal",
         description="The native threads that pack values: " + WRITE_PRIORITY_HELP,

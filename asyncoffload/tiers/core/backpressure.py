@@ -62,10 +62,12 @@ a pause of ``1 / bound - 1`` times its time in flight (the core's next deadline 
 its end; ``engine.flush`` waits for the paused writes), halved to at most
 :data:`READ_LEAST` (1/16: writes still progress), grown back by a tenth per read within
 the ratio (:data:`READ_REGROW`). The guard learns and holds only while the tier's writes
-lag ``PINNING_LAG`` of ``write_lag_s`` (:attr:`WritePressure.saturated`). It is opt-in
-(``read_guard=True``): it buys read latency with write rate, and where the tier would
-have absorbed the writes, with hit rate (the demo's fast disk: 0.617 against 0.650
-without it; docs/benchmarks.md). ``backpressure=False`` turns it off too.
+lag ``PINNING_LAG`` of ``write_lag_s`` (:attr:`WritePressure.saturated`). It buys read
+latency with write rate, and where the tier would have absorbed the writes, with hit
+rate (the demo's fast disk: 0.625 against 0.662 without it; docs/benchmarks.md): the
+tiers' settings turn it on by default for the shared tiers, whose loads took 2-7 times
+their idle p99 without it, and off for a disk (here ``read_guard=False`` is the
+default). ``backpressure=False`` turns it off too.
 
 A tier with no write in flight is calm (the next offer probes it: a lag EMA can only
 fall by writes that end). Shed blocks count in ``TierStats.write_shed`` (and the
