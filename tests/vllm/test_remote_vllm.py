@@ -512,8 +512,9 @@ def test_a_second_vllm_is_served_the_blocks_the_first_stored(
 
     second = run_vllm([only_a], name="remote-second", kv_transfer_config=config)
     (served,) = requests_of(second, 0)
-    assert served["num_cached_tokens"] == E2E_A_BLOCKS * BLOCK_SIZE
     metrics = second["metrics"]
+    ours = {k: v for k, v in metrics.items() if "asyncoffload" in k}
+    assert served["num_cached_tokens"] == E2E_A_BLOCKS * BLOCK_SIZE, ours
     assert metrics["vllm:asyncoffload_tier_blocks_read"] >= E2E_A_BLOCKS
     assert metrics.get("vllm:asyncoffload_tier_read_failures", 0) == 0
     same, lp_diff = generation_diff(served, computed)
