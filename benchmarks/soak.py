@@ -881,7 +881,12 @@ async def soak(opts: SoakOptions, progress: TextIO | None = sys.stderr) -> SoakR
                 await snapshot_churn(engine)
             if t >= opts.duration_s:
                 break
+            # On the grid t0 + k * sample_every_s; ticks a stalled loop missed are skipped,
+            # not caught up: samples taken back to back (the same millisecond, seen on a
+            # busy machine) measure nothing.
             next_sample += opts.sample_every_s
+            while next_sample <= time.monotonic() + 0.001:
+                next_sample += opts.sample_every_s
 
         # --- drain and check ---
         stop.set()
