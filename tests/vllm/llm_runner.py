@@ -21,6 +21,7 @@ ARGS.json (only ``model`` and ``rounds`` are required)::
       "kv_events": true,                       # subscribe to vLLM's ZMQ KV events
       "warmup_prompt_len": 40,                 # untimed warm-up request first; 0: none
       "settle_s": 0,                           # > 0: after each round, settle (below)
+      "settle_until": {},                      # ...until these counters reach these too
       "dtype": "float32", "enforce_eager": true,
       "llm_kwargs": {},                        # any other vllm.LLM keyword arguments
       "kv_transfer_params": null,              # every round's requests carry these
@@ -61,9 +62,12 @@ Settling: with ``settle_s`` > 0, each round is followed by requests shorter than
 (they store and look up nothing) until vLLM's gauge of the offloading CPU tier's slots
 held by transfers in flight (``vllm:kv_offload_cpu_cache_usage_perc``: stores being
 written, loads and lower-tier write-through pinning slots, promotions) reads 0, for at
-most ``settle_s`` seconds. Each request steps the scheduler, which takes the transfers
-that ended, and refreshes the gauge. A round's ``settled`` says whether it was reached;
-a test whose next round needs the tiers at rest asserts it.
+most ``settle_s`` seconds, and until each metric of ``settle_until`` reads at least its
+value (a lower tier's writes that backpressure holds back wait unpinned, outside the
+gauge: ``{"vllm:asyncoffload_tier_blocks_written": 6}`` waits for them). Each request
+steps the scheduler, which takes the transfers that ended, and refreshes the gauge. A
+round's ``settled`` says whether it was reached; a test whose next round needs the tiers
+at rest asserts it.
 
 Round actions, in order, before or after a round (its index as a string):
 ``{"reset_prefix_cache": true}`` (vLLM's prefix cache and the connector's CPU tier;
@@ -289,19 +293,24 @@ def _shutdown(llm: Any) -> None:
 SETTLE_GAUGE = "vllm:kv_offload_cpu_cache_usage_perc"
 
 
-def _settle(llm: Any, params: Any, max_s: float) -> tuple[bool, float]:
+def _settle(
+    llm: Any, params: Any, max_s: float, until: dict[str, float] | None = None
+) -> tuple[bool, float]:
     """Step the engine with sub-block requests until nothing of the offloading CPU tier
-    is in flight (:data:`SETTLE_GAUGE` is 0), at most ``max_s`` seconds: (settled, s)."""
+    is in flight (:data:`SETTLE_GAUGE` is 0) and each metric of ``until`` reads at least
+    its value, at most ``max_s`` seconds: (settled, s)."""
     t = time.perf_counter()
     deadline = t + max_s
     while True:
         llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}], params, use_tqdm=False)
-        gauge = _metric_snapshot(llm).get(SETTLE_GAUGE)
+        snapshot = _metric_snapshot(llm)
+        gauge = snapshot.get(SETTLE_GAUGE)
         if gauge is None:
             raise RuntimeError(f"settle_s needs the gauge {SETTLE_GAUGE}, which vLLM lacks")
+        done = gauge == 0 and all(snapshot.get(k, 0.0) >= v for k, v in (until or {}).items())
         now = time.perf_counter()
-        if gauge == 0 or now >= deadline:
-            return gauge == 0, now - t
+        if done or now >= deadline:
+            return done, now - t
         time.sleep(0.05)
 
 
@@ -367,6 +376,7 @@ def run(args: dict[str, Any]) -> dict[str, Any]:
             if sub is not None:
                 sub.drain()
         settle_s = float(args.get("settle_s", 0))
+        settle_until = {str(k): float(v) for k, v in (args.get("settle_until") or {}).items()}
         tick = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
         rounds: list[dict[str, Any]] = []
         requests: list[dict[str, Any]] = []
@@ -409,7 +419,9 @@ def run(args: dict[str, Any]) -> dict[str, Any]:
                     }
                 )
             if settle_s > 0:
-                rounds[-1]["settled"], rounds[-1]["settle_s"] = _settle(llm, tick, settle_s)
+                rounds[-1]["settled"], rounds[-1]["settle_s"] = _settle(
+                    llm, tick, settle_s, settle_until
+                )
             if sub is not None:
                 sub.drain()
         result["rounds"] = rounds

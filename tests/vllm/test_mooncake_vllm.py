@@ -92,12 +92,20 @@ def test_a_second_vllm_is_served_the_blocks_the_first_stored_in_mooncake(
     tier = {"kind": "mooncake", "master": f"127.0.0.1:{PORT}", "segment_bytes": 0}
     config = asyncoffload_kv_transfer_config(cpu_bytes_to_use=24 * E2E_BLOCK_BYTES, tiers=[tier])
     only_a = reuse_rounds()[0]  # one round: prompt A (6 full blocks and a tail)
-    # Then a prompt shorter than a block (nothing to store), whose steps let the
-    # scheduler see the helper's replies to A's writes before the metrics are read.
-    settle = [list(range(1000, 1000 + BLOCK_SIZE // 2))]
+    # Then sub-block requests (nothing to store) until A's blocks are written: their
+    # steps let the scheduler take the helper's replies. (A single such request was
+    # once the wait: with both CPUs busy the helper's first writes took longer, some
+    # waited in the core behind backpressure, and 1-3 of 6 were written by then.)
+    written = {"vllm:asyncoffload_tier_blocks_written": E2E_A_BLOCKS}
     first = run_vllm(
-        [only_a, settle], name="mooncake-first", kv_transfer_config=config, wrap=cluster
+        [only_a],
+        name="mooncake-first",
+        kv_transfer_config=config,
+        wrap=cluster,
+        settle_s=60,
+        settle_until=written,
     )
+    assert first["rounds"][0]["settled"], f"A's blocks not written in 60 s: {first['rounds']}"
     (computed,) = requests_of(first, 0)
     assert computed["num_cached_tokens"] == 0
     assert first["metrics"]["vllm:asyncoffload_tier_blocks_written"] >= E2E_A_BLOCKS
