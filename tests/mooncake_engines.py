@@ -36,7 +36,7 @@ from asyncoffload.manager.base import Medium
 from asyncoffload.tiers.format import HEADER_BYTES, Namespace, pack_header
 from asyncoffload.tiers.mooncake import MooncakeStore
 from tests.helpers import tier_index
-from tests.mooncake_probe import loopback_up, start_master
+from tests.mooncake_probe import TEST_LEASE_MS, loopback_up, start_master
 
 NUM_KV = 32
 FRAG = 4096
@@ -331,7 +331,7 @@ async def _written_again(eng: ao.AsyncOffloadEngine, start: int) -> bool:
 async def restart(port: int) -> dict[str, Any]:
     """The master killed while writes are in flight, then restarted; the helper killed."""
     out: dict[str, Any] = {}
-    masters = [start_master(port, 200)]
+    masters = [start_master(port, TEST_LEASE_MS)]
     kv = [t[:, :1024].contiguous() for t in kv_caches()]
     n = 256
     ks = keys(n)
@@ -369,7 +369,7 @@ async def restart(port: int) -> dict[str, Any]:
             out["down_unavailable"] = tier.unavailable()
             out["alookup_down"] = await asyncio.wait_for(eng.alookup(keys(1, start=9000)), 10)
             out["alookup_down_s"] = time.monotonic() - started
-            masters.append(start_master(port, 200))
+            masters.append(start_master(port, TEST_LEASE_MS))
             restarted = time.monotonic()
             # The tier rejoins by itself (once Mooncake's client has reconnected and
             # mounted its segment again): fresh blocks are written again.
@@ -471,7 +471,7 @@ async def dead(port: int) -> dict[str, Any]:
     flush() and aclose() end within 2 s; with the master back, the same helper writes
     and reads again."""
     out: dict[str, Any] = {}
-    masters = [start_master(port, 200)]
+    masters = [start_master(port, TEST_LEASE_MS)]
     kv = kv_caches()
     # Every block offered is written through (no admission), with the master's death
     # noticed by Mooncake's client, not by a deadline of ours.
@@ -1028,7 +1028,7 @@ def main() -> int:
     master = None
     if own_master:
         loopback_up()
-        master = start_master(port, 200)
+        master = start_master(port, TEST_LEASE_MS)
     elif scenario in ("restart", "dead"):
         loopback_up()
     try:
