@@ -199,8 +199,16 @@ class LentTiers(PolledTiers):
     def source(self, key: OffloadKey) -> str | None:
         """The name of the highest tier holding ``key`` ready, or None."""
         with self._entered():
-            tier = self.core.source(key)
+            tier = self._readable(key)
             return None if tier is None else tier.name
+
+    def _readable(self, key: OffloadKey) -> TierState | None:
+        """The highest tier ``key`` may be read from now: None while a read of it that
+        ended failed past its deadline still runs (its index drops it once that read
+        ends; asked meanwhile, a framework whose slots are lent would read it again,
+        into other slots, behind the same stuck read: vLLM 0.34's did, in a CI run)."""
+        core = self.core
+        return None if core.stalled(key) else core.source(key)
 
     def lookup(self, key: OffloadKey, run: int = 0) -> Literal["hit", "miss", "pending"]:
         """``hit``: a tier holds ``key`` ready; ``pending``: the shared tiers are asked
@@ -214,6 +222,8 @@ class LentTiers(PolledTiers):
         ``recomputed_by_choice``: the framework recomputes from there."""
         with self._entered():
             core = self.core
+            if core.stalled(key):
+                return "miss"
             tier = core.source(key)
             if tier is not None:
                 if run <= 0 or core.cost.worth({tier: run}, time.monotonic(), count=False):
@@ -244,7 +254,7 @@ class LentTiers(PolledTiers):
         if asked:
             self._wait_until(lambda: all(q.settled for q in asked), timeout_s)
         with self._entered():
-            return [self.core.source(k) is not None for k in keys]
+            return [self._readable(k) is not None for k in keys]
 
     # --- stores and loads --------------------------------------------------------------
 
@@ -283,7 +293,7 @@ class LentTiers(PolledTiers):
             core = self.core
             sources: dict[OffloadKey, TierState] = {}
             for key in job.keys:
-                tier = core.source(key)
+                tier = self._readable(key)
                 if tier is not None:
                     sources[key] = tier
             missing = [key for key in job.keys if key not in sources]
