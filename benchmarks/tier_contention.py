@@ -44,6 +44,13 @@ Variants:
   the script enters itself, as benchmarks/mooncake.py does): ``bp-off``, ``bp-on`` (no
   read guard) and ``bp-on+guard`` (the defaults).
 
+``--external`` adds, per Valkey client, ``external``: the same reads (the defaults), while
+the writes come from another process (redis-py, pipelines of ``--write-batch`` SETs on 4
+connections, at the blocks per second the client's ``split+bp+guard`` row wrote in the
+same run): nothing of the writes on the reads' loop or in their process, and nothing
+paced by the read guard. Where reads are slowed by the server and the CPUs, not by the
+loop, this row is no better than the in-process one.
+
 The ``guard`` column: the read guard's bound on writes in flight at the end (``-``:
 none); only the variants named ``guard`` have it.
 
@@ -270,6 +277,88 @@ async def run_variant(
     return row
 
 
+async def external_writer(url: str, rate: float, size: int, batch: int) -> None:
+    """The ``external`` variant's writer process: fresh ``size``-byte values set if absent,
+    pipelines of ``batch`` on 4 connections, at most ``rate`` blocks a second; prints
+    ``ready``, and once stdin closes, the blocks written and their rate."""
+    from redis.asyncio import Redis
+
+    client = Redis.from_url(url)
+    value = os.urandom(size)
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_reader(sys.stdin.fileno(), stop.set)
+    written = 0
+    t0 = time.perf_counter()
+
+    async def lane(k: int) -> None:
+        nonlocal written
+        i = 0
+        while not stop.is_set():
+            wait = t0 + written / rate - time.perf_counter()
+            if wait > 0:
+                await asyncio.sleep(min(wait, 0.01))
+                continue
+            async with client.pipeline(transaction=False) as pipe:
+                for j in range(batch):
+                    pipe.set(f"external:{k}:{i}:{j}".encode(), value, nx=True, px=60_000)
+                await pipe.execute()
+            written += batch
+            i += 1
+
+    print("ready", flush=True)
+    await asyncio.gather(*(lane(k) for k in range(4)))
+    print(written, written / (time.perf_counter() - t0), flush=True)
+    await client.aclose()
+
+
+async def run_external(url: str, client: str, rate: float, args: argparse.Namespace) -> Row:
+    """Idle reads, then reads while :func:`external_writer` writes at ``rate`` (the
+    engine writes nothing meanwhile)."""
+    block = args.block_bytes
+    kv_blocks = max(args.write_batch, 8)
+    kv = [torch.randint(0, 256, (kv_blocks, block), dtype=torch.uint8)]
+    tier = ao.RemoteTier(
+        url, client=client, admission=None, max_connections=4, pipelines=4,
+        batch_bytes=args.batch_bytes,
+    )  # fmt: skip
+    cfg = ao.EngineConfig(cpu_blocks=args.cpu_blocks, tiers=[tier], model=MODEL, policy="lru")
+    row = Row("valkey", f"{client}/external")
+    rng = random.Random(7)
+    tag = random.getrandbits(31)
+    read_keys = make_keys(tag, 2 * args.reads)
+    layout = ao.KVLayout.infer(kv, kv_split=False)
+    async with ao.AsyncOffloadEngine(kv, cfg, layout=layout) as engine:
+        await _store(engine, read_keys, args.write_batch)
+        await _store(engine, make_keys(tag + 1, args.cpu_blocks), args.write_batch)
+        slot = kv_blocks - 1
+        row.idle_ms, row.refused_idle, row.missed = await _reads(
+            engine, read_keys[: args.reads], slot, rng
+        )
+        spec = f"{url},{rate},{block},{args.write_batch}"
+        cmd = [sys.executable, str(HERE / "tier_contention.py"), "--external-writer", spec]
+        writer = await asyncio.create_subprocess_exec(
+            *cmd, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE
+        )
+        assert writer.stdin is not None and writer.stdout is not None
+        try:
+            line = await asyncio.wait_for(writer.stdout.readline(), 30)
+            assert line.strip() == b"ready", f"the external writer did not start: {line!r}"
+            await asyncio.sleep(args.warmup_s)
+            row.busy_ms, row.refused_busy, missed = await _reads(
+                engine, read_keys[args.reads :], slot, rng
+            )
+            row.missed += missed
+            writer.stdin.close()
+            done = (await asyncio.wait_for(writer.stdout.readline(), 30)).split()
+            row.written_per_s = float(done[1])
+        finally:
+            if writer.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    writer.kill()
+            await writer.wait()
+    return row
+
+
 # --- tiers --------------------------------------------------------------------------------
 
 
@@ -340,6 +429,10 @@ async def valkey_rows(args: argparse.Namespace, url: str) -> list[Row]:
             ctx = shared_connections() if variant == "shared" else contextlib.nullcontext()
             with ctx:
                 rows.append(await run_variant("valkey", f"{client}/{variant}", tier, args))
+            await _flushall(url)
+        if args.external:
+            rate = next(r.written_per_s for r in rows if r.variant == f"{client}/split+bp+guard")
+            rows.append(await run_external(url, client, max(rate, 1.0), args))
             await _flushall(url)
     return rows
 
@@ -429,9 +522,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--shared", action="store_true", help="also Valkey's reads on the writes' connections"
     )
+    p.add_argument(
+        "--external", action="store_true", help="also Valkey reads beside another process's writes"
+    )
+    p.add_argument("--external-writer", default=None, help=argparse.SUPPRESS)
     p.add_argument("--json", default=None)
     p.add_argument("--in-netns", action="store_true", help="already in a private netns")
     args = p.parse_args(argv)
+    if args.external_writer:  # the external variant's writer process
+        url, rate, size, batch = args.external_writer.rsplit(",", 3)
+        asyncio.run(external_writer(url, float(rate), int(size), int(batch)))
+        return 0
     if "mooncake" in args.tier and not args.in_netns:
         return rerun_in_netns(__file__, argv if argv is not None else sys.argv[1:])
     if args.in_netns:
