@@ -255,13 +255,10 @@ def test_the_eventfd_is_closed_with_the_tiers(tmp_path: Path) -> None:
     assert len(os.listdir("/proc/self/fd")) <= before
 
 
-def test_a_read_stuck_past_its_deadline_ends_failed_and_releases_its_slots_later(
-    tmp_path: Path,
-) -> None:
-    """A read stuck in a system call (the pool's test gate: a hung mount): the load ends
-    failed once its tier's deadline and the core's grace passed, but its slots are
-    released only once the read really ended (vLLM's deferred release: the framework
-    must not reuse a slot the read may still fill)."""
+def gated_disk(tmp_path: Path) -> tuple[LentTiers, Host, bytes, int]:
+    """Lent tiers over a disk with a 0.2 s deadline, ``key(0)`` stored from slot 0 (its
+    bytes), then every lane op held at the pool's test gate (a read stuck in a system
+    call: a hung mount) until the returned fd is closed. The caller closes the tiers."""
     host = Host()
     settings = DiskTier(tmp_path / "d", 1 << 20, "slab", admission=None, deadline_s=0.2)
     tiers = LentTiers(open_tiers([settings], NAMESPACE), host.address)
@@ -273,16 +270,35 @@ def test_a_read_stuck_past_its_deadline_ends_failed_and_releases_its_slots_later
             tiers.stores[0]._pool.set_gate(gate)  # type: ignore[attr-defined]
         finally:
             os.close(gate)
+    except BaseException:
+        tiers.close()
+        raise
+    return tiers, host, data, opener
+
+
+def wait_released(tiers: LentTiers, job: LentJob) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not job.released.is_set():
+        assert time.monotonic() < deadline, "the slots of the stuck read were never released"
+        tiers.poll()
+        time.sleep(0.01)
+
+
+def test_a_read_stuck_past_its_deadline_ends_failed_and_releases_its_slots_later(
+    tmp_path: Path,
+) -> None:
+    """A read stuck in a system call (the pool's test gate: a hung mount): the load ends
+    failed once its tier's deadline and the core's grace passed, but its slots are
+    released only once the read really ended (vLLM's deferred release: the framework
+    must not reuse a slot the read may still fill)."""
+    tiers, host, data, opener = gated_disk(tmp_path)
+    try:
         try:
             job = done(tiers, tiers.load([key(0)], [9]))
             assert job.ok == [False] and not job.released.is_set()
         finally:
             os.close(opener)  # the stuck read goes on
-        deadline = time.monotonic() + WAIT_S
-        while not job.released.is_set():
-            assert time.monotonic() < deadline, "the slots of the stuck read were never released"
-            tiers.poll()
-            time.sleep(0.01)
+        wait_released(tiers, job)
         assert host.buf[9].tobytes() == data  # the read really ended, into that slot
     finally:
         tiers.close()
@@ -296,18 +312,9 @@ def test_a_key_whose_read_outlived_the_load_deadline_is_a_miss_while_it_runs(
     the tier's index until then. It was a hit meanwhile: asked again, a framework whose
     slots are lent started a second read of it, into other slots, behind the stuck one
     (vLLM 0.34's tiering in a CI run: 4 chunks held back, not 2). It is a miss now."""
-    host = Host()
-    settings = DiskTier(tmp_path / "d", 1 << 20, "slab", admission=None, deadline_s=0.2)
-    tiers = LentTiers(open_tiers([settings], NAMESPACE), host.address)
+    tiers, _, _, opener = gated_disk(tmp_path)
     try:
         tiers.configure_cost(True, tokens_per_block=16, tokens_per_s=1e6)  # 50 ms, the floor
-        host.fill(0, 3)
-        done(tiers, tiers.store([key(0)], [0]))
-        gate, opener = os.pipe()
-        try:
-            tiers.stores[0]._pool.set_gate(gate)  # type: ignore[attr-defined]
-        finally:
-            os.close(gate)
         try:
             job = done(tiers, tiers.load([key(0)], [9]))
             assert job.ok == [False] and not job.released.is_set()
@@ -318,11 +325,7 @@ def test_a_key_whose_read_outlived_the_load_deadline_is_a_miss_while_it_runs(
             assert again.done and again.ok == [False] and again.released.is_set()
         finally:
             os.close(opener)  # the stuck read goes on, and ends
-        deadline = time.monotonic() + WAIT_S
-        while not job.released.is_set():
-            assert time.monotonic() < deadline, "the slots of the stuck read were never released"
-            tiers.poll()
-            time.sleep(0.01)
+        wait_released(tiers, job)
     finally:
         tiers.close()
 
