@@ -230,7 +230,11 @@ async def run_variant(
     variant: str,
     tier: Any,
     args: argparse.Namespace,
+    external: tuple[str, float] | None = None,
 ) -> Row:
+    """Idle reads, then reads while write-through saturates ``tier``; with ``external``
+    (a server's URL, blocks per second), while :func:`external_writer` writes to that
+    server at that rate instead (the engine writing nothing)."""
     block = args.block_bytes
     kv_blocks = max(args.write_batch, 8)
     kv = [torch.randint(0, 256, (kv_blocks, block), dtype=torch.uint8)]
@@ -249,6 +253,17 @@ async def run_variant(
         row.idle_ms, row.refused_idle, row.missed = await _reads(
             engine, read_keys[:reads], slot, rng
         )
+
+        async def busy_reads() -> None:
+            await asyncio.sleep(args.warmup_s)
+            row.busy_ms, row.refused_busy, missed = await _reads(
+                engine, read_keys[reads:], slot, rng
+            )
+            row.missed += missed
+
+        if external is not None:
+            row.written_per_s = await _beside_external(busy_reads, *external, args)
+            return row
         stop = asyncio.Event()
         samples: list[int] = []
         before = engine.stats().tiers[0]
@@ -257,11 +272,7 @@ async def run_variant(
             _writer(engine, args.write_batch, args.queue_blocks, stop, samples)
         )
         try:
-            await asyncio.sleep(args.warmup_s)
-            row.busy_ms, row.refused_busy, missed = await _reads(
-                engine, read_keys[reads:], slot, rng
-            )
-            row.missed += missed
+            await busy_reads()
         finally:
             stop.set()
             await writer
@@ -311,52 +322,28 @@ async def external_writer(url: str, rate: float, size: int, batch: int) -> None:
     await client.aclose()
 
 
-async def run_external(url: str, client: str, rate: float, args: argparse.Namespace) -> Row:
-    """Idle reads, then reads while :func:`external_writer` writes at ``rate`` (the
-    engine writes nothing meanwhile)."""
-    block = args.block_bytes
-    kv_blocks = max(args.write_batch, 8)
-    kv = [torch.randint(0, 256, (kv_blocks, block), dtype=torch.uint8)]
-    tier = ao.RemoteTier(
-        url, client=client, admission=None, max_connections=4, pipelines=4,
-        batch_bytes=args.batch_bytes,
-    )  # fmt: skip
-    cfg = ao.EngineConfig(cpu_blocks=args.cpu_blocks, tiers=[tier], model=MODEL, policy="lru")
-    row = Row("valkey", f"{client}/external")
-    rng = random.Random(7)
-    tag = random.getrandbits(31)
-    read_keys = make_keys(tag, 2 * args.reads)
-    layout = ao.KVLayout.infer(kv, kv_split=False)
-    async with ao.AsyncOffloadEngine(kv, cfg, layout=layout) as engine:
-        await _store(engine, read_keys, args.write_batch)
-        await _store(engine, make_keys(tag + 1, args.cpu_blocks), args.write_batch)
-        slot = kv_blocks - 1
-        row.idle_ms, row.refused_idle, row.missed = await _reads(
-            engine, read_keys[: args.reads], slot, rng
-        )
-        spec = f"{url},{rate},{block},{args.write_batch}"
-        cmd = [sys.executable, str(HERE / "tier_contention.py"), "--external-writer", spec]
-        writer = await asyncio.create_subprocess_exec(
-            *cmd, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE
-        )
-        assert writer.stdin is not None and writer.stdout is not None
-        try:
-            line = await asyncio.wait_for(writer.stdout.readline(), 30)
-            assert line.strip() == b"ready", f"the external writer did not start: {line!r}"
-            await asyncio.sleep(args.warmup_s)
-            row.busy_ms, row.refused_busy, missed = await _reads(
-                engine, read_keys[args.reads :], slot, rng
-            )
-            row.missed += missed
-            writer.stdin.close()
-            done = (await asyncio.wait_for(writer.stdout.readline(), 30)).split()
-            row.written_per_s = float(done[1])
-        finally:
-            if writer.returncode is None:
-                with contextlib.suppress(ProcessLookupError):
-                    writer.kill()
-            await writer.wait()
-    return row
+async def _beside_external(
+    reads: Callable[[], Awaitable[None]], url: str, rate: float, args: argparse.Namespace
+) -> float:
+    """Runs ``reads`` while :func:`external_writer`, in a process of its own, writes to
+    ``url`` at ``rate``; the blocks per second it wrote."""
+    spec = f"{url},{rate},{args.block_bytes},{args.write_batch}"
+    cmd = [sys.executable, str(HERE / "tier_contention.py"), "--external-writer", spec]
+    writer = await asyncio.create_subprocess_exec(
+        *cmd, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE
+    )
+    assert writer.stdin is not None and writer.stdout is not None
+    try:
+        line = await asyncio.wait_for(writer.stdout.readline(), 30)
+        assert line.strip() == b"ready", f"the external writer did not start: {line!r}"
+        await reads()
+        writer.stdin.close()
+        return float((await asyncio.wait_for(writer.stdout.readline(), 30)).split()[1])
+    finally:
+        if writer.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                writer.kill()
+        await writer.wait()
 
 
 # --- tiers --------------------------------------------------------------------------------
@@ -432,7 +419,12 @@ async def valkey_rows(args: argparse.Namespace, url: str) -> list[Row]:
             await _flushall(url)
         if args.external:
             rate = next(r.written_per_s for r in rows if r.variant == f"{client}/split+bp+guard")
-            rows.append(await run_external(url, client, max(rate, 1.0), args))
+            tier = ao.RemoteTier(
+                url, client=client, admission=None, max_connections=4, pipelines=4,
+                batch_bytes=args.batch_bytes,
+            )  # fmt: skip
+            external = (url, max(rate, 1.0))
+            rows.append(await run_variant("valkey", f"{client}/external", tier, args, external))
             await _flushall(url)
     return rows
 
