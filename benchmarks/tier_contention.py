@@ -141,7 +141,11 @@ def make_keys(tag: int, n: int, start: int = 0) -> list[ao.OffloadKey]:
 
 
 async def _store(engine: ao.AsyncOffloadEngine, keys: list[ao.OffloadKey], batch: int) -> None:
+    """The setup's blocks, ``batch`` at a time, each batch written through before the
+    next: a setup that outran the tier would have its writes shed by backpressure, and a
+    load would then name a block in no tier (``--reads 400`` did)."""
     ids = list(range(batch))
+    shed = engine.stats().tiers[0].write_shed
     for start in range(0, len(keys), batch):
         chunk = keys[start : start + batch]
         while True:
@@ -150,7 +154,9 @@ async def _store(engine: ao.AsyncOffloadEngine, keys: list[ao.OffloadKey], batch
                 break
             await asyncio.sleep(0.001)  # every CPU slot pinned by writes: wait
         await handle
-    await engine.flush()
+        await engine.flush()
+    shed = engine.stats().tiers[0].write_shed - shed
+    assert shed == 0, f"the setup's writes were shed ({shed} blocks): its reads would miss"
 
 
 async def _read(
