@@ -451,6 +451,7 @@ async def mooncake_rows(args: argparse.Namespace) -> list[Row]:
         tier = ao.MooncakeTier(
             f"127.0.0.1:{MASTER_PORT}", segment_bytes=args.segment_bytes, admission=None,
             backpressure=variant != "bp-off", read_guard=variant.endswith("+guard"),
+            in_flight=args.in_flight,
         )  # fmt: skip
         rows.append(await run_variant("mooncake", variant, tier, args))
     return rows
@@ -515,6 +516,12 @@ def main(argv: list[str] | None = None) -> int:
         "--batch-bytes", type=parse_bytes, default=16 << 20, help="RemoteTier(batch_bytes)"
     )
     p.add_argument("--segment-bytes", type=parse_bytes, default=parse_bytes("4GiB"))
+    p.add_argument(
+        "--in-flight",
+        type=int,
+        default=ao.MooncakeTier.model_fields["in_flight"].default,
+        help="MooncakeTier(in_flight): requests its helper runs at once",
+    )
     p.add_argument("--dir", default=None, help="where the disk tier's file goes")
     p.add_argument("--loop", choices=["asyncio", "uvloop"], default="asyncio")
     p.add_argument(
