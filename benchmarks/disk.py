@@ -237,7 +237,7 @@ async def tier_run(
                     break
                 # Every CPU slot is pinned by a disk write still running: wait a little.
                 refused += 1
-                await asyncio.sleep(0.0005)
+                await asyncio.sleep(0.001)  # not less: uvloop truncates to whole ms (spins)
             handles.append(handle)
             while len(handles) > 4:
                 await handles.popleft()

@@ -290,7 +290,7 @@ async def store_all(
             if handle is not None:
                 break
             refused += 1  # every CPU slot pinned by a remote write still running
-            await asyncio.sleep(0.0005)
+            await asyncio.sleep(0.001)  # not less: uvloop truncates to whole ms (spins)
         handles.append(handle)
         while len(handles) > in_flight:
             await handles.popleft()
@@ -307,7 +307,9 @@ async def load(
         try:
             return await engine.prepare_load(keys, ids)
         except ao.PromotionError:
-            await asyncio.sleep(0.0005)  # every CPU slot pinned by promotions in flight
+            # Every CPU slot pinned by promotions in flight: wait 1 ms (not less: uvloop
+            # truncates a timer to whole ms, and a shorter one would spin).
+            await asyncio.sleep(0.001)
 
 
 async def tier_run(
