@@ -124,6 +124,9 @@ class Row:
     queued_mean: float = 0.0
     #: Loads that found the block gone (a server's eviction): not in the latencies.
     missed: int = 0
+    #: Loads of a block the tier itself had evicted meanwhile (a disk or index full of
+    #: the busy phase's writes: ``UnknownKeyError``): not in the latencies either.
+    dropped: int = 0
     #: The read guard's bound on writes in flight at the end (None: none).
     read_window: float | None = None
 
@@ -165,9 +168,10 @@ async def _store(engine: ao.AsyncOffloadEngine, keys: list[ao.OffloadKey], batch
 
 async def _read(
     engine: ao.AsyncOffloadEngine, key: ao.OffloadKey, slot: int
-) -> tuple[float | None, int]:
+) -> tuple[float | None, int, bool]:
     """One load of ``key`` (only in the tier): its latency (ms; None: a miss, the tier
-    no longer had it) and the refusals waited."""
+    no longer had it), the refusals waited, and whether the tier had evicted it before
+    the load (then the latency is None too)."""
     refused = 0
     t0 = time.perf_counter()
     while True:
@@ -177,27 +181,37 @@ async def _read(
         except ao.PromotionError:
             refused += 1
             await asyncio.sleep(0.001)
+        except ao.UnknownKeyError:
+            return None, refused, True  # the tier evicted it for the busy phase's writes
     try:
         await handle
     except ao.TransferError:
-        return None, refused  # evicted by the server (Mooncake's pool is bounded)
-    return (time.perf_counter() - t0) * 1e3, refused
+        return None, refused, False  # evicted by the server (Mooncake's pool is bounded)
+    return (time.perf_counter() - t0) * 1e3, refused, False
 
 
 async def _reads(
-    engine: ao.AsyncOffloadEngine, keys: list[ao.OffloadKey], slot: int, rng: random.Random
-) -> tuple[list[float], int, int]:
+    engine: ao.AsyncOffloadEngine,
+    keys: list[ao.OffloadKey],
+    slot: int,
+    rng: random.Random,
+    row: Row,
+) -> tuple[list[float], int]:
+    """Loads of ``keys`` one after the other: their latencies and the refusals waited;
+    their misses counted in ``row``."""
     out: list[float] = []
-    refused = missed = 0
+    refused = 0
     for key in keys:
         await asyncio.sleep(rng.uniform(0, 0.002))
-        ms, r = await _read(engine, key, slot)
-        if ms is None:
-            missed += 1
+        ms, r, dropped = await _read(engine, key, slot)
+        if dropped:
+            row.dropped += 1
+        elif ms is None:
+            row.missed += 1
         else:
             out.append(ms)
         refused += r
-    return out, refused, missed
+    return out, refused
 
 
 def pressure_of(engine: ao.AsyncOffloadEngine) -> Any:
@@ -260,16 +274,11 @@ async def run_variant(
         await _store(engine, make_keys(tag + 1, args.cpu_blocks), args.write_batch)
         assert engine.manager.block_of(read_keys[0]) is None, "a read key is still in the CPU tier"
         slot = kv_blocks - 1
-        row.idle_ms, row.refused_idle, row.missed = await _reads(
-            engine, read_keys[:reads], slot, rng
-        )
+        row.idle_ms, row.refused_idle = await _reads(engine, read_keys[:reads], slot, rng, row)
 
         async def busy_reads() -> None:
             await asyncio.sleep(args.warmup_s)
-            row.busy_ms, row.refused_busy, missed = await _reads(
-                engine, read_keys[reads:], slot, rng
-            )
-            row.missed += missed
+            row.busy_ms, row.refused_busy = await _reads(engine, read_keys[reads:], slot, rng, row)
 
         if external is not None:
             row.written_per_s = await _beside_external(busy_reads, *external, args)
@@ -478,10 +487,13 @@ def table(rows: list[Row]) -> str:
             f"{r.tier:9} {r.variant:26} {s['idle_p50']:9.2f} {s['idle_p99']:9.2f} "
             f"{s['busy_p50']:9.2f} {s['busy_p99']:9.2f} {s['busy_max']:9.2f} "
             f"{s['p99_ratio']:6.2f} {ok:>5} {r.written_per_s:10.0f} {r.queued_mean:7.0f} "
-            f"{r.shed:6d} {r.refused_idle + r.refused_busy:8d} {r.missed:7d} "
+            f"{r.shed:6d} {r.refused_idle + r.refused_busy:8d} {r.missed + r.dropped:7d} "
             f"{'-' if r.read_window is None else f'{r.read_window:.2f}':>6}"
         )
-    lines.append("(latencies in ms: prepare_load of one block only in the tier -> resolved)")
+    lines.append(
+        "(latencies in ms: prepare_load of one block only in the tier -> resolved; missed: "
+        "loads of a block the tier or its server had evicted, not in the latencies)"
+    )
     return "\n".join(lines)
 
 
@@ -515,7 +527,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--write-batch", type=int, default=32, help="blocks per store call")
     p.add_argument("--queue-blocks", type=int, default=256, help="write-through kept queued")
     p.add_argument("--warmup-s", type=float, default=0.5)
-    p.add_argument("--disk-bytes", default="2GiB")
+    p.add_argument(
+        "--disk-bytes",
+        type=parse_bytes,
+        default=None,
+        help="the disk tier's size (default: 2 GiB or 8,192 blocks, the larger: a disk the "
+        "busy phase fills evicts the keys it reads, missed)",
+    )
     p.add_argument(
         "--batch-bytes", type=parse_bytes, default=16 << 20, help="RemoteTier(batch_bytes)"
     )
@@ -538,6 +556,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None)
     p.add_argument("--in-netns", action="store_true", help="already in a private netns")
     args = p.parse_args(argv)
+    if args.disk_bytes is None:
+        args.disk_bytes = max(2 << 30, 8192 * args.block_bytes)
     if args.external_writer:  # the external variant's writer process
         url, rate, size, batch = args.external_writer.rsplit(",", 3)
         asyncio.run(external_writer(url, float(rate), int(size), int(batch)))

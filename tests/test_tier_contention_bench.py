@@ -30,3 +30,21 @@ async def test_the_setup_stores_every_block_in_a_lagging_tier(tmp_path: Path) ->
         await tier_contention._store(engine, keys, 8)
         assert engine.stats().tiers[0].write_shed == 0
         assert await engine.alookup(keys) == len(keys)
+
+
+async def test_a_load_of_a_block_the_tier_evicted_counts_as_missed(tmp_path: Path) -> None:
+    # A disk of 8 blocks: storing 32 evicts the first ones (the busy phase of a run with
+    # large blocks did that to its read keys, and the run ended in UnknownKeyError).
+    block = 4096
+    tier = ao.DiskTier(tmp_path / "d", 8 * (block + 4096), admission=None)
+    kv = [torch.zeros((8, block), dtype=torch.uint8)]
+    layout = ao.KVLayout.infer(kv, kv_split=False)
+    cfg = ao.EngineConfig(cpu_blocks=8, tiers=[tier], model="bench", policy="lru")
+    keys = tier_contention.make_keys(2, 32)
+    async with ao.AsyncOffloadEngine(kv, cfg, layout=layout) as engine:
+        await tier_contention._store(engine, keys, 8)
+        assert engine.lookup(keys[:1]) == 0, "the first block is still held"
+        row = tier_contention.Row("disk", "test")
+        rng = tier_contention.random.Random(1)
+        ms, refused = await tier_contention._reads(engine, keys[:1] + keys[-1:], 7, rng, row)
+        assert (row.dropped, row.missed, len(ms), refused) == (1, 0, 1, 0)
