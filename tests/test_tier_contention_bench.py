@@ -4,6 +4,7 @@ once failed its first load: ``UnknownKeyError``, a read key shed on its way down
 
 from __future__ import annotations
 
+import random
 import sys
 from pathlib import Path
 
@@ -45,6 +46,6 @@ async def test_a_load_of_a_block_the_tier_evicted_counts_as_missed(tmp_path: Pat
         await tier_contention._store(engine, keys, 8)
         assert engine.lookup(keys[:1]) == 0, "the first block is still held"
         row = tier_contention.Row("disk", "test")
-        rng = tier_contention.random.Random(1)
+        rng = random.Random(1)
         ms, refused = await tier_contention._reads(engine, keys[:1] + keys[-1:], 7, rng, row)
         assert (row.dropped, row.missed, len(ms), refused) == (1, 0, 1, 0)
