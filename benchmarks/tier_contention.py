@@ -87,7 +87,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # the repository, for tests/ (the servers)
 
-from remote import LocalValkey  # noqa: E402  (benchmarks/remote.py)
+from remote import LocalValkey, flushall  # noqa: E402  (benchmarks/remote.py)
 
 from tests.mooncake_probe import loopback_up, rerun_in_netns, start_master, unshadow  # noqa: E402
 
@@ -145,6 +145,15 @@ def make_keys(tag: int, n: int, start: int = 0) -> list[ao.OffloadKey]:
         ao.make_offload_key(tag.to_bytes(4, "big") + i.to_bytes(8, "big"))
         for i in range(start, start + n)
     ]
+
+
+def make_engine(tier: Any, block: int, kv_blocks: int, cpu_blocks: int) -> ao.AsyncOffloadEngine:
+    """An engine over ``kv_blocks`` GPU-side blocks of ``block`` random bytes and
+    ``cpu_blocks`` CPU slots, LRU, with ``tier`` below."""
+    kv = [torch.randint(0, 256, (kv_blocks, block), dtype=torch.uint8)]
+    layout = ao.KVLayout.infer(kv, kv_split=False)
+    cfg = ao.EngineConfig(cpu_blocks=cpu_blocks, tiers=[tier], model=MODEL, policy="lru")
+    return ao.AsyncOffloadEngine(kv, cfg, layout=layout)
 
 
 async def _store(engine: ao.AsyncOffloadEngine, keys: list[ao.OffloadKey], batch: int) -> None:
@@ -259,17 +268,13 @@ async def run_variant(
     """Idle reads, then reads while write-through saturates ``tier``; with ``external``
     (a server's URL, blocks per second), while :func:`external_writer` writes to that
     server at that rate instead (the engine writing nothing)."""
-    block = args.block_bytes
     kv_blocks = max(args.write_batch, 8)
-    kv = [torch.randint(0, 256, (kv_blocks, block), dtype=torch.uint8)]
-    layout = ao.KVLayout.infer(kv, kv_split=False)
-    cfg = ao.EngineConfig(cpu_blocks=args.cpu_blocks, tiers=[tier], model=MODEL, policy="lru")
     row = Row(tier_name, variant)
     rng = random.Random(7)
     reads = args.reads
     tag = random.getrandbits(31)
     read_keys = make_keys(tag, 2 * reads)
-    async with ao.AsyncOffloadEngine(kv, cfg, layout=layout) as engine:
+    async with make_engine(tier, args.block_bytes, kv_blocks, args.cpu_blocks) as engine:
         await _store(engine, read_keys, args.write_batch)
         await _store(engine, make_keys(tag + 1, args.cpu_blocks), args.write_batch)
         assert engine.manager.block_of(read_keys[0]) is None, "a read key is still in the CPU tier"
@@ -435,7 +440,7 @@ async def valkey_rows(args: argparse.Namespace, url: str) -> list[Row]:
             ctx = shared_connections() if variant == "shared" else contextlib.nullcontext()
             with ctx:
                 rows.append(await run_variant("valkey", f"{client}/{variant}", tier, args))
-            await _flushall(url)
+            await flushall(url)
         if args.external:
             rate = next(r.written_per_s for r in rows if r.variant == f"{client}/split+bp+guard")
             tier = ao.RemoteTier(
@@ -444,18 +449,8 @@ async def valkey_rows(args: argparse.Namespace, url: str) -> list[Row]:
             )  # fmt: skip
             external = (url, max(rate, 1.0))
             rows.append(await run_variant("valkey", f"{client}/external", tier, args, external))
-            await _flushall(url)
+            await flushall(url)
     return rows
-
-
-async def _flushall(url: str) -> None:
-    from redis.asyncio import Redis
-
-    client = Redis.from_url(url)
-    try:
-        await client.flushall()
-    finally:
-        await client.aclose()
 
 
 async def mooncake_rows(args: argparse.Namespace) -> list[Row]:

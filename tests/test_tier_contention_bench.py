@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import tier_contention
@@ -25,11 +24,8 @@ async def test_the_setup_stores_every_block_in_a_lagging_tier(tmp_path: Path) ->
     # Every write lags 1 us: past the first write, a first offer is shed while one is in
     # flight (the tier is calm only with none in flight).
     tier = ao.DiskTier(tmp_path / "d", "8MiB", admission=None, write_lag_s=1e-6)
-    kv = [torch.zeros((8, 4096), dtype=torch.uint8)]
-    layout = ao.KVLayout.infer(kv, kv_split=False)
-    cfg = ao.EngineConfig(cpu_blocks=64, tiers=[tier], model="bench", policy="lru")
     keys = tier_contention.make_keys(1, 256)
-    async with ao.AsyncOffloadEngine(kv, cfg, layout=layout) as engine:
+    async with tier_contention.make_engine(tier, 4096, 8, 64) as engine:
         await tier_contention._store(engine, keys, 8)
         assert engine.stats().tiers[0].write_shed == 0
         assert await engine.alookup(keys) == len(keys)
@@ -40,11 +36,8 @@ async def test_a_load_of_a_block_the_tier_evicted_counts_as_missed(tmp_path: Pat
     # large blocks did that to its read keys, and the run ended in UnknownKeyError).
     block = 4096
     tier = ao.DiskTier(tmp_path / "d", 8 * (block + 4096), admission=None)
-    kv = [torch.zeros((8, block), dtype=torch.uint8)]
-    layout = ao.KVLayout.infer(kv, kv_split=False)
-    cfg = ao.EngineConfig(cpu_blocks=8, tiers=[tier], model="bench", policy="lru")
     keys = tier_contention.make_keys(2, 32)
-    async with ao.AsyncOffloadEngine(kv, cfg, layout=layout) as engine:
+    async with tier_contention.make_engine(tier, block, 8, 8) as engine:
         await tier_contention._store(engine, keys, 8)
         assert engine.lookup(keys[:1]) == 0, "the first block is still held"
         row = tier_contention.Row("disk", "test")
