@@ -477,6 +477,35 @@ def test_below_one_block_the_read_guard_pauses_writes_between_blocks() -> None:
     assert len(rest.keys) == 1 and pressure.guarded() is None
 
 
+def test_the_read_guard_holds_while_reads_come_though_its_pacing_keeps_the_writes_short() -> None:
+    """At its floor the guard lets one block out at a time, and a block alone is written
+    fast: the writes' lag falls below saturation (1 MiB blocks on Valkey, issue 41: a
+    block alone in 1.4-2 ms, against 5 ms). The guard held only while the tier was
+    saturated, so the next offer went out whole beside the reads (32 MiB: a load took
+    111 ms). It holds while reads come, saturated or not, and reads within the ratio grow
+    it back all the same (it still lets go)."""
+    cpu, core, disk = setup(64, write_pin_share=1.0, write_lag_s=0.02, read_guard=True)
+    pressure = disk.pressure
+    _in_tier(cpu, core, [key(i) for i in range(4)])
+    _read(core, key(0), 1.0, 0.001)  # the idle reference
+    (one,) = write(core, [key(20)], 2.0)
+    _read(core, key(1), 2.0, 0.003)
+    assert pressure.read_window == 0.5
+    now = 2.0
+    for i in range(12):  # one block at a time, each 10 us in flight: the lag falls
+        if i:
+            (one,) = write(core, [key(20 + i)], now)
+        done(core, one, now + 1e-5)
+        now += 0.001
+    assert not pressure.saturated, "the test's premise: the guard's pacing ended the lag"
+    offer = [key(i) for i in range(34, 64)]
+    out = write(core, offer, now)
+    assert sum(len(io.keys) for io in out) == 30 and pressure.flying == 1
+    _read(core, key(2), now, 0.00115)  # within 1.25x beside the block: a tenth more
+    assert pressure.read_window == pytest.approx(0.55)
+    assert pressure.guarded() == pytest.approx(0.55)
+
+
 async def test_an_engine_hands_out_writes_the_read_guard_paused_on_its_timer(
     tmp_path: Path,
 ) -> None:

@@ -61,8 +61,12 @@ too long. Below one block the bound is a duty cycle: one block at a time, and af
 a pause of ``1 / bound - 1`` times its time in flight (the core's next deadline names
 its end; ``engine.flush`` waits for the paused writes), halved to at most
 :data:`READ_LEAST` (1/16: writes still progress), grown back by a tenth per read within
-the ratio (:data:`READ_REGROW`). The guard learns and holds only while the tier's writes
-lag ``PINNING_LAG`` of ``write_lag_s`` (:attr:`WritePressure.saturated`). It buys read
+the ratio (:data:`READ_REGROW`). The guard is learned only while the tier's writes lag
+``PINNING_LAG`` of ``write_lag_s`` (:attr:`WritePressure.saturated`); once learned it
+holds, and halves and grows, while reads come, whatever the lag: its own pacing keeps
+the writes short (1 MiB blocks on Valkey: one alone in 1.4-2 ms, under the 5 ms), and
+holding only while saturated let the next offer out whole beside the reads (32 MiB: a
+load took 111 ms, issue 41). It buys read
 latency with write rate, and where the tier would have absorbed the writes, with hit
 rate (the demo's fast disk: 0.625 against 0.662 without it; docs/benchmarks.md): the
 tiers' settings turn it on by default for the shared tiers, whose loads took 2-7 times
@@ -297,12 +301,11 @@ class WritePressure:
         return out
 
     def guarded(self) -> float | None:
-        """The read guard's bound now (None: none): reads come, and slowed lately."""
+        """The read guard's bound now (None: none): one was learned, and reads come
+        (saturated or not: the writes it paces are short, module docstring)."""
         settings = self.settings
         guard = self.read_window
         if guard is None or not (settings.read_guard and settings.backpressure):
-            return None
-        if not self.saturated:
             return None
         if self._reads or self._now - self._read_at <= READS_ACTIVE_S:
             return guard
@@ -312,9 +315,9 @@ class WritePressure:
     def saturated(self) -> bool:
         """Whether write-through saturates the tier: its writes lag ``PINNING_LAG`` of
         ``write_lag_s`` (5 ms at the default), the lagging tier's window's condition.
-        The read guard learns and holds only then: a tier whose writes keep up is never
-        held back for reads (beside them a read is slowed by the engine's other work as
-        much as by the writes, and holding writes back then costs the tier its hits)."""
+        The read guard is learned only then: a tier whose writes keep up is never held
+        back for reads (beside them a read is slowed by the engine's other work as much
+        as by the writes, and holding writes back then costs the tier its hits)."""
         return self.lag >= self.settings.write_lag_s * PINNING_LAG
 
     def resume_at(self) -> float | None:
@@ -397,7 +400,9 @@ class WritePressure:
         any idle read: the least time seen of reads of its size): slower than
         :data:`READ_SLOWDOWN` times it, the writes' window while reads come is halved
         (from the blocks that were in flight, at least one); within it, the window grows
-        by a block, unbounded again once it reaches the CPU tier's slots. A CPU tier that
+        by a block, unbounded again once it reaches the CPU tier's slots. A bound is
+        first learned only from a read handed out while the writes saturated the tier
+        (:attr:`saturated`); once there, any read beside writes moves it. A CPU tier that
         does not count its slots (0: the framework's, lent: its writes are never held)
         has no guard."""
         start = self._reads.pop(io.seq, None)
@@ -421,9 +426,9 @@ class WritePressure:
             self.idle.observe(took, nbytes)
             return
         ref = self.idle.expect(nbytes) if self.idle.samples else best
-        if ref is None or not saturated:
-            return
         guard = self.read_window
+        if ref is None or (guard is None and not saturated):
+            return
         limit = READ_SLOWDOWN
         if len(self._idle_ratios) >= IDLE_SPREAD_MIN:  # jitter idle reads have too
             ratios = sorted(self._idle_ratios)
