@@ -51,6 +51,12 @@ same run): nothing of the writes on the reads' loop or in their process, and not
 paced by the read guard. Where reads are slowed by the server and the CPUs, not by the
 loop, this row is no better than the in-process one.
 
+``--stores-only`` adds, per tier and Valkey client, ``stores-only``: the defaults' tier,
+whose busy phase stores fresh blocks into the CPU tier at the rate the defaults' row
+stored them (``stored/s``), and writes none of them through (the tier is offered
+nothing): what the engine's own stores cost the loads, apart from the tier's writes
+(with 1 MiB blocks on two vCPUs, a store is a 1 MiB copy on the loads' CPUs).
+
 The ``guard`` column: the read guard's bound on writes in flight at the end (``-``:
 none); only the variants named ``guard`` have it.
 
@@ -104,6 +110,8 @@ MODEL = "bench-tier-contention"
 POLL_S = 0.001
 MASTER_PORT = 50171
 GOAL = 2.0
+#: The control variant of ``--stores-only``.
+STORES_ONLY = "stores-only"
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -120,6 +128,8 @@ class Row:
     refused_idle: int = 0
     refused_busy: int = 0
     written_per_s: float = 0.0
+    #: Blocks the busy phase's writer stored into the CPU tier a second.
+    stored_per_s: float = 0.0
     shed: int = 0
     queued_mean: float = 0.0
     #: Loads that found the block gone (a server's eviction): not in the latencies.
@@ -233,17 +243,22 @@ async def _writer(
     queue_blocks: int,
     stop: asyncio.Event,
     samples: list[int],
-) -> None:
-    """Fresh blocks, as fast as the engine takes them, keeping ``queue_blocks`` queued."""
+    rate: float | None = None,
+) -> int:
+    """Fresh blocks, as fast as the engine takes them, keeping ``queue_blocks`` queued;
+    with ``rate``, that many blocks a second, whatever is queued. The blocks stored."""
     ids = list(range(batch))
     n = 0
     pending: list[Awaitable[Any]] = []
     pressure = pressure_of(engine)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
     while not stop.is_set():
         queued = pressure.queued
         samples.append(queued)
-        if queued >= queue_blocks:
-            await asyncio.sleep(POLL_S)
+        wait = 0.0 if rate is None else started + n / rate - loop.time()
+        if (queued >= queue_blocks and rate is None) or wait > 0:
+            await asyncio.sleep(max(POLL_S, wait))
             continue
         keys = make_keys(0xBEEF, batch, n)
         n += batch
@@ -256,6 +271,13 @@ async def _writer(
             await pending.pop(0)
     for left in pending:
         await left
+    return n
+
+
+def _write_nothing_through(engine: ao.AsyncOffloadEngine) -> None:
+    """From now on ``engine``'s tier is offered nothing: the ``stores-only`` control."""
+    pressure = pressure_of(engine)
+    pressure.admit = lambda tier, keys, cpu: []
 
 
 async def run_variant(
@@ -264,10 +286,13 @@ async def run_variant(
     tier: Any,
     args: argparse.Namespace,
     external: tuple[str, float] | None = None,
+    stores_rate: float | None = None,
 ) -> Row:
     """Idle reads, then reads while write-through saturates ``tier``; with ``external``
     (a server's URL, blocks per second), while :func:`external_writer` writes to that
-    server at that rate instead (the engine writing nothing)."""
+    server at that rate instead (the engine writing nothing); with ``stores_rate``, while
+    the engine stores that many blocks a second into its CPU tier and writes none of
+    them through (what its own stores cost the loads)."""
     kv_blocks = max(args.write_batch, 8)
     row = Row(tier_name, variant)
     rng = random.Random(7)
@@ -290,19 +315,22 @@ async def run_variant(
             return row
         stop = asyncio.Event()
         samples: list[int] = []
+        if stores_rate is not None:
+            _write_nothing_through(engine)
         before = engine.stats().tiers[0]
         t0 = time.perf_counter()
         writer = asyncio.create_task(
-            _writer(engine, args.write_batch, args.queue_blocks, stop, samples)
+            _writer(engine, args.write_batch, args.queue_blocks, stop, samples, stores_rate)
         )
         try:
             await busy_reads()
         finally:
             stop.set()
-            await writer
+            stored = await writer
         elapsed = time.perf_counter() - t0
         after = engine.stats().tiers[0]
         row.written_per_s = (after.blocks_written - before.blocks_written) / elapsed
+        row.stored_per_s = stored / elapsed
         row.shed = after.write_shed
         row.queued_mean = sum(samples) / max(1, len(samples))
         row.read_window = pressure_of(engine).read_window
@@ -394,21 +422,32 @@ def shared_connections() -> Iterator[None]:
         _clients.GlideClient._connect = real_glide  # type: ignore[method-assign]
 
 
+def control_rate(args: argparse.Namespace, rows: list[Row], defaults: str) -> float | None:
+    """With ``--stores-only``: the rate the ``defaults`` row stored at (its control's)."""
+    if not args.stores_only:
+        return None
+    return max(1.0, next(r.stored_per_s for r in rows if r.variant == defaults))
+
+
 async def disk_rows(args: argparse.Namespace) -> list[Row]:
-    rows = []
-    for variant in ("bp-off", "bp-on", "bp-on+idle", "bp-on+idle+guard"):
+    rows: list[Row] = []
+    variants = ["bp-off", "bp-on", "bp-on+idle", "bp-on+idle+guard"]
+    if args.stores_only:
+        variants.append(STORES_ONLY)
+    for variant in variants:
         path = Path(tempfile.mkdtemp(prefix="tier-contention-", dir=args.dir))
-        priority = "idle" if "+idle" in variant else "normal"
+        rate = control_rate(args, rows, "bp-on+idle") if variant == STORES_ONLY else None
+        settings = "bp-on+idle" if rate is not None else variant  # the defaults'
         try:
             tier = ao.DiskTier(
                 path,
                 args.disk_bytes,
                 admission=None,
-                backpressure=variant != "bp-off",
-                read_guard=variant.endswith("+guard"),
-                write_priority=priority,
+                backpressure=settings != "bp-off",
+                read_guard=settings.endswith("+guard"),
+                write_priority="idle" if "+idle" in settings else "normal",
             )
-            rows.append(await run_variant("disk", variant, tier, args))
+            rows.append(await run_variant("disk", variant, tier, args, stores_rate=rate))
         finally:
             shutil.rmtree(path, ignore_errors=True)
     return rows
@@ -420,26 +459,34 @@ async def valkey_rows(args: argparse.Namespace, url: str) -> list[Row]:
         import glide  # noqa: F401
 
         clients.append("glide")
-    rows = []
-    variants: tuple[str, ...] = ("split", "split+bp", "split+bp+guard", "split+bp+guard+idle")
+    rows: list[Row] = []
+    defaults = "split+bp+guard+idle"
+    variants: tuple[str, ...] = ("split", "split+bp", "split+bp+guard", defaults)
     if args.shared:
         variants = ("shared", *variants)
+    if args.stores_only:
+        variants = (*variants, STORES_ONLY)
     for client in clients:
         for variant in variants:
+            rate = None
+            if variant == STORES_ONLY:
+                rate = control_rate(args, rows, f"{client}/{defaults}")
+            settings = defaults if rate is not None else variant
             tier = ao.RemoteTier(
                 url,
                 client=client,
                 admission=None,
-                backpressure="+bp" in variant,
-                read_guard="+guard" in variant,
-                write_priority="idle" if variant.endswith("+idle") else "normal",
+                backpressure="+bp" in settings,
+                read_guard="+guard" in settings,
+                write_priority="idle" if settings.endswith("+idle") else "normal",
                 max_connections=4,
                 pipelines=4,
                 batch_bytes=args.batch_bytes,
             )
             ctx = shared_connections() if variant == "shared" else contextlib.nullcontext()
             with ctx:
-                rows.append(await run_variant("valkey", f"{client}/{variant}", tier, args))
+                name = f"{client}/{variant}"
+                rows.append(await run_variant("valkey", name, tier, args, stores_rate=rate))
             await flushall(url)
         if args.external:
             rate = next(r.written_per_s for r in rows if r.variant == f"{client}/split+bp+guard")
@@ -454,14 +501,19 @@ async def valkey_rows(args: argparse.Namespace, url: str) -> list[Row]:
 
 
 async def mooncake_rows(args: argparse.Namespace) -> list[Row]:
-    rows = []
-    for variant in ("bp-off", "bp-on", "bp-on+guard"):
+    rows: list[Row] = []
+    variants = ["bp-off", "bp-on", "bp-on+guard"]
+    if args.stores_only:
+        variants.append(STORES_ONLY)
+    for variant in variants:
+        rate = control_rate(args, rows, "bp-on+guard") if variant == STORES_ONLY else None
+        settings = "bp-on+guard" if rate is not None else variant
         tier = ao.MooncakeTier(
             f"127.0.0.1:{MASTER_PORT}", segment_bytes=args.segment_bytes, admission=None,
-            backpressure=variant != "bp-off", read_guard=variant.endswith("+guard"),
+            backpressure=settings != "bp-off", read_guard=settings.endswith("+guard"),
             in_flight=args.in_flight,
         )  # fmt: skip
-        rows.append(await run_variant("mooncake", variant, tier, args))
+        rows.append(await run_variant("mooncake", variant, tier, args, stores_rate=rate))
     return rows
 
 
@@ -472,7 +524,7 @@ def table(rows: list[Row]) -> str:
     head = (
         f"{'tier':9} {'variant':26} {'idle p50':>9} {'idle p99':>9} {'busy p50':>9} "
         f"{'busy p99':>9} {'busy max':>9} {'p99 x':>6} {'goal':>5} {'written/s':>10} "
-        f"{'queued':>7} {'shed':>6} {'refused':>8} {'missed':>7} {'guard':>6}"
+        f"{'stored/s':>9} {'queued':>7} {'shed':>6} {'refused':>8} {'missed':>7} {'guard':>6}"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
@@ -481,7 +533,8 @@ def table(rows: list[Row]) -> str:
         lines.append(
             f"{r.tier:9} {r.variant:26} {s['idle_p50']:9.2f} {s['idle_p99']:9.2f} "
             f"{s['busy_p50']:9.2f} {s['busy_p99']:9.2f} {s['busy_max']:9.2f} "
-            f"{s['p99_ratio']:6.2f} {ok:>5} {r.written_per_s:10.0f} {r.queued_mean:7.0f} "
+            f"{s['p99_ratio']:6.2f} {ok:>5} {r.written_per_s:10.0f} {r.stored_per_s:9.0f} "
+            f"{r.queued_mean:7.0f} "
             f"{r.shed:6d} {r.refused_idle + r.refused_busy:8d} {r.missed + r.dropped:7d} "
             f"{'-' if r.read_window is None else f'{r.read_window:.2f}':>6}"
         )
@@ -546,6 +599,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--external", action="store_true", help="also Valkey reads beside another process's writes"
+    )
+    p.add_argument(
+        "--stores-only",
+        action="store_true",
+        help="also, per tier and client, reads while the engine stores into its CPU tier at "
+        "the defaults' rate and writes nothing through",
     )
     p.add_argument("--external-writer", default=None, help=argparse.SUPPRESS)
     p.add_argument("--json", default=None)

@@ -6,6 +6,7 @@ down); and a load of a block the tier evicted meanwhile is counted as missed, no
 
 from __future__ import annotations
 
+import argparse
 import random
 import sys
 from pathlib import Path
@@ -44,3 +45,19 @@ async def test_a_load_of_a_block_the_tier_evicted_counts_as_missed(tmp_path: Pat
         rng = random.Random(1)
         ms, refused = await tier_contention._reads(engine, keys[:1] + keys[-1:], 7, rng, row)
         assert (row.dropped, row.missed, len(ms), refused) == (1, 0, 1, 0)
+
+
+async def test_the_stores_only_control_stores_at_its_rate_and_writes_nothing_through(
+    tmp_path: Path,
+) -> None:
+    # The control for what the engine's own stores cost the loads: its writer stores at
+    # the rate asked (here 2,000 blocks a second, over the busy phase's 40 loads and
+    # 0.2 s warm-up), and the tier is offered none of them.
+    tier = ao.DiskTier(tmp_path / "d", "16MiB", admission=None)
+    args = argparse.Namespace(
+        reads=40, write_batch=8, queue_blocks=64, warmup_s=0.2, block_bytes=4096, cpu_blocks=64
+    )
+    row = await tier_contention.run_variant("disk", "stores-only", tier, args, stores_rate=2000.0)
+    assert row.written_per_s == 0 and row.shed == 0
+    assert len(row.busy_ms) + row.missed + row.dropped == 40
+    assert 0 < row.stored_per_s <= 2000 * 1.1, row.stored_per_s
