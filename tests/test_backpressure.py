@@ -444,17 +444,24 @@ def test_the_read_guard_allows_for_the_spread_of_idle_reads(jitter: bool) -> Non
     assert pressure.read_window == (None if jitter else 2.0)
 
 
-def test_below_one_block_the_read_guard_pauses_writes_between_blocks() -> None:
-    """Reads still slow beside one block of writes halve the bound below a block: writes
-    go one block at a time, a pause after each (a bound of 1/4: three times the write's
-    time), which the core's next deadline names; never below 1/16 (writes progress)."""
+def _guard_at_half(in_tier: int) -> tuple[TierHierarchy, WritePressure, TierIo]:
+    """A read guard learned at 0.5: ``in_tier`` blocks only in the tier, an idle read of
+    1 ms, then one of 3 ms beside one block of writes (still in flight, returned)."""
     cpu, core, disk = setup(64, write_pin_share=1.0, write_lag_s=0.02, read_guard=True)
     pressure = disk.pressure
-    _in_tier(cpu, core, [key(i) for i in range(8)])
+    _in_tier(cpu, core, [key(i) for i in range(in_tier)])
     _read(core, key(0), 1.0, 0.001)  # the idle reference
     (one,) = write(core, [key(20)], 2.0)
     _read(core, key(1), 2.0, 0.003)
     assert pressure.read_window == 0.5  # halved from the block in flight
+    return core, pressure, one
+
+
+def test_below_one_block_the_read_guard_pauses_writes_between_blocks() -> None:
+    """Reads still slow beside one block of writes halve the bound below a block: writes
+    go one block at a time, a pause after each (a bound of 1/4: three times the write's
+    time), which the core's next deadline names; never below 1/16 (writes progress)."""
+    core, pressure, one = _guard_at_half(8)
     _read(core, key(2), 2.001, 0.003)
     assert pressure.read_window == 0.25
     waiting = write(core, [key(21), key(22)], 2.004)
@@ -484,13 +491,7 @@ def test_the_read_guard_holds_while_reads_come_though_its_pacing_keeps_the_write
     saturated, so the next offer went out whole beside the reads (32 MiB: a load took
     111 ms). It holds while reads come, saturated or not, and reads within the ratio grow
     it back all the same (it still lets go)."""
-    cpu, core, disk = setup(64, write_pin_share=1.0, write_lag_s=0.02, read_guard=True)
-    pressure = disk.pressure
-    _in_tier(cpu, core, [key(i) for i in range(4)])
-    _read(core, key(0), 1.0, 0.001)  # the idle reference
-    (one,) = write(core, [key(20)], 2.0)
-    _read(core, key(1), 2.0, 0.003)
-    assert pressure.read_window == 0.5
+    core, pressure, one = _guard_at_half(4)
     now = 2.0
     for i in range(12):  # one block at a time, each 10 us in flight: the lag falls
         if i:
