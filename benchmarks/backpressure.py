@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import platform
 import shutil
@@ -240,9 +241,27 @@ async def main_async(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]
     return out
 
 
+def write_rate(text: str) -> float:
+    """``--write-rate``: blocks a second, more than 0 (``inf``: unthrottled)."""
+    try:
+        rate = float(text)
+    except ValueError:
+        rate = math.nan
+    if not rate > 0:
+        raise argparse.ArgumentTypeError(
+            f"must be a number of blocks a second above 0 (inf: unthrottled), got {text!r}"
+        )
+    return rate
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    p.add_argument("--write-rate", type=float, default=1000.0, help="blocks/s the disk writes")
+    p.add_argument(
+        "--write-rate",
+        type=write_rate,
+        default=1000.0,
+        help="blocks/s the disk writes (inf: unthrottled)",
+    )
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--requests", type=int, default=300)
     p.add_argument("--cpu-blocks", type=int, default=80)
