@@ -118,7 +118,12 @@ class EngineConfig(BaseModel):
         "supports add_reader, else poll).",
     )
     poll_interval_s: float = Field(
-        0.001, gt=0, le=1.0, description="Timer period of the 'poll' completion mode."
+        0.001,
+        ge=0.001,
+        le=1.0,
+        description="Timer period of the 'poll' completion mode, at least 1 ms: uvloop runs "
+        "timers in whole milliseconds, truncated, so a shorter one fires at once and the "
+        "loop spins (a benchmark's 0.5 ms poll held a CPU at 100 %).",
     )
     copy_engine: Literal["auto", "native", "threads"] = Field(
         "auto",

@@ -57,6 +57,15 @@ def test_bad_byte_sizes_name_the_field(value: object, match: str) -> None:
         ao.EngineConfig(cpu_bytes=value)
 
 
+@pytest.mark.parametrize("period", [0.0005, 0.0, -1.0])
+def test_a_poll_period_under_a_millisecond_is_refused_naming_it(period: float) -> None:
+    # uvloop truncates timers to whole milliseconds: a 0.5 ms period fired at once and
+    # the loop spun (a benchmark's writer did, at 100 % of a CPU).
+    with pytest.raises(ValidationError, match=r"poll_interval_s\n.*greater than or equal to 0.001"):
+        ao.EngineConfig(poll_interval_s=period)
+    assert ao.EngineConfig(poll_interval_s=0.001).poll_interval_s == 0.001
+
+
 def test_cpu_bytes_and_an_explicit_cpu_blocks_conflict() -> None:
     with pytest.raises(ValidationError, match=r"either cpu_blocks .* or cpu_bytes"):
         ao.EngineConfig(cpu_blocks=8, cpu_bytes="1MiB")
