@@ -422,11 +422,16 @@ def shared_connections() -> Iterator[None]:
         _clients.GlideClient._connect = real_glide  # type: ignore[method-assign]
 
 
-def control_rate(args: argparse.Namespace, rows: list[Row], defaults: str) -> float | None:
-    """With ``--stores-only``: the rate the ``defaults`` row stored at (its control's)."""
-    if not args.stores_only:
-        return None
-    return max(1.0, next(r.stored_per_s for r in rows if r.variant == defaults))
+def settings_of(
+    variant: str, defaults: str, rows: list[Row], row: str | None = None
+) -> tuple[str, float | None]:
+    """The settings ``variant``'s tier is built with, and the store rate of its busy
+    phase (None: as fast as the engine takes them): the ``stores-only`` control is the
+    ``defaults``' tier, at the rate their row (``row``, else ``defaults``) stored."""
+    if variant != STORES_ONLY:
+        return variant, None
+    stored = next(r.stored_per_s for r in rows if r.variant == (row or defaults))
+    return defaults, max(1.0, stored)
 
 
 async def disk_rows(args: argparse.Namespace) -> list[Row]:
@@ -436,8 +441,7 @@ async def disk_rows(args: argparse.Namespace) -> list[Row]:
         variants.append(STORES_ONLY)
     for variant in variants:
         path = Path(tempfile.mkdtemp(prefix="tier-contention-", dir=args.dir))
-        rate = control_rate(args, rows, "bp-on+idle") if variant == STORES_ONLY else None
-        settings = "bp-on+idle" if rate is not None else variant  # the defaults'
+        settings, rate = settings_of(variant, "bp-on+idle", rows)
         try:
             tier = ao.DiskTier(
                 path,
@@ -468,10 +472,7 @@ async def valkey_rows(args: argparse.Namespace, url: str) -> list[Row]:
         variants = (*variants, STORES_ONLY)
     for client in clients:
         for variant in variants:
-            rate = None
-            if variant == STORES_ONLY:
-                rate = control_rate(args, rows, f"{client}/{defaults}")
-            settings = defaults if rate is not None else variant
+            settings, rate = settings_of(variant, defaults, rows, f"{client}/{defaults}")
             tier = ao.RemoteTier(
                 url,
                 client=client,
@@ -506,8 +507,7 @@ async def mooncake_rows(args: argparse.Namespace) -> list[Row]:
     if args.stores_only:
         variants.append(STORES_ONLY)
     for variant in variants:
-        rate = control_rate(args, rows, "bp-on+guard") if variant == STORES_ONLY else None
-        settings = "bp-on+guard" if rate is not None else variant
+        settings, rate = settings_of(variant, "bp-on+guard", rows)
         tier = ao.MooncakeTier(
             f"127.0.0.1:{MASTER_PORT}", segment_bytes=args.segment_bytes, admission=None,
             backpressure=settings != "bp-off", read_guard=settings.endswith("+guard"),
