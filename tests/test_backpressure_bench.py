@@ -4,6 +4,7 @@ argument (``inf`` is unthrottled)."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import sys
 from pathlib import Path
@@ -14,11 +15,13 @@ import pytest
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "backpressure.py"
 
 
+@functools.cache
 def bench() -> ModuleType:
+    """The script as a module, loaded once (it imports the demo and the engine)."""
     spec = importlib.util.spec_from_file_location("bench_backpressure", SCRIPT)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("bench_backpressure", module)
+    sys.modules["bench_backpressure"] = module
     spec.loader.exec_module(module)
     return module
 
