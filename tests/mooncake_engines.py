@@ -895,7 +895,7 @@ async def stopped(port: int) -> dict[str, Any]:
             }
             # The blocks that did not fail: written (a put whose bytes the stopped node's
             # kernel took), shed by backpressure, or given back (evicted while waiting).
-            out["node_not_tried"] = {
+            out["node_ended_otherwise"] = {
                 field: getattr(st.tiers[0], field) - getattr(tier_before, field)
                 for field in ("write_shed", "write_yielded", "blocks_written")
             }

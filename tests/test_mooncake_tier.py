@@ -296,7 +296,7 @@ def test_a_stopped_storage_node_fails_writes_by_their_deadline(stopped: dict[str
     # block ends one way or another: a put can also complete, its bytes taken by the
     # stopped node's kernel (socket buffers) and the master up (beside four busy loops, 1
     # of 5 runs wrote one of the 4; CI failed the test counting failures only: 3 of 4).
-    other = stopped["node_not_tried"]
+    other = stopped["node_ended_otherwise"]
     ended = sum(failures.values()) + sum(other.values())
     assert ended == 4 and sum(failures.values()) >= 1, (failures, other)
     assert set(failures) <= {"timeout", "EIO", "unavailable", "after_failure"}, failures
